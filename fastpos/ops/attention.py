@@ -1,0 +1,291 @@
+"""Softmax attention and kernelized (linear) attention, with their dense references.
+
+Shapes: ``q, k, v: [batch, length, heads, dim]``; feature maps ``phi_q, phi_k:
+[batch, length, heads, m]``; ``mask: [batch, length]`` boolean, True for real tokens (padding
+is excluded as keys: it contributes nothing to numerators and denominators). Outputs are
+``[batch, length, heads, dim]``. Rows of padded queries are computed but meaningless.
+
+Kernelized attention (FastRPB Eq. 3; Luo et al. Eq. 3 and, with RPE, Eq. 10):
+
+    z_i = phi(q_i) . sum_j c_{j-i} phi(k_j) v_j^T  /  phi(q_i) . sum_j c_{j-i} phi(k_j)
+
+with ``c = exp(b) > 0`` the relative table of kernelized RPE (``rpe``; absent means c = 1).
+RPE sits *inside* both numerator and denominator (Luo et al.), unlike FastRPB, which adds
+``W V`` outside the normalisation (see ``fastpos.ops.toeplitz``).
+
+Precision: states (``phi_k^T v`` sums), FFTs and denominators are float32 at least (float64
+for float64 inputs); the output is cast back to ``v``'s dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fastpos.ops import toeplitz
+
+# Denominators smaller than this in magnitude are clamped to +-DEFAULT_EPS (see _guard).
+DEFAULT_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _check_qkv(q, k, v, names=("q", "k", "v")) -> tuple[int, int, int]:
+  for name, a in zip(names, (q, k, v)):
+    if jnp.ndim(a) != 4:
+      raise ValueError(
+          f"{name} must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(a)}.")
+  b, n, h, _ = q.shape
+  if k.shape[:3] != (b, n, h) or v.shape[:3] != (b, n, h):
+    raise ValueError(
+        f"{names[0]}, {names[1]}, {names[2]} must share [batch, length, heads]; got "
+        f"{q.shape}, {k.shape}, {v.shape}.")
+  if k.shape[-1] != q.shape[-1]:
+    raise ValueError(
+        f"{names[0]} and {names[1]} must have the same last dim; got {q.shape} and {k.shape}.")
+  return b, n, h
+
+
+def _check_mask(mask, b: int, n: int) -> None:
+  if mask is not None and jnp.shape(mask) != (b, n):
+    raise ValueError(
+        f"mask must be [batch, length]=({b}, {n}) with True for real tokens; got shape "
+        f"{jnp.shape(mask)}.")
+
+
+def _state_dtype(*arrays):
+  return jnp.float64 if jnp.result_type(*arrays) == jnp.float64 else jnp.float32
+
+
+def _guard(den, eps: float):
+  """Keeps denominators away from zero: |den| < eps becomes +-eps (sign kept, +eps at 0).
+
+  Positive feature maps give den > 0 and the clamp only acts on all-padding rows; maps that
+  can be negative (trf) need the sign-preserving form."""
+  return jnp.where(jnp.abs(den) < eps, jnp.where(den < 0, -eps, eps), den)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax attention
+# ---------------------------------------------------------------------------------------------
+def _softmax_inputs(q, k, v, bias, mask, causal: bool):
+  """Validates and returns (bias [b|1, h|1, N, N] or None, allowed [b|1, 1, N, N] or None)."""
+  b, n, _ = _check_qkv(q, k, v)
+  _check_mask(mask, b, n)
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.ndim == 3:
+      bias = bias[None]
+    if bias.ndim != 4 or bias.shape[-2:] != (n, n):
+      raise ValueError(
+          f"bias must be [heads, N, N] or [batch, heads, N, N] (broadcastable) with "
+          f"N={n}; got shape {bias.shape}.")
+  allowed = None if mask is None else mask[:, None, None, :]
+  if causal:
+    cm = toeplitz.causal_mask(n)[None, None]
+    allowed = cm if allowed is None else (allowed & cm)
+  return bias, allowed
+
+
+def softmax_attention(q, k, v, *, bias=None, mask=None, causal: bool = False,
+                      scale: float | None = None):
+  """Exact softmax attention ``softmax(q k^T * scale + bias) v`` (padded keys excluded).
+
+  Runs through ``jax.nn.dot_product_attention`` so that GPUs reach the fused (cuDNN) kernel
+  where dtype and shapes allow. That function always takes the softmax in float32, so float64
+  inputs go through the plain XLA formula instead (exactness tests run in float64).
+
+  Args:
+    q, k, v: ``[batch, N, heads, dim]``.
+    bias: additive logits bias ``[heads, N, N]`` or ``[batch|1, heads|1, N, N]``.
+    mask: ``[batch, N]`` True for real tokens.
+    causal: key j visible to query i iff j <= i.
+    scale: defaults to ``1/sqrt(dim)``.
+  """
+  bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
+  dtype = jnp.result_type(q, k, v)
+  if dtype != jnp.float64:
+    if bias is not None:
+      bias = bias.astype(dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=allowed, scale=scale)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  if bias is not None:
+    logits = logits + bias.astype(dtype)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, jnp.finfo(dtype).min)
+  return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def softmax_attention_reference(q, k, v, *, bias=None, mask=None, causal: bool = False,
+                                scale: float | None = None):
+  """Dense reference written out step by step: scores, a 0/1 visibility matrix multiplying
+  ``exp(s - max)``, explicit normalisation. Computed in float64 when x64 is enabled."""
+  bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
+  dtype = jnp.result_type(q, k, v)
+  wide = jnp.promote_types(dtype, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+  q, k, v = (a.astype(wide) for a in (q, k, v))
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  s = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  if bias is not None:
+    s = s + bias.astype(wide)
+  vis = jnp.ones_like(s) if allowed is None else jnp.broadcast_to(allowed, s.shape).astype(wide)
+  e = jnp.exp(s - jnp.max(jnp.where(vis > 0, s, -jnp.inf), axis=-1, keepdims=True)) * vis
+  p = e / jnp.sum(e, axis=-1, keepdims=True)
+  return jnp.einsum("bhij,bjhd->bihd", p, v).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernelized (linear) attention
+# ---------------------------------------------------------------------------------------------
+def _check_rpe(rpe, h: int, n: int, grid) -> None:
+  if rpe is None:
+    return
+  if grid is None:
+    expected = (h, 2 * n - 1)
+    if jnp.shape(rpe) != expected:
+      raise ValueError(
+          f"rpe must be [heads, 2N-1]={expected} (c_(j-i) = exp(b_(j-i)) by offset j-i); "
+          f"got shape {jnp.shape(rpe)}.")
+  else:
+    gh, gw = toeplitz._check_grid(grid, n)
+    expected = (h, 2 * gh - 1, 2 * gw - 1)
+    if jnp.shape(rpe) != expected:
+      raise ValueError(
+          f"rpe with grid {tuple(grid)} must be [heads, 2H-1, 2W-1]={expected}; got shape "
+          f"{jnp.shape(rpe)}.")
+  # Positivity can only be checked on concrete values; under jit the caller guarantees it
+  # (the positional modules pass exp(b)).
+  if not isinstance(rpe, jax.core.Tracer):
+    bad = jnp.min(rpe)
+    if not bad > 0:
+      raise ValueError(
+          f"rpe must be a table of positive weights c = exp(b) > 0; its minimum is {float(bad)}.")
+
+
+def _apply_key_mask(phi_k, mask, dtype):
+  phi_k = phi_k.astype(dtype)
+  if mask is None:
+    return phi_k
+  return phi_k * mask[:, :, None, None].astype(dtype)
+
+
+def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
+                     grid: Sequence[int] | None = None, chunk_size: int = 64,
+                     eps: float = DEFAULT_EPS):
+  """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
+
+  Args:
+    phi_q, phi_k: ``[batch, N, heads, m]`` features of queries and keys.
+    v: ``[batch, N, heads, dim]``.
+    mask: ``[batch, N]`` True for real tokens; padded keys are zeroed in ``phi_k``.
+    causal: query i sees keys j <= i (raster order with ``grid``).
+    rpe: positive relative weights ``c = exp(b)``, ``[heads, 2N-1]`` by offset ``j-i``, or
+      ``[heads, 2H-1, 2W-1]`` by ``(r'-r, c'-c)`` with ``grid``. Mixes keys in numerator and
+      denominator alike: ``sum_j c_{j-i} phi(k_j) v_j^T`` and ``sum_j c_{j-i} phi(k_j)`` by
+      the Toeplitz FFT over ``m*dim + m`` channels.
+    grid: ``(H, W)`` image grid; only used with ``rpe``.
+    chunk_size: chunk length of the causal path without rpe.
+    eps: denominator guard (``_guard``), applied to the denominator after the contraction
+      with ``phi_q``.
+
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * m) inside chunks), O(N log N m d)
+  with rpe. Memory of the causal path: per-chunk states ``[batch, N/chunk, heads, m, d]``,
+  never a per-token ``[N, m, d]`` cumulative sum (except the rpe path, whose FFT over m*d
+  channels is the method of Luo et al.).
+  """
+  b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
+  _check_mask(mask, b, n)
+  _check_rpe(rpe, h, n, grid)
+  if grid is not None and rpe is None:
+    raise ValueError("grid is only used together with a 2D rpe table; got rpe=None.")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int; got {chunk_size}.")
+  out_dtype = v.dtype
+  dtype = _state_dtype(phi_q, phi_k, v)
+  phi_q = phi_q.astype(dtype)
+  phi_k = _apply_key_mask(phi_k, mask, dtype)
+  v = v.astype(dtype)
+
+  if rpe is not None:
+    num, den = _rpe_mix(phi_q, phi_k, v, rpe.astype(dtype), causal, grid)
+  elif causal:
+    num, den = _causal_chunked(phi_q, phi_k, v, min(chunk_size, n))
+  else:
+    kv = jnp.einsum("bjhm,bjhd->bhmd", phi_k, v)
+    k_sum = jnp.sum(phi_k, axis=1)  # [b, h, m]
+    num = jnp.einsum("bihm,bhmd->bihd", phi_q, kv)
+    den = jnp.einsum("bihm,bhm->bih", phi_q, k_sum)
+  return (num / _guard(den, eps)[..., None]).astype(out_dtype)
+
+
+def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
+  """Luo et al. Eq. 11-13: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m)."""
+  b, n, h, m = phi_k.shape
+  d = v.shape[-1]
+  kv = jnp.einsum("bjhm,bjhd->bhjmd", phi_k, v).reshape(b, h, n, m * d)
+  channels = jnp.concatenate([kv, jnp.transpose(phi_k, (0, 2, 1, 3))], axis=-1)
+  if grid is None:
+    mixed = toeplitz.toeplitz_matmul(rpe, channels, causal=causal)
+  else:
+    mixed = toeplitz.toeplitz_matmul_2d(rpe, channels, grid, causal=causal)
+  d1 = mixed[..., : m * d].reshape(b, h, n, m, d)
+  d2 = mixed[..., m * d:]  # [b, h, n, m]
+  num = jnp.einsum("bihm,bhimd->bihd", phi_q, d1)
+  den = jnp.einsum("bihm,bhim->bih", phi_q, d2)
+  return num, den
+
+
+def _causal_chunked(phi_q, phi_k, v, chunk: int):
+  """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
+
+  The sequence is zero-padded to a multiple of ``chunk`` (zero keys add nothing). The state
+  entering chunk g is the exclusive prefix sum over chunks of ``phi_k^T v`` and ``phi_k``.
+  """
+  b, n, h, m = phi_k.shape
+  d = v.shape[-1]
+  g = -(-n // chunk)
+  pad = g * chunk - n
+
+  def split(a):
+    a = jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return a.reshape(b, g, chunk, h, a.shape[-1])
+
+  q_c, k_c, v_c = split(phi_q), split(phi_k), split(v)
+  # Inter-chunk: states of all earlier chunks.
+  kv_chunk = jnp.einsum("bgjhm,bgjhd->bghmd", k_c, v_c)
+  ks_chunk = jnp.sum(k_c, axis=2)  # [b, g, h, m]
+  kv_prev = jnp.cumsum(kv_chunk, axis=1) - kv_chunk
+  ks_prev = jnp.cumsum(ks_chunk, axis=1) - ks_chunk
+  num = jnp.einsum("bgihm,bghmd->bgihd", q_c, kv_prev)
+  den = jnp.einsum("bgihm,bghm->bgih", q_c, ks_prev)
+  # Intra-chunk: dense lower-triangular scores.
+  scores = jnp.einsum("bgihm,bgjhm->bghij", q_c, k_c)
+  scores = jnp.where(toeplitz.causal_mask(chunk)[None, None, None], scores, 0)
+  num = num + jnp.einsum("bghij,bgjhd->bgihd", scores, v_c)
+  den = den + jnp.transpose(jnp.sum(scores, axis=-1), (0, 1, 3, 2))
+  num = num.reshape(b, g * chunk, h, d)[:, :n]
+  den = den.reshape(b, g * chunk, h)[:, :n]
+  return num, den
+
+
+def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
+                               grid: Sequence[int] | None = None, eps: float = DEFAULT_EPS):
+  """Dense reference: materialises ``A = (phi_q phi_k^T) * C * masks`` of [b, h, N, N]."""
+  b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
+  _check_mask(mask, b, n)
+  _check_rpe(rpe, h, n, grid)
+  dtype = _state_dtype(phi_q, phi_k, v)
+  phi_k = _apply_key_mask(phi_k, mask, dtype)
+  a = jnp.einsum("bihm,bjhm->bhij", phi_q.astype(dtype), phi_k)
+  if rpe is not None:
+    c = toeplitz.dense_toeplitz(rpe) if grid is None else toeplitz.dense_toeplitz_2d(rpe, grid)
+    a = a * c[None].astype(dtype)
+  if causal:
+    a = jnp.where(toeplitz.causal_mask(n)[None, None], a, 0)
+  num = jnp.einsum("bhij,bjhd->bihd", a, v.astype(dtype))
+  den = jnp.transpose(jnp.sum(a, axis=-1), (0, 2, 1))
+  return (num / _guard(den, eps)[..., None]).astype(v.dtype)
