@@ -13,18 +13,19 @@ def rel_err(actual, expected) -> float:
   return float(err / scale) if scale > 0 else float(err)
 
 
-def assert_causal_jacobian(jac, n: int, *, rtol: float = 0.0) -> None:
+def assert_causal_jacobian(jac, n: int, *, in_axis: int, rtol: float = 0.0) -> None:
   """Checks that output i never depends on input j > i.
 
   jac: ``[n, ..., n, ...]`` with the output position first and the input position at axis
-  ``jac.ndim // 2``. With ``rtol=0`` the future entries must be exactly zero (dense and chunked
+  ``in_axis`` (its size must be n). With ``rtol=0`` the future entries must be exactly zero (dense and chunked
   paths). FFT paths mix every input into every output through the transform, so their future
   entries are float64 round-off: pass ``rtol`` (e.g. 1e-12) to bound them relative to the
   largest entry, which still tells apart a real leak (of order 1). Some past entry must be
   nonzero, so an all-zero Jacobian does not pass.
   """
   jac = np.asarray(jac)
-  jac = np.moveaxis(jac, jac.ndim // 2, 1).reshape(n, n, -1)
+  assert jac.shape[0] == n and jac.shape[in_axis] == n, (jac.shape, in_axis)
+  jac = np.moveaxis(jac, in_axis, 1).reshape(n, n, -1)
   bound = rtol * np.max(np.abs(jac))
   for i in range(n):
     worst = np.max(np.abs(jac[i, i + 1:]), initial=0.0)

@@ -170,7 +170,9 @@ def _apply_key_mask(phi_k, mask, dtype):
   phi_k = phi_k.astype(dtype)
   if mask is None:
     return phi_k
-  return phi_k * mask[:, :, None, None].astype(dtype)
+  # where, not a product: a padded key's features may be inf (exp of garbage), and 0 * inf
+  # would be NaN. Callers should still zero padded inputs before phi to keep gradients finite.
+  return jnp.where(mask[:, :, None, None], phi_k, jnp.zeros((), dtype))
 
 
 def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
@@ -258,8 +260,8 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int):
   # Inter-chunk: states of all earlier chunks.
   kv_chunk = jnp.einsum("bgjhm,bgjhd->bghmd", k_c, v_c)
   ks_chunk = jnp.sum(k_c, axis=2)  # [b, g, h, m]
-  kv_prev = jnp.cumsum(kv_chunk, axis=1) - kv_chunk
-  ks_prev = jnp.cumsum(ks_chunk, axis=1) - ks_chunk
+  kv_prev = _exclusive_cumsum(kv_chunk)
+  ks_prev = _exclusive_cumsum(ks_chunk)
   num = jnp.einsum("bgihm,bghmd->bgihd", q_c, kv_prev)
   den = jnp.einsum("bgihm,bghm->bgih", q_c, ks_prev)
   # Intra-chunk: dense lower-triangular scores.
@@ -270,6 +272,13 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int):
   num = num.reshape(b, g * chunk, h, d)[:, :n]
   den = den.reshape(b, g * chunk, h)[:, :n]
   return num, den
+
+
+def _exclusive_cumsum(a):
+  """Sum over chunks strictly before each chunk (axis 1). Shifting the inclusive sum keeps a
+  chunk's own (partly future) keys out exactly; ``cumsum(a) - a`` would leave round-off."""
+  inclusive = jnp.cumsum(a[:, :-1], axis=1)
+  return jnp.concatenate([jnp.zeros_like(a[:, :1]), inclusive], axis=1)
 
 
 def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,

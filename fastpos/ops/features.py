@@ -1,0 +1,351 @@
+"""Feature maps phi for kernelized (linear) attention.
+
+Linear attention replaces the similarity exp(q.k) by phi(q).phi(k) (Luo et al. Eq. 3), so the
+sums over keys ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` are shared by every query.
+
+  deterministic: ``elu1`` (Katharopoulos et al.), ``relu`` (+eps), ``sikf`` (exp, FastRPB
+                 Sec. 3.1), ``dpfp`` (Schlag et al. 2021)
+  random:        ``prf`` (Luo Eq. 5), ``favor`` (PRF with the Performer stabiliser),
+                 ``trf`` (Luo Eq. 4), ``nprf`` (PRF on L2-normalised inputs, Luo Sec. 3.3),
+                 ``orf`` (``favor`` fed an orthogonal projection)
+
+Conventions:
+  * ``x`` is ``[batch, length, heads, dim]``; every map returns ``[batch, length, heads, m]``.
+  * A random map takes its projection ``w`` as an argument: ``[m, dim]`` shared by all heads or
+    ``[heads, m, dim]`` one per head, built from an explicit PRNG key by
+    ``gaussian_projection`` / ``orthogonal_projection`` / ``make_projection``. Nothing here draws
+    randomness itself; redrawing is the caller passing a new key.
+  * Compute runs in float32 for float32 / bfloat16 / float16 inputs and in float64 when ``x`` or
+    the projection is float64; the result stays in that compute dtype (bf16 in, float32 out):
+    exp-features under- and overflow bf16 and are summed over the whole sequence.
+  * ``sikf`` and ``favor`` subtract a stabilising max that cancels between the numerator and the
+    denominator of attention (see ``_stabilizer``); the other maps are plain formulas.
+  * Every check runs on static shapes before any compute and raises ``ValueError``. The maps
+    and projections are jitted (flags and sizes static), so eager calls compile once per shape
+    and calls inside a caller's jit inline.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+FEATURE_MAPS = ("elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
+_RANDOM_MAPS = ("favor", "prf", "trf", "nprf", "orf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and dtype helpers (static shapes only)
+# ---------------------------------------------------------------------------------------------
+def _check_name(name) -> None:
+  if name not in FEATURE_MAPS:
+    raise ValueError(f"Unknown feature map {name!r}; valid choices: {', '.join(FEATURE_MAPS)}.")
+
+
+def _check_x(x) -> None:
+  if jnp.ndim(x) != 4:
+    raise ValueError(f"x must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(x)}.")
+
+
+def _check_mask(mask, x) -> None:
+  if mask is not None and tuple(jnp.shape(mask)) != tuple(x.shape[:2]):
+    raise ValueError(
+        f"mask must be [batch, length] = {tuple(x.shape[:2])} (True = real token); got shape "
+        f"{jnp.shape(mask)}.")
+
+
+def _check_projection(projection, x, name: str = "this feature map") -> None:
+  if projection is None:
+    raise ValueError(
+        f"{name} is a random feature map and needs a projection [m, dim] or [heads, m, dim] "
+        "(see make_projection); got None.")
+  shape = tuple(jnp.shape(projection))
+  if len(shape) not in (2, 3):
+    raise ValueError(f"projection must be [m, dim] or [heads, m, dim]; got shape {shape}.")
+  if shape[-1] != x.shape[-1]:
+    raise ValueError(
+        f"projection has last dim {shape[-1]} but x has dim={x.shape[-1]}; expected "
+        f"[m, {x.shape[-1]}] or [heads, m, {x.shape[-1]}].")
+  if len(shape) == 3 and shape[0] != x.shape[2]:
+    raise ValueError(f"projection has {shape[0]} heads but x has heads={x.shape[2]}.")
+
+
+def _check_nu(nu, dim: int) -> None:
+  valid = isinstance(nu, numbers.Integral) and not isinstance(nu, bool)
+  if not valid or not 1 <= nu <= 2 * dim - 1:
+    raise ValueError(f"dpfp nu must be an integer in [1, 2*dim-1] = [1, {2 * dim - 1}] for "
+                     f"dim={dim}; got {nu!r}.")
+
+
+def _check_sizes(num_features, dim) -> None:
+  for what, v in (("num_features", num_features), ("dim", dim)):
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{what} must be a positive integer; got {v!r}.")
+
+
+def _compute_dtype(*arrays):
+  """float64 stays float64; everything else (bf16, f16, f32, ints) is computed in float32."""
+  return jnp.float64 if jnp.result_type(*arrays) == jnp.float64 else jnp.float32
+
+
+def _upcast(x):
+  return x.astype(_compute_dtype(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic maps
+# ---------------------------------------------------------------------------------------------
+@jax.jit
+def elu1(x):
+  """ELU(x) + 1 (Katharopoulos et al. 2020). ``[b, l, h, d] -> [b, l, h, d]``."""
+  _check_x(x)
+  return jax.nn.elu(_upcast(x)) + 1.0
+
+
+@functools.partial(jax.jit, static_argnames="eps")
+def relu(x, *, eps: float = 1e-6):
+  """ReLU(x) + eps; eps keeps the attention denominator positive. ``[b, l, h, d] -> same``."""
+  _check_x(x)
+  return jax.nn.relu(_upcast(x)) + eps
+
+
+def _stabilizer(z, *, is_query: bool, mask):
+  """The max that ``sikf`` / ``favor`` subtract from their exponent ``z`` ``[b, l, h, m]``.
+
+  Queries: per token, over features -> ``[b, l, h, 1]``. It scales phi(q_i) by a positive
+  constant, which cancels between numerator and denominator of query i's attention.
+  Keys: ONE max per (batch, head), over the length and features of the real (mask True) keys
+  -> ``[b, 1, h, 1]``. It scales every phi(k_j) by the same constant, which cancels too.
+
+  Both sit behind stop_gradient. The scale cancels in attention, so treating it as a constant
+  leaves the gradient of attention exact; and it makes phi(k_i) depend, for autodiff, on k_i
+  alone. Without it the gradient of phi(k_i) would also flow to whichever token holds the key
+  max, often a future one, and a causal model would see gradients from future tokens (zero only
+  in exact arithmetic). With it, d phi(k_i) / d k_j = 0 exactly for j != i. The forward value
+  of phi(k_i) still carries the shared scale set by all keys, future ones included: it cancels
+  in causal attention too, but a future key far above the past ones (~88 in float32) can
+  underflow the past features to 0.
+  """
+  if is_query:
+    m = jnp.max(z, axis=-1, keepdims=True)
+  else:
+    if mask is not None:
+      z = jnp.where(jnp.asarray(mask, bool)[:, :, None, None], z, -jnp.inf)
+    m = jnp.max(z, axis=(1, 3), keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # a (batch, head) with no real key
+  return jax.lax.stop_gradient(m)
+
+
+@functools.partial(jax.jit, static_argnames="is_query")
+def sikf(x, *, is_query: bool, mask=None):
+  """Shift-invariant kernel function phi(x) = exp(x) (FastRPB Sec. 3.1), stabilised.
+
+  sim(q, k) = sum_l exp(q_l + k_l), so adding a constant to all q or to all k scales every
+  similarity of a query by the same factor and leaves the attention weights unchanged, as for
+  softmax. Computed as exp(x - c) with c from ``_stabilizer``: the per-token max over features
+  for queries, one max per (batch, head) over real keys for keys. What holds exactly: in exact
+  arithmetic sikf(x + s) == sikf(x) for a scalar s (per query token, or per (batch, head) for
+  keys), because c shifts by s too; in floating point the two differ only by the rounding of
+  ``(x + s) - max(x + s)`` versus ``x - max(x)``, i.e. ~ulp(|x| + |s|) in the exponent.
+
+  Args:
+    x: ``[batch, length, heads, dim]``.
+    is_query: per-token stabiliser (queries) or one per (batch, head) (keys).
+    mask: optional ``[batch, length]`` bool, True = real token; padded keys are left out of the
+      key max. Their features are still computed (and may overflow if the padded values exceed
+      the real ones by ~88 in float32); the attention op zeros them.
+
+  Returns:
+    ``[batch, length, heads, dim]``, all >= 0, the max feature of each query token (and of the
+    keys of each (batch, head)) equal to 1.
+  """
+  _check_x(x)
+  _check_mask(mask, x)
+  x = _upcast(x)
+  return jnp.exp(x - _stabilizer(x, is_query=is_query, mask=mask))
+
+
+@functools.partial(jax.jit, static_argnames="nu")
+def dpfp(x, *, nu: int = 1):
+  """Deterministic parameter-free projection (Schlag et al. 2021; FastRPB Eq. 6).
+
+  x' = [ReLU(x), ReLU(-x)] (2d), phi = concat_{j=1..nu} x' * roll(x', j, axis=-1).
+  ``[b, l, h, d] -> [b, l, h, 2 d nu]``; nu is an integer in [1, 2d-1].
+  """
+  _check_x(x)
+  _check_nu(nu, x.shape[-1])
+  x = _upcast(x)
+  xp = jnp.concatenate([jax.nn.relu(x), jax.nn.relu(-x)], axis=-1)
+  return jnp.concatenate([xp * jnp.roll(xp, j, axis=-1) for j in range(1, nu + 1)], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Projections (the only source of randomness)
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("num_features", "dim", "dtype"))
+def gaussian_projection(key, num_features: int, dim: int, *, dtype=jnp.float32):
+  """``[num_features, dim]`` iid N(0, 1) entries: rows w_i ~ N(0, I_d) (Luo Eqs. 4-5)."""
+  _check_sizes(num_features, dim)
+  return jax.random.normal(key, (num_features, dim), dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_features", "dim", "dtype"))
+def orthogonal_projection(key, num_features: int, dim: int, *, dtype=jnp.float32):
+  """``[num_features, dim]`` orthogonal random features (Performer ORF).
+
+  Rows come in blocks of ``dim`` exactly orthogonal directions (Q of the QR of a Gaussian
+  matrix, columns sign-corrected by sign(diag R) so Q is Haar-distributed); each row is then
+  rescaled by an independent chi(dim) norm (the norm of an iid Gaussian d-vector), so every row
+  is marginally N(0, I_d) and PRF / TRF stay unbiased. ``num_features`` need not be a multiple
+  of ``dim``: the last block is truncated.
+  """
+  _check_sizes(num_features, dim)
+  work = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+  n_blocks = -(-num_features // dim)
+  key_dir, key_norm = jax.random.split(key)
+  q, r = jnp.linalg.qr(jax.random.normal(key_dir, (n_blocks, dim, dim), work))
+  q = q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[:, None, :]
+  rows = jnp.swapaxes(q, -1, -2).reshape(n_blocks * dim, dim)[:num_features]
+  gauss = jax.random.normal(key_norm, (num_features, dim), work)
+  norms = jnp.sqrt(jnp.sum(gauss * gauss, axis=-1, keepdims=True))
+  return (rows * norms).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random feature maps
+# ---------------------------------------------------------------------------------------------
+def _project(x, projection):
+  """Casts to the compute dtype and returns ``(x, w.x)`` with w.x ``[b, l, h, m]``."""
+  dtype = _compute_dtype(x, projection)
+  x, w = x.astype(dtype), jnp.asarray(projection).astype(dtype)
+  spec = "blhd,md->blhm" if w.ndim == 2 else "blhd,hmd->blhm"
+  # HIGHEST: the result is exponentiated, so TF32 / bf16-pass matmul error would be amplified.
+  return x, jnp.einsum(spec, x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def _prf_exponent(x, projection):
+  """w_i.x - |x|^2 / 2, the log of the PRF features up to 1/sqrt(m). ``[b, l, h, m]``."""
+  x, wx = _project(x, projection)
+  return wx - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)
+
+
+@jax.jit
+def prf(x, projection):
+  """Positive random features (Luo Eq. 5): phi(x) = exp(w_i.x - |x|^2/2) / sqrt(m).
+
+  No stabiliser: the plain estimator, E_w[phi(q).phi(k)] = exp(q.k) for w_i ~ N(0, I).
+  x ``[b, l, h, d]``, projection ``[m, d]`` or ``[h, m, d]`` -> ``[b, l, h, m]``.
+  """
+  _check_x(x)
+  _check_projection(projection, x, "prf")
+  z = _prf_exponent(x, projection)
+  return jnp.exp(z) / math.sqrt(z.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("is_query", "eps"))
+def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6):
+  """Performer FAVOR+: PRF (Luo Eq. 5) with the Performer stabiliser, plus eps.
+
+  phi(x) = exp(w_i.x - |x|^2/2 - c) / sqrt(m) + eps, c from ``_stabilizer`` (per token for
+  queries, one per (batch, head) over real keys for keys), which cancels in attention; eps keeps
+  the denominator away from zero. With eps = 0 the attention weights equal those of ``prf``.
+  x ``[b, l, h, d]``, projection ``[m, d]`` or ``[h, m, d]``, mask ``[b, l]`` -> ``[b, l, h, m]``.
+  """
+  _check_x(x)
+  _check_projection(projection, x, "favor")
+  _check_mask(mask, x)
+  z = _prf_exponent(x, projection)
+  z = z - _stabilizer(z, is_query=is_query, mask=mask)
+  return jnp.exp(z) / math.sqrt(z.shape[-1]) + eps
+
+
+@jax.jit
+def trf(x, projection):
+  """Trigonometric random features (Luo Eq. 4):
+  phi(x) = exp(|x|^2/2) / sqrt(m) [sin(w_1.x), ..., sin(w_m.x), cos(w_1.x), ..., cos(w_m.x)].
+
+  Unbiased for exp(q.k) but can be negative (and overflows for large |x|).
+  x ``[b, l, h, d]``, projection ``[m, d]`` or ``[h, m, d]`` -> ``[b, l, h, 2m]``.
+  """
+  _check_x(x)
+  _check_projection(projection, x, "trf")
+  x, wx = _project(x, projection)
+  scale = jnp.exp(0.5 * jnp.sum(x * x, axis=-1, keepdims=True)) / math.sqrt(wx.shape[-1])
+  return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) * scale
+
+
+@functools.partial(jax.jit, static_argnames="eps")
+def nprf(x, projection, *, eps: float = 1e-6):
+  """Normalised PRF (Luo Sec. 3.3): prf(x / max(|x|, eps)), so q.k lies in [-1, 1] and the
+  estimator's variance (Luo Eq. 14) stays bounded. Shapes as ``prf``."""
+  _check_x(x)
+  _check_projection(projection, x, "nprf")
+  x = x.astype(_compute_dtype(x, projection))
+  norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+  return prf(x / jnp.maximum(norm, eps), projection)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=None,
+                nu: int = 1):
+  """Applies the feature map ``name`` (one of ``FEATURE_MAPS``) to ``x [b, l, h, d]``.
+
+  ``projection`` is required by the random maps (build it with ``make_projection``) and refused
+  by the deterministic ones; ``is_query`` and ``mask`` matter for the stabilised maps
+  (``sikf``, ``favor``, ``orf``); ``nu`` for ``dpfp``. Returns ``[b, l, h, feature_dim(...)]``.
+  """
+  _check_name(name)
+  _check_x(x)
+  if name in _RANDOM_MAPS:
+    _check_projection(projection, x, name)
+  elif projection is not None:
+    raise ValueError(f"feature map {name!r} is deterministic and takes no projection; got one "
+                     f"of shape {jnp.shape(projection)}.")
+  if name == "elu1":
+    return elu1(x)
+  if name == "relu":
+    return relu(x)
+  if name == "sikf":
+    return sikf(x, is_query=is_query, mask=mask)
+  if name == "dpfp":
+    return dpfp(x, nu=nu)
+  if name in ("favor", "orf"):
+    return favor(x, projection, is_query=is_query, mask=mask)
+  return {"prf": prf, "trf": trf, "nprf": nprf}[name](x, projection)
+
+
+def make_projection(name: str, key, num_features: int, dim: int, *, dtype=jnp.float32):
+  """The projection ``name`` needs: None (deterministic maps), ``[num_features, dim]`` Gaussian
+  (favor, prf, trf, nprf) or orthogonal (orf)."""
+  _check_name(name)
+  if name not in _RANDOM_MAPS:
+    return None
+  make = orthogonal_projection if name == "orf" else gaussian_projection
+  return make(key, num_features, dim, dtype=dtype)
+
+
+def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int = 1) -> int:
+  """m, the size of phi(x) for inputs of size ``dim``: dim (elu1, relu, sikf), 2 dim nu (dpfp),
+  num_features (favor, prf, nprf, orf) or 2 num_features (trf)."""
+  _check_name(name)
+  if name == "dpfp":
+    _check_nu(nu, dim)
+    return 2 * dim * nu
+  if name not in _RANDOM_MAPS:
+    return dim
+  if num_features is None:
+    raise ValueError(f"feature map {name!r} is random; feature_dim needs num_features, got None.")
+  _check_sizes(num_features, dim)
+  return 2 * num_features if name == "trf" else num_features
+
+
+def is_nonnegative(name: str) -> bool:
+  """Whether phi(x) >= 0 always: True for every map but ``trf`` (sin / cos features)."""
+  _check_name(name)
+  return name != "trf"

@@ -1,0 +1,271 @@
+"""Softmax and kernelized attention against their dense references."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastpos.ops import attention
+from tests.helpers import assert_causal_jacobian, rel_err
+
+LENGTHS = (1, 2, 7, 64, 257, 1000)
+FFT_ROUNDOFF = 1e-13  # rpe paths go through the FFT (see tests.helpers)
+
+# One compiled function per (static options, shape), shared by all tests.
+linear_fast = jax.jit(attention.linear_attention,
+                      static_argnames=("causal", "grid", "chunk_size"))
+linear_dense = jax.jit(attention.linear_attention_reference, static_argnames=("causal", "grid"))
+softmax_fast = jax.jit(attention.softmax_attention, static_argnames=("causal",))
+softmax_dense = jax.jit(attention.softmax_attention_reference, static_argnames=("causal",))
+
+
+def _features(rng, shape):
+  """Positive features of moderate spread (what a positive feature map produces)."""
+  return np.exp(0.5 * rng.normal(size=shape))
+
+
+def _mask(b, n, n_real):
+  m = np.ones((b, n), bool)
+  m[-1, n_real:] = False  # the last example is padded
+  return m
+
+
+def _inputs(n, heads, *, m=5, d=4, seed=0):
+  rng = np.random.default_rng(seed + n * 7 + heads)
+  return (_features(rng, (2, n, heads, m)), _features(rng, (2, n, heads, m)),
+          rng.normal(size=(2, n, heads, d)), rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear attention
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("heads", (1, 3))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("masked", (False, True))
+def test_linear_attention_matches_dense_float64(n, heads, causal, masked):
+  pq, pk, v, _ = _inputs(n, heads)
+  mask = _mask(2, n, max(1, n // 2)) if masked else None
+  out = linear_fast(pq, pk, v, mask=mask, causal=causal, chunk_size=16)
+  assert out.shape == v.shape
+  assert rel_err(out, linear_dense(pq, pk, v, mask=mask, causal=causal)) < 1e-9
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("heads", (1, 3))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("masked", (False, True))
+def test_linear_attention_rpe_matches_dense_float64(n, heads, causal, masked):
+  pq, pk, v, rng = _inputs(n, heads, seed=1)
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  mask = _mask(2, n, max(1, n // 3)) if masked else None
+  out = linear_fast(pq, pk, v, mask=mask, causal=causal, rpe=rpe)
+  assert rel_err(out, linear_dense(pq, pk, v, mask=mask, causal=causal, rpe=rpe)) < 1e-9
+
+
+@pytest.mark.parametrize("grid", ((1, 1), (4, 4), (3, 5), (12, 10)))
+@pytest.mark.parametrize("heads", (1, 3))
+@pytest.mark.parametrize("causal", (False, True))
+def test_linear_attention_rpe_2d_matches_dense_float64(grid, heads, causal):
+  n = grid[0] * grid[1]
+  pq, pk, v, rng = _inputs(n, heads, seed=2)
+  rpe = np.exp(rng.normal(size=(heads, 2 * grid[0] - 1, 2 * grid[1] - 1)))
+  mask = _mask(2, n, max(1, n - 3))
+  out = linear_fast(pq, pk, v, mask=mask, causal=causal, rpe=rpe, grid=grid)
+  ref = linear_dense(pq, pk, v, mask=mask, causal=causal, rpe=rpe, grid=grid)
+  assert rel_err(out, ref) < 1e-9
+
+
+@pytest.mark.parametrize("chunk_size", (1, 3, 64, 5000))
+def test_causal_chunk_size_does_not_change_the_result(chunk_size):
+  pq, pk, v, _ = _inputs(257, 2, seed=3)
+  out = linear_fast(pq, pk, v, causal=True, chunk_size=chunk_size)
+  assert rel_err(out, linear_dense(pq, pk, v, causal=True)) < 1e-12
+
+
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("rpe_kind", (None, "1d", "2d"))
+def test_linear_attention_float32_n4096(causal, rpe_kind):
+  # The causal FFT paths need the head refinement of fastpos.ops.toeplitz for this
+  # (without it: 3e-3 at position 0).
+  n, heads = 4096, 2
+  pq, pk, v, rng = _inputs(n, heads, m=4, d=4, seed=4)
+  pq, pk, v = pq[:1], pk[:1], v[:1]
+  rpe, grid = None, None
+  if rpe_kind == "1d":
+    rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  elif rpe_kind == "2d":
+    rpe, grid = np.exp(rng.normal(size=(heads, 127, 127))), (64, 64)
+  ref = linear_dense(pq, pk, v, causal=causal, rpe=rpe, grid=grid)  # float64
+  f32 = lambda a: None if a is None else a.astype(np.float32)
+  out = linear_fast(f32(pq), f32(pk), f32(v), causal=causal, rpe=f32(rpe), grid=grid)
+  assert out.dtype == jnp.float32
+  assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("use_rpe", (False, True))
+def test_linear_attention_gradients_match_dense(causal, use_rpe):
+  n, heads = 23, 2
+  pq, pk, v, rng = _inputs(n, heads, seed=5)
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1))) if use_rpe else None
+  mask = _mask(2, n, 15)
+  probe = rng.normal(size=v.shape)
+
+  def loss(fn, *args):
+    return jnp.sum(fn(*args[:3], mask=mask, causal=causal, rpe=args[3]) * probe)
+
+  args = (pq, pk, v, rpe)
+  argnums = (0, 1, 2, 3) if use_rpe else (0, 1, 2)
+  fast = jax.grad(functools.partial(loss, functools.partial(
+      attention.linear_attention, chunk_size=4)), argnums=argnums)(*args)
+  dense = jax.grad(functools.partial(loss, attention.linear_attention_reference),
+                   argnums=argnums)(*args)
+  for a, b in zip(fast, dense):
+    assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("use_rpe, grid, n", [(False, None, 12), (True, None, 12),
+                                               (True, None, 80), (True, (3, 4), 12),
+                                               (True, (9, 9), 81)])
+def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
+  heads = 2
+  pq, pk, v, rng = _inputs(n, heads, seed=6)
+  pq, pk, v = pq[:1], pk[:1], v[:1]
+  rpe = None
+  if use_rpe:
+    shape = (heads, 2 * n - 1) if grid is None else (heads, 2 * grid[0] - 1, 2 * grid[1] - 1)
+    rpe = np.exp(rng.normal(size=shape))
+  fn = lambda a, b, c: attention.linear_attention(a, b, c, causal=True, rpe=rpe, grid=grid,
+                                                  chunk_size=5)[0]
+  rtol = FFT_ROUNDOFF if use_rpe else 0.0  # the chunked path is exactly causal
+  for argnum, x in enumerate((pq, pk, v)):
+    jac = jax.jacrev(fn, argnums=argnum)(pq, pk, v)  # [n, h, d, 1, n, h, m]
+    assert_causal_jacobian(jac, n, in_axis=4, rtol=rtol)
+
+
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("use_rpe", (False, True))
+def test_padding_never_changes_real_outputs(causal, use_rpe):
+  n, n_real, heads = 20, 13, 2
+  pq, pk, v, rng = _inputs(n, heads, seed=7)
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1))) if use_rpe else None
+  mask = _mask(2, n, n_real)
+  out = linear_fast(pq, pk, v, mask=mask, causal=causal, rpe=rpe, chunk_size=8)
+  pk2, v2 = pk.copy(), v.copy()
+  pk2[-1, n_real:] = 1e4 * rng.random(size=pk2[-1, n_real:].shape)
+  v2[-1, n_real:] = 1e4 * rng.normal(size=v2[-1, n_real:].shape)
+  out2 = linear_fast(pq, pk2, v2, mask=mask, causal=causal, rpe=rpe, chunk_size=8)
+  assert rel_err(out2[-1, :n_real], out[-1, :n_real]) < 1e-12
+  # and the padded sequence equals the unpadded one (rpe sliced to the real length)
+  rpe_small = None if rpe is None else rpe[:, n - n_real: n + n_real - 1]
+  short = linear_fast(pq[-1:, :n_real], pk[-1:, :n_real], v[-1:, :n_real], causal=causal,
+                      rpe=rpe_small, chunk_size=8)
+  assert rel_err(out[-1:, :n_real], short) < 1e-12
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_rpe_of_ones_equals_no_rpe(causal):
+  n, heads = 50, 3
+  pq, pk, v, _ = _inputs(n, heads, seed=8)
+  with_rpe = linear_fast(pq, pk, v, causal=causal, rpe=np.ones((heads, 2 * n - 1)))
+  assert rel_err(with_rpe, linear_fast(pq, pk, v, causal=causal)) < 1e-12
+
+
+def test_rpe_sits_inside_the_normalisation():
+  # Luo et al. put exp(b) in numerator and denominator: scaling every c by a constant
+  # changes nothing (a term added outside the normalisation, like FastRPB, would scale).
+  n, heads = 30, 2
+  pq, pk, v, rng = _inputs(n, heads, seed=9)
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  a = linear_fast(pq, pk, v, rpe=rpe)
+  assert rel_err(linear_fast(pq, pk, v, rpe=7.0 * rpe), a) < 1e-12
+  assert rel_err(a, linear_fast(pq, pk, v)) > 1e-3  # and the table does act
+
+
+def test_linear_attention_bfloat16_keeps_float32_states():
+  pq, pk, v, _ = _inputs(64, 2, seed=10)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  out = attention.linear_attention(bf(pq), bf(pk), bf(v), causal=True)
+  assert out.dtype == jnp.bfloat16
+  ref = linear_dense(*(np.asarray(bf(a), np.float64) for a in (pq, pk, v)), causal=True)
+  assert rel_err(out, ref) < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax attention
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", (1, 2, 7, 64, 257))
+@pytest.mark.parametrize("heads", (1, 3))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("masked", (False, True))
+def test_softmax_attention_matches_reference(n, heads, causal, masked):
+  rng = np.random.default_rng(n + heads)
+  q, k, v = (rng.normal(size=(2, n, heads, 8)) for _ in range(3))
+  bias = rng.normal(size=(heads, n, n))
+  mask = _mask(2, n, max(1, n // 2)) if masked else None
+  ref = softmax_dense(q, k, v, bias=bias, mask=mask, causal=causal)
+  assert rel_err(softmax_fast(q, k, v, bias=bias, mask=mask, causal=causal), ref) < 1e-12
+  # float32 goes through jax.nn.dot_product_attention
+  f32 = [a.astype(np.float32) for a in (q, k, v, bias)]
+  out = softmax_fast(*f32[:3], bias=f32[3], mask=mask, causal=causal)
+  assert out.dtype == jnp.float32 and rel_err(out, ref) < 1e-5
+
+
+def test_softmax_attention_float32_n4096():
+  n = 4096
+  rng = np.random.default_rng(11)
+  q, k, v = (rng.normal(size=(1, n, 1, 16)) for _ in range(3))
+  mask = _mask(1, n, 3000)
+  ref = softmax_dense(q, k, v, mask=mask, causal=True)
+  out = softmax_fast(*(a.astype(np.float32) for a in (q, k, v)), mask=mask, causal=True)
+  assert rel_err(out, ref) < 1e-4
+
+
+def test_softmax_attention_causal_and_padding_by_gradient():
+  n = 9
+  rng = np.random.default_rng(12)
+  q, k, v = (rng.normal(size=(1, n, 2, 4)) for _ in range(3))
+  for argnum in (1, 2):
+    jac = jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0],
+                     argnums=argnum)(q, k, v)
+    assert_causal_jacobian(jac, n, in_axis=4)  # [n, h, d, 1, n, h, d]
+  mask = _mask(1, n, 6)
+  jac = np.asarray(jax.jacrev(lambda k: attention.softmax_attention(q, k, v, mask=mask)[0])(k))
+  assert np.all(jac[:, :, :, :, 6:] == 0.0)  # padded keys have no influence
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+_X = jnp.ones((2, 5, 3, 4))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: attention.linear_attention(_X[0], _X, _X), r"phi_q must be .*rank 4.*\(5, 3, 4\)"),
+        (lambda: attention.linear_attention(_X, _X[:, :4], _X), r"share \[batch, length, heads\]"),
+        (lambda: attention.linear_attention(_X, _X, _X, mask=jnp.ones((2, 4), bool)),
+         r"mask must be \[batch, length\]=\(2, 5\).*\(2, 4\)"),
+        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 8))),
+         r"rpe must be \[heads, 2N-1\]=\(3, 9\).*\(3, 8\)"),
+        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 9)).at[0, 0].set(0.0)),
+         r"positive.*minimum is 0.0"),
+        (lambda: attention.linear_attention(_X, _X, _X, rpe=-jnp.ones((3, 9))),
+         r"positive.*minimum is -1.0"),
+        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 3, 3)), grid=(2, 2)),
+         r"grid \(2, 2\).*H\*W=4 but N=5"),
+        (lambda: attention.linear_attention(_X, _X, _X, grid=(1, 5)), r"grid is only used"),
+        (lambda: attention.linear_attention(_X, _X, _X, causal=True, chunk_size=0),
+         r"chunk_size.*got 0"),
+        (lambda: attention.softmax_attention(_X, _X, _X, bias=jnp.ones((3, 4, 4))),
+         r"bias must be .*N=5.*\(1, 3, 4, 4\)"),
+        (lambda: attention.softmax_attention(_X, _X[..., :2], _X), r"same last dim"),
+    ],
+)
+def test_bad_input_raises_before_compute(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()

@@ -1,0 +1,208 @@
+"""Transformer-XL relative logits: left-shift fast path vs dense gather reference."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastpos.ops import transformer_xl as txl
+
+SHAPES = [(1, 0), (1, 3), (5, 0), (7, 4), (16, 16), (33, 10)]  # (L, M)
+
+# Jitted once per shape: op-by-op dispatch compiles every primitive and is several times slower.
+_fast = jax.jit(txl.relative_logits)
+_reference = jax.jit(txl.relative_logits_reference)
+_shift = jax.jit(txl.rel_shift)
+
+
+def _inputs(seed, batch, length, memory, heads, dim, dtype):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, length, heads, dim)).astype(dtype)
+  rel_k = rng.standard_normal((memory + length, heads, dim)).astype(dtype)
+  pos_bias = rng.standard_normal((heads, dim)).astype(dtype)
+  return q, rel_k, pos_bias
+
+
+def _rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
+
+
+def _rel_shift_loop(x):
+  """The definition of rel_shift, one entry at a time."""
+  length, keys = x.shape[-2:]
+  memory = keys - length
+  out = np.zeros_like(x)
+  for i in range(length):
+    for j in range(keys):
+      if j <= memory + i:
+        out[..., i, j] = x[..., i, j + length - 1 - i]
+  return out
+
+
+def _relative_logits_loop(q, rel_k, pos_bias):
+  """Term (b) + (d) straight from the paper, in numpy float64: W R_{M+i-j} = rel_k[M+L-1-d]."""
+  batch, length, heads, _ = q.shape
+  keys = rel_k.shape[0]
+  memory = keys - length
+  v = np.zeros(q.shape[2:]) if pos_bias is None else pos_bias
+  out = np.zeros((batch, heads, length, keys))
+  for i in range(length):
+    for j in range(memory + i + 1):
+      w_r = rel_k[keys - 1 - (memory + i - j)]                       # [heads, dim]
+      out[:, :, i, j] = np.einsum("bhd,hd->bh", q[:, i] + v[None], w_r)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# rel_shift
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lead", [(), (2, 1, 3)])
+@pytest.mark.parametrize("length, memory", SHAPES)
+def test_rel_shift_matches_definition(lead, length, memory):
+  # Distinct, non-zero entries so any misplaced entry and any non-zero future entry shows.
+  x = np.arange(1, np.prod(lead + (length, memory + length)) + 1, dtype=np.float64)
+  x = x.reshape(lead + (length, memory + length))
+  got = np.asarray(_shift(x))
+  want = _rel_shift_loop(x)
+  np.testing.assert_array_equal(got, want)
+  future = np.arange(memory + length)[None, :] > memory + np.arange(length)[:, None]
+  assert np.all(got[..., future] == 0.0)
+  assert np.all(got[..., ~future] != 0.0)
+
+
+def test_rel_shift_under_jit_and_integer_dtype():
+  x = np.arange(4 * 9, dtype=np.int32).reshape(4, 9) + 1
+  got = _shift(x)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), _rel_shift_loop(x))
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 3), (2, 7, 6)])
+def test_rel_shift_rejects_bad_shapes(shape):
+  with pytest.raises(ValueError, match=re.escape(str(shape))):
+    txl.rel_shift(np.zeros(shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# relative_logits vs the dense reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("length, memory", SHAPES)
+def test_relative_logits_matches_reference_float64(length, memory, heads, use_bias):
+  q, rel_k, pos_bias = _inputs(0, 2, length, memory, heads, 8, np.float64)
+  pos_bias = pos_bias if use_bias else None
+  got = _fast(q, rel_k, pos_bias=pos_bias)
+  want = _reference(q, rel_k, pos_bias=pos_bias)
+  assert got.shape == (2, heads, length, memory + length)
+  assert got.dtype == jnp.float64 and want.dtype == jnp.float64
+  assert _rel_err(got, want) < 1e-12
+  # The reference itself against the paper's formula, one pair at a time.
+  assert _rel_err(want, _relative_logits_loop(q, rel_k, pos_bias)) < 1e-12
+  future = np.arange(memory + length)[None, :] > memory + np.arange(length)[:, None]
+  assert np.all(np.asarray(got)[..., future] == 0.0)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("length, memory", SHAPES)
+def test_relative_logits_matches_reference_float32(length, memory, heads, use_bias):
+  q, rel_k, pos_bias = _inputs(1, 2, length, memory, heads, 8, np.float32)
+  pos_bias = pos_bias if use_bias else None
+  got = _fast(q, rel_k, pos_bias=pos_bias)
+  assert got.dtype == jnp.float32
+  # The float64 reference on the same (float32-representable) inputs is the exact answer, so
+  # this bounds the float32 rounding of the fast path (and reuses the float64 compilations).
+  want = _reference(*(None if a is None else a.astype(np.float64) for a in (q, rel_k)),
+                    pos_bias=None if pos_bias is None else pos_bias.astype(np.float64))
+  assert _rel_err(got, want) < 1e-5
+
+
+def test_pos_bias_is_term_d():
+  # Term (d) alone: q = 0 leaves v . W R_{i-j}, which depends on the distance only.
+  _, rel_k, pos_bias = _inputs(2, 1, 6, 3, 2, 4, np.float64)
+  q = np.zeros((1, 6, 2, 4))
+  got = np.asarray(_fast(q, rel_k, pos_bias=pos_bias))
+  d_tilde = np.einsum("thd,hd->ht", rel_k, pos_bias)                  # the paper's d-tilde
+  for i in range(6):
+    for j in range(3 + i + 1):
+      np.testing.assert_allclose(got[0, :, i, j], d_tilde[:, j + 6 - 1 - i], rtol=1e-13)
+  assert not np.allclose(got, _fast(q, rel_k))  # the bias is actually used
+
+
+@pytest.mark.parametrize("length, memory", [(7, 4), (16, 16)])
+def test_output_depends_only_on_distance(length, memory):
+  rng = np.random.default_rng(3)
+  heads, dim = 3, 5
+  q_row = rng.standard_normal((1, 1, heads, dim))
+  q = np.tile(q_row, (2, length, 1, 1))                              # constant over i
+  rel_k = rng.standard_normal((memory + length, heads, dim))
+  out = np.asarray(_fast(q, rel_k, pos_bias=rng.standard_normal((heads, dim))))
+  # (i, j) and (i+1, j+1) are at the same distance M + i - j.
+  np.testing.assert_allclose(out[..., 1:, 1:], out[..., :-1, :-1], rtol=1e-13, atol=1e-13)
+  # And every distance is really there: distance d sits at (L-1, M+L-1-d), all different.
+  last_row = out[0, :, length - 1, :]
+  assert len(np.unique(np.round(last_row[0], 10))) == memory + length
+
+
+def test_relative_logits_has_no_gather():
+  q, rel_k, pos_bias = _inputs(4, 2, 9, 5, 3, 4, np.float64)
+  jaxpr = str(jax.make_jaxpr(lambda a, b, c: txl.relative_logits(a, b, pos_bias=c))(
+      q, rel_k, pos_bias))
+  assert "gather" not in jaxpr
+  assert "gather" in str(jax.make_jaxpr(
+      lambda a, b: txl.relative_logits_reference(a, b))(q, rel_k))
+
+
+def test_dtype_promotion():
+  q, rel_k, pos_bias = _inputs(5, 1, 4, 2, 2, 3, np.float32)
+  shape = jax.eval_shape  # dtype promotion is decided at trace time; nothing to compile
+  f = txl.relative_logits
+  assert shape(f, q, rel_k.astype(np.float64)).dtype == jnp.float64
+  assert shape(lambda a, b, c: f(a, b, pos_bias=c), q, rel_k, pos_bias.astype(np.float64)
+               ).dtype == jnp.float64
+  assert shape(f, q.astype(jnp.bfloat16), rel_k.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+  assert shape(f, q.astype(jnp.bfloat16), rel_k).dtype == jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length, memory", [(1, 3), (7, 4), (16, 16)])
+def test_gradients_match_reference(length, memory):
+  q, rel_k, pos_bias = _inputs(6, 2, length, memory, 3, 4, np.float64)
+  weights = np.random.default_rng(7).standard_normal((2, 3, length, memory + length))
+
+  def loss(fn):
+    return lambda a, b, c: jnp.sum(weights * fn(a, b, pos_bias=c))
+
+  grads = jax.jit(jax.grad(loss(txl.relative_logits), argnums=(0, 1, 2)))(q, rel_k, pos_bias)
+  want = jax.jit(jax.grad(loss(txl.relative_logits_reference), argnums=(0, 1, 2)))(
+      q, rel_k, pos_bias)
+  for name, g, w in zip(("q", "rel_k", "pos_bias"), grads, want):
+    assert np.max(np.abs(np.asarray(w))) > 0, name
+    assert _rel_err(g, w) < 1e-10, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, bad", [
+    ((4, 2, 3), (5, 2, 3), None, (4, 2, 3)),                    # q rank 3
+    ((1, 4, 2, 3), (6, 6), None, (6, 6)),                       # rel_k rank 2
+    ((1, 4, 2, 3), (6, 2, 3), (2, 3, 1), (2, 3, 1)),            # pos_bias rank 3
+    ((1, 4, 2, 3), (3, 2, 3), None, (3, 2, 3)),                 # rel_k shorter than L
+    ((1, 4, 2, 3), (6, 5, 3), None, (6, 5, 3)),                 # heads mismatch
+    ((1, 4, 2, 3), (6, 2, 7), None, (6, 2, 7)),                 # dim mismatch
+    ((1, 4, 2, 3), (6, 2, 3), (5, 3), (5, 3)),                  # pos_bias heads
+    ((1, 4, 2, 3), (6, 2, 3), (2, 4), (2, 4)),                  # pos_bias dim
+])
+@pytest.mark.parametrize("fn", [txl.relative_logits, txl.relative_logits_reference])
+def test_bad_shapes_raise(fn, q_shape, k_shape, v_shape, bad):
+  pos_bias = None if v_shape is None else np.zeros(v_shape)
+  with pytest.raises(ValueError, match=re.escape(str(bad))):
+    jax.eval_shape(lambda a, b, c: fn(a, b, pos_bias=c),
+                   np.zeros(q_shape), np.zeros(k_shape), pos_bias)
