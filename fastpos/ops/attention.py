@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fastpos.ops import toeplitz
 
@@ -160,7 +161,7 @@ def _check_rpe(rpe, h: int, n: int, grid) -> None:
   # Positivity can only be checked on concrete values; under jit the caller guarantees it
   # (the positional modules pass exp(b)).
   if not isinstance(rpe, jax.core.Tracer):
-    bad = jnp.min(rpe)
+    bad = np.min(np.asarray(rpe))
     if not bad > 0:
       raise ValueError(
           f"rpe must be a table of positive weights c = exp(b) > 0; its minimum is {float(bad)}.")

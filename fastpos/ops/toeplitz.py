@@ -171,6 +171,7 @@ def _dense_product(t, x):
 def dense_toeplitz(w):
   """The O(N^2) matrix ``T[..., i, j] = w[..., j - i + N - 1]`` of a ``[..., 2N-1]`` table."""
   _check_rank("w", w, 1, "[..., 2N-1]")
+  w = jnp.asarray(w)
   if w.shape[-1] % 2 != 1:
     raise ValueError(f"w must have odd length 2N-1 along its last axis; got {w.shape[-1]}.")
   n = (w.shape[-1] + 1) // 2
@@ -266,6 +267,7 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False):
 def dense_toeplitz_2d(w, grid: Sequence[int]):
   """The O(N^2) matrix ``T[..., r*W+c, r'*W+c'] = w[..., r'-r+H-1, c'-c+W-1]``."""
   _check_rank("w", w, 2, "[..., 2H-1, 2W-1]")
+  w = jnp.asarray(w)
   h, wd = (int(g) for g in grid)
   if w.shape[-2:] != (2 * h - 1, 2 * wd - 1):
     raise ValueError(

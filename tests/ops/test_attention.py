@@ -119,10 +119,10 @@ def test_linear_attention_gradients_match_dense(causal, use_rpe):
 
   args = (pq, pk, v, rpe)
   argnums = (0, 1, 2, 3) if use_rpe else (0, 1, 2)
-  fast = jax.grad(functools.partial(loss, functools.partial(
-      attention.linear_attention, chunk_size=4)), argnums=argnums)(*args)
-  dense = jax.grad(functools.partial(loss, attention.linear_attention_reference),
-                   argnums=argnums)(*args)
+  fast = jax.jit(jax.grad(functools.partial(loss, functools.partial(
+      attention.linear_attention, chunk_size=4)), argnums=argnums))(*args)
+  dense = jax.jit(jax.grad(functools.partial(loss, attention.linear_attention_reference),
+                           argnums=argnums))(*args)
   for a, b in zip(fast, dense):
     assert rel_err(a, b) < 1e-9
 
@@ -142,7 +142,7 @@ def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
                                                   chunk_size=5)[0]
   rtol = FFT_ROUNDOFF if use_rpe else 0.0  # the chunked path is exactly causal
   for argnum, x in enumerate((pq, pk, v)):
-    jac = jax.jacrev(fn, argnums=argnum)(pq, pk, v)  # [n, h, d, 1, n, h, m]
+    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, pk, v)  # [n, h, d, 1, n, h, m]
     assert_causal_jacobian(jac, n, in_axis=4, rtol=rtol)
 
 
@@ -188,7 +188,7 @@ def test_rpe_sits_inside_the_normalisation():
 def test_linear_attention_bfloat16_keeps_float32_states():
   pq, pk, v, _ = _inputs(64, 2, seed=10)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-  out = attention.linear_attention(bf(pq), bf(pk), bf(v), causal=True)
+  out = linear_fast(bf(pq), bf(pk), bf(v), causal=True)
   assert out.dtype == jnp.bfloat16
   ref = linear_dense(*(np.asarray(bf(a), np.float64) for a in (pq, pk, v)), causal=True)
   assert rel_err(out, ref) < 2e-2
@@ -229,11 +229,12 @@ def test_softmax_attention_causal_and_padding_by_gradient():
   rng = np.random.default_rng(12)
   q, k, v = (rng.normal(size=(1, n, 2, 4)) for _ in range(3))
   for argnum in (1, 2):
-    jac = jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0],
-                     argnums=argnum)(q, k, v)
+    jac = jax.jit(jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0],
+                             argnums=argnum))(q, k, v)
     assert_causal_jacobian(jac, n, in_axis=4)  # [n, h, d, 1, n, h, d]
   mask = _mask(1, n, 6)
-  jac = np.asarray(jax.jacrev(lambda k: attention.softmax_attention(q, k, v, mask=mask)[0])(k))
+  jac = np.asarray(jax.jit(jax.jacrev(
+      lambda k: attention.softmax_attention(q, k, v, mask=mask)[0]))(k))
   assert np.all(jac[:, :, :, :, 6:] == 0.0)  # padded keys have no influence
 
 

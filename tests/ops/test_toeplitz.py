@@ -1,5 +1,7 @@
 """FFT Toeplitz products against their dense O(N^2) references."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,13 @@ FFT_ROUNDOFF = 1e-13
 GRIDS = ((1, 1), (1, 5), (4, 4), (3, 5), (7, 2), (12, 10))
 
 
+# One compiled function per (static options, shape), shared by the tests.
+tm = jax.jit(toeplitz.toeplitz_matmul, static_argnames=("causal",))
+tm2 = jax.jit(toeplitz.toeplitz_matmul_2d, static_argnames=("grid", "causal"))
+fastrpb2 = jax.jit(toeplitz.fastrpb_2d_matmul, static_argnames=("grid",))
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
 def _dense_1d(w, x, causal):
   t = toeplitz.dense_toeplitz(w)
   if causal:
@@ -21,6 +30,7 @@ def _dense_1d(w, x, causal):
   return jnp.einsum("...ij,...jc->...ic", t, x)
 
 
+@functools.partial(jax.jit, static_argnames=("grid", "causal"))
 def _dense_2d(w, x, grid, causal):
   t = toeplitz.dense_toeplitz_2d(w, grid)
   if causal:
@@ -60,7 +70,7 @@ def test_toeplitz_matmul_matches_dense_float64(n, heads, causal):
   rng = np.random.default_rng(n * 10 + heads)
   w = rng.normal(size=(heads, 2 * n - 1))
   x = rng.normal(size=(2, heads, n, 5))
-  out = toeplitz.toeplitz_matmul(w, x, causal=causal)
+  out = tm(w, x, causal=causal)
   assert out.shape == (2, heads, n, 5) and out.dtype == jnp.float64
   assert rel_err(out, _dense_1d(w, x, causal)) < 1e-9
 
@@ -101,7 +111,7 @@ def test_toeplitz_matmul_gradients_match_dense(causal):
   w = rng.normal(size=(2, 2 * n - 1))
   x = rng.normal(size=(3, 2, n, 4))
   probe = rng.normal(size=(3, 2, n, 4))
-  fast = jax.grad(lambda w, x: jnp.sum(toeplitz.toeplitz_matmul(w, x, causal=causal) * probe),
+  fast = jax.grad(lambda w, x: jnp.sum(tm(w, x, causal=causal) * probe),
                   argnums=(0, 1))(w, x)
   dense = jax.grad(lambda w, x: jnp.sum(_dense_1d(w, x, causal) * probe), argnums=(0, 1))(w, x)
   for a, b in zip(fast, dense):
@@ -113,10 +123,10 @@ def test_toeplitz_matmul_causal_never_sees_the_future(n):
   rng = np.random.default_rng(4)
   w = rng.normal(size=(2 * n - 1,))
   x = rng.normal(size=(n, 3))
-  jac = jax.jacrev(lambda x: toeplitz.toeplitz_matmul(w, x, causal=True))(x)  # [n,3,n,3]
+  jac = jax.jit(jax.jacrev(lambda x: toeplitz.toeplitz_matmul(w, x, causal=True)))(x)  # [n,3,n,3]
   assert_causal_jacobian(jac, n, in_axis=2, rtol=FFT_ROUNDOFF)
   # The check is sharp: the same product without causal=True fails it.
-  leaky = jax.jacrev(lambda x: toeplitz.toeplitz_matmul(w, x))(x)
+  leaky = jax.jit(jax.jacrev(lambda x: toeplitz.toeplitz_matmul(w, x)))(x)
   with pytest.raises(AssertionError, match="future"):
     assert_causal_jacobian(leaky, n, in_axis=2, rtol=FFT_ROUNDOFF)
 
@@ -145,7 +155,7 @@ def test_toeplitz_matmul_2d_matches_dense_float64(grid, heads, causal):
   rng = np.random.default_rng(h * 100 + wd)
   w = rng.normal(size=(heads, 2 * h - 1, 2 * wd - 1))
   x = rng.normal(size=(2, heads, h * wd, 4))
-  out = toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal)
+  out = tm2(w, x, grid, causal=causal)
   assert out.shape == x.shape
   assert rel_err(out, _dense_2d(w, x, grid, causal)) < 1e-9
 
@@ -179,7 +189,7 @@ def test_toeplitz_matmul_2d_raster_causal_by_gradient(grid):
   rng = np.random.default_rng(7)
   w = rng.normal(size=(2 * h - 1, 2 * wd - 1))
   x = rng.normal(size=(n, 2))
-  jac = jax.jacrev(lambda x: toeplitz.toeplitz_matmul_2d(w, x, grid, causal=True))(x)
+  jac = jax.jit(jax.jacrev(lambda x: toeplitz.toeplitz_matmul_2d(w, x, grid, causal=True)))(x)
   assert_causal_jacobian(jac, n, in_axis=2, rtol=FFT_ROUNDOFF)
 
 
@@ -190,7 +200,7 @@ def test_fastrpb_2d_equals_full_table_and_paper_definition(grid):
   w_rows = rng.normal(size=(3, 2 * h - 1))
   w_cols = rng.normal(size=(3, 2 * wd - 1))
   x = rng.normal(size=(2, 3, h * wd, 5))
-  out = toeplitz.fastrpb_2d_matmul(w_rows, w_cols, x, grid)
+  out = fastrpb2(w_rows, w_cols, x, grid)
   full = w_rows[:, :, None] + w_cols[:, None, :]
   assert rel_err(out, toeplitz.toeplitz_matmul_2d(full, x, grid)) < 1e-9
   # W2d = X + Y of Appendix B.3: X depends on the row offset, Y on the column offset.
