@@ -1,0 +1,1 @@
+"""fastpos.models: not built yet (see the open issues)."""

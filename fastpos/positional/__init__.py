@@ -1,0 +1,1 @@
+"""fastpos.positional: not built yet (see the open issues)."""

@@ -1,0 +1,1 @@
+"""fastpos.tasks: not built yet (see the open issues)."""

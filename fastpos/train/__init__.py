@@ -1,0 +1,1 @@
+"""fastpos.train: not built yet (see the open issues)."""
