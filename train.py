@@ -1,17 +1,11 @@
 """train.py --config=... --workdir=...: thin entry point over fastpos.train (not built yet).
 
-The trainer is tracked by the trainer issue; until it lands this script says so and exits
-non-zero rather than pretending to train.
+Until the trainer issue lands this script says so and exits non-zero rather than pretending.
 """
 
 import sys
 
-
-def main() -> int:
-  print("fastpos: train.py is not built yet (the trainer issue adds fastpos.train and the "
-        "configs). For now run: python scripts/demo_fastrpb.py", file=sys.stderr)
-  return 2
-
+from fastpos.train import not_built
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(not_built("train.py"))
