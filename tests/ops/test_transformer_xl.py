@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fastpos.ops import transformer_xl as txl
+from tests.helpers import rel_err
 
 SHAPES = [(1, 0), (1, 3), (5, 0), (7, 4), (16, 16), (33, 10)]  # (L, M)
 
@@ -23,11 +24,6 @@ def _inputs(seed, batch, length, memory, heads, dim, dtype):
   rel_k = rng.standard_normal((memory + length, heads, dim)).astype(dtype)
   pos_bias = rng.standard_normal((heads, dim)).astype(dtype)
   return q, rel_k, pos_bias
-
-
-def _rel_err(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
 
 
 def _rel_shift_loop(x):
@@ -89,36 +85,26 @@ def test_rel_shift_rejects_bad_shapes(shape):
 # ---------------------------------------------------------------------------------------------
 # relative_logits vs the dense reference
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
 @pytest.mark.parametrize("use_bias", [False, True])
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("length, memory", SHAPES)
-def test_relative_logits_matches_reference_float64(length, memory, heads, use_bias):
-  q, rel_k, pos_bias = _inputs(0, 2, length, memory, heads, 8, np.float64)
+def test_relative_logits_matches_reference(length, memory, heads, use_bias, dtype, tol):
+  q, rel_k, pos_bias = _inputs(0, 2, length, memory, heads, 8, dtype)
   pos_bias = pos_bias if use_bias else None
   got = _fast(q, rel_k, pos_bias=pos_bias)
-  want = _reference(q, rel_k, pos_bias=pos_bias)
   assert got.shape == (2, heads, length, memory + length)
-  assert got.dtype == jnp.float64 and want.dtype == jnp.float64
-  assert _rel_err(got, want) < 1e-12
-  # The reference itself against the paper's formula, one pair at a time.
-  assert _rel_err(want, _relative_logits_loop(q, rel_k, pos_bias)) < 1e-12
-  future = np.arange(memory + length)[None, :] > memory + np.arange(length)[:, None]
-  assert np.all(np.asarray(got)[..., future] == 0.0)
-
-
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("heads", [1, 3])
-@pytest.mark.parametrize("length, memory", SHAPES)
-def test_relative_logits_matches_reference_float32(length, memory, heads, use_bias):
-  q, rel_k, pos_bias = _inputs(1, 2, length, memory, heads, 8, np.float32)
-  pos_bias = pos_bias if use_bias else None
-  got = _fast(q, rel_k, pos_bias=pos_bias)
-  assert got.dtype == jnp.float32
+  assert got.dtype == dtype
   # The float64 reference on the same (float32-representable) inputs is the exact answer, so
-  # this bounds the float32 rounding of the fast path (and reuses the float64 compilations).
-  want = _reference(*(None if a is None else a.astype(np.float64) for a in (q, rel_k)),
-                    pos_bias=None if pos_bias is None else pos_bias.astype(np.float64))
-  assert _rel_err(got, want) < 1e-5
+  # in float32 this bounds the rounding of the fast path.
+  wide = lambda a: None if a is None else a.astype(np.float64)
+  want = _reference(wide(q), wide(rel_k), pos_bias=wide(pos_bias))
+  assert rel_err(got, want) < tol
+  if dtype == np.float64:
+    # The reference itself against the paper's formula, one pair at a time.
+    assert rel_err(want, _relative_logits_loop(q, rel_k, pos_bias)) < 1e-12
+    future = np.arange(memory + length)[None, :] > memory + np.arange(length)[:, None]
+    assert np.all(np.asarray(got)[..., future] == 0.0)
 
 
 def test_pos_bias_is_term_d():
@@ -184,7 +170,7 @@ def test_gradients_match_reference(length, memory):
       q, rel_k, pos_bias)
   for name, g, w in zip(("q", "rel_k", "pos_bias"), grads, want):
     assert np.max(np.abs(np.asarray(w))) > 0, name
-    assert _rel_err(g, w) < 1e-10, name
+    assert rel_err(g, w) < 1e-10, name
 
 
 # ---------------------------------------------------------------------------------------------
