@@ -301,7 +301,8 @@ def fastrpb_2d_matmul(w_rows, w_cols, x, grid: Sequence[int]):
     grid: ``(H, W)``.
 
   Returns:
-    ``[broadcast(...), H*W, C]``; O(H log H + W log W) per channel after the O(N) sums, O(N) memory.
+    ``[broadcast(...), H*W, C]``; O(H log H + W log W) per channel after the O(N) sums,
+    O(N) memory.
   """
   _check_rank("x", x, 2, "[..., H*W, C]")
   _check_rank("w_rows", w_rows, 1, "[..., 2H-1]")
