@@ -1,1 +1,84 @@
-"""fastpos.positional: not built yet (see the open issues)."""
+"""Positional schemes, one module each, all following ``fastpos.positional.base``.
+
+Each module exports ``SCHEMES = {name: SchemeClass}``; this registry merges them. Build a
+scheme with ``build(name, dims, options)``, which checks the option names first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Mapping
+
+from fastpos.positional.base import (Context, Dims, KernelInfo, KVMix, Scheme, center_slice,
+                                     center_slice_2d, positions_2d)
+
+# Modules holding schemes, in the order of the compatibility table.
+SCHEME_MODULES = ("none", "absolute", "fastrpb", "kernelized_rpe", "rope", "lrpe",
+                  "permuteformer", "spe", "t5_bias", "transformer_xl")
+
+
+def _collect() -> dict[str, type[Scheme]]:
+  schemes: dict[str, type[Scheme]] = {}
+  for mod in SCHEME_MODULES:
+    try:  # TEMPORARY while schemes are being written; removed before the issue closes
+      module = importlib.import_module(f"fastpos.positional.{mod}")
+    except ModuleNotFoundError as e:
+      if e.name != f"fastpos.positional.{mod}":
+        raise
+      continue
+    for name, cls in module.SCHEMES.items():
+      if name in schemes:
+        raise RuntimeError(f"positional scheme {name!r} is registered twice.")
+      schemes[name] = cls
+  return schemes
+
+
+SCHEMES: dict[str, type[Scheme]] = _collect()
+
+
+def get_class(name: str) -> type[Scheme]:
+  if name not in SCHEMES:
+    raise ValueError(
+        f"unknown positional scheme {name!r}; valid choices: {', '.join(SCHEMES)}.")
+  return SCHEMES[name]
+
+
+def option_names(name: str) -> tuple[str, ...]:
+  """The options (dataclass fields) scheme ``name`` accepts."""
+  skip = {"dims", "parent", "name"}
+  return tuple(f.name for f in dataclasses.fields(get_class(name)) if f.name not in skip)
+
+
+def check_options(name: str, options: Mapping) -> None:
+  valid = option_names(name)
+  for key in options:
+    if key not in valid:
+      raise ValueError(
+          f"unknown option {key!r} for positional scheme {name!r}; valid options: "
+          f"{', '.join(valid) or '(none)'}.")
+
+
+def build(name: str, dims: Dims, options: Mapping | None = None, **module_kwargs) -> Scheme:
+  """An (unbound) scheme module; ``module_kwargs`` are linen's (``name=``, ``parent=``)."""
+  options = dict(options or {})
+  check_options(name, options)
+  return get_class(name)(dims=dims, **options, **module_kwargs)
+
+
+def parse_names(positional: str | tuple | list) -> tuple[str, ...]:
+  """``"fastrpb,rope"`` or a sequence -> validated names; ``"none"`` / ``""`` -> ()."""
+  if isinstance(positional, str):
+    names = tuple(s.strip() for s in positional.split(",") if s.strip())
+  else:
+    names = tuple(positional)
+  for n in names:
+    get_class(n)
+  if len(set(names)) != len(names):
+    raise ValueError(f"positional scheme listed twice: {positional!r}.")
+  return tuple(n for n in names if n != "none")
+
+
+__all__ = ["Context", "Dims", "KernelInfo", "KVMix", "Scheme", "SCHEMES", "build",
+           "center_slice", "center_slice_2d", "check_options", "get_class", "option_names",
+           "parse_names", "positions_2d"]

@@ -1,0 +1,73 @@
+"""The model's part of a config, and what a model needs to know of its task.
+
+``model_config()`` is the base every experiment config starts from (``config.model``); each
+field is commented. ``TaskInfo`` is what a task tells ``build_model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+TASK_KINDS = ("classify", "retrieval", "lm")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+  """What the model needs to know of its task.
+
+  Attributes:
+    kind: ``"classify"`` (encoder -> pooled logits ``[b, num_classes]``), ``"retrieval"``
+      (dual encoder over ``inputs`` / ``inputs2`` -> ``[b, num_classes]``) or ``"lm"``
+      (causal decoder -> ``[b, L, vocab_size]``).
+    vocab_size: number of token ids (ids are in [0, vocab_size); 0 is padding).
+    num_classes: classes of a classify / retrieval task (ignored for lm).
+    max_length: the longest sequence the task hands out.
+    grid: (H, W) for image tasks (max_length == H * W), else None.
+  """
+  kind: str
+  vocab_size: int
+  num_classes: int = 0
+  max_length: int = 0
+  grid: tuple[int, int] | None = None
+
+  def __post_init__(self):
+    if self.kind not in TASK_KINDS:
+      raise ValueError(f"TaskInfo.kind must be one of {TASK_KINDS}; got {self.kind!r}.")
+    if self.grid is not None and self.grid[0] * self.grid[1] != self.max_length:
+      raise ValueError(
+          f"TaskInfo.grid {self.grid} must cover max_length={self.max_length} tokens.")
+
+
+def model_config() -> ml_collections.ConfigDict:
+  """The base model config (LRA's small encoder: 4 layers, width 256, 4 heads)."""
+  c = ml_collections.ConfigDict()
+  # Attention similarity: "softmax" or a feature map of fastpos.ops.features.FEATURE_MAPS
+  # (elu1, relu, sikf, dpfp, favor, prf, trf, nprf, orf).
+  c.kernel = "softmax"
+  # Feature-map options: random features m (favor/prf/trf/nprf/orf), DPFP's nu, the
+  # denominator guard, and whether random projections are redrawn every training step.
+  c.kernel_options = ml_collections.ConfigDict(
+      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0))
+  # Positional schemes, comma-separated, applied in this order at their hooks
+  # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
+  # fastpos.compat` prints which kernels each works with.
+  c.positional = "none"
+  # Per-scheme options, by scheme name, e.g. positional_options.fastrpb.per_head = True.
+  c.positional_options = ml_collections.ConfigDict()
+  c.num_layers = 4
+  c.embed_dim = 256  # D, the model width
+  c.num_heads = 4
+  c.head_dim = 0  # 0 means embed_dim // num_heads
+  c.mlp_dim = 1024
+  c.dropout_rate = 0.1
+  c.norm = "post"  # "post" (LRA's layout) or "pre" LayerNorm; "batch" = post BatchNorm
+  c.pooling = "mean"  # encoder pooling: "mean" over real tokens or "cls" (a prepended token)
+  # Longest sequence the positional tables serve; 0 means the task's max_length.
+  c.max_length = 0
+  c.dtype = "float32"  # activations: "float32" or "bfloat16" (params stay float32)
+  c.tie_embeddings = True  # lm only: output projection = input embedding transposed
+  c.memory_length = 0  # lm only: Transformer-XL memory M (needs the transformer_xl scheme)
+  c.chunk_size = 64  # causal linear attention chunk
+  return c

@@ -1,0 +1,193 @@
+"""The contract every positional scheme follows: its hooks, what it sees, how it is built.
+
+A scheme is a Flax linen module that acts at one or more of five places (DESIGN.md,
+"Attention = kernel x positional scheme"). The attention layer and the models call each hook
+at its place and never look at a scheme's name:
+
+| hook       | method                              | returns                                      |
+|------------|-------------------------------------|----------------------------------------------|
+| ``embed``    | ``embed(x, ctx)``  x ``[b, N, D]``    | new embeddings ``[b, N, D]``                   |
+| ``features`` | ``features(q, k, ctx)``             | new ``(q, k)``, q ``[b, Lq, h, f]``, k ``[b, Lk, h, f]`` |
+| ``logits``   | ``logits_bias(q, k, ctx)``          | ``[b|1, h|1, Lq, Lk]`` added to the *scaled* logits (softmax only) |
+| ``kv``       | ``kv_mix(ctx)``                     | a ``KVMix``: log weights ``b_{j-i}`` and/or a causal decay |
+| ``output``   | ``output(v, ctx)``  v ``[b, N, h, d]`` | ``[b, N, h, d]`` added to the attention output |
+
+``features`` schemes say at which stage they act (``feature_stage``): ``"pre_phi"`` on the raw
+q, k (before the feature map of a linear kernel), or ``"post_phi"`` on phi(q), phi(k) (for the
+softmax kernel both stages act on q, k). A post-phi scheme whose output can be negative
+(``keeps_nonnegative = False``, e.g. rotations) only transforms the numerator's features; the
+linear-attention denominator then uses the features without it, so it stays positive.
+
+Parameters are created in ``setup()`` from ``dims`` (static sizes: heads, head dim, feature
+dim, the longest length and the largest grid), so one set of parameters serves every
+sequence length up to ``dims.max_length``; tables indexed by offset are sliced to the batch's
+length with ``center_slice`` / ``center_slice_2d``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+HOOKS = ("embed", "features", "logits", "kv", "output")
+FEATURE_STAGES = ("pre_phi", "post_phi")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+  """What a scheme may know of the kernel it is paired with.
+
+  Attributes:
+    name: ``"softmax"`` or a feature-map name of ``fastpos.ops.features.FEATURE_MAPS``.
+    nonnegative: phi(x) >= 0 always (True for softmax, whose exp is positive).
+  """
+  name: str
+  nonnegative: bool = True
+
+  @property
+  def is_softmax(self) -> bool:
+    return self.name == "softmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """Static sizes a scheme is built for.
+
+  Attributes:
+    num_heads: h.
+    head_dim: d, the size of q, k, v per head.
+    feature_dim: f, the size the post-phi ``features`` hook sees: d for softmax, m (the feature
+      map's output size) for linear kernels.
+    embed_dim: D, the model width (the ``embed`` hook's input size).
+    max_length: the longest sequence N the parameters must serve (1D offset tables have
+      2 * max_length - 1 entries).
+    grid: the largest image grid (H, W) for 2D tasks, None for 1D tasks.
+    causal: whether the model is causal (a decoder).
+    kernel: the kernel the layer uses.
+  """
+  num_heads: int
+  head_dim: int
+  feature_dim: int
+  embed_dim: int
+  max_length: int
+  grid: tuple[int, int] | None = None
+  causal: bool = False
+  kernel: KernelInfo = KernelInfo("softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a hook sees at call time.
+
+  Attributes:
+    mask: ``[batch, Lk]`` True for real tokens, or None (no padding).
+    grid: the (H, W) grid of this batch (H * W == N), or None for 1D inputs.
+    causal: query i sees keys j <= i only (raster order on a grid).
+    reference: compute with dense O(N^2) references instead of fast paths (tests hold the
+      two together).
+    deterministic: no dropout / no feature redraw.
+    memory_length: M, the number of memory keys that precede the Lq queries (Transformer-XL
+      decoder); keys are ``[memory, current segment]`` and Lk = M + Lq.
+  """
+  mask: Any = None
+  grid: tuple[int, int] | None = None
+  causal: bool = False
+  reference: bool = False
+  deterministic: bool = True
+  memory_length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMix:
+  """A scheme's weights on the key sum ``sum_j c_{j-i} phi(k_j) v_j^T`` (and denominator).
+
+  Attributes:
+    log_table: ``b`` with ``c = exp(b)``: ``[heads, 2N-1]`` by offset j-i (index j-i+N-1), or
+      ``[heads, 2H-1, 2W-1]`` by (row offset, col offset) on a grid. With the softmax kernel
+      it is added to the logits (a T5-style bias; exact).
+    log_decay: ``[heads]`` log r <= 0 of a causal decay ``r^(i-j)`` (j <= i), or None.
+  """
+  log_table: Any = None
+  log_decay: Any = None
+
+
+class Scheme(nn.Module):
+  """Base class of positional schemes. Subclasses set the class attributes below, add their
+  options as dataclass fields with defaults, create parameters in ``setup()`` from ``dims``,
+  and implement the methods of the hooks they list in ``hooks``."""
+
+  dims: Dims
+
+  scheme_name: ClassVar[str] = ""  # the registry name (linen reserves `name`)
+  hooks: ClassVar[tuple[str, ...]] = ()
+  feature_stage: ClassVar[str] = "post_phi"
+  keeps_nonnegative: ClassVar[bool] = True
+  supports_causal: ClassVar[bool] = True
+  supports_1d: ClassVar[bool] = True
+  supports_2d: ClassVar[bool] = False
+  shareable_across_layers: ClassVar[bool] = False
+
+  @classmethod
+  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
+                    options: dict) -> str | None:
+    """None when the scheme works with this kernel / setting, else the reason it does not.
+
+    The generic checks (causal, 1D, 2D support) are made by ``fastpos.compat``; override this
+    for kernel-specific rules (e.g. a logits bias needs the softmax kernel)."""
+    return None
+
+  @classmethod
+  def feature_out_dim(cls, dim: int, options: dict) -> int:
+    """Last dim of q, k after ``features`` given ``dim`` before it (identity unless the scheme
+    changes it, e.g. a complex rotation realised as [Re, Im] doubles it)."""
+    return dim
+
+  # Hooks (implement the ones listed in ``hooks``).
+  def embed(self, x, ctx: Context):
+    raise NotImplementedError(f"{type(self).__name__} has no embed hook.")
+
+  def features(self, q, k, ctx: Context):
+    raise NotImplementedError(f"{type(self).__name__} has no features hook.")
+
+  def logits_bias(self, q, k, ctx: Context):
+    raise NotImplementedError(f"{type(self).__name__} has no logits hook.")
+
+  def kv_mix(self, ctx: Context) -> KVMix:
+    raise NotImplementedError(f"{type(self).__name__} has no kv hook.")
+
+  def output(self, v, ctx: Context):
+    raise NotImplementedError(f"{type(self).__name__} has no output hook.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Offset tables: one parameter set for every length up to the maximum.
+# ---------------------------------------------------------------------------------------------
+def center_slice(table, n: int, max_length: int):
+  """Offsets -(n-1)..(n-1) of a table ``[..., 2*max_length-1]`` indexed by offset + max-1.
+
+  Returns ``[..., 2n-1]`` indexed by offset + n - 1 (the layout of ``toeplitz_matmul``)."""
+  if n > max_length:
+    raise ValueError(
+        f"sequence length {n} exceeds the maximum length {max_length} the positional tables "
+        f"were built for; raise model.max_length.")
+  return table[..., max_length - n: max_length + n - 1]
+
+
+def center_slice_2d(table, grid: Sequence[int], max_grid: Sequence[int]):
+  """``[..., 2H'-1, 2W'-1]`` of a ``[..., 2H-1, 2W-1]`` table for a grid (H', W') <= (H, W)."""
+  (h, w), (mh, mw) = tuple(grid), tuple(max_grid)
+  if h > mh or w > mw:
+    raise ValueError(
+        f"grid {tuple(grid)} exceeds the largest grid {tuple(max_grid)} the positional tables "
+        f"were built for; raise model.grid.")
+  return table[..., mh - h: mh + h - 1, mw - w: mw + w - 1]
+
+
+def positions_2d(grid: Sequence[int]):
+  """Row and column index of each raster position: two int32 ``[H*W]`` arrays."""
+  h, w = tuple(grid)
+  idx = jnp.arange(h * w, dtype=jnp.int32)
+  return idx // w, idx % w
