@@ -1,1 +1,89 @@
-"""fastpos.models: not built yet (see the open issues)."""
+"""fastpos.models: the attention layer, the block and the models, built from a config.
+
+``build_model(model_cfg, task)`` is the one entry point: it validates the kernel, the
+positional schemes, their options and their compatibility before any parameter exists.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+
+from fastpos import positional
+from fastpos.models.attention import (Attention, AttentionConfig, KernelSpec,
+                                      PositionalSpec)
+from fastpos.models.blocks import Block, NORMS
+from fastpos.models.config import TaskInfo, model_config
+from fastpos.models.transformer import (POOLINGS, Classifier, DecoderLM, DualEncoder,
+                                        Tower)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+
+
+def _options(cfg) -> dict:
+  opts = cfg.get("positional_options", None)
+  if opts is None:
+    return {}
+  return opts.to_dict() if isinstance(opts, ml_collections.ConfigDict) else dict(opts)
+
+
+def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
+  """The static attention description of ``cfg`` (``config.model``) for ``task``."""
+  names = positional.parse_names(cfg.positional)
+  opts = _options(cfg)
+  for key in opts:
+    if key not in names:
+      raise ValueError(
+          f"positional_options has options for {key!r}, which is not in model.positional="
+          f"{cfg.positional!r}.")
+  kopts = cfg.get("kernel_options", None)
+  kopts = kopts.to_dict() if isinstance(kopts, ml_collections.ConfigDict) else dict(kopts or {})
+  kernel = KernelSpec.from_config(cfg.kernel, kopts)
+  if cfg.embed_dim % cfg.num_heads and not cfg.get("head_dim", 0):
+    raise ValueError(f"embed_dim={cfg.embed_dim} is not divisible by num_heads="
+                     f"{cfg.num_heads}; set head_dim.")
+  head_dim = cfg.get("head_dim", 0) or cfg.embed_dim // cfg.num_heads
+  pooling = cfg.get("pooling", "mean")
+  if pooling not in POOLINGS:
+    raise ValueError(f"unknown pooling {pooling!r}; valid choices: {', '.join(POOLINGS)}.")
+  if pooling == "cls" and task.grid is not None:
+    raise ValueError("pooling='cls' prepends a token, which breaks the image grid "
+                     f"{task.grid}; use pooling='mean' for 2D tasks.")
+  max_length = cfg.get("max_length", 0) or task.max_length
+  if max_length <= 0:
+    raise ValueError("model.max_length is 0 and the task gives no max_length.")
+  if pooling == "cls" and task.kind != "lm":
+    max_length += 1
+  return AttentionConfig(
+      num_heads=cfg.num_heads, head_dim=head_dim, embed_dim=cfg.embed_dim, kernel=kernel,
+      positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
+      max_length=max_length, grid=None if task.grid is None else tuple(task.grid),
+      causal=task.kind == "lm", chunk_size=cfg.get("chunk_size", 64))
+
+
+def build_model(cfg, task: TaskInfo):
+  """The model of ``cfg`` (``config.model``) for ``task``; raises ValueError on bad names,
+  options or incompatible kernel x scheme pairs (before any compute)."""
+  if cfg.norm not in NORMS:
+    raise ValueError(f"unknown norm {cfg.norm!r}; valid choices: {', '.join(NORMS)}.")
+  if cfg.dtype not in DTYPES:
+    raise ValueError(f"unknown dtype {cfg.dtype!r}; valid choices: {', '.join(DTYPES)}.")
+  attn = attention_config(cfg, task)
+  common = dict(attention=attn, vocab_size=task.vocab_size, num_layers=cfg.num_layers,
+                mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, norm=cfg.norm,
+                pooling=cfg.get("pooling", "mean"), num_classes=task.num_classes,
+                dtype=DTYPES[cfg.dtype])
+  memory_length = cfg.get("memory_length", 0)
+  if memory_length and task.kind != "lm":
+    raise ValueError("memory_length > 0 (Transformer-XL memory) is for lm tasks only.")
+  if task.kind == "lm":
+    return DecoderLM(**common, tie_embeddings=cfg.get("tie_embeddings", True),
+                     memory_length=memory_length)
+  if task.num_classes < 2:
+    raise ValueError(f"a {task.kind} task needs num_classes >= 2; got {task.num_classes}.")
+  return (DualEncoder if task.kind == "retrieval" else Classifier)(**common)
+
+
+__all__ = ["Attention", "AttentionConfig", "Block", "Classifier", "DecoderLM", "DualEncoder",
+           "KernelSpec", "PositionalSpec", "TaskInfo", "Tower", "attention_config",
+           "build_model", "model_config"]

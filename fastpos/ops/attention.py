@@ -34,15 +34,22 @@ DEFAULT_EPS = 1e-6
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
-def _check_qkv(q, k, v, names=("q", "k", "v")) -> tuple[int, int, int]:
+def _check_qkv(q, k, v, names=("q", "k", "v"), *, same_length: bool = True
+               ) -> tuple[int, int, int]:
+  """Validates ranks and shapes; returns (batch, query length, heads). With
+  ``same_length=False`` keys may be longer than queries (memory keys first)."""
   for name, a in zip(names, (q, k, v)):
     if jnp.ndim(a) != 4:
       raise ValueError(
           f"{name} must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(a)}.")
   b, n, h, _ = q.shape
-  if k.shape[:3] != (b, n, h) or v.shape[:3] != (b, n, h):
+  nk = k.shape[1] if not same_length else n
+  if (k.shape[:3] != (b, nk, h) or v.shape[:3] != (b, nk, h)
+      or (not same_length and nk < n)):
+    what = "[batch, length, heads]" if same_length else (
+        "batch and heads, with key length >= query length")
     raise ValueError(
-        f"{names[0]}, {names[1]}, {names[2]} must share [batch, length, heads]; got "
+        f"{names[0]}, {names[1]}, {names[2]} must share {what}; got "
         f"{q.shape}, {k.shape}, {v.shape}.")
   if k.shape[-1] != q.shape[-1]:
     raise ValueError(
@@ -73,20 +80,24 @@ def _guard(den, eps: float):
 # Softmax attention
 # ---------------------------------------------------------------------------------------------
 def _softmax_inputs(q, k, v, bias, mask, causal: bool):
-  """Validates and returns (bias [b|1, h|1, N, N] or None, allowed [b|1, 1, N, N] or None)."""
-  b, n, _ = _check_qkv(q, k, v)
-  _check_mask(mask, b, n)
+  """Validates and returns (bias [b|1, h|1, Lq, Lk] or None, allowed [b|1, 1, Lq, Lk] or None).
+
+  Keys may be longer than queries (Lk = M + Lq, M memory keys first): query i then sits at
+  position M + i, and causal means key j is visible iff j <= M + i."""
+  b, n, _ = _check_qkv(q, k, v, same_length=False)
+  nk = k.shape[1]
+  _check_mask(mask, b, nk)
   if bias is not None:
     bias = jnp.asarray(bias)
     if bias.ndim == 3:
       bias = bias[None]
-    if bias.ndim != 4 or bias.shape[-2:] != (n, n):
+    if bias.ndim != 4 or bias.shape[-2:] != (n, nk):
       raise ValueError(
-          f"bias must be [heads, N, N] or [batch, heads, N, N] (broadcastable) with "
-          f"N={n}; got shape {bias.shape}.")
+          f"bias must be [heads, Lq, Lk] or [batch, heads, Lq, Lk] (broadcastable) with "
+          f"Lq={n}, Lk={nk}; got shape {bias.shape}.")
   allowed = None if mask is None else mask[:, None, None, :]
   if causal:
-    cm = toeplitz.causal_mask(n)[None, None]
+    cm = (jnp.arange(nk)[None, :] <= (nk - n) + jnp.arange(n)[:, None])[None, None]
     allowed = cm if allowed is None else (allowed & cm)
   return bias, allowed
 
@@ -100,10 +111,11 @@ def softmax_attention(q, k, v, *, bias=None, mask=None, causal: bool = False,
   inputs go through the plain XLA formula instead (exactness tests run in float64).
 
   Args:
-    q, k, v: ``[batch, N, heads, dim]``.
-    bias: additive logits bias ``[heads, N, N]`` or ``[batch|1, heads|1, N, N]``.
-    mask: ``[batch, N]`` True for real tokens.
-    causal: key j visible to query i iff j <= i.
+    q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
+      first M = Lk - Lq keys are memory preceding the queries; usually Lk == Lq).
+    bias: additive logits bias ``[heads, Lq, Lk]`` or ``[batch|1, heads|1, Lq, Lk]``.
+    mask: ``[batch, Lk]`` True for real keys.
+    causal: key j visible to query i iff j <= M + i.
     scale: defaults to ``1/sqrt(dim)``.
   """
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
@@ -176,9 +188,40 @@ def _apply_key_mask(phi_k, mask, dtype):
   return jnp.where(mask[:, :, None, None], phi_k, jnp.zeros((), dtype))
 
 
+def _check_decay(decay, h: int, causal: bool) -> None:
+  if decay is None:
+    return
+  if not causal:
+    raise ValueError("decay r^(i-j) is defined for causal attention only; got causal=False.")
+  if jnp.shape(decay) != (h,):
+    raise ValueError(
+        f"decay must be [heads]=({h},) log-decays log r <= 0; got shape {jnp.shape(decay)}.")
+  if not isinstance(decay, jax.core.Tracer):
+    worst = np.max(np.asarray(decay))
+    if not worst <= 0:
+      raise ValueError(
+          f"decay holds log r and must be <= 0 (0 < r <= 1); its maximum is {float(worst)}.")
+
+
+def _check_den_features(den_features, phi_q, phi_k) -> None:
+  if den_features is None:
+    return
+  if len(den_features) != 2:
+    raise ValueError("den_features must be a pair (phi_q_den, phi_k_den).")
+  dq, dk = den_features
+  for name, a, ref in (("phi_q_den", dq, phi_q), ("phi_k_den", dk, phi_k)):
+    if jnp.ndim(a) != 4 or jnp.shape(a)[:3] != jnp.shape(ref)[:3]:
+      raise ValueError(
+          f"{name} must be [batch, N, heads, m'] matching {jnp.shape(ref)[:3]}; got "
+          f"{jnp.shape(a)}.")
+  if jnp.shape(dq)[-1] != jnp.shape(dk)[-1]:
+    raise ValueError(f"phi_q_den and phi_k_den must share m'; got {jnp.shape(dq)}, "
+                     f"{jnp.shape(dk)}.")
+
+
 def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
-                     grid: Sequence[int] | None = None, chunk_size: int = 64,
-                     eps: float = DEFAULT_EPS):
+                     grid: Sequence[int] | None = None, decay=None, den_features=None,
+                     chunk_size: int = 64, eps: float = DEFAULT_EPS):
   """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
 
   Args:
@@ -191,6 +234,13 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
       denominator alike: ``sum_j c_{j-i} phi(k_j) v_j^T`` and ``sum_j c_{j-i} phi(k_j)`` by
       the Toeplitz FFT over ``m*dim + m`` channels.
     grid: ``(H, W)`` image grid; only used with ``rpe``.
+    decay: ``[heads]`` log r <= 0 of a causal decay: key j weighs ``r^(i-j)`` (PermuteFormer
+      Sec. 3.3). Computed chunk by chunk so every exponent is <= 0 (no r^-i overflow). With
+      ``rpe`` it is folded into the table (log c_{j-i} + (i-j) log r).
+    den_features: optional ``(phi_q_den, phi_k_den)`` ``[batch, N, heads, m']`` used for the
+      denominator instead of ``(phi_q, phi_k)`` (for positional transforms that may make the
+      numerator's features negative, e.g. rotations: the denominator keeps the plain positive
+      features). Same masks, causality, rpe and decay.
     chunk_size: chunk length of the causal path without rpe.
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
@@ -203,26 +253,49 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   _check_mask(mask, b, n)
   _check_rpe(rpe, h, n, grid)
+  _check_decay(decay, h, causal)
+  _check_den_features(den_features, phi_q, phi_k)
   if grid is not None and rpe is None:
     raise ValueError("grid is only used together with a 2D rpe table; got rpe=None.")
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int; got {chunk_size}.")
   out_dtype = v.dtype
   dtype = _state_dtype(phi_q, phi_k, v)
-  phi_q = phi_q.astype(dtype)
-  phi_k = _apply_key_mask(phi_k, mask, dtype)
-  v = v.astype(dtype)
+  if rpe is not None and decay is not None:
+    rpe = rpe.astype(dtype) * jnp.exp(_decay_table(decay.astype(dtype), n, grid))
+    decay = None
 
-  if rpe is not None:
-    num, den = _rpe_mix(phi_q, phi_k, v, rpe.astype(dtype), causal, grid)
-  elif causal:
-    num, den = _causal_chunked(phi_q, phi_k, v, min(chunk_size, n))
-  else:
-    kv = jnp.einsum("bjhm,bjhd->bhmd", phi_k, v)
-    k_sum = jnp.sum(phi_k, axis=1)  # [b, h, m]
-    num = jnp.einsum("bihm,bhmd->bihd", phi_q, kv)
-    den = jnp.einsum("bihm,bhm->bih", phi_q, k_sum)
+  def contract(fq, fk, vals):
+    fq = fq.astype(dtype)
+    fk = _apply_key_mask(fk, mask, dtype)
+    vals = vals.astype(dtype)
+    if rpe is not None:
+      return _rpe_mix(fq, fk, vals, rpe.astype(dtype), causal, grid)
+    if causal:
+      return _causal_chunked(fq, fk, vals, min(chunk_size, n),
+                             None if decay is None else decay.astype(dtype))
+    kv = jnp.einsum("bjhm,bjhd->bhmd", fk, vals)
+    k_sum = jnp.sum(fk, axis=1)  # [b, h, m]
+    return (jnp.einsum("bihm,bhmd->bihd", fq, kv),
+            jnp.einsum("bihm,bhm->bih", fq, k_sum))
+
+  num, den = contract(phi_q, phi_k, v)
+  if den_features is not None:
+    ones = jnp.ones((b, n, h, 1), dtype)
+    den = contract(den_features[0], den_features[1], ones)[0][..., 0]
   return (num / _guard(den, eps)[..., None]).astype(out_dtype)
+
+
+def _decay_table(log_decay, n: int, grid):
+  """``[heads, 2N-1]`` log weights (i-j) log r for j <= i (raster offsets on a grid; the
+  causal mask removes j > i). Used to fold a decay into an rpe table."""
+  if grid is None:
+    offsets = jnp.arange(-(n - 1), n)  # j - i
+  else:
+    gh, gw = grid
+    offsets = (jnp.arange(-(gh - 1), gh)[:, None] * gw + jnp.arange(-(gw - 1), gw)[None, :])
+  dist = jnp.maximum(-offsets, 0).astype(log_decay.dtype)
+  return log_decay.reshape((-1,) + (1,) * dist.ndim) * dist[None]
 
 
 def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
@@ -242,11 +315,14 @@ def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
   return num, den
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk: int):
+def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):
   """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
 
   The sequence is zero-padded to a multiple of ``chunk`` (zero keys add nothing). The state
   entering chunk g is the exclusive prefix sum over chunks of ``phi_k^T v`` and ``phi_k``.
+  With ``log_decay`` (``[heads]``, g = log r <= 0) key j weighs r^(i-j) for query i, split as
+  r^(i - start) (query side, inside its chunk) times r^(start - j) (the carried state, decayed
+  by r^chunk per chunk): every exponent is <= 0, so nothing overflows.
   """
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
@@ -258,21 +334,50 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int):
     return a.reshape(b, g, chunk, h, a.shape[-1])
 
   q_c, k_c, v_c = split(phi_q), split(phi_k), split(v)
+  t = jnp.arange(chunk, dtype=phi_q.dtype)
+  if log_decay is not None:
+    # Keys weighted by r^(chunk - t) toward the end of their chunk; queries by r^t.
+    k_w = jnp.exp(log_decay[:, None] * (chunk - t)[None, :])  # [h, chunk]
+    q_w = jnp.exp(log_decay[:, None] * t[None, :])
+    k_in = k_c * jnp.transpose(k_w)[None, None, :, :, None]
+    q_in = q_c * jnp.transpose(q_w)[None, None, :, :, None]
+  else:
+    k_in, q_in = k_c, q_c
   # Inter-chunk: states of all earlier chunks.
-  kv_chunk = jnp.einsum("bgjhm,bgjhd->bghmd", k_c, v_c)
-  ks_chunk = jnp.sum(k_c, axis=2)  # [b, g, h, m]
-  kv_prev = _exclusive_cumsum(kv_chunk)
-  ks_prev = _exclusive_cumsum(ks_chunk)
-  num = jnp.einsum("bgihm,bghmd->bgihd", q_c, kv_prev)
-  den = jnp.einsum("bgihm,bghm->bgih", q_c, ks_prev)
-  # Intra-chunk: dense lower-triangular scores.
+  kv_chunk = jnp.einsum("bgjhm,bgjhd->bghmd", k_in, v_c)
+  ks_chunk = jnp.sum(k_in, axis=2)  # [b, g, h, m]
+  if log_decay is None:
+    kv_prev = _exclusive_cumsum(kv_chunk)
+    ks_prev = _exclusive_cumsum(ks_chunk)
+  else:
+    step = jnp.exp(log_decay * chunk)  # r^chunk per chunk, [h]
+    kv_prev = _exclusive_decayed_sum(kv_chunk, step[None, :, None, None])
+    ks_prev = _exclusive_decayed_sum(ks_chunk, step[None, :, None])
+  num = jnp.einsum("bgihm,bghmd->bgihd", q_in, kv_prev)
+  den = jnp.einsum("bgihm,bghm->bgih", q_in, ks_prev)
+  # Intra-chunk: dense lower-triangular scores (times r^(i-j) with a decay).
   scores = jnp.einsum("bgihm,bgjhm->bghij", q_c, k_c)
-  scores = jnp.where(toeplitz.causal_mask(chunk)[None, None, None], scores, 0)
+  if log_decay is None:
+    scores = jnp.where(toeplitz.causal_mask(chunk)[None, None, None], scores, 0)
+  else:
+    dist = jnp.maximum(t[:, None] - t[None, :], 0)
+    w = jnp.where(toeplitz.causal_mask(chunk)[None],
+                  jnp.exp(log_decay[:, None, None] * dist[None]), 0)  # [h, chunk, chunk]
+    scores = scores * w[None, None]
   num = num + jnp.einsum("bghij,bgjhd->bgihd", scores, v_c)
   den = den + jnp.transpose(jnp.sum(scores, axis=-1), (0, 1, 3, 2))
   num = num.reshape(b, g * chunk, h, d)[:, :n]
   den = den.reshape(b, g * chunk, h)[:, :n]
   return num, den
+
+
+def _exclusive_decayed_sum(a, step):
+  """S_0 = 0, S_{c+1} = step * S_c + a_c over chunks (axis 1); ``step`` broadcasts against
+  ``a[:, 0]``. A sequential scan over N/chunk steps."""
+  def body(carry, a_c):
+    return step * carry + a_c, carry
+  _, prev = jax.lax.scan(body, jnp.zeros_like(a[:, 0]), jnp.moveaxis(a, 1, 0))
+  return jnp.moveaxis(prev, 0, 1)
 
 
 def _exclusive_cumsum(a):
@@ -283,19 +388,33 @@ def _exclusive_cumsum(a):
 
 
 def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
-                               grid: Sequence[int] | None = None, eps: float = DEFAULT_EPS):
-  """Dense reference: materialises ``A = (phi_q phi_k^T) * C * masks`` of [b, h, N, N]."""
+                               grid: Sequence[int] | None = None, decay=None,
+                               den_features=None, eps: float = DEFAULT_EPS):
+  """Dense reference: materialises ``A = (phi_q phi_k^T) * C * R * masks`` of [b, h, N, N]
+  (C the rpe Toeplitz matrix, R_ij = r^(i-j) the decay) and normalises by the row sums of the
+  same matrix built from ``den_features`` when given."""
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   _check_mask(mask, b, n)
   _check_rpe(rpe, h, n, grid)
+  _check_decay(decay, h, causal)
+  _check_den_features(den_features, phi_q, phi_k)
   dtype = _state_dtype(phi_q, phi_k, v)
-  phi_k = _apply_key_mask(phi_k, mask, dtype)
-  a = jnp.einsum("bihm,bjhm->bhij", phi_q.astype(dtype), phi_k)
-  if rpe is not None:
-    c = toeplitz.dense_toeplitz(rpe) if grid is None else toeplitz.dense_toeplitz_2d(rpe, grid)
-    a = a * c[None].astype(dtype)
-  if causal:
-    a = jnp.where(toeplitz.causal_mask(n)[None, None], a, 0)
+
+  def scores(fq, fk):
+    fk = _apply_key_mask(fk, mask, dtype)
+    a = jnp.einsum("bihm,bjhm->bhij", fq.astype(dtype), fk)
+    if rpe is not None:
+      c = toeplitz.dense_toeplitz(rpe) if grid is None else toeplitz.dense_toeplitz_2d(rpe, grid)
+      a = a * c[None].astype(dtype)
+    if decay is not None:
+      dist = jnp.maximum(jnp.arange(n)[:, None] - jnp.arange(n)[None, :], 0).astype(dtype)
+      a = a * jnp.exp(decay.astype(dtype)[:, None, None] * dist[None])[None]
+    if causal:
+      a = jnp.where(toeplitz.causal_mask(n)[None, None], a, 0)
+    return a
+
+  a = scores(phi_q, phi_k)
   num = jnp.einsum("bhij,bjhd->bihd", a, v.astype(dtype))
-  den = jnp.transpose(jnp.sum(a, axis=-1), (0, 2, 1))
+  a_den = a if den_features is None else scores(*den_features)
+  den = jnp.transpose(jnp.sum(a_den, axis=-1), (0, 2, 1))
   return (num / _guard(den, eps)[..., None]).astype(v.dtype)

@@ -345,6 +345,12 @@ def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int
   return 2 * num_features if name == "trf" else num_features
 
 
+def needs_projection(name: str) -> bool:
+  """Whether ``name`` is a random-feature map that needs a projection (``make_projection``)."""
+  _check_name(name)
+  return name in _RANDOM_MAPS
+
+
 def is_nonnegative(name: str) -> bool:
   """Whether phi(x) >= 0 always: True for every map but ``trf`` (sin / cos features)."""
   _check_name(name)

@@ -59,11 +59,11 @@ def check_options(name: str, options: Mapping) -> None:
           f"{', '.join(valid) or '(none)'}.")
 
 
-def build(name: str, dims: Dims, options: Mapping | None = None, **module_kwargs) -> Scheme:
-  """An (unbound) scheme module; ``module_kwargs`` are linen's (``name=``, ``parent=``)."""
+def build(scheme: str, dims: Dims, options: Mapping | None = None, **module_kwargs) -> Scheme:
+  """A scheme module; ``module_kwargs`` are linen's (``name=``, ``parent=``)."""
   options = dict(options or {})
-  check_options(name, options)
-  return get_class(name)(dims=dims, **options, **module_kwargs)
+  check_options(scheme, options)
+  return get_class(scheme)(dims=dims, **options, **module_kwargs)
 
 
 def parse_names(positional: str | tuple | list) -> tuple[str, ...]:

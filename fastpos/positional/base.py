@@ -89,6 +89,7 @@ class Context:
     reference: compute with dense O(N^2) references instead of fast paths (tests hold the
       two together).
     deterministic: no dropout / no feature redraw.
+    length: Lq, the number of queries (sequence length) of this batch.
     memory_length: M, the number of memory keys that precede the Lq queries (Transformer-XL
       decoder); keys are ``[memory, current segment]`` and Lk = M + Lq.
   """
@@ -97,6 +98,7 @@ class Context:
   causal: bool = False
   reference: bool = False
   deterministic: bool = True
+  length: int = 0
   memory_length: int = 0
 
 

@@ -1,0 +1,326 @@
+"""One attention layer for every kernel x positional scheme.
+
+``Attention`` projects x to q, k, v, then calls each positional scheme at its hooks (DESIGN.md
+"Attention = kernel x positional scheme") without knowing which scheme it talks to:
+
+1. ``features`` (pre_phi) on q, k;
+2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits_bias`` + the
+   ``kv_mix`` tables materialised as b_{j-i} (+ a decay as (i-j) log r); exact softmax.
+   linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
+   phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
+   the numerator's features); ``kv_mix`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
+   the chunked causal path;
+3. ``output`` terms added (FastRPB's W V);
+4. output projection.
+
+Precision: projections run in ``dtype`` (e.g. bfloat16) with float32 parameters. What stays
+float32 (float64 in float64 runs): the feature maps' exponentials, the linear-attention states
+``sum phi(k) v^T`` and denominators and every FFT (``fastpos.ops`` compute there in float32,
+because bf16's 8-bit mantissa loses the small terms of long sums and FFT round-off grows with
+log N), and softmax's normaliser (``jax.nn.dot_product_attention`` takes softmax in float32).
+Results are cast back to ``dtype``.
+
+With ``reference=True`` every fast path is replaced by its dense O(N^2) reference (materialised
+attention and Toeplitz matrices); tests hold the two together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fastpos import compat, positional
+from fastpos.ops import attention as attn_ops
+from fastpos.ops import features as feature_ops
+from fastpos.ops import toeplitz
+
+# Random-feature maps estimate the softmax kernel exp(q.k): q and k are scaled by d^-1/4 so
+# that they estimate exp(q.k / sqrt(d)) as softmax attention does.
+_SOFTMAX_ESTIMATORS = ("favor", "prf", "trf", "orf")
+_KERNEL_OPTIONS = ("num_features", "nu", "eps", "redraw", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """The similarity: ``name`` ("softmax" or a feature map) and the feature map's options.
+
+  Attributes:
+    num_features: m for the random maps (favor, prf, trf, nprf, orf).
+    nu: DPFP's nu.
+    eps: the linear-attention denominator guard.
+    redraw: redraw the random projection at every training step (Performer); otherwise one
+      fixed draw per layer from ``seed`` and the layer's path.
+    seed: seed of the fixed projection.
+  """
+  name: str = "softmax"
+  num_features: int = 64
+  nu: int = 1
+  eps: float = 1e-6
+  redraw: bool = False
+  seed: int = 0
+
+  def __post_init__(self):
+    compat.kernel_info(self.name)  # validates the name
+
+  @classmethod
+  def from_config(cls, name: str, options: Mapping | None = None) -> "KernelSpec":
+    options = dict(options or {})
+    for key in options:
+      if key not in _KERNEL_OPTIONS:
+        raise ValueError(f"unknown kernel option {key!r}; valid options: "
+                         f"{', '.join(_KERNEL_OPTIONS)}.")
+    return cls(name=name, **options)
+
+  @property
+  def is_softmax(self) -> bool:
+    return self.name == "softmax"
+
+  def info(self) -> positional.KernelInfo:
+    return compat.kernel_info(self.name)
+
+  def feature_dim(self, dim: int) -> int:
+    if self.is_softmax:
+      return dim
+    return feature_ops.feature_dim(self.name, dim, num_features=self.num_features, nu=self.nu)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionalSpec:
+  """A scheme name and its options (a hashable tuple of (key, value) pairs)."""
+  name: str
+  options: tuple = ()
+
+  @classmethod
+  def make(cls, name: str, options: Mapping | None = None) -> "PositionalSpec":
+    options = dict(options or {})
+    positional.check_options(name, options)
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                          for k, v in options.items()))
+    return cls(name, frozen)
+
+  @property
+  def cls(self) -> type[positional.Scheme]:
+    return positional.get_class(self.name)
+
+  def option_dict(self) -> dict:
+    return dict(self.options)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Static description of an attention layer (hashable, so it can be a linen field)."""
+  num_heads: int
+  head_dim: int
+  embed_dim: int
+  kernel: KernelSpec = KernelSpec()
+  positional: tuple[PositionalSpec, ...] = ()
+  max_length: int = 512
+  grid: tuple[int, int] | None = None
+  causal: bool = False
+  chunk_size: int = 64
+
+  def __post_init__(self):
+    names = [p.name for p in self.positional]
+    compat.check(self.kernel.name, names, causal=self.causal, two_d=self.grid is not None,
+                 options={p.name: p.option_dict() for p in self.positional})
+
+  def scheme_dims(self) -> dict[str, positional.Dims]:
+    """The Dims each attention-level scheme is built with (feature_dim = the size its
+    features hook sees, following pre_phi schemes that change it)."""
+    info = self.kernel.info()
+    dims, dim = {}, self.head_dim
+    stages = [p for p in self.positional if "features" in p.cls.hooks
+              and p.cls.feature_stage == "pre_phi"]
+    for p in stages:
+      dims[p.name] = self._dims(dim, info)
+      dim = p.cls.feature_out_dim(dim, p.option_dict())
+    pre_dim, dim = dim, self.kernel.feature_dim(dim)
+    for p in self.positional:
+      if p.name in dims:
+        continue
+      dims[p.name] = self._dims(dim, info)
+      if "features" in p.cls.hooks:
+        dim = p.cls.feature_out_dim(dim, p.option_dict())
+    del pre_dim
+    return dims
+
+  def _dims(self, feature_dim: int, info) -> positional.Dims:
+    return positional.Dims(num_heads=self.num_heads, head_dim=self.head_dim,
+                           feature_dim=feature_dim, embed_dim=self.embed_dim,
+                           max_length=self.max_length, grid=self.grid, causal=self.causal,
+                           kernel=info)
+
+  def pre_phi_dim(self) -> int:
+    dim = self.head_dim
+    for p in self.positional:
+      if "features" in p.cls.hooks and p.cls.feature_stage == "pre_phi":
+        dim = p.cls.feature_out_dim(dim, p.option_dict())
+    return dim
+
+
+def attention_schemes(cfg: AttentionConfig) -> list[PositionalSpec]:
+  """The schemes an attention layer calls (all but embedding-only ones)."""
+  return [p for p in cfg.positional if set(p.cls.hooks) - {"embed"}]
+
+
+def _materialise(log_table, n: int, grid):
+  """``[h, 2N-1]`` / ``[h, 2H-1, 2W-1]`` offset table -> ``[h, N, N]`` bias b_{j-i}."""
+  if grid is None:
+    return toeplitz.dense_toeplitz(log_table)
+  return toeplitz.dense_toeplitz_2d(log_table, grid)
+
+
+def _decay_bias(log_decay, n: int, grid):
+  """``[h, N, N]`` (i-j) log r for j <= i (0 above the diagonal; the causal mask hides it)."""
+  del grid  # raster order: the distance is the raster index difference
+  dist = jnp.maximum(jnp.arange(n)[:, None] - jnp.arange(n)[None, :], 0)
+  return log_decay[:, None, None] * dist[None].astype(log_decay.dtype)
+
+
+class Attention(nn.Module):
+  """Multi-head attention: ``x [b, N, D] -> [b, N, D]``.
+
+  Attributes:
+    cfg: the static layer description (kernel, schemes, sizes).
+    shared: scheme modules built once by the model and shared by every layer (schemes with
+      ``share_across_layers``); matched by scheme name.
+    dtype: activation dtype of the projections.
+  """
+  cfg: AttentionConfig
+  shared: tuple = ()
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, mask=None, grid=None, memory=None, deterministic: bool = True,
+               reference: bool = False):
+    """Args:
+      x: ``[batch, N, D]``.
+      mask: ``[batch, N]`` True for real tokens (``[batch, M+N]`` with memory).
+      grid: (H, W) with H * W == N for 2D inputs; required iff the layer was built 2D.
+      memory: ``[batch, M, D]`` earlier states (Transformer-XL): keys and values are computed
+        over ``[memory, x]``; softmax kernel only.
+      deterministic: no feature redraw.
+      reference: dense O(N^2) references instead of the fast paths.
+    """
+    cfg = self.cfg
+    b, n, _ = x.shape
+    h, d = cfg.num_heads, cfg.head_dim
+    if (grid is None) != (cfg.grid is None):
+      raise ValueError(f"the layer was built with grid={cfg.grid} but called with grid={grid}.")
+    if grid is not None:
+      grid = tuple(int(g) for g in grid)
+      if grid[0] * grid[1] != n:
+        raise ValueError(f"grid {grid} does not cover the sequence length {n}.")
+    m_len = 0 if memory is None else memory.shape[1]
+    if memory is not None and not cfg.kernel.is_softmax:
+      raise ValueError("memory (Transformer-XL) needs the softmax kernel; got kernel "
+                       f"{cfg.kernel.name!r}.")
+
+    dense = lambda name: nn.DenseGeneral((h, d), dtype=self.dtype, name=name)
+    q = dense("query")(x)
+    kv_in = x if memory is None else jnp.concatenate([memory.astype(x.dtype), x], axis=1)
+    k = dense("key")(kv_in)
+    v = dense("value")(kv_in)
+    key_mask = mask
+    if mask is not None:
+      # Padded keys and values contribute nothing anywhere (also to output terms like W V).
+      v = jnp.where(key_mask[:, :, None, None], v, jnp.zeros((), v.dtype))
+
+    ctx = positional.Context(mask=key_mask, grid=grid, causal=cfg.causal, reference=reference,
+                             deterministic=deterministic, length=n, memory_length=m_len)
+    dims = cfg.scheme_dims()
+    shared = {type(s).scheme_name: s for s in self.shared}
+    schemes = []
+    for spec in attention_schemes(cfg):
+      if spec.name in shared:
+        schemes.append(shared[spec.name])
+      else:
+        schemes.append(positional.build(spec.name, dims[spec.name], spec.option_dict(),
+                                        name=f"pos_{spec.name}"))
+    pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
+    post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
+    mixes = [s.kv_mix(ctx) for s in schemes if "kv" in s.hooks]
+    log_table = _sum([m.log_table for m in mixes])
+    log_decay = _sum([m.log_decay for m in mixes])
+
+    for s in pre:
+      q, k = s.features(q, k, ctx)
+
+    if cfg.kernel.is_softmax:
+      for s in post:
+        q, k = s.features(q, k, ctx)
+      terms = [s.logits_bias(q, k, ctx) for s in schemes if "logits" in s.hooks]
+      if log_table is not None:
+        terms.append(_materialise(log_table, n, grid)[None])
+      if log_decay is not None:
+        terms.append(_decay_bias(log_decay, n, grid)[None])
+      bias = _sum(terms)
+      fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
+      out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)
+    else:
+      out = self._linear(q, k, v, key_mask, grid, post, log_table, log_decay, ctx,
+                         deterministic, reference)
+
+    for s in schemes:
+      if "output" in s.hooks:
+        out = out + s.output(v[:, m_len:], ctx).astype(out.dtype)
+    out = out.astype(self.dtype)
+    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
+
+  def _linear(self, q, k, v, mask, grid, post, log_table, log_decay, ctx, deterministic,
+              reference):
+    cfg, spec = self.cfg, self.cfg.kernel
+    dim = q.shape[-1]
+    state = jnp.promote_types(q.dtype, jnp.float32)  # feature maps: float32 at least
+    q, k = q.astype(state), k.astype(state)
+    if spec.name in _SOFTMAX_ESTIMATORS:
+      q, k = q * dim ** -0.25, k * dim ** -0.25
+    if mask is not None:
+      # Zero padded rows before phi: exp of garbage could overflow and poison gradients.
+      q = jnp.where(mask[:, :, None, None], q, 0)
+      k = jnp.where(mask[:, :, None, None], k, 0)
+    projection = None
+    if feature_ops.needs_projection(spec.name):
+      if spec.redraw and not deterministic:
+        key = self.make_rng("features")
+      else:
+        path = "/".join(str(p) for p in self.scope.path)
+        key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
+      projection = feature_ops.make_projection(spec.name, key, spec.num_features, dim,
+                                               dtype=state)
+    fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
+                                 mask=mask, nu=spec.nu)
+    fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,
+                                 mask=mask, nu=spec.nu)
+    den = None
+    for s in post:
+      if s.keeps_nonnegative:
+        if den is not None:
+          den = s.features(*den, ctx)
+        fq, fk = s.features(fq, fk, ctx)
+      else:
+        if den is None:
+          den = (fq, fk)  # the denominator keeps the positive, untransformed features
+        fq, fk = s.features(fq, fk, ctx)
+    rpe = None if log_table is None else jnp.exp(log_table.astype(state))
+    kw = dict(mask=mask, causal=cfg.causal, rpe=rpe, grid=grid if rpe is not None else None,
+              decay=None if log_decay is None else log_decay.astype(state),
+              den_features=den, eps=spec.eps)
+    if reference:
+      return attn_ops.linear_attention_reference(fq, fk, v, **kw)
+    return attn_ops.linear_attention(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
+
+
+def _sum(terms):
+  terms = [t for t in terms if t is not None]
+  if not terms:
+    return None
+  out = terms[0]
+  for t in terms[1:]:
+    out = out + t
+  return out

@@ -1,0 +1,83 @@
+"""The transformer block shared by every model: attention + MLP with residuals and norms.
+
+``norm="post"`` (LRA's layout, Vaswani et al.): ``x = LN(x + Drop(Attn(x)))``,
+``x = LN(x + Drop(MLP(x)))``. ``norm="pre"``: ``x = x + Drop(Attn(LN(x)))``,
+``x = x + Drop(MLP(LN(x)))`` (the model adds a final LN). ``norm="batch"``: post-norm with
+BatchNorm over the real tokens (LRPE's LRA setup), statistics in the ``batch_stats``
+collection. Dropout follows the attention and the MLP outputs (the fused softmax and the
+linear paths have no attention-weight dropout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fastpos.models.attention import Attention, AttentionConfig
+
+NORMS = ("post", "pre", "batch")
+
+
+class MLP(nn.Module):
+  """``[b, N, D] -> [b, N, D]``: Dense(mlp_dim) -> GELU -> Dropout -> Dense(D)."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, deterministic: bool):
+    y = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
+    y = nn.gelu(y)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(y)
+
+
+class Block(nn.Module):
+  """One transformer layer. ``shared``: scheme modules shared across layers."""
+  attention: AttentionConfig
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  norm: str = "post"
+  shared: tuple = ()
+  dtype: Any = jnp.float32
+
+  def _make_norm(self, name: str, train: bool):
+    if self.norm == "batch":
+      return nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
+                          name=name)
+    return nn.LayerNorm(dtype=self.dtype, name=name)
+
+  @staticmethod
+  def _apply(norm, x, mask):
+    if isinstance(norm, nn.BatchNorm) and mask is not None:
+      return norm(x, mask=jnp.broadcast_to(mask[..., None], x.shape))
+    return norm(x)
+
+  @nn.compact
+  def __call__(self, x, *, mask=None, grid=None, memory=None, train: bool = False,
+               reference: bool = False):
+    """``x [b, N, D] -> [b, N, D]``; ``memory [b, M, D]`` (Transformer-XL) is this layer's
+    input of the previous segment (treated as real tokens)."""
+    if self.norm not in NORMS:
+      raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
+    attn = Attention(self.attention, shared=self.shared, dtype=self.dtype, name="attention")
+    drop = nn.Dropout(self.dropout_rate)
+    mlp = MLP(self.mlp_dim, self.dropout_rate, dtype=self.dtype, name="mlp")
+    norm1 = self._make_norm("norm_attention", train)
+    norm2 = self._make_norm("norm_mlp", train)
+    amask = mask
+    if memory is not None and mask is not None:
+      amask = jnp.concatenate([jnp.ones(memory.shape[:2], bool), mask], axis=1)
+    kw = dict(mask=amask, grid=grid, deterministic=not train, reference=reference)
+    if self.norm == "pre":
+      mem = None if memory is None else self._apply(norm1, memory, None)
+      x = x + drop(attn(self._apply(norm1, x, mask), memory=mem, **kw),
+                   deterministic=not train)
+      return x + drop(mlp(self._apply(norm2, x, mask), deterministic=not train),
+                      deterministic=not train)
+    y = attn(x, memory=memory, **kw)
+    x = self._apply(norm1, x + drop(y, deterministic=not train), mask)
+    y = mlp(x, deterministic=not train)
+    return self._apply(norm2, x + drop(y, deterministic=not train), mask)

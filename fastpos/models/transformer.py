@@ -1,0 +1,169 @@
+"""The models: encoder classifier, dual encoder (LRA Retrieval) and causal decoder LM.
+
+All share one ``Tower`` (embedding-hook schemes -> blocks -> final norm for pre-LN) and one
+``Block``; the kernel and the positional schemes live in the ``AttentionConfig``. Inputs are a
+batch dict: ``inputs`` int32 ``[b, N]`` (0 = padding), ``mask`` bool ``[b, N]`` (True for real
+tokens), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is static (the task's
+``TaskInfo.grid``), not part of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fastpos import positional
+from fastpos.models.attention import AttentionConfig, PositionalSpec
+from fastpos.models.blocks import Block
+
+POOLINGS = ("mean", "cls")
+
+
+def _mask_or_ones(batch, key_inputs: str, key_mask: str):
+  inputs = batch[key_inputs]
+  mask = batch.get(key_mask)
+  return inputs, (inputs != 0 if mask is None else mask.astype(bool))
+
+
+class Tower(nn.Module):
+  """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks."""
+  attention: AttentionConfig
+  num_layers: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  norm: str = "post"
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None):
+    """``memory``: a list of per-layer ``[b, M, D]`` states (Transformer-XL) or None. Returns
+    ``(states, new_memory)``; new_memory is None unless memory was given."""
+    cfg = self.attention
+    grid = cfg.grid
+    ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1],
+                             deterministic=not train, reference=reference)
+    dims = cfg.scheme_dims()
+    for spec in cfg.positional:
+      if "embed" in spec.cls.hooks:
+        scheme = positional.build(spec.name, dims[spec.name], spec.option_dict(),
+                                  name=f"pos_{spec.name}")
+        x = scheme.embed(x, ctx)
+    shared = tuple(
+        positional.build(spec.name, dims[spec.name], spec.option_dict(),
+                         name=f"pos_{spec.name}_shared")
+        for spec in cfg.positional
+        if spec.cls.shareable_across_layers and spec.option_dict().get("share_across_layers"))
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    new_memory = [] if memory is not None else None
+    for i in range(self.num_layers):
+      if memory is not None:
+        m = memory[i]
+        new_memory.append(jax.lax.stop_gradient(
+            jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
+      x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
+                dtype=self.dtype, name=f"block_{i}")(
+                    x, mask=mask, memory=None if memory is None else memory[i],
+                    train=train, reference=reference)
+    if self.norm == "pre":
+      x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+    return x, new_memory
+
+
+class _Base(nn.Module):
+  attention: AttentionConfig
+  vocab_size: int
+  num_layers: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  norm: str = "post"
+  pooling: str = "mean"
+  num_classes: int = 0
+  dtype: Any = jnp.float32
+
+  def _tower(self, name="encoder"):
+    return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
+                 dtype=self.dtype, name=name)
+
+  def _embed(self):
+    return nn.Embed(self.vocab_size, self.attention.embed_dim,
+                    embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+
+  def _encode(self, embed, tower, inputs, mask, train, reference):
+    """Embeds, runs the tower, pools (masked mean or CLS) -> ``[b, D]``."""
+    x = embed(inputs).astype(self.dtype)
+    if self.pooling == "cls":
+      cls = self.param("cls", nn.initializers.normal(stddev=0.02), (1, 1, x.shape[-1]))
+      x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])).astype(x.dtype),
+                           x], axis=1)
+      mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
+    y, _ = tower(x, mask, train=train, reference=reference)
+    if self.pooling == "cls":
+      return y[:, 0]
+    w = mask.astype(y.dtype)[..., None]
+    return jnp.sum(y * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1)
+
+  def _head(self, x, name="head"):
+    """LRA's classifier head: Dense(mlp_dim) -> ReLU -> Dense(num_classes), float32 logits."""
+    x = nn.relu(nn.Dense(self.mlp_dim, dtype=self.dtype, name=f"{name}_hidden")(x))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name=f"{name}_out")(x).astype(
+        jnp.float32)
+
+
+class Classifier(_Base):
+  """Encoder classifier: embed -> blocks -> pooling -> head. Returns ``[b, num_classes]``."""
+
+  @nn.compact
+  def __call__(self, batch, *, train: bool = False, reference: bool = False):
+    inputs, mask = _mask_or_ones(batch, "inputs", "mask")
+    pooled = self._encode(self._embed(), self._tower(), inputs, mask, train, reference)
+    return self._head(pooled)
+
+
+class DualEncoder(_Base):
+  """LRA Retrieval: one shared tower encodes both documents; the head sees
+  ``[u, v, u*v, u-v]``. Returns ``[b, num_classes]``."""
+
+  @nn.compact
+  def __call__(self, batch, *, train: bool = False, reference: bool = False):
+    embed, tower = self._embed(), self._tower()
+    in1, m1 = _mask_or_ones(batch, "inputs", "mask")
+    in2, m2 = _mask_or_ones(batch, "inputs2", "mask2")
+    u = self._encode(embed, tower, in1, m1, train, reference)
+    v = self._encode(embed, tower, in2, m2, train, reference)
+    return self._head(jnp.concatenate([u, v, u * v, u - v], axis=-1))
+
+
+class DecoderLM(_Base):
+  """Causal decoder LM: ``[b, L]`` ids -> ``[b, L, vocab]`` next-token logits.
+
+  ``tie_embeddings``: the output projection is the input embedding transposed.
+  ``memory_length`` M > 0 (Transformer-XL): call with ``memory`` (a list of ``[b, M, D]``
+  per layer, ``init_memory`` gives zeros... the first segment should pass real history or
+  the zeros with ``memory_mask``); returns ``(logits, new_memory)``.
+  """
+  tie_embeddings: bool = True
+  memory_length: int = 0
+
+  def init_memory(self, batch_size: int):
+    return [jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
+            for _ in range(self.num_layers)]
+
+  @nn.compact
+  def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None):
+    if self.memory_length and memory is None:
+      memory = self.init_memory(batch["inputs"].shape[0])
+    if not self.memory_length and memory is not None:
+      raise ValueError("memory given but memory_length is 0.")
+    inputs, mask = _mask_or_ones(batch, "inputs", "mask")
+    embed = self._embed()
+    x = embed(inputs).astype(self.dtype)
+    y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
+    if self.tie_embeddings:
+      logits = embed.attend(y.astype(jnp.float32))
+    else:
+      logits = nn.Dense(self.vocab_size, dtype=self.dtype, name="lm_head")(y)
+    logits = logits.astype(jnp.float32)
+    return logits if not self.memory_length else (logits, new_memory)

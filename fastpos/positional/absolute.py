@@ -1,0 +1,86 @@
+"""``absolute``: absolute position embeddings added to the token embeddings (embed hook).
+
+Vaswani et al. 2017, Sec. 3.5: ``x_i <- x_i + p_i``, with ``p`` either
+
+* ``kind="learned"``: a table ``[max_length, D]`` initialised N(0, 0.02^2) (BERT / LRA), or
+* ``kind="sinusoidal"``: fixed ``p_{i,2k} = sin(i / 10000^(2k/D))``,
+  ``p_{i,2k+1} = cos(i / 10000^(2k/D))`` (no parameters).
+
+2D grids (image tasks) get a 2D table: learned ``[H, W, D]`` (one vector per pixel, the
+largest grid sliced to the batch's grid); sinusoidal uses the first half of the channels for
+the row index and the second half for the column index.
+
+Supports causal, 1D and 2D, and every kernel (it acts before attention). Not relative: the
+shift tests of the relative schemes do not apply to it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fastpos.positional.base import Context, KernelInfo, Scheme
+
+KINDS = ("learned", "sinusoidal")
+
+
+def sinusoid_table(positions, dim: int, *, base: float = 10000.0):
+  """``[len(positions), dim]`` sinusoids (Vaswani Sec. 3.5); odd ``dim`` drops the last cos."""
+  half = (dim + 1) // 2
+  inv = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / dim)
+  ang = jnp.asarray(positions, jnp.float32)[:, None] * inv[None, :]
+  table = jnp.stack([jnp.sin(ang), jnp.cos(ang)], axis=-1).reshape(ang.shape[0], 2 * half)
+  return table[:, :dim]
+
+
+class AbsolutePositional(Scheme):
+  """Absolute embeddings. Options: ``kind`` in ``KINDS``."""
+
+  kind: str = "learned"
+
+  scheme_name = "absolute"
+  hooks = ("embed",)
+  supports_2d = True
+
+  @classmethod
+  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
+                    options: dict) -> str | None:
+    kind = options.get("kind", "learned")
+    if kind not in KINDS:
+      raise ValueError(f"absolute: unknown kind {kind!r}; valid choices: {', '.join(KINDS)}.")
+    return None
+
+  def setup(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"absolute: unknown kind {self.kind!r}; valid choices: "
+                       f"{', '.join(KINDS)}.")
+    if self.kind == "learned":
+      shape = ((self.dims.max_length, self.dims.embed_dim) if self.dims.grid is None
+               else (*self.dims.grid, self.dims.embed_dim))
+      self.table = self.param("table", nn.initializers.normal(stddev=0.02), shape)
+
+  def _table(self, n: int, grid):
+    d = self.dims.embed_dim
+    if grid is None:
+      if n > self.dims.max_length:
+        raise ValueError(f"absolute: length {n} exceeds max_length {self.dims.max_length}.")
+      if self.kind == "learned":
+        return self.table[:n]
+      return sinusoid_table(jnp.arange(n), d)
+    h, w = grid
+    if self.kind == "learned":
+      if self.dims.grid is None or h > self.dims.grid[0] or w > self.dims.grid[1]:
+        raise ValueError(f"absolute: grid {tuple(grid)} exceeds the table's grid "
+                         f"{self.dims.grid}.")
+      return self.table[:h, :w].reshape(h * w, d)
+    rows = sinusoid_table(jnp.arange(h), d // 2)
+    cols = sinusoid_table(jnp.arange(w), d - d // 2)
+    return jnp.concatenate([jnp.repeat(rows, w, axis=0), jnp.tile(cols, (h, 1))], axis=-1)
+
+  def embed(self, x, ctx: Context):
+    """``x [b, N, D] -> x + p [b, N, D]``."""
+    return x + self._table(x.shape[1], ctx.grid)[None].astype(x.dtype)
+
+
+SCHEMES = {"absolute": AbsolutePositional}
