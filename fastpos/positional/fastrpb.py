@@ -118,7 +118,7 @@ class FastRPB(Scheme):
       if ctx.reference:
         t = toeplitz.dense_toeplitz_2d(w, ctx.grid)
         if ctx.causal:
-          t = jnp.where(toeplitz.raster_causal_mask_2d(ctx.grid), t, 0)
+          t = jnp.where(toeplitz.causal_mask(n), t, 0)  # raster order = index order
         y = jnp.einsum("hij,bhjd->bhid", t, x.astype(t.dtype))
       else:
         y = toeplitz.toeplitz_matmul_2d(w, x, ctx.grid, causal=ctx.causal)
