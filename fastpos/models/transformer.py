@@ -65,7 +65,7 @@ class Tower(nn.Module):
             jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
       x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
                 dtype=self.dtype, name=f"block_{i}")(
-                    x, mask=mask, memory=None if memory is None else memory[i],
+                    x, mask=mask, grid=grid, memory=None if memory is None else memory[i],
                     train=train, reference=reference)
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)

@@ -1,0 +1,194 @@
+"""The models built from configs: validation, fast vs dense, padding, causality, precision."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastpos.models import TaskInfo, build_model, model_config
+from tests.helpers import rel_err
+
+V = 13
+
+
+def _cfg(**kw):
+  c = model_config()
+  c.num_layers, c.embed_dim, c.num_heads, c.mlp_dim, c.dropout_rate = 2, 16, 2, 32, 0.0
+  c.kernel_options.num_features = 8
+  c.chunk_size = 4
+  for k, v in kw.items():
+    if isinstance(v, dict):
+      for kk, vv in v.items():
+        c[k][kk] = vv
+    else:
+      c[k] = v
+  return c
+
+
+def _batch(b, n, seed=0, pad=0, pair=False):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, V, (b, n)).astype(np.int32)
+  if pad:
+    ids[:, n - pad:] = 0
+  out = {"inputs": jnp.asarray(ids), "mask": jnp.asarray(ids != 0)}
+  if pair:
+    ids2 = rng.integers(1, V, (b, n)).astype(np.int32)
+    out.update(inputs2=jnp.asarray(ids2), mask2=jnp.asarray(ids2 != 0))
+  return out
+
+
+def _init(model, batch, seed=0):
+  variables = model.init(jax.random.key(seed), batch)
+  params = variables["params"]
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [l + 0.2 * jax.random.normal(k, l.shape, l.dtype) for k, l in zip(keys, leaves)]
+  return {**variables, "params": jax.tree.unflatten(tree, leaves)}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kernel="elu2"), "unknown kernel 'elu2'; valid choices: softmax, elu1"),
+    (dict(positional="fastrbp"), "unknown positional scheme 'fastrbp'; valid choices"),
+    (dict(positional="fastrpb", positional_options={"fastrpb": {"per_haed": True}}),
+     "unknown option 'per_haed' for positional scheme 'fastrpb'; valid options"),
+    (dict(positional="none", positional_options={"fastrpb": {"per_head": True}}),
+     "not in model.positional"),
+    (dict(norm="mid"), "unknown norm 'mid'; valid choices"),
+    (dict(pooling="max"), "unknown pooling 'max'"),
+    (dict(dtype="float16"), "unknown dtype 'float16'"),
+    (dict(kernel_options={"num_feature": 3}), "unknown kernel option 'num_feature'"),
+])
+def test_bad_config_names_the_value_and_choices(bad, match):
+  c = _cfg()
+  for k, v in bad.items():
+    if isinstance(v, dict):
+      c[k].update(v) if k != "positional_options" else c.__setattr__(k, v)
+    else:
+      c[k] = v
+  with pytest.raises(ValueError, match=match):
+    build_model(c, TaskInfo("classify", V, 3, 16))
+
+
+def test_cls_pooling_with_a_grid_is_rejected():
+  with pytest.raises(ValueError, match="cls"):
+    build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
+
+
+@pytest.mark.parametrize("kind, kernel, scheme, grid", [
+    ("classify", "elu1", "fastrpb", None),
+    ("classify", "sikf", "kernelized_rpe", (3, 4)),
+    ("classify", "softmax", "fastrpb", (3, 4)),
+    ("retrieval", "favor", "fastrpb", None),
+    ("lm", "elu1", "kernelized_rpe", None),
+    ("lm", "softmax", "fastrpb", None),
+])
+def test_model_fast_equals_dense(kind, kernel, scheme, grid):
+  n = 12
+  task = TaskInfo(kind, V, 3, n, grid=grid)
+  model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"), task)
+  batch = _batch(2, n, pad=0 if grid else 3, pair=kind == "retrieval")
+  v = _init(model, batch)
+  fast = model.apply(v, batch)
+  dense = model.apply(v, batch, reference=True)
+  if kind == "lm":
+    m = np.asarray(batch["mask"])
+    fast, dense = np.asarray(fast)[m], np.asarray(dense)[m]
+  assert rel_err(fast, dense) < 1e-9
+
+
+@pytest.mark.parametrize("kernel, scheme", [("elu1", "fastrpb"), ("softmax", "absolute"),
+                                            ("favor", "kernelized_rpe")])
+def test_trailing_padding_changes_nothing(kernel, scheme):
+  """Classifier logits with 8 real tokens are the same padded to 8 or to 14 tokens."""
+  task = TaskInfo("classify", V, 3, 16)
+  model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"), task)
+  short = _batch(2, 8)
+  long = {"inputs": jnp.pad(short["inputs"], ((0, 0), (0, 6))),
+          "mask": jnp.pad(short["mask"], ((0, 0), (0, 6)))}
+  v = _init(model, long)
+  assert rel_err(model.apply(v, long), model.apply(v, short)) < 1e-9
+
+
+@pytest.mark.parametrize("kernel, scheme", [("elu1", "fastrpb"), ("softmax", "kernelized_rpe"),
+                                            ("sikf", "none")])
+def test_lm_never_sees_future_tokens(kernel, scheme):
+  n = 10
+  model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"),
+                      TaskInfo("lm", V, 0, n))
+  batch = _batch(1, n)
+  v = _init(model, batch)
+  base = np.asarray(model.apply(v, batch))
+  for i in range(n - 1):
+    changed = dict(batch, inputs=batch["inputs"].at[:, i + 1:].set(
+        (batch["inputs"][:, i + 1:] % (V - 1)) + 1))
+    out = np.asarray(model.apply(v, changed))
+    # FFT round-off only (1e-13 relative); a leak would be of order 1.
+    assert rel_err(out[:, :i + 1], base[:, :i + 1]) < 1e-12, i
+    assert not np.allclose(out[:, i + 1:], base[:, i + 1:])
+
+
+def test_dual_encoder_shares_one_tower_and_combines_both_orders():
+  task = TaskInfo("retrieval", V, 2, 8)
+  model = build_model(_cfg(kernel="elu1", positional="fastrpb"), task)
+  batch = _batch(2, 8, pair=True)
+  v = _init(model, batch)
+  assert "encoder" in v["params"] and "encoder_1" not in v["params"]
+  assert v["params"]["head_hidden"]["kernel"].shape[0] == 4 * 16  # [u, v, u*v, u-v]
+  swapped = dict(batch, inputs=batch["inputs2"], mask=batch["mask2"], inputs2=batch["inputs"],
+                 mask2=batch["mask"])
+  assert not np.allclose(model.apply(v, batch), model.apply(v, swapped))
+
+
+def test_shared_kernelized_rpe_is_one_table_for_all_layers():
+  cfg = _cfg(kernel="elu1", positional="kernelized_rpe",
+             positional_options={"kernelized_rpe": {"share_across_layers": True}})
+  model = build_model(cfg, TaskInfo("classify", V, 3, 8))
+  v = model.init(jax.random.key(0), _batch(1, 8))
+  enc = v["params"]["encoder"]
+  assert "pos_kernelized_rpe_shared" in enc
+  assert all("pos_kernelized_rpe" not in enc[f"block_{i}"]["attention"] for i in range(2))
+
+
+def test_batchnorm_variant_keeps_running_stats_of_real_tokens_only():
+  model = build_model(_cfg(norm="batch", positional="fastrpb", kernel="elu1"),
+                      TaskInfo("classify", V, 3, 10))
+  batch = _batch(2, 10, pad=4)
+  v = model.init(jax.random.key(0), batch)
+  assert "batch_stats" in v
+  _, upd = model.apply(v, batch, train=True, rngs={"dropout": jax.random.key(1)},
+                       mutable=["batch_stats"])
+  garbage = dict(batch, inputs=batch["inputs"].at[:, -4:].set(5))  # padded ids change
+  _, upd2 = model.apply(v, garbage, train=True, rngs={"dropout": jax.random.key(1)},
+                        mutable=["batch_stats"])
+  for a, b in zip(jax.tree.leaves(upd), jax.tree.leaves(upd2)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernel, scheme", [("elu1", "fastrpb"), ("favor", "kernelized_rpe"),
+                                            ("softmax", "fastrpb")])
+def test_bfloat16_tracks_float32(kernel, scheme):
+  task = TaskInfo("classify", V, 3, 64)
+  batch = _batch(2, 64, pad=5)
+  f32 = build_model(_cfg(kernel=kernel, positional=scheme), task)
+  bf16 = build_model(_cfg(kernel=kernel, positional=scheme, dtype="bfloat16"), task)
+  v = _init(f32, batch)
+  a = f32.apply(v, batch)
+  b = bf16.apply(v, batch)
+  assert b.dtype == jnp.float32  # logits are float32
+  assert np.all(np.isfinite(np.asarray(b)))
+  assert rel_err(b, a) < 0.1
+
+
+def test_redrawn_features_need_an_rng_and_change_per_key():
+  cfg = _cfg(kernel="favor", kernel_options={"redraw": True})
+  model = build_model(cfg, TaskInfo("classify", V, 3, 8))
+  batch = _batch(2, 8)
+  v = _init(model, batch)
+  fixed = model.apply(v, batch)  # evaluation: the fixed draw
+  np.testing.assert_array_equal(fixed, model.apply(v, batch))
+  outs = [model.apply(v, batch, train=True, rngs={"features": jax.random.key(s),
+                                                  "dropout": jax.random.key(0)})
+          for s in (1, 2)]
+  assert not np.allclose(outs[0], outs[1])
