@@ -192,3 +192,14 @@ def test_redrawn_features_need_an_rng_and_change_per_key():
                                                   "dropout": jax.random.key(0)})
           for s in (1, 2)]
   assert not np.allclose(outs[0], outs[1])
+
+
+def test_nprf_recipe_is_nprf_kernel_with_kernelized_rpe():
+  from fastpos.positional import nprf
+  cfg = nprf.apply(_cfg(), num_features=8, share_across_layers=True)
+  assert (cfg.kernel, cfg.positional) == ("nprf", "kernelized_rpe")
+  model = build_model(cfg, TaskInfo("lm", V, 0, 8))
+  batch = _batch(1, 8)
+  v = model.init(jax.random.key(0), batch)
+  assert "pos_kernelized_rpe_shared" in v["params"]["encoder"]
+  assert np.all(np.isfinite(np.asarray(model.apply(v, batch))))
