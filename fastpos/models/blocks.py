@@ -56,10 +56,11 @@ class Block(nn.Module):
     return norm(x)
 
   @nn.compact
-  def __call__(self, x, *, mask=None, grid=None, memory=None, train: bool = False,
-               reference: bool = False):
+  def __call__(self, x, *, mask=None, grid=None, memory=None, memory_mask=None,
+               train: bool = False, reference: bool = False):
     """``x [b, N, D] -> [b, N, D]``; ``memory [b, M, D]`` (Transformer-XL) is this layer's
-    input of the previous segment (treated as real tokens)."""
+    input of the previous segment(s), ``memory_mask [b, M]`` True where it holds a real token
+    (all real when None)."""
     if self.norm not in NORMS:
       raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
     attn = Attention(self.attention, shared=self.shared, dtype=self.dtype, name="attention")
@@ -68,8 +69,10 @@ class Block(nn.Module):
     norm1 = self._make_norm("norm_attention", train)
     norm2 = self._make_norm("norm_mlp", train)
     amask = mask
-    if memory is not None and mask is not None:
-      amask = jnp.concatenate([jnp.ones(memory.shape[:2], bool), mask], axis=1)
+    if memory is not None and (mask is not None or memory_mask is not None):
+      mm = jnp.ones(memory.shape[:2], bool) if memory_mask is None else memory_mask
+      amask = jnp.concatenate([mm, jnp.ones(x.shape[:2], bool) if mask is None else mask],
+                              axis=1)
     kw = dict(mask=amask, grid=grid, deterministic=not train, reference=reference)
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)

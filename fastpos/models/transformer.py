@@ -39,8 +39,9 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None):
-    """``memory``: a list of per-layer ``[b, M, D]`` states (Transformer-XL) or None. Returns
-    ``(states, new_memory)``; new_memory is None unless memory was given."""
+    """``memory``: ``(states, memory_mask)`` with a list of per-layer ``[b, M, D]`` states
+    (each layer's input over the previous segments; Transformer-XL) and ``[b, M]`` True where
+    a real token sits, or None. Returns ``(states, new_memory)`` (None without memory)."""
     cfg = self.attention
     grid = cfg.grid
     ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1],
@@ -57,19 +58,24 @@ class Tower(nn.Module):
         for spec in cfg.positional
         if spec.cls.shareable_across_layers and spec.option_dict().get("share_across_layers"))
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-    new_memory = [] if memory is not None else None
+    states, mmask = memory if memory is not None else (None, None)
+    new_states = [] if memory is not None else None
     for i in range(self.num_layers):
       if memory is not None:
-        m = memory[i]
-        new_memory.append(jax.lax.stop_gradient(
+        m = states[i]
+        new_states.append(jax.lax.stop_gradient(
             jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
       x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
                 dtype=self.dtype, name=f"block_{i}")(
-                    x, mask=mask, grid=grid, memory=None if memory is None else memory[i],
-                    train=train, reference=reference)
+                    x, mask=mask, grid=grid, memory=None if memory is None else states[i],
+                    memory_mask=mmask, train=train, reference=reference)
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
-    return x, new_memory
+    if memory is None:
+      return x, None
+    m_len = mmask.shape[1]
+    new_mask = jnp.concatenate([mmask, mask], axis=1)[:, -m_len:]
+    return x, (new_states, new_mask)
 
 
 class _Base(nn.Module):
@@ -140,16 +146,18 @@ class DecoderLM(_Base):
   """Causal decoder LM: ``[b, L]`` ids -> ``[b, L, vocab]`` next-token logits.
 
   ``tie_embeddings``: the output projection is the input embedding transposed.
-  ``memory_length`` M > 0 (Transformer-XL): call with ``memory`` (a list of ``[b, M, D]``
-  per layer, ``init_memory`` gives zeros... the first segment should pass real history or
-  the zeros with ``memory_mask``); returns ``(logits, new_memory)``.
+  ``memory_length`` M > 0 (Transformer-XL): ``memory`` is ``(states, memory_mask)``, a list
+  of per-layer ``[b, M, D]`` states and ``[b, M]`` True for real tokens; ``init_memory`` gives
+  an empty one (all masked), used when ``memory`` is None. Returns ``(logits, new_memory)``:
+  feed ``new_memory`` to the next segment (it is stop-gradient).
   """
   tie_embeddings: bool = True
   memory_length: int = 0
 
   def init_memory(self, batch_size: int):
-    return [jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
-            for _ in range(self.num_layers)]
+    states = [jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
+              for _ in range(self.num_layers)]
+    return states, jnp.zeros((batch_size, self.memory_length), bool)
 
   @nn.compact
   def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None):

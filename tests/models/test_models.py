@@ -203,3 +203,24 @@ def test_nprf_recipe_is_nprf_kernel_with_kernelized_rpe():
   v = model.init(jax.random.key(0), batch)
   assert "pos_kernelized_rpe_shared" in v["params"]["encoder"]
   assert np.all(np.isfinite(np.asarray(model.apply(v, batch))))
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_transformer_xl_memory_reproduces_the_full_sequence(norm):
+  """Segment 2 with the memory of segment 1 (M = L) gives the logits of the last L positions
+  of one causal run over both segments: the memory holds each layer's inputs and the
+  relative positions continue across the boundary."""
+  seg = 6
+  cfg = _cfg(kernel="softmax", positional="transformer_xl", dtype="float64", norm=norm)
+  full_model = build_model(cfg, TaskInfo("lm", V, 0, 2 * seg))
+  cfg.memory_length = seg
+  mem_model = build_model(cfg, TaskInfo("lm", V, 0, 2 * seg))
+  batch = _batch(2, 2 * seg)
+  v = _init(full_model, batch)
+  full = np.asarray(full_model.apply(v, batch))
+  first = {k: a[:, :seg] for k, a in batch.items()}
+  second = {k: a[:, seg:] for k, a in batch.items()}
+  out1, memory = mem_model.apply(v, first)
+  out2, _ = mem_model.apply(v, second, memory=memory)
+  assert rel_err(np.asarray(out1), full[:, :seg]) < 1e-9
+  assert rel_err(np.asarray(out2), full[:, seg:]) < 1e-9

@@ -1,5 +1,6 @@
 """Transformer-XL relative logits: left-shift fast path vs dense gather reference."""
 
+import functools
 import re
 
 import jax
@@ -16,6 +17,9 @@ SHAPES = [(1, 0), (1, 3), (5, 0), (7, 4), (16, 16), (33, 10)]  # (L, M)
 _fast = jax.jit(txl.relative_logits)
 _reference = jax.jit(txl.relative_logits_reference)
 _shift = jax.jit(txl.rel_shift)
+_shift_two_sided = jax.jit(functools.partial(txl.rel_shift, two_sided=True))
+_fast_two_sided = jax.jit(functools.partial(txl.relative_logits, two_sided=True))
+_reference_two_sided = jax.jit(functools.partial(txl.relative_logits_reference, two_sided=True))
 
 
 def _inputs(seed, batch, length, memory, heads, dim, dtype):
@@ -26,27 +30,29 @@ def _inputs(seed, batch, length, memory, heads, dim, dtype):
   return q, rel_k, pos_bias
 
 
-def _rel_shift_loop(x):
+def _rel_shift_loop(x, two_sided=False):
   """The definition of rel_shift, one entry at a time."""
-  length, keys = x.shape[-2:]
-  memory = keys - length
-  out = np.zeros_like(x)
+  length, cols = x.shape[-2:]
+  memory = cols - length - (length - 1 if two_sided else 0)
+  keys = memory + length
+  out = np.zeros(x.shape[:-1] + (keys,), x.dtype)
   for i in range(length):
     for j in range(keys):
-      if j <= memory + i:
+      if two_sided or j <= memory + i:
         out[..., i, j] = x[..., i, j + length - 1 - i]
   return out
 
 
-def _relative_logits_loop(q, rel_k, pos_bias):
-  """Term (b) + (d) straight from the paper, in numpy float64: W R_{M+i-j} = rel_k[M+L-1-d]."""
+def _relative_logits_loop(q, rel_k, pos_bias, two_sided=False):
+  """Term (b) + (d) straight from the paper, in numpy float64: W R_d = rel_k[M+L-1-d] for the
+  distance d = M+i-j (d < 0 only two-sided, in rows M+L..M+2L-2)."""
   batch, length, heads, _ = q.shape
-  keys = rel_k.shape[0]
-  memory = keys - length
+  memory = rel_k.shape[0] - length - (length - 1 if two_sided else 0)
+  keys = memory + length
   v = np.zeros(q.shape[2:]) if pos_bias is None else pos_bias
   out = np.zeros((batch, heads, length, keys))
   for i in range(length):
-    for j in range(memory + i + 1):
+    for j in range(keys if two_sided else memory + i + 1):
       w_r = rel_k[keys - 1 - (memory + i - j)]                       # [heads, dim]
       out[:, :, i, j] = np.einsum("bhd,hd->bh", q[:, i] + v[None], w_r)
   return out
@@ -67,6 +73,18 @@ def test_rel_shift_matches_definition(lead, length, memory):
   future = np.arange(memory + length)[None, :] > memory + np.arange(length)[:, None]
   assert np.all(got[..., future] == 0.0)
   assert np.all(got[..., ~future] != 0.0)
+
+
+@pytest.mark.parametrize("lead", [(), (2, 1, 3)])
+@pytest.mark.parametrize("length, memory", SHAPES)
+def test_rel_shift_two_sided_matches_definition(lead, length, memory):
+  cols = memory + 2 * length - 1
+  x = np.arange(1, np.prod(lead + (length, cols)) + 1, dtype=np.float64)
+  x = x.reshape(lead + (length, cols))
+  got = np.asarray(_shift_two_sided(x))
+  assert got.shape == lead + (length, memory + length)
+  np.testing.assert_array_equal(got, _rel_shift_loop(x, two_sided=True))
+  assert np.all(got != 0.0)  # every key is visible: nothing read from the zero column
 
 
 def test_rel_shift_under_jit_and_integer_dtype():
@@ -107,6 +125,44 @@ def test_relative_logits_matches_reference(length, memory, heads, use_bias, dtyp
     assert np.all(np.asarray(got)[..., future] == 0.0)
 
 
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("length, memory", SHAPES)
+def test_two_sided_relative_logits_matches_reference(length, memory, use_bias, dtype, tol):
+  rng = np.random.default_rng(8)
+  heads, dim = 3, 8
+  q = rng.standard_normal((2, length, heads, dim)).astype(dtype)
+  rel_k = rng.standard_normal((memory + 2 * length - 1, heads, dim)).astype(dtype)
+  pos_bias = rng.standard_normal((heads, dim)).astype(dtype) if use_bias else None
+  got = _fast_two_sided(q, rel_k, pos_bias=pos_bias)
+  assert got.shape == (2, heads, length, memory + length)
+  assert got.dtype == dtype
+  wide = lambda a: None if a is None else a.astype(np.float64)
+  want = _reference_two_sided(wide(q), wide(rel_k), pos_bias=wide(pos_bias))
+  assert rel_err(got, want) < tol
+  if dtype == np.float64:
+    assert rel_err(want, _relative_logits_loop(q, rel_k, pos_bias, two_sided=True)) < 1e-12
+
+
+def test_two_sided_agrees_with_one_sided_on_past_keys():
+  # The first M+L rows of a two-sided table are the one-sided table: past keys match exactly,
+  # and the future keys (zero one-sided) use the negative distances.
+  rng = np.random.default_rng(9)
+  length, memory, heads, dim = 6, 3, 2, 4
+  q = rng.standard_normal((1, length, heads, dim))
+  rel_k = rng.standard_normal((memory + 2 * length - 1, heads, dim))
+  pos_bias = rng.standard_normal((heads, dim))
+  two = np.asarray(_fast_two_sided(q, rel_k, pos_bias=pos_bias))
+  one = np.asarray(_fast(q, rel_k[:memory + length], pos_bias=pos_bias))
+  past = np.arange(memory + length)[None, :] <= memory + np.arange(length)[:, None]
+  np.testing.assert_array_equal(two[..., past], one[..., past])
+  assert np.all(one[..., ~past] == 0.0) and np.all(two[..., ~past] != 0.0)
+  # Distance -1 (key j = M+i+1) reads row M+L of the table.
+  for i in range(length - 1):
+    want = np.einsum("hd,hd->h", q[0, i] + pos_bias, rel_k[memory + length])
+    np.testing.assert_allclose(two[0, :, i, memory + i + 1], want, rtol=1e-13)
+
+
 def test_pos_bias_is_term_d():
   # Term (d) alone: q = 0 leaves v . W R_{i-j}, which depends on the distance only.
   _, rel_k, pos_bias = _inputs(2, 1, 6, 3, 2, 4, np.float64)
@@ -143,6 +199,13 @@ def test_relative_logits_has_no_gather():
       lambda a, b: txl.relative_logits_reference(a, b))(q, rel_k))
 
 
+def test_two_sided_has_no_gather():
+  q, rel_k, pos_bias = _inputs(4, 2, 9, 5 + 8, 3, 4, np.float64)  # M = 5: 5 + 2*9 - 1 rows
+  jaxpr = str(jax.make_jaxpr(lambda a, b, c: txl.relative_logits(
+      a, b, pos_bias=c, two_sided=True))(q, rel_k, pos_bias))
+  assert "gather" not in jaxpr
+
+
 def test_dtype_promotion():
   q, rel_k, pos_bias = _inputs(5, 1, 4, 2, 2, 3, np.float32)
   shape = jax.eval_shape  # dtype promotion is decided at trace time; nothing to compile
@@ -173,9 +236,40 @@ def test_gradients_match_reference(length, memory):
     assert rel_err(g, w) < 1e-10, name
 
 
+@pytest.mark.parametrize("length, memory", [(1, 3), (7, 4), (16, 0)])
+def test_two_sided_gradients_match_reference(length, memory):
+  q, rel_k, pos_bias = _inputs(10, 2, length, memory + length - 1, 3, 4, np.float64)
+  weights = np.random.default_rng(11).standard_normal((2, 3, length, memory + length))
+
+  def loss(fn):
+    return lambda a, b, c: jnp.sum(weights * fn(a, b, pos_bias=c, two_sided=True))
+
+  grads = jax.jit(jax.grad(loss(txl.relative_logits), argnums=(0, 1, 2)))(q, rel_k, pos_bias)
+  want = jax.jit(jax.grad(loss(txl.relative_logits_reference), argnums=(0, 1, 2)))(
+      q, rel_k, pos_bias)
+  for name, g, w in zip(("q", "rel_k", "pos_bias"), grads, want):
+    assert np.max(np.abs(np.asarray(w))) > 0, name
+    assert rel_err(g, w) < 1e-10, name
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [txl.relative_logits, txl.relative_logits_reference])
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_two_sided_needs_m_plus_2l_minus_1_rows(fn, two_sided):
+  # 5 rows serve L = 4 one-sided (M = 1) but not two-sided (needs >= 2L - 1 = 7).
+  q, rel_k = np.zeros((1, 4, 2, 3)), np.zeros((5, 2, 3))
+  call = lambda a, b: fn(a, b, two_sided=two_sided)
+  if two_sided:
+    with pytest.raises(ValueError, match=re.escape("(5, 2, 3)")):
+      jax.eval_shape(call, q, rel_k)
+    with pytest.raises(ValueError, match=re.escape("(4, 5)")):
+      txl.rel_shift(np.zeros((4, 5)), two_sided=True)
+  else:
+    assert jax.eval_shape(call, q, rel_k).shape == (1, 2, 4, 5)
+
+
 @pytest.mark.parametrize("q_shape, k_shape, v_shape, bad", [
     ((4, 2, 3), (5, 2, 3), None, (4, 2, 3)),                    # q rank 3
     ((1, 4, 2, 3), (6, 6), None, (6, 6)),                       # rel_k rank 2

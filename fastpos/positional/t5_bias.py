@@ -1,0 +1,209 @@
+"""``t5_bias``: a learned per-head scalar added to the logits by relative offset (logits hook).
+
+Raffel et al. 2020 ("Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+Transformer", T5), Sec. 2.1: a simplified relative position embedding in which each
+"embedding" is a learned scalar added to the attention logit, one per head and per bucket of
+relative offsets:
+
+    logits_{h,i,j} = q_i . k_j / sqrt(d) + b_{h, bucket(j - i)}
+
+``bucket`` (T5's ``_relative_position_bucket``; ``relative_position_bucket`` below), with the
+offset ``j - i`` (key minus query position) and ``n = i - j``:
+
+* bidirectional (encoder, non-causal): half the buckets for keys at or before the query
+  (``n >= 0``), the other half (offset by ``num_buckets // 2``) for keys after it; ``n = |n|``;
+* causal (decoder): every bucket for ``n >= 0``; future keys (``n < 0``) fall in bucket 0 and
+  are masked by the layer;
+* within a side of ``B`` buckets, ``max_exact = B // 2`` exact buckets ``n < max_exact``, then
+  ``max_exact + floor(log(n / max_exact) / log(max_distance / max_exact) * (B - max_exact))``
+  capped at ``B - 1``: log-spaced up to ``max_distance``, beyond which all share the last.
+
+The buckets depend on the (static) lengths only; they are computed in numpy float64 at trace
+time (T5 used float32; for the default sizes the two agree at every distance, checked up to
+300), and the table is gathered by offset into a ``[heads, 2K-1]`` Toeplitz table and
+materialised with ``fastpos.ops.toeplitz.dense_toeplitz``.
+
+Options:
+
+* ``bucketed=True`` (T5): parameters ``[heads, num_buckets]`` (``num_buckets`` even, >= 4;
+  ``max_distance > num_buckets // 2``, T5 defaults 32 and 128). Any length works (distant
+  offsets share the last bucket); ``dims.max_length`` is not a limit.
+* ``bucketed=False``: one learned scalar per offset, ``[heads, 2*max_length-1]`` indexed by
+  ``j - i + max_length - 1`` (the layout of ``fastpos.ops.toeplitz``), sliced to the batch
+  with ``center_slice`` (lengths up to ``max_length``).
+* 2D grids (raster order): ``bucketed=False``: one scalar per 2D offset
+  ``[heads, 2H-1, 2W-1]`` by (row offset, column offset), sliced with ``center_slice_2d``,
+  materialised with ``dense_toeplitz_2d``. ``bucketed=True``: each axis is bucketed as in 1D
+  and the pair of buckets indexes a joint table ``[heads, num_buckets, num_buckets]``
+  (row bucket, column bucket). Causal in raster order sees keys in earlier rows at any column,
+  so the column axis is always bucketed bidirectionally and the row axis causally (a key in an
+  earlier row has row offset < 0).
+
+``share_across_layers=True`` makes the model build one table for all layers, as T5 does
+(its position biases are computed once and shared by every layer); default False (one per
+layer).
+
+Memory (Transformer-XL style, ``ctx.memory_length = M``, 1D only): keys are
+``[memory, segment]`` with query i at position ``M + i``; the bias is rows ``M..M+Lq-1`` of the
+``[M+Lq, M+Lq]`` matrix (per-offset mode needs ``M + Lq <= max_length``).
+
+Init as T5X / flaxformer (``flax.linen.linear.default_embed_init``): normal with variance
+1 / fan-in, the fan-in being the number of entries per head (``num_buckets`` for the T5 table,
+so std ``num_buckets ** -0.5``; ``2*max_length-1``, ``(2H-1)(2W-1)`` or ``num_buckets**2``
+for the other tables).
+
+Supports causal, 1D and 2D. Softmax only: ``logits_bias`` returns ``[1, heads, Lq, Lk]``
+added to the scaled logits. With a linear kernel use ``kernelized_rpe``, its linear-attention
+counterpart (``exp(b_{j-i})`` inside numerator and denominator by FFT; Luo et al. 2021).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import numpy as np
+
+from fastpos.ops import toeplitz
+from fastpos.positional.base import (Context, KernelInfo, Scheme, center_slice,
+                                     center_slice_2d)
+
+
+def check_options(bucketed, num_buckets, max_distance, share_across_layers=False) -> None:
+  """Raises ValueError naming the bad option and its valid values."""
+  if not isinstance(bucketed, (bool, np.bool_)):
+    raise ValueError(f"t5_bias: bucketed must be True or False; got {bucketed!r}.")
+  if not isinstance(share_across_layers, (bool, np.bool_)):
+    raise ValueError(f"t5_bias: share_across_layers must be True or False; got "
+                     f"{share_across_layers!r}.")
+  if not bucketed:
+    return  # num_buckets / max_distance are not used
+  if (isinstance(num_buckets, bool) or not isinstance(num_buckets, (int, np.integer))
+      or num_buckets < 4 or num_buckets % 2):
+    raise ValueError(f"t5_bias: num_buckets must be an even integer >= 4 (T5: 32); got "
+                     f"{num_buckets!r}.")
+  if (isinstance(max_distance, bool) or not isinstance(max_distance, (int, np.integer))
+      or max_distance <= num_buckets // 2):
+    raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
+                     f"{num_buckets // 2} (T5: 128), the end of the exact buckets; got "
+                     f"{max_distance!r}.")
+
+
+def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> np.ndarray:
+  """T5's bucket of each relative offset ``j - i`` (key minus query position).
+
+  Args:
+    offset: integer array (any shape) of offsets ``j - i``.
+    bidirectional: split the buckets by sign (encoder); otherwise all buckets serve keys at or
+      before the query and later keys map to bucket 0 (decoder).
+    num_buckets: B, even, >= 4. max_distance: distances >= it share the last bucket of a side.
+
+  Returns:
+    int32 array like ``offset`` with values in ``[0, num_buckets)`` (see the module docstring
+    for the formula). Pure numpy: offsets are static.
+  """
+  n = -np.asarray(offset, np.int64)                       # i - j: >= 0 for past keys
+  ret = np.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    ret = ret + (n < 0) * num_buckets                     # keys after the query: upper half
+    n = np.abs(n)
+  else:
+    n = np.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  ratio = np.maximum(n, max_exact).astype(np.float64) / max_exact  # >= 1: log defined
+  large = max_exact + (np.log(ratio) / math.log(max_distance / max_exact)
+                       * (num_buckets - max_exact)).astype(np.int64)
+  large = np.minimum(large, num_buckets - 1)
+  return (ret + np.where(is_small, n, large)).astype(np.int32)
+
+
+def _t5_init(key, shape, dtype=None):
+  """Normal with variance 1 / (entries per head): T5X's ``default_embed_init`` on a
+  ``[heads, buckets]`` table, extended to the other tables."""
+  init = nn.initializers.variance_scaling(1.0, "fan_in", "normal",
+                                          in_axis=tuple(range(1, len(shape))), out_axis=0)
+  return init(key, shape) if dtype is None else init(key, shape, dtype)
+
+
+class T5Bias(Scheme):
+  """Options: ``bucketed`` (T5's log buckets, else one scalar per offset), ``num_buckets``,
+  ``max_distance`` (bucketed only), ``share_across_layers`` (one table for the model)."""
+
+  bucketed: bool = True
+  num_buckets: int = 32
+  max_distance: int = 128
+  share_across_layers: bool = False
+
+  scheme_name = "t5_bias"
+  hooks = ("logits",)
+  supports_2d = True
+  shareable_across_layers = True
+
+  @classmethod
+  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
+                    options: dict) -> str | None:
+    check_options(options.get("bucketed", True), options.get("num_buckets", 32),
+                  options.get("max_distance", 128), options.get("share_across_layers", False))
+    if not kernel.is_softmax:
+      return (f"t5_bias adds a bias to the softmax logits, which the linear kernel "
+              f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
+              f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)")
+    return None
+
+  def setup(self):
+    check_options(self.bucketed, self.num_buckets, self.max_distance, self.share_across_layers)
+    h, grid = self.dims.num_heads, self.dims.grid
+    if self.bucketed:
+      shape = (h, self.num_buckets) if grid is None else (h, self.num_buckets, self.num_buckets)
+    elif grid is None:
+      shape = (h, 2 * self.dims.max_length - 1)
+    else:
+      shape = (h, 2 * grid[0] - 1, 2 * grid[1] - 1)
+    self.rel_bias = self.param("rel_bias", _t5_init, shape)
+
+  def _buckets(self, n: int, bidirectional: bool) -> np.ndarray:
+    """``[2n-1]`` buckets of the offsets -(n-1)..(n-1)."""
+    return relative_position_bucket(np.arange(-(n - 1), n), bidirectional=bidirectional,
+                                    num_buckets=self.num_buckets,
+                                    max_distance=self.max_distance)
+
+  def offset_table(self, n: int, causal: bool):
+    """``[heads, 2n-1]``: the bias of offset ``j - i`` at index ``j - i + n - 1`` (1D)."""
+    if self.dims.grid is not None:
+      raise ValueError("t5_bias: built for a 2D grid but called without one.")
+    if self.bucketed:
+      return self.rel_bias[:, self._buckets(n, not causal)]
+    return center_slice(self.rel_bias, n, self.dims.max_length)
+
+  def offset_table_2d(self, grid, causal: bool):
+    """``[heads, 2H-1, 2W-1]`` by (row offset + H - 1, column offset + W - 1)."""
+    if self.dims.grid is None:
+      raise ValueError("t5_bias: called with a grid but built for 1D (dims.grid is None).")
+    if not self.bucketed:
+      return center_slice_2d(self.rel_bias, grid, self.dims.grid)
+    rows = self._buckets(grid[0], not causal)      # raster causal: earlier rows only
+    cols = self._buckets(grid[1], True)            # ... but any column in an earlier row
+    return self.rel_bias[:, rows[:, None], cols[None, :]]
+
+  def logits_bias(self, q, k, ctx: Context):
+    """``[1, heads, Lq, Lk]``: ``b_{h, bucket(j - (M + i))}``; q ``[b, Lq, h, d]``,
+    k ``[b, Lk, h, d]`` with Lk = M + Lq (M = ``ctx.memory_length``)."""
+    lq, lk = q.shape[1], k.shape[1]
+    memory = lk - lq
+    if memory != ctx.memory_length:
+      raise ValueError(f"t5_bias: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+                       f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+    if ctx.grid is None:
+      t = toeplitz.dense_toeplitz(self.offset_table(lk, ctx.causal))    # [h, Lk, Lk]
+      return t[None, :, memory:, :]                                      # queries at M + i
+    if memory:
+      raise ValueError(f"t5_bias: memory (M = {memory}) is only defined for 1D sequences; "
+                       f"got grid {ctx.grid}.")
+    grid = tuple(int(g) for g in ctx.grid)
+    return toeplitz.dense_toeplitz_2d(self.offset_table_2d(grid, ctx.causal), grid)[None]
+
+
+SCHEMES = {"t5_bias": T5Bias}

@@ -1,0 +1,141 @@
+"""``transformer_xl``: Transformer-XL relative attention terms (b), (c), (d) (logits hook).
+
+Dai et al. 2019 ("Transformer-XL"), Sec. 3.3, the relative attention score of query i and key j
+
+    A^rel_{i,j} = q_i . k_j                       (a)  content     (the attention layer's q.k)
+                + q_i . W_{k,R} R_{i-j}            (b)  content-dependent position
+                + u . k_j                          (c)  global content bias
+                + v . W_{k,R} R_{i-j}              (d)  global position bias
+
+with ``q_i = W_q E_{x_i}``, ``k_j = W_{k,E} E_{x_j}`` the layer's (per-head) queries and keys,
+``R`` the sinusoid encoding of Vaswani et al. (no learned position table), ``W_{k,R}`` a learned
+projection of it, and ``u, v`` learned vectors per head. The layer computes (a) and scales by
+``1/sqrt(d)``; this hook returns ``((b) + (c) + (d)) / sqrt(d)``, which the layer adds to its
+scaled logits, so the softmax sees ``A^rel / sqrt(d)`` as in the paper's code.
+
+(b) + (d) = ``(q_i + v) . W_{k,R} R_{i-j}`` is computed in O(L (M+L)) memory by the left shift
+of Appendix B (``fastpos.ops.transformer_xl.relative_logits``; ``ctx.reference`` uses its dense
+gather reference). (c) is ``u . k_j``, one ``[b, h, Lk]`` product broadcast over queries.
+
+Memory: keys are ``[memory (M = ctx.memory_length), segment (Lq)]``, Lk = M + Lq; query i sits
+at absolute position ``M + i``, so the distance of (i, j) is ``M + i - j``.
+
+* causal (decoder; the paper's setting): distances ``0 .. M+Lq-1``; (b) + (d) are exactly 0
+  on future keys (which the layer masks; (c) is left there, masked too).
+* non-causal (encoder; an extension): the keys after the query need negative distances down
+  to ``-(Lq-1)``. ``R`` is defined for them (``sin`` odd, ``cos`` even: R_{-d} differs from
+  R_d), so the relative table runs over ``M+Lq-1 .. -(Lq-1)`` and the same left shift
+  extracts every pair (``relative_logits(two_sided=True)``).
+
+Sinusoids (as the paper's code): ``R_t = [sin(t w_0), .., sin(t w_{m-1}), cos(t w_0), ..,
+cos(t w_{m-1})]`` with ``w_k = 10000^(-2k / d_R)``, width ``d_R = rel_dim`` (option; default
+``dims.embed_dim``, the model width the paper uses; must be even). Computed in the dtype of q
+(at least float32). Any length works: nothing is tabulated by length.
+
+Parameters (init as the paper's code, N(0, 0.02^2)): ``w_kr`` ``[d_R, heads, head_dim]``
+(W_{k,R}, one projection for all heads, split per head), ``u`` and ``v`` ``[heads, head_dim]``
+(the code's r_w_bias and r_r_bias), one set per layer (the code's ``untie_r``).
+
+Supports causal and non-causal 1D; not 2D (no 2D distance in the paper). Softmax only: the
+terms are logits, which a linear kernel never forms.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from fastpos.ops import transformer_xl as txl
+from fastpos.positional.base import Context, KernelInfo, Scheme
+
+INIT_STD = 0.02  # the paper's code: init_std for weights and for r_w_bias / r_r_bias
+
+
+def check_rel_dim(rel_dim) -> None:
+  """Raises ValueError unless ``rel_dim`` is None or a positive even integer."""
+  if rel_dim is None:
+    return
+  if (isinstance(rel_dim, bool) or not isinstance(rel_dim, (int, np.integer)) or rel_dim < 2
+      or rel_dim % 2):
+    raise ValueError(f"transformer_xl: rel_dim must be None (use dims.embed_dim) or a positive "
+                     f"even integer (half sines, half cosines); got {rel_dim!r}.")
+
+
+def sinusoids(distances, dim: int, dtype=jnp.float32):
+  """``[len(distances), dim]``: ``R_t = [sin(t w), cos(t w)]``, ``w_k = 10000^(-2k/dim)``.
+
+  ``distances`` may be negative (two-sided tables)."""
+  inv = 10000.0 ** (-jnp.arange(0, dim, 2, dtype=dtype) / dim)                  # [dim/2]
+  ang = jnp.asarray(distances, dtype)[:, None] * inv[None, :]
+  return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+
+
+class TransformerXL(Scheme):
+  """Options: ``rel_dim`` (width of the sinusoids R; None: ``dims.embed_dim``)."""
+
+  rel_dim: int | None = None
+
+  scheme_name = "transformer_xl"
+  hooks = ("logits",)
+  supports_2d = False
+
+  @classmethod
+  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
+                    options: dict) -> str | None:
+    check_rel_dim(options.get("rel_dim"))
+    if not kernel.is_softmax:
+      return (f"transformer_xl adds relative terms to the softmax logits, which the linear "
+              f"kernel {kernel.name!r} never forms; use the softmax kernel")
+    return None
+
+  @property
+  def width(self) -> int:
+    """d_R, the width of the sinusoids."""
+    return self.dims.embed_dim if self.rel_dim is None else self.rel_dim
+
+  def setup(self):
+    check_rel_dim(self.rel_dim)
+    if self.rel_dim is None and (self.dims.embed_dim < 2 or self.dims.embed_dim % 2):
+      raise ValueError(f"transformer_xl: the sinusoid width defaults to dims.embed_dim = "
+                       f"{self.dims.embed_dim}, which is not a positive even integer; set "
+                       f"rel_dim to one.")
+    h, d = self.dims.num_heads, self.dims.head_dim
+    init = nn.initializers.normal(INIT_STD)
+    self.w_kr = self.param("w_kr", init, (self.width, h, d))
+    self.u = self.param("u", init, (h, d))
+    self.v = self.param("v", init, (h, d))
+
+  def rel_keys(self, length: int, memory: int, two_sided: bool, dtype):
+    """``rel_k[t] = W_{k,R} R_{M+L-1-t}``: ``[M+L, h, d]``, two-sided ``[M+2L-1, h, d]``."""
+    last = -length if two_sided else -1            # distances M+L-1 down to -(L-1) or 0
+    distances = np.arange(memory + length - 1, last, -1)
+    r = sinusoids(distances, self.width, dtype)                                   # [T, d_R]
+    return jnp.einsum("tr,rhd->thd", r, self.w_kr.astype(dtype))
+
+  def logits_bias(self, q, k, ctx: Context):
+    """``[b, heads, Lq, Lk]``: ``((q_i + v) . W_{k,R} R_{M+i-j} + u . k_j) / sqrt(d)``.
+
+    q ``[b, Lq, h, d]``, k ``[b, Lk, h, d]`` with Lk = M + Lq (M = ``ctx.memory_length``).
+    Causal: the (b) + (d) part is 0 on future keys j > M + i."""
+    if ctx.grid is not None:
+      raise ValueError(f"transformer_xl is 1D only; got grid {ctx.grid}.")
+    h, d = self.dims.num_heads, self.dims.head_dim
+    if q.shape[2:] != (h, d) or k.shape[2:] != (h, d):
+      raise ValueError(f"transformer_xl: q {q.shape} and k {k.shape} must be "
+                       f"[batch, length, heads={h}, head_dim={d}].")
+    lq, lk = q.shape[1], k.shape[1]
+    memory = lk - lq
+    if memory != ctx.memory_length:
+      raise ValueError(f"transformer_xl: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply "
+                       f"memory M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+    dtype = jnp.result_type(q, k, self.w_kr)
+    two_sided = not ctx.causal
+    rel_k = self.rel_keys(lq, memory, two_sided, dtype)
+    fn = txl.relative_logits_reference if ctx.reference else txl.relative_logits
+    terms_bd = fn(q.astype(dtype), rel_k, pos_bias=self.v.astype(dtype), two_sided=two_sided)
+    term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))  # [b, h, Lk]
+    return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
+
+
+SCHEMES = {"transformer_xl": TransformerXL}
