@@ -46,9 +46,12 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
   pooling = cfg.get("pooling", "mean")
   if pooling not in POOLINGS:
     raise ValueError(f"unknown pooling {pooling!r}; valid choices: {', '.join(POOLINGS)}.")
-  if pooling == "cls" and task.grid is not None:
+  # Image tasks: the schemes see the grid (2D positions) unless use_grid=False, which treats
+  # the image as its raster sequence (1D schemes; PermuteFormer's "w/o 2D rel. pos.").
+  grid = tuple(task.grid) if task.grid is not None and cfg.get("use_grid", True) else None
+  if pooling == "cls" and grid is not None:
     raise ValueError("pooling='cls' prepends a token, which breaks the image grid "
-                     f"{task.grid}; use pooling='mean' for 2D tasks.")
+                     f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False).")
   max_length = cfg.get("max_length", 0) or task.max_length
   if max_length <= 0:
     raise ValueError("model.max_length is 0 and the task gives no max_length.")
@@ -57,7 +60,7 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
   return AttentionConfig(
       num_heads=cfg.num_heads, head_dim=head_dim, embed_dim=cfg.embed_dim, kernel=kernel,
       positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
-      max_length=max_length, grid=None if task.grid is None else tuple(task.grid),
+      max_length=max_length, grid=grid,
       causal=task.kind == "lm", chunk_size=cfg.get("chunk_size", 64))
 
 

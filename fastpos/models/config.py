@@ -70,4 +70,8 @@ def model_config() -> ml_collections.ConfigDict:
   c.tie_embeddings = True  # lm only: output projection = input embedding transposed
   c.memory_length = 0  # lm only: Transformer-XL memory M (needs the transformer_xl scheme)
   c.chunk_size = 64  # causal linear attention chunk
+  # Image tasks: True gives the positional schemes the task's grid (2D positions); False
+  # treats the image as its raster sequence (1D schemes, e.g. SPE, or PermuteFormer's
+  # "w/o 2D rel. pos." ablation).
+  c.use_grid = True
   return c

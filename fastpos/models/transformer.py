@@ -97,16 +97,23 @@ class _Base(nn.Module):
     return nn.Embed(self.vocab_size, self.attention.embed_dim,
                     embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
 
-  def _encode(self, embed, tower, inputs, mask, train, reference):
+  def _cls_token(self):
+    """The learned CLS token ``[1, 1, D]`` (one per model, shared by both towers of the dual
+    encoder), or None with mean pooling."""
+    if self.pooling != "cls":
+      return None
+    return self.param("cls", nn.initializers.normal(stddev=0.02),
+                      (1, 1, self.attention.embed_dim))
+
+  def _encode(self, embed, tower, cls, inputs, mask, train, reference):
     """Embeds, runs the tower, pools (masked mean or CLS) -> ``[b, D]``."""
     x = embed(inputs).astype(self.dtype)
-    if self.pooling == "cls":
-      cls = self.param("cls", nn.initializers.normal(stddev=0.02), (1, 1, x.shape[-1]))
+    if cls is not None:
       x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])).astype(x.dtype),
                            x], axis=1)
       mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
     y, _ = tower(x, mask, train=train, reference=reference)
-    if self.pooling == "cls":
+    if cls is not None:
       return y[:, 0]
     w = mask.astype(y.dtype)[..., None]
     return jnp.sum(y * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1)
@@ -124,7 +131,8 @@ class Classifier(_Base):
   @nn.compact
   def __call__(self, batch, *, train: bool = False, reference: bool = False):
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
-    pooled = self._encode(self._embed(), self._tower(), inputs, mask, train, reference)
+    pooled = self._encode(self._embed(), self._tower(), self._cls_token(), inputs, mask,
+                          train, reference)
     return self._head(pooled)
 
 
@@ -137,8 +145,9 @@ class DualEncoder(_Base):
     embed, tower = self._embed(), self._tower()
     in1, m1 = _mask_or_ones(batch, "inputs", "mask")
     in2, m2 = _mask_or_ones(batch, "inputs2", "mask2")
-    u = self._encode(embed, tower, in1, m1, train, reference)
-    v = self._encode(embed, tower, in2, m2, train, reference)
+    cls = self._cls_token()
+    u = self._encode(embed, tower, cls, in1, m1, train, reference)
+    v = self._encode(embed, tower, cls, in2, m2, train, reference)
     return self._head(jnp.concatenate([u, v, u * v, u - v], axis=-1))
 
 

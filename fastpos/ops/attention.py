@@ -245,10 +245,11 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
 
-  Cost: O(N m d) without rpe (causal: plus O(N * chunk * m) inside chunks), O(N log N m d)
-  with rpe. Memory of the causal path: per-chunk states ``[batch, N/chunk, heads, m, d]``,
-  never a per-token ``[N, m, d]`` cumulative sum (except the rpe path, whose FFT over m*d
-  channels is the method of Luo et al.).
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks), O(N log N
+  m d) with rpe. Memory of the causal path: one carried state ``[batch, heads, m, d]`` in the
+  forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
+  backward pass, never a per-token ``[N, m, d]`` cumulative sum (except the rpe path, whose
+  FFT over m*d channels is the method of Luo et al.).
   """
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   _check_mask(mask, b, n)
@@ -318,73 +319,62 @@ def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
 def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):
   """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
 
-  The sequence is zero-padded to a multiple of ``chunk`` (zero keys add nothing). The state
-  entering chunk g is the exclusive prefix sum over chunks of ``phi_k^T v`` and ``phi_k``.
+  The sequence is zero-padded to a multiple of ``chunk`` (zero keys add nothing) and scanned
+  chunk by chunk (``lax.scan``). The carry entering chunk g is the sum over earlier chunks of
+  ``phi_k^T v`` ``[b, h, m, d]`` and of ``phi_k`` ``[b, h, m]``; inside a chunk the scores
+  ``phi_q phi_k^T`` ``[b, h, chunk, chunk]`` are masked to j <= i. Each step works on one
+  chunk ``[b, chunk, h, .]`` sliced from the inputs' own layout, so the head-major transposes
+  stay in cache (no O(N) transpose, no O(N/chunk) cumulative sum in memory), and the body is
+  rematerialised in the backward pass (``jax.checkpoint``): the residuals are the carries.
   With ``log_decay`` (``[heads]``, g = log r <= 0) key j weighs r^(i-j) for query i, split as
   r^(i - start) (query side, inside its chunk) times r^(start - j) (the carried state, decayed
   by r^chunk per chunk): every exponent is <= 0, so nothing overflows.
   """
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
+  dtype = phi_q.dtype
   g = -(-n // chunk)
   pad = g * chunk - n
 
-  def split(a):
+  def split(a):  # [b, n, h, e] -> [g, b, chunk, h, e] (a reshape for b = 1)
     a = jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return a.reshape(b, g, chunk, h, a.shape[-1])
+    return jnp.moveaxis(a.reshape(b, g, chunk, h, a.shape[-1]), 1, 0)
 
-  q_c, k_c, v_c = split(phi_q), split(phi_k), split(v)
-  t = jnp.arange(chunk, dtype=phi_q.dtype)
+  t = jnp.arange(chunk, dtype=dtype)
+  mask = toeplitz.causal_mask(chunk)
   if log_decay is not None:
-    # Keys weighted by r^(chunk - t) toward the end of their chunk; queries by r^t.
-    k_w = jnp.exp(log_decay[:, None] * (chunk - t)[None, :])  # [h, chunk]
-    q_w = jnp.exp(log_decay[:, None] * t[None, :])
-    k_in = k_c * jnp.transpose(k_w)[None, None, :, :, None]
-    q_in = q_c * jnp.transpose(q_w)[None, None, :, :, None]
-  else:
-    k_in, q_in = k_c, q_c
-  # Inter-chunk: states of all earlier chunks.
-  kv_chunk = jnp.einsum("bgjhm,bgjhd->bghmd", k_in, v_c)
-  ks_chunk = jnp.sum(k_in, axis=2)  # [b, g, h, m]
-  if log_decay is None:
-    kv_prev = _exclusive_cumsum(kv_chunk)
-    ks_prev = _exclusive_cumsum(ks_chunk)
-  else:
-    step = jnp.exp(log_decay * chunk)  # r^chunk per chunk, [h]
-    kv_prev = _exclusive_decayed_sum(kv_chunk, step[None, :, None, None])
-    ks_prev = _exclusive_decayed_sum(ks_chunk, step[None, :, None])
-  num = jnp.einsum("bgihm,bghmd->bgihd", q_in, kv_prev)
-  den = jnp.einsum("bgihm,bghm->bgih", q_in, ks_prev)
-  # Intra-chunk: dense lower-triangular scores (times r^(i-j) with a decay).
-  scores = jnp.einsum("bgihm,bgjhm->bghij", q_c, k_c)
-  if log_decay is None:
-    scores = jnp.where(toeplitz.causal_mask(chunk)[None, None, None], scores, 0)
-  else:
     dist = jnp.maximum(t[:, None] - t[None, :], 0)
-    w = jnp.where(toeplitz.causal_mask(chunk)[None],
-                  jnp.exp(log_decay[:, None, None] * dist[None]), 0)  # [h, chunk, chunk]
-    scores = scores * w[None, None]
-  num = num + jnp.einsum("bghij,bgjhd->bgihd", scores, v_c)
-  den = den + jnp.transpose(jnp.sum(scores, axis=-1), (0, 1, 3, 2))
-  num = num.reshape(b, g * chunk, h, d)[:, :n]
-  den = den.reshape(b, g * chunk, h)[:, :n]
+    intra = jnp.where(mask[None], jnp.exp(log_decay[:, None, None] * dist[None]),
+                      jnp.zeros((), dtype))[None]  # [1, h, chunk, chunk]
+    # Keys weighted by r^(chunk - t) toward the end of their chunk; queries by r^t.
+    k_w = jnp.exp(log_decay[:, None] * (chunk - t)[None, :])[None, :, :, None]
+    q_w = jnp.exp(log_decay[:, None] * t[None, :])[None, :, :, None]
+    step = jnp.exp(log_decay * chunk)[None, :, None]  # r^chunk per chunk, [1, h, 1]
+
+  def body(carry, xs):
+    kv, ks = carry  # [b, h, m, d], [b, h, m]
+    q_c, k_c, v_c = (jnp.transpose(a, (0, 2, 1, 3)) for a in xs)  # [b, h, chunk, .]
+    scores = jnp.einsum("bhim,bhjm->bhij", q_c, k_c)
+    if log_decay is None:
+      scores = jnp.where(mask, scores, jnp.zeros((), dtype))
+      q_in, k_in = q_c, k_c
+    else:
+      scores = scores * intra
+      q_in, k_in = q_c * q_w, k_c * k_w
+      kv, ks = kv * step[..., None], ks * step
+    num = (jnp.einsum("bhim,bhmd->bhid", q_in, carry[0])
+           + jnp.einsum("bhij,bhjd->bhid", scores, v_c))
+    den = jnp.einsum("bhim,bhm->bhi", q_in, carry[1]) + jnp.sum(scores, axis=-1)
+    kv = kv + jnp.einsum("bhjm,bhjd->bhmd", k_in, v_c)
+    ks = ks + jnp.sum(k_in, axis=2)
+    return (kv, ks), (jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1)))
+
+  init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
+  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init,
+                               (split(phi_q), split(phi_k), split(v)))
+  num = jnp.moveaxis(num, 0, 1).reshape(b, g * chunk, h, d)[:, :n]
+  den = jnp.moveaxis(den, 0, 1).reshape(b, g * chunk, h)[:, :n]
   return num, den
-
-
-def _exclusive_decayed_sum(a, step):
-  """S_0 = 0, S_{c+1} = step * S_c + a_c over chunks (axis 1); ``step`` broadcasts against
-  ``a[:, 0]``. A sequential scan over N/chunk steps."""
-  def body(carry, a_c):
-    return step * carry + a_c, carry
-  _, prev = jax.lax.scan(body, jnp.zeros_like(a[:, 0]), jnp.moveaxis(a, 1, 0))
-  return jnp.moveaxis(prev, 0, 1)
-
-
-def _exclusive_cumsum(a):
-  """Sum over chunks strictly before each chunk (axis 1). Shifting the inclusive sum keeps a
-  chunk's own (partly future) keys out exactly; ``cumsum(a) - a`` would leave round-off."""
-  inclusive = jnp.cumsum(a[:, :-1], axis=1)
-  return jnp.concatenate([jnp.zeros_like(a[:, :1]), inclusive], axis=1)
 
 
 def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,

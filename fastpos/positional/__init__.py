@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from typing import Mapping
 
 from fastpos.positional.base import (Context, Dims, KernelInfo, KVMix, Scheme, center_slice,
@@ -21,12 +22,7 @@ SCHEME_MODULES = ("none", "absolute", "fastrpb", "kernelized_rpe", "rope", "lrpe
 def _collect() -> dict[str, type[Scheme]]:
   schemes: dict[str, type[Scheme]] = {}
   for mod in SCHEME_MODULES:
-    try:  # TEMPORARY while schemes are being written; removed before the issue closes
-      module = importlib.import_module(f"fastpos.positional.{mod}")
-    except ModuleNotFoundError as e:
-      if e.name != f"fastpos.positional.{mod}":
-        raise
-      continue
+    module = importlib.import_module(f"fastpos.positional.{mod}")
     for name, cls in module.SCHEMES.items():
       if name in schemes:
         raise RuntimeError(f"positional scheme {name!r} is registered twice.")
@@ -67,9 +63,13 @@ def build(scheme: str, dims: Dims, options: Mapping | None = None, **module_kwar
 
 
 def parse_names(positional: str | tuple | list) -> tuple[str, ...]:
-  """``"fastrpb,rope"`` or a sequence -> validated names; ``"none"`` / ``""`` -> ()."""
+  """``"fastrpb,rope"`` / ``"absolute+fastrpb"`` or a sequence -> validated names.
+
+  Names are separated by "," or "+" (the "+" form fits in a sweep grid, whose values are
+  comma-separated); ``"none"`` / ``""`` -> ().
+  """
   if isinstance(positional, str):
-    names = tuple(s.strip() for s in positional.split(",") if s.strip())
+    names = tuple(s.strip() for s in re.split(r"[,+]", positional) if s.strip())
   else:
     names = tuple(positional)
   for n in names:

@@ -263,7 +263,7 @@ _X = jnp.ones((2, 5, 3, 4))
         (lambda: attention.linear_attention(_X, _X, _X, causal=True, chunk_size=0),
          r"chunk_size.*got 0"),
         (lambda: attention.softmax_attention(_X, _X, _X, bias=jnp.ones((3, 4, 4))),
-         r"bias must be .*N=5.*\(1, 3, 4, 4\)"),
+         r"bias must be .*Lq=5, Lk=5.*\(1, 3, 4, 4\)"),
         (lambda: attention.softmax_attention(_X, _X[..., :2], _X), r"same last dim"),
     ],
 )
