@@ -1,10 +1,15 @@
-"""fastpos.train: the trainer is not built yet (see the trainer issue)."""
+"""fastpos.train: one trainer for every task and model.
 
-import sys
+``train_and_evaluate(config, workdir)`` trains (resuming from the workdir's newest checkpoint)
+and ``evaluate(config, workdir, split)`` scores a trained workdir; ``train.py`` / ``eval.py``
+are thin command-line entry points over them. Modules: ``config`` (the base config),
+``state`` (train state, AdamW and its schedule), ``steps`` (pure train / eval steps),
+``sharding`` (mesh, shardings, multi-host batches), ``data`` (grain pipelines),
+``checkpoint`` (orbax), ``metrics`` and ``tensorboard`` (what is logged, where), ``trainer``.
+"""
 
+from __future__ import annotations
 
-def not_built(entry: str) -> int:
-  """Says clearly that an entry point has no trainer behind it yet; returns exit status 2."""
-  print(f"fastpos: {entry} is not built yet (the trainer issue adds fastpos.train and the "
-        "configs). For now run: python scripts/demo_fastrpb.py", file=sys.stderr)
-  return 2
+from fastpos.train.trainer import NonFiniteLossError, evaluate, train_and_evaluate
+
+__all__ = ["NonFiniteLossError", "evaluate", "train_and_evaluate"]

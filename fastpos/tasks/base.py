@@ -1,0 +1,146 @@
+"""What every task gives the trainer: its ``TaskInfo``, random-access splits and a metric.
+
+A task is data plus a metric; it is not a training loop (DESIGN.md). Each split is a
+random-access source (``len(source)``, ``source[i]`` -> one example as a dict of numpy arrays)
+that grain reads. Every example of a task has the same fields and fixed shapes:
+
+- ``inputs`` int32 ``[max_length]``: token ids, 0 is padding;
+- ``mask`` bool ``[max_length]``: True for real tokens;
+- ``targets`` int32 ``[]`` (classify / retrieval: the class) or ``[max_length]`` (lm: the next
+  token at each position, scored where ``mask`` is True);
+- retrieval tasks add ``inputs2`` / ``mask2`` (the second document).
+
+The trainer adds ``weight`` (1.0 for a real example, 0.0 for the padding that fills the last
+evaluation batch).
+
+A task class declares its config fields in ``default_config()`` (the ``config.task`` block of an
+experiment, every field commented) and must be able to say its ``TaskInfo`` from that config
+alone (``info_from_config``), without reading any data, so that models can be built and
+configs checked before data are loaded.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Mapping
+
+import ml_collections
+import numpy as np
+
+from fastpos.models.config import TaskInfo
+
+SPLITS = ("train", "validation", "test")
+
+# Fields every example must carry, by task kind.
+REQUIRED_FIELDS = {
+    "classify": ("inputs", "mask", "targets"),
+    "retrieval": ("inputs", "mask", "inputs2", "mask2", "targets"),
+    "lm": ("inputs", "mask", "targets"),
+}
+
+
+class ArraySource:
+  """A split held as numpy arrays with a common first axis, read one example at a time.
+
+  Args:
+    arrays: name -> array ``[n, ...]``. ``mask`` (``mask2``) is derived as ``inputs != 0``
+      (``inputs2 != 0``) when absent.
+  """
+
+  def __init__(self, arrays: Mapping[str, np.ndarray]):
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    for key, mask_key in (("inputs", "mask"), ("inputs2", "mask2")):
+      if key in arrays and mask_key not in arrays:
+        arrays[mask_key] = arrays[key] != 0
+    sizes = {k: v.shape[0] for k, v in arrays.items()}
+    if len(set(sizes.values())) != 1:
+      raise ValueError(f"ArraySource: arrays of different lengths {sizes}.")
+    for key in ("inputs", "inputs2", "targets"):
+      if key in arrays:
+        arrays[key] = arrays[key].astype(np.int32)
+    for key in ("mask", "mask2"):
+      if key in arrays:
+        arrays[key] = arrays[key].astype(bool)
+    self.arrays = arrays
+    self._len = next(iter(sizes.values()))
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {k: v[index] for k, v in self.arrays.items()}
+
+  def __repr__(self) -> str:
+    shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self.arrays.items())
+    return f"ArraySource({shapes})"
+
+
+class Task(abc.ABC):
+  """Base class of a task. Subclasses set ``task_name`` and implement the abstract methods.
+
+  Class attributes:
+    task_name: the registry name (``config.task.name``).
+    metric: the validation metric that picks the best checkpoint (a key of the evaluation
+      metrics: "accuracy", "loss" or "perplexity").
+    metric_mode: "max" or "min" for ``metric``.
+  """
+  task_name: ClassVar[str]
+  metric: ClassVar[str] = "accuracy"
+  metric_mode: ClassVar[str] = "max"
+
+  def __init__(self, cfg: ml_collections.ConfigDict):
+    self.cfg = cfg
+    self.info = self.info_from_config(cfg)
+    self._sources: dict[str, ArraySource] = {}
+
+  @classmethod
+  @abc.abstractmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    """The task's ``config.task`` block with defaults; every field commented."""
+
+  @classmethod
+  @abc.abstractmethod
+  def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
+    """The ``TaskInfo`` implied by the config, without reading data."""
+
+  @abc.abstractmethod
+  def load_split(self, split: str) -> Mapping[str, np.ndarray]:
+    """Reads or generates one split as arrays ``[n, ...]`` (see the module docstring)."""
+
+  def source(self, split: str) -> ArraySource:
+    """The split as a random-access source (loaded once, then cached)."""
+    if split not in SPLITS:
+      raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+    if split not in self._sources:
+      src = ArraySource(self.load_split(split))
+      self._check(src, split)
+      self._sources[split] = src
+    return self._sources[split]
+
+  def _check(self, src: ArraySource, split: str) -> None:
+    """Checks a loaded split against the task's ``TaskInfo`` (shapes, ids in range)."""
+    info = self.info
+    missing = [k for k in REQUIRED_FIELDS[info.kind] if k not in src.arrays]
+    if missing:
+      raise ValueError(f"task {self.task_name!r}, split {split!r}: missing fields {missing}.")
+    if len(src) == 0:
+      raise ValueError(f"task {self.task_name!r}, split {split!r} has no examples.")
+    for key in ("inputs", "inputs2"):
+      if key not in src.arrays:
+        continue
+      x = src.arrays[key]
+      if x.ndim != 2 or x.shape[1] != info.max_length:
+        raise ValueError(f"task {self.task_name!r}, split {split!r}: {key} has shape "
+                         f"{x.shape}; expected [n, {info.max_length}].")
+      if x.min() < 0 or x.max() >= info.vocab_size:
+        raise ValueError(f"task {self.task_name!r}, split {split!r}: token ids outside "
+                         f"[0, {info.vocab_size}).")
+    t = src.arrays["targets"]
+    if info.kind != "lm" and (t.min() < 0 or t.max() >= info.num_classes):
+      raise ValueError(f"task {self.task_name!r}, split {split!r}: targets outside "
+                       f"[0, {info.num_classes}).")
+
+
+def split_seed(seed: int, split: str) -> np.random.SeedSequence:
+  """An independent random stream per (seed, split), so splits never share examples."""
+  return np.random.SeedSequence([seed, SPLITS.index(split)])

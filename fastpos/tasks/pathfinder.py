@@ -1,0 +1,347 @@
+"""LRA Pathfinder (and Path-X): are the two dots joined by one path? Images read pixel by pixel.
+
+Source: Long Range Arena (Tay et al. 2021, Sec. 3.5), images of Linsley et al. (2018) / Kim et
+al. (2020) (``github.com/drewlinsley/pathfinder``). ``python scripts/download_data.py pathfinder
+--data_dir DIR`` unpacks the LRA release archive (``lra_release.gz``, ~7 GB, shared with ListOps
+and Retrieval) into::
+
+    DIR/lra_release/pathfinder{32,64,128,256}/{curv_baseline,curv_contour_length_9,
+                                              curv_contour_length_14}/
+        metadata/<k>.npy      text, one image a line: "<imgs/i> <sample_j.png> <n> <label> ..."
+        imgs/<i>/sample_<j>.png   grayscale PNGs, resolution x resolution
+
+Difficulty: "easy" = ``curv_baseline``, "intermediate" = ``curv_contour_length_9``, "hard" =
+``curv_contour_length_14`` (LRA's names in ``lra_benchmarks/data/pathfinder.py``). LRA's
+Pathfinder is ``resolution=32, difficulty="hard"`` (1024 tokens, grid 32x32; the defaults) and
+Path-X is ``resolution=128, difficulty="hard"`` (16384 tokens, grid 128x128). Each difficulty
+folder holds ~200K images (commonly reported for pathfinder32; the loader logs the counts).
+
+Reading (as LRA's tfds builder does): the ``.npy`` metadata files are text (despite the name);
+each line is split on whitespace, field 0 is the image's folder, field 1 its file name, field 3
+its label (0 / 1); the other fields are not used. A line with fewer than 4 fields, a label
+other than 0 / 1, a missing image, a PNG that does not decode to ``resolution x resolution``
+or a metadata file that does not end in a newline (a truncated file) is an error naming the
+file and line.
+
+Splits (``split_order="lra"``, default): LRA builds a tfds dataset per difficulty and slices it
+``[:80%]`` / ``[80%:90%]`` / ``[90%:]``; tfds stores examples sorted by the md5 hash of their
+key salted with the split name (``tfds.core.hashing``: md5(salt + key) as a 128-bit integer),
+the key being ``"<field0>_<field1>_<k>"`` with ``k`` the 1-based line number within its
+metadata file, the salt the difficulty name ("hard"); slice bounds are ``round(p * n / 100)``
+(tfds' "closest" rounding) over all ``n`` lines. After slicing LRA drops the empty PNG files
+(the release has at least one, ``pathfinder32/curv_baseline/imgs/0/sample_172.png``). This
+order is reproduced from LRA's builder and tfds' code, not checked against LRA's own shards.
+``split_order="metadata"``: metadata files in numeric order, lines in file order, the same
+80/10/10 bounds (simpler, not LRA's).
+
+Tokens: id = intensity + 1 (vocab 257; no padding: every position is a pixel, mask all True),
+raster order, grid (resolution, resolution) passed on in ``TaskInfo.grid``. PNGs in a mode
+other than 8-bit grayscale "L" are converted with Pillow's ``convert("L")`` (ITU-R 601 luma for
+colour); 16-bit / float images are an error.
+
+Cache: decoding 200K PNGs takes minutes, so all three splits are decoded once and saved as
+``uint8 [n, res, res]`` images + ``uint8`` labels in one ``.npz`` per split under
+``paths.cache_dir(data_dir, "pathfinder")`` (or ``config.task.cache_dir``), named by a hash of
+the resolution, difficulty, split order, ``CACHE_VERSION`` and the metadata files' names, sizes
+and mtimes; writes are atomic. Sizes: ~200 MB per difficulty at 32, ~3.3 GB for Path-X.
+``load_split`` returns int32 ids (what ``base.ArraySource`` holds): 4 bytes a pixel, ~10.5 GB
+for the Path-X train split (160K x 16384) in memory; a uint8 / uint16 ArraySource would cut
+that by 4 / 2.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import json
+import os
+import tempfile
+from typing import NamedTuple
+
+from absl import logging
+import ml_collections
+import numpy as np
+from PIL import Image
+
+from fastpos.models.config import TaskInfo
+from fastpos.tasks import base, paths
+
+TASK = "pathfinder"
+SPLITS = base.SPLITS
+RESOLUTIONS = (32, 64, 128, 256)
+DIFFICULTIES = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9",
+                "hard": "curv_contour_length_14"}
+SPLIT_ORDERS = ("lra", "metadata")
+# LRA's tfds slices, in percent: train [:80%], validation [80%:90%], test [90%:].
+SPLIT_PERCENT = {"train": (0, 80), "validation": (80, 90), "test": (90, 100)}
+VOCAB_SIZE = 257  # intensity + 1
+NUM_CLASSES = 2
+CACHE_VERSION = 1
+_CONVERTIBLE_MODES = ("L", "1", "P", "LA", "RGB", "RGBA")
+
+
+class Example(NamedTuple):
+  """One metadata line: the tfds key, the image path, its label and where it was read."""
+  key: str
+  image: str  # absolute path
+  label: int
+  source: str  # "<metadata file>:<line>"
+
+
+def dataset_dir(data_dir: str | os.PathLike | None, resolution: int, difficulty: str) -> str:
+  """``<root>/lra_release/pathfinder<resolution>/<difficulty folder>``."""
+  _check_choice("resolution", resolution, RESOLUTIONS)
+  _check_choice("difficulty", difficulty, tuple(DIFFICULTIES))
+  return paths.task_path(data_dir, paths.LRA_SUBDIR, f"pathfinder{resolution}",
+                         DIFFICULTIES[difficulty])
+
+
+def _check_choice(name: str, value, choices) -> None:
+  if isinstance(value, bool) or value not in choices:
+    raise ValueError(f"unknown {name} {value!r}; valid choices: "
+                     f"{', '.join(str(c) for c in choices)}.")
+
+
+def _metadata_files(folder: str) -> list[str]:
+  meta = os.path.join(folder, "metadata")
+  names = [n for n in os.listdir(meta) if n.endswith(".npy")]
+  if not names:
+    raise ValueError(f"{meta!r} holds no metadata/*.npy files (wrong layout?).")
+  bad = [n for n in names if not n[:-4].isdigit()]
+  if bad:
+    raise ValueError(f"{os.path.join(meta, bad[0])!r}: metadata files are named <number>.npy.")
+  return [os.path.join(meta, n) for n in sorted(names, key=lambda n: int(n[:-4]))]
+
+
+def read_metadata(folder: str) -> list[Example]:
+  """Every line of ``folder/metadata/*.npy`` (files in numeric order, lines in order)."""
+  out = []
+  for path in _metadata_files(folder):
+    with open(path, "rb") as f:
+      raw = f.read()
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}: not a text metadata file ({e}).") from None
+    if not text.endswith("\n"):
+      raise ValueError(f"{path}: does not end in a newline (truncated metadata file?).")
+    for line_no, line in enumerate(text.split("\n")[:-1], start=1):
+      fields = line.split()
+      where = f"{path}:{line_no}"
+      if len(fields) < 4:
+        raise ValueError(f"{where}: expected at least 4 space-separated fields (folder, file, "
+                         f"index, label, ...), got {len(fields)}.")
+      if fields[3] not in ("0", "1"):
+        raise ValueError(f"{where}: label {fields[3]!r} is not 0 or 1.")
+      key = "_".join([fields[0], fields[1], str(line_no)])
+      out.append(Example(key, os.path.join(folder, fields[0], fields[1]), int(fields[3]),
+                         where))
+  return out
+
+
+def lra_order(examples: list[Example], difficulty: str) -> list[Example]:
+  """``examples`` in tfds' stored order: ascending md5(difficulty + key) as an integer."""
+  salt = hashlib.md5(difficulty.encode("utf-8"))
+
+  def hkey(ex: Example) -> int:
+    h = salt.copy()
+    h.update(ex.key.replace("\\", "/").encode("utf-8"))
+    return int(h.hexdigest(), 16)
+
+  return sorted(examples, key=hkey)
+
+
+def split_bounds(n: int) -> dict[str, tuple[int, int]]:
+  """``[start, stop)`` of each split over ``n`` examples (tfds' percent slicing, "closest")."""
+  return {s: (int(round(a * n / 100.0)), int(round(b * n / 100.0)))
+          for s, (a, b) in SPLIT_PERCENT.items()}
+
+
+def decode_png(path: str, resolution: int, where: str = "") -> np.ndarray:
+  """The image at ``path`` as uint8 ``[resolution, resolution]``; errors name the file."""
+  at = f" (listed at {where})" if where else ""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    raise ValueError(f"image {path!r}{at} does not exist (wrong layout or incomplete "
+                     f"unpacking?).") from None
+  arr = None
+  try:
+    with Image.open(io.BytesIO(data)) as img:
+      img.load()
+      mode = img.mode
+      if mode in _CONVERTIBLE_MODES:
+        arr = np.asarray(img if mode == "L" else img.convert("L"), np.uint8)
+  except Exception as e:  # Pillow raises several types for broken files
+    raise ValueError(f"image {path!r}{at} is not a readable PNG ({type(e).__name__}: {e}).") \
+        from None
+  if arr is None:
+    raise ValueError(f"image {path!r}{at} has mode {mode!r}; expected 8-bit grayscale 'L' (or "
+                     f"one of {', '.join(_CONVERTIBLE_MODES[1:])}).")
+  if arr.shape != (resolution, resolution):
+    raise ValueError(f"image {path!r}{at} is {arr.shape[1]}x{arr.shape[0]}; expected "
+                     f"{resolution}x{resolution}.")
+  return arr
+
+
+def _cache_key(folder: str, resolution: int, difficulty: str, split_order: str) -> dict:
+  files = [(os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+           for p in _metadata_files(folder)]
+  return {"version": CACHE_VERSION, "folder": os.path.abspath(folder),
+          "resolution": int(resolution), "difficulty": difficulty, "split_order": split_order,
+          "metadata": files}
+
+
+def _cache_paths(cache_dir: str, key: dict) -> dict[str, str]:
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+  stem = (f"pathfinder_v{CACHE_VERSION}_{key['resolution']}_{key['difficulty']}_"
+          f"{key['split_order']}_{digest}")
+  return {s: os.path.join(cache_dir, f"{stem}_{s}.npz") for s in SPLITS}
+
+
+def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
+  folder = os.path.dirname(path)
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_pathfinder_", suffix=".npz")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, **arrays)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def build_splits(folder: str, resolution: int, difficulty: str, split_order: str,
+                 num_threads: int = 8) -> dict[str, dict[str, np.ndarray]]:
+  """Reads and decodes every image of ``folder``: split -> {"images" uint8 [n, res, res],
+  "targets" uint8 [n], "num_empty" int64 []} (empty PNG files dropped after slicing)."""
+  examples = read_metadata(folder)
+  if split_order == "lra":
+    examples = lra_order(examples, difficulty)
+  bounds = split_bounds(len(examples))
+  out = {}
+  with concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool:
+    for split in SPLITS:
+      start, stop = bounds[split]
+      part = examples[start:stop]
+      keep = []
+      for ex in part:
+        try:
+          size = os.path.getsize(ex.image)
+        except FileNotFoundError:
+          raise ValueError(f"image {ex.image!r} (listed at {ex.source}) does not exist (wrong "
+                           f"layout or incomplete unpacking?).") from None
+        if size > 0:
+          keep.append(ex)
+      images = np.zeros((len(keep), resolution, resolution), np.uint8)
+      decoded = pool.map(lambda ex: decode_png(ex.image, resolution, ex.source), keep,
+                         chunksize=64)
+      for i, arr in enumerate(decoded):
+        images[i] = arr
+      out[split] = {"images": images,
+                    "targets": np.array([ex.label for ex in keep], np.uint8),
+                    "num_empty": np.int64(len(part) - len(keep))}
+  return out
+
+
+def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: int = 32,
+               difficulty: str = "hard", split_order: str = "lra", cache_dir: str | None = None,
+               num_threads: int = 8) -> dict[str, np.ndarray]:
+  """One split: ``inputs`` int32 ``[n, resolution**2]`` (intensity + 1, raster order),
+  ``mask`` all True, ``targets`` int32 ``[n]``.
+
+  The first call decodes all three splits and caches them (module docstring); later calls
+  read the cached split.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+  _check_choice("split_order", split_order, SPLIT_ORDERS)
+  folder = dataset_dir(data_dir, resolution, difficulty)
+  paths.require(TASK, folder, data_dir,
+                f"Pathfinder-{resolution} {difficulty} ({DIFFICULTIES[difficulty]})")
+  paths.require(TASK, os.path.join(folder, "metadata"), data_dir, "the metadata folder")
+  key = _cache_key(folder, resolution, difficulty, split_order)
+  cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(data_dir, TASK)
+  files = _cache_paths(cache_dir, key)
+  if not all(os.path.exists(p) for p in files.values()):
+    splits = build_splits(folder, resolution, difficulty, split_order, num_threads)
+    for s, arrays in splits.items():
+      _save_atomic(files[s], {**arrays, "key": np.array(json.dumps(key, sort_keys=True))})
+    logging.info("pathfinder: decoded %s (%s) into %s", folder,
+                 ", ".join(f"{s} {len(a['targets'])}" for s, a in splits.items()), cache_dir)
+  stored = _load_cache(files[split], key, resolution)
+  n = stored["targets"].shape[0]
+  if int(stored["num_empty"]):
+    logging.info("pathfinder %s: dropped %d empty image file(s), as LRA does.", split,
+                 int(stored["num_empty"]))
+  logging.info("pathfinder %s: %d examples from the cache %s", split, n, files[split])
+  if n == 0:
+    raise ValueError(f"pathfinder {split} split of {folder!r} is empty.")
+  inputs = stored["images"].reshape(n, resolution * resolution).astype(np.int32) + 1
+  return {"inputs": inputs, "mask": np.ones(inputs.shape, bool),
+          "targets": stored["targets"].astype(np.int32)}
+
+
+def _load_cache(path: str, key: dict, resolution: int) -> dict[str, np.ndarray]:
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      stored = {k: z[k] for k in z.files}
+  except (OSError, ValueError, EOFError) as e:
+    raise ValueError(f"pathfinder cache file {path!r} is unreadable ({e}); delete it to "
+                     f"rebuild.") from None
+  want = json.dumps(key, sort_keys=True)
+  if set(stored) != {"images", "targets", "num_empty", "key"} or str(stored["key"]) != want:
+    raise ValueError(f"pathfinder cache file {path!r} does not hold the data asked for; delete "
+                     f"it to rebuild.")
+  images = stored["images"]
+  if images.dtype != np.uint8 or images.shape[1:] != (resolution, resolution) or (
+      stored["targets"].shape != images.shape[:1]):
+    raise ValueError(f"pathfinder cache file {path!r} has images {images.dtype}{images.shape}; "
+                     f"delete it to rebuild.")
+  return stored
+
+
+class PathfinderTask(base.Task):
+  """LRA Pathfinder / Path-X: 2-class classification of a grayscale image as a pixel sequence."""
+  task_name = TASK
+  metric = "accuracy"
+  metric_mode = "max"
+
+  @classmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = cls.task_name
+    # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
+    # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
+    c.data_dir = ""
+    c.cache_dir = ""  # decoded images; "" = <root>/cache/pathfinder
+    c.resolution = 32  # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256
+    # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
+    # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).
+    c.difficulty = "hard"
+    # "lra": LRA's tfds order and 80/10/10 slices; "metadata": file order, same slices.
+    c.split_order = "lra"
+    c.num_threads = 8  # PNG decoding threads (first load only)
+    return c
+
+  @classmethod
+  def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
+    _check_choice("resolution", cfg.resolution, RESOLUTIONS)
+    _check_choice("difficulty", cfg.difficulty, tuple(DIFFICULTIES))
+    _check_choice("split_order", cfg.split_order, SPLIT_ORDERS)
+    if isinstance(cfg.num_threads, bool) or not isinstance(cfg.num_threads, int) or (
+        cfg.num_threads < 1):
+      raise ValueError(f"num_threads must be an integer >= 1, got {cfg.num_threads!r}.")
+    r = cfg.resolution
+    return TaskInfo(kind="classify", vocab_size=VOCAB_SIZE, num_classes=NUM_CLASSES,
+                    max_length=r * r, grid=(r, r))
+
+  def load_split(self, split: str) -> dict[str, np.ndarray]:
+    cfg = self.cfg
+    return load_split(split, data_dir=cfg.data_dir or None, resolution=cfg.resolution,
+                      difficulty=cfg.difficulty, split_order=cfg.split_order,
+                      cache_dir=cfg.cache_dir or None, num_threads=cfg.num_threads)

@@ -1,0 +1,70 @@
+"""Where the real datasets live, and the one message a task gives when they are missing.
+
+Every task's ``config.task.data_dir`` is the *data root*: the folder that
+``python scripts/download_data.py TASK... --data_dir DIR`` fills. "" means the environment
+variable ``FASTPOS_DATA_DIR``, else ``~/fastpos_data``. Layout under the root::
+
+    DIR/
+      tfds/                      tfds data_dir (array_record): imdb_reviews, cifar10, mnist
+      lra_release/               the LRA release archive (lra_release.gz), unpacked:
+        listops-1000/            basic_{train,val,test}.tsv
+        tsv_data/                new_aan_pairs.{train,eval,test}.tsv (Retrieval)
+        pathfinder32/ ...        curv_baseline, curv_contour_length_9, curv_contour_length_14
+        pathfinder128/ ...       (Path-X)
+      wikitext-103/              wiki.{train,valid,test}.tokens
+      cache/<task>/              preprocessing caches (tokenised arrays, vocabularies)
+
+Nothing is ever downloaded while training or testing: a task whose files are missing raises
+``missing_data`` (a FileNotFoundError naming the missing path and the command that fetches it).
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VAR = "FASTPOS_DATA_DIR"
+DEFAULT_ROOT = "~/fastpos_data"
+
+TFDS_SUBDIR = "tfds"
+LRA_SUBDIR = "lra_release"
+WIKITEXT_SUBDIR = "wikitext-103"
+CACHE_SUBDIR = "cache"
+
+
+def data_root(data_dir: str | os.PathLike | None = None) -> str:
+  """The data root: ``data_dir`` if given, else ``$FASTPOS_DATA_DIR``, else ``~/fastpos_data``."""
+  root = os.fspath(data_dir) if data_dir else os.environ.get(ENV_VAR) or DEFAULT_ROOT
+  return os.path.abspath(os.path.expanduser(root))
+
+
+def task_path(data_dir: str | os.PathLike | None, *parts: str) -> str:
+  """A path under the data root."""
+  return os.path.join(data_root(data_dir), *parts)
+
+
+def cache_dir(data_dir: str | os.PathLike | None, task: str) -> str:
+  """The cache folder of ``task`` under the data root (created by the writer when needed)."""
+  return task_path(data_dir, CACHE_SUBDIR, task)
+
+
+def fetch_command(task: str, data_dir: str | os.PathLike | None) -> str:
+  """The exact command that fetches ``task``'s data into the root of ``data_dir``."""
+  return f"python scripts/download_data.py {task} --data_dir {data_root(data_dir)}"
+
+
+def missing_data(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
+                 what: str = "") -> FileNotFoundError:
+  """The error for missing data: names the path and the command that fetches it."""
+  what = f" ({what})" if what else ""
+  return FileNotFoundError(
+      f"task {task!r}: {os.fspath(path)!r} not found{what}. Fetch the data on a machine with "
+      f"internet with `{fetch_command(task, data_dir)}` (or set config.task.data_dir / "
+      f"${ENV_VAR} to the folder that holds it). Nothing is downloaded during training.")
+
+
+def require(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
+            what: str = "") -> str:
+  """``path`` if it exists, else raises ``missing_data``."""
+  if not os.path.exists(path):
+    raise missing_data(task, path, data_dir, what)
+  return os.fspath(path)

@@ -1,0 +1,96 @@
+"""The trainer's base config: every field commented; experiment files change a few lines.
+
+An experiment file (``configs/<task>_<model>.py``) defines ``get_config(arg=None)``; ``arg`` is
+what follows the colon in ``--config=configs/x.py:tiny`` and selects a named variant
+(``parse_arg``). The config alone defines a run; only ``--workdir`` is outside it.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from fastpos.models.config import model_config
+from fastpos.tasks import task_config
+
+
+def base_config(task: str) -> ml_collections.ConfigDict:
+  """The base config for a run on task ``task`` (its ``config.task`` block from the task)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # seeds parameter init, dropout and the training data order (separate streams)
+  c.task = task_config(task)  # the task's block: fastpos.tasks.<task module>.default_config()
+  c.model = model_config()  # fastpos.models.config.model_config(): kernel, schemes, sizes
+
+  # Batches and duration. Durations are in optimizer steps.
+  c.batch_size = 32  # global batch per optimizer step, over all devices and hosts
+  c.eval_batch_size = 0  # global evaluation batch; 0 means batch_size
+  c.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
+  c.num_train_steps = 5000
+
+  # AdamW (decoupled weight decay), global-norm gradient clipping.
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 1e-3  # peak learning rate, reached after the warmup
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.98
+  c.optimizer.eps = 1e-9
+  c.optimizer.weight_decay = 0.01  # AdamW decay (multiplied by the learning rate)
+  # Parameters whose path has a component matching one of these fnmatch patterns get no
+  # weight decay (biases, norm scales, positional tables); 0-d / 1-d parameters never do.
+  c.optimizer.no_decay = "*bias*,*scale*,pos_*,*positional*"
+  c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm; 0 disables clipping
+
+  # Learning-rate schedule: linear warmup from 0, then decay to end_factor * peak.
+  c.schedule = ml_collections.ConfigDict()
+  c.schedule.name = "cosine"  # "cosine", "linear", "constant" or "rsqrt" (after the warmup)
+  c.schedule.warmup_steps = 500
+  c.schedule.end_factor = 0.0  # final learning rate / peak learning rate
+
+  # Cadences, in optimizer steps.
+  c.log_every_steps = 50  # progress line, metrics.jsonl and TensorBoard for training
+  c.eval_every_steps = 500  # evaluate on the validation split (never test)
+  c.num_eval_batches = 0  # validation batches per evaluation; 0 means the whole split
+  c.checkpoint_every_steps = 500  # also saved at the end, on SIGTERM and at each evaluation
+  c.keep_checkpoints = 3  # the last few checkpoints kept (the best one is kept apart)
+  c.async_checkpoints = True  # write checkpoints in a background thread
+
+  # Precision of float32 matmuls on accelerators ("default", "high", "highest"); the
+  # activation dtype is config.model.dtype.
+  c.precision = "default"
+
+  # Device mesh: axes ("data", "model"). The data axis takes the devices that the model
+  # axis does not; batches are split over "data".
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.model = 1  # devices on the model axis (1 = pure data parallelism)
+  # Parameter sharding rules: ((regex over the "/"-joined parameter path, spec), ...) with
+  # spec a tuple of mesh axis names or None per dimension, e.g. ((r"mlp/.*kernel",
+  # (None, "model")),). The first matching rule wins; unmatched parameters are replicated.
+  c.mesh.rules = ()
+
+  # Host input pipeline (grain).
+  c.data = ml_collections.ConfigDict()
+  c.data.num_threads = 2  # threads reading examples
+  c.data.prefetch = 4  # batches read ahead
+  return c
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses a ``get_config`` argument ``"tiny"`` / ``"tiny,kernel=elu1"`` into fields.
+
+  Bare words set a boolean field to True; ``key=value`` pairs take the type of the default.
+  Every key must be one of ``defaults`` (a typo fails instead of being ignored).
+  """
+  out = ml_collections.ConfigDict(dict(defaults))
+  for part in filter(None, (arg or "").split(",")):
+    key, eq, value = part.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"unknown config argument {key!r}; valid: {', '.join(defaults)}.")
+    default = defaults[key]
+    if not eq:
+      if not isinstance(default, bool):
+        raise ValueError(f"config argument {key!r} needs a value ({key}=...).")
+      out[key] = True
+    elif isinstance(default, bool):
+      out[key] = value.strip().lower() in ("1", "true", "yes")
+    else:
+      out[key] = type(default)(value.strip())
+  return out

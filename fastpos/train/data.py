@@ -1,0 +1,127 @@
+"""Host input pipelines (grain) over a task's random-access sources.
+
+Training: the split is shuffled (a fresh order every epoch, from ``config.seed``), repeated
+forever and cut into global batches; process p of P reads rows ``[p * B/P, (p+1) * B/P)`` of
+every global batch, so the global batch sequence is the same for any number of hosts. The
+iterator's position is part of every checkpoint (``grain.checkpoint.CheckpointSave``).
+
+Evaluation: the split in order, in global batches; the last batch is filled up with copies
+of real examples given ``weight`` 0 (never dropped, never counted).
+
+Stream batching (language models with a Transformer-XL memory, as Transformer-XL's
+LMOrderedIterator): the S consecutive segments of a split are dealt into B = batch size
+contiguous streams of T = ceil(S / B) segments; stream r holds segments r*T .. r*T + T - 1 and
+step t takes segment t of every stream, so row r of step t + 1 continues row r of step t and
+the memory carried from one step to the next holds the text just before. The B*T - S slots past
+the last segment (the tail of the last stream(s), fewer than B) are copies of real segments
+with ``weight`` 0. Each batch carries ``reset`` ``[B]`` bool, True at t = 0 (a stream starts:
+the memory of that row is emptied). Training repeats the T steps in the same order each epoch
+(no shuffling: it would break the streams); evaluation runs them once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+
+from fastpos.tasks.base import ArraySource
+
+
+def _with_weight(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {**example, "weight": np.float32(1.0)}
+
+
+def _read_options(cfg: ml_collections.ConfigDict) -> grain.ReadOptions:
+  return grain.ReadOptions(num_threads=cfg.data.num_threads,
+                           prefetch_buffer_size=cfg.data.prefetch)
+
+
+def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict):
+  """An endless grain iterator of this process's rows of each global training batch.
+
+  Yields dicts of numpy arrays ``[batch_size / process_count, ...]`` (the task's fields plus
+  ``weight``); ``get_state()`` / ``set_state()`` give its exact position.
+  """
+  procs = jax.process_count()
+  local = cfg.batch_size // procs
+  ds = grain.MapDataset.source(source).seed(cfg.seed).shuffle().repeat()
+  ds = ds.map(_with_weight).batch(local, drop_remainder=True)
+  ds = ds[jax.process_index()::procs]
+  return iter(ds.to_iter_dataset(_read_options(cfg)))
+
+
+def num_eval_batches(n: int, global_batch: int, limit: int = 0) -> int:
+  """Batches that cover ``n`` examples (at most ``limit`` when ``limit`` > 0)."""
+  total = math.ceil(n / global_batch)
+  return min(total, limit) if limit > 0 else total
+
+
+def eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
+                  limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """This process's rows of the evaluation batches, in order, the last one padded.
+
+  Global batch b holds examples ``[b * B, (b + 1) * B)``; rows past the end of the split
+  repeat real examples (so every model input is well formed) with ``weight`` 0.
+  """
+  n = len(source)
+  global_batch = cfg.eval_batch_size or cfg.batch_size
+  procs = jax.process_count()
+  local = global_batch // procs
+  offset = jax.process_index() * local
+
+  def make(b: int) -> dict[str, np.ndarray]:
+    rows = b * global_batch + offset + np.arange(local)
+    examples = [source[int(r % n)] for r in rows]
+    batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
+    batch["weight"] = (rows < n).astype(np.float32)
+    return batch
+
+  total = num_eval_batches(n, global_batch, limit)
+  ds = grain.MapDataset.range(total).map(make)
+  return iter(ds.to_iter_dataset(_read_options(cfg)))
+
+
+def num_stream_steps(n: int, num_streams: int) -> int:
+  """Steps that cover ``n`` segments dealt into ``num_streams`` streams: ceil(n / streams)."""
+  return math.ceil(n / num_streams)
+
+
+def _stream_batch(source: ArraySource, t: int, num_streams: int) -> dict[str, np.ndarray]:
+  """This process's rows of step ``t`` of the stream layout (module docstring)."""
+  n = len(source)
+  steps = num_stream_steps(n, num_streams)
+  procs = jax.process_count()
+  local = num_streams // procs
+  rows = jax.process_index() * local + np.arange(local)
+  index = rows * steps + int(t)
+  examples = [source[int(i % n)] for i in index]
+  batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
+  batch["weight"] = (index < n).astype(np.float32)
+  batch["reset"] = np.full(local, int(t) == 0)
+  return batch
+
+
+def stream_train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict):
+  """An endless grain iterator of stream batches (module docstring), this process's rows.
+
+  Yields dicts of numpy arrays ``[batch_size / process_count, ...]`` with ``weight`` and
+  ``reset``; ``get_state()`` / ``set_state()`` give its exact position.
+  """
+  steps = num_stream_steps(len(source), cfg.batch_size)
+  ds = grain.MapDataset.range(steps).repeat().map(
+      lambda t: _stream_batch(source, t, cfg.batch_size))
+  return iter(ds.to_iter_dataset(_read_options(cfg)))
+
+
+def stream_eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
+                         limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """The stream batches of an evaluation, in order (at most ``limit`` steps when > 0)."""
+  global_batch = cfg.eval_batch_size or cfg.batch_size
+  total = num_eval_batches(len(source), global_batch, limit)  # ceil(n / B) = the stream steps
+  ds = grain.MapDataset.range(total).map(lambda t: _stream_batch(source, t, global_batch))
+  return iter(ds.to_iter_dataset(_read_options(cfg)))

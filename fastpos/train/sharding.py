@@ -1,0 +1,117 @@
+"""Devices and shardings: one mesh over every device, batches split on "data".
+
+The mesh has axes ("data", "model"); ``config.mesh.model`` devices go on the model axis, the
+rest on the data axis. Batches are sharded over "data" (and replicated over "model");
+parameters are replicated unless a rule of ``config.mesh.rules`` shards them. With several
+hosts each process reads its own rows of every global batch and the global array is assembled
+with ``jax.make_array_from_process_local_data``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+
+def maybe_initialize_distributed() -> None:
+  """Calls ``jax.distributed.initialize()`` when the process was launched as one of several.
+
+  Launch that way by setting ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and
+  ``JAX_PROCESS_ID``), or ``FASTPOS_DISTRIBUTED=1`` on clusters JAX detects itself (SLURM,
+  Cloud TPU, Open MPI). Must run before anything touches the devices.
+  """
+  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FASTPOS_DISTRIBUTED") == "1":
+    jax.distributed.initialize()
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def make_mesh(cfg: ml_collections.ConfigDict, devices: list | None = None) -> Mesh:
+  """The ("data", "model") mesh over ``devices`` (default: all devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  model = cfg.mesh.model
+  if model < 1 or len(devices) % model:
+    raise ValueError(f"config.mesh.model={model} must be >= 1 and divide the device count "
+                     f"{len(devices)}.")
+  return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
+
+
+def check_batch_sizes(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Stops with one clear message when a batch cannot be split over devices and hosts."""
+  data = mesh.shape[DATA]
+  procs = jax.process_count()
+  for name, size in (("batch_size", cfg.batch_size),
+                     ("eval_batch_size", cfg.eval_batch_size or cfg.batch_size)):
+    if size < 1 or size % data or size % procs:
+      raise ValueError(
+          f"config.{name}={size} is not divisible by the {data} device(s) of the data axis "
+          f"({jax.device_count()} devices, mesh.model={cfg.mesh.model}, {procs} process(es)); "
+          f"use a multiple of {np.lcm(data, procs)}.")
+  accum = cfg.grad_accum_steps
+  if accum < 1 or (cfg.batch_size // data) % accum:
+    raise ValueError(
+        f"config.grad_accum_steps={accum} must divide the per-device batch "
+        f"{cfg.batch_size // data} (batch_size={cfg.batch_size} over {data} device(s)).")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def _path_str(path) -> str:
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+  return "/".join(parts)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
+  """NamedShardings for a tree of arrays / ShapeDtypeStructs by ``config.mesh.rules``.
+
+  A rule ``(regex, spec)`` applies to leaves whose "/"-joined path matches ``regex``
+  (``re.search``) and whose rank equals ``len(spec)``; every sharded dimension must be
+  divisible by its mesh axis. Unmatched leaves (and optimizer moments of unmatched
+  parameters) are replicated.
+  """
+  compiled = [(re.compile(regex), tuple(spec)) for regex, spec in rules]
+
+  def one(path, leaf):
+    name = _path_str(path)
+    for regex, spec in compiled:
+      if regex.search(name) and len(spec) == np.ndim(leaf):
+        for dim, axis in zip(np.shape(leaf), spec):
+          if axis is not None and dim % mesh.shape[axis]:
+            raise ValueError(f"sharding rule {regex.pattern!r}: {name} has shape "
+                             f"{np.shape(leaf)}, not divisible by mesh axis {axis!r} of size "
+                             f"{mesh.shape[axis]}.")
+        return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+  """This process's rows -> one global array per field, sharded over the data axis."""
+  procs = jax.process_count()
+
+  def one(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(
+        sharding, x, (x.shape[0] * procs,) + x.shape[1:])
+
+  return {k: one(v) for k, v in local.items()}
