@@ -1,0 +1,580 @@
+"""Fetches the data of fastpos tasks into one data root, on a machine with internet.
+
+  python scripts/download_data.py TASK... --data_dir DIR [--dry_run] [--delete_archives]
+  python scripts/download_data.py --list
+
+Training and tests never download anything: a task whose files are missing stops with the
+command above (``fastpos.tasks.paths.missing_data``). The layout under DIR is the one of
+``fastpos/tasks/paths.py``::
+
+  DIR/downloads/                 archives as fetched (kept for the next task; --delete_archives)
+  DIR/lra_release/listops-1000/  listops          basic_{train,val,test}.tsv
+  DIR/lra_release/tsv_data/      lra_retrieval    new_aan_pairs.{train,eval,test}.tsv
+  DIR/lra_release/pathfinder32/  pathfinder       (and pathfinder128 = Path-X; --pathfinder
+                                                  chooses the resolutions)
+  DIR/tfds/                      lra_text (imdb_reviews), lra_image (cifar10), mnist (mnist)
+  DIR/wikitext-103/              wikitext103      wiki.{train,valid,test}.tokens
+
+Archives (the LRA release, WikiText-103) are downloaded to ``<file>.part`` (resumed with an
+HTTP Range request when the server allows it), checked against the checksums published for
+them where there are any (WikiText-103: md5 from torchtext, sha1 from GluonNLP, also per
+unpacked file; the LRA release has none published: its sha256 is printed and the download is
+reported UNVERIFIED), then renamed into place. Each unpacked folder gets a ``.fastpos_complete``
+marker written last, so an interrupted run is resumed, and folders that are complete are
+skipped. Only the LRA folders that the asked tasks need are unpacked from the ~7.7 GB archive
+(one streaming pass).
+
+tfds datasets (lra_text, lra_image, mnist) are prepared with
+``tfds.builder(name, data_dir=DIR/tfds).download_and_prepare(file_format="array_record",
+download_dir=DIR/tfds/downloads)``; tfds checks its own registered sha256 checksums. Preparing
+them with tensorflow-datasets 4.9.10 needs TensorFlow (its archive reader opens files with
+``tf.io.gfile`` and its image feature encodes PNGs with ``tf.image.encode_png``) and the
+``importlib_resources`` package, none of which the training environment needs (reading the
+prepared array_record files does not use TensorFlow). Install them for this step only, in a
+separate environment, e.g.::
+
+  python -m venv ~/tfds-prep
+  ~/tfds-prep/bin/pip install tensorflow-datasets==4.9.10 tensorflow importlib_resources
+  ~/tfds-prep/bin/python scripts/download_data.py lra_text lra_image mnist --data_dir DIR
+
+This script imports neither jax nor fastpos (it reads ``fastpos/tasks/paths.py`` by file), so
+it runs in such an environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tarfile
+import time
+import urllib.request
+import zipfile
+from typing import Callable, Iterable, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_paths():
+  """fastpos/tasks/paths.py, loaded by file (importing the fastpos package would pull in jax)."""
+  spec = importlib.util.spec_from_file_location(
+      "_fastpos_paths", os.path.join(_REPO, "fastpos", "tasks", "paths.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+paths = _load_paths()
+
+MARKER = ".fastpos_complete"
+DOWNLOADS = "downloads"
+PATHFINDER_RESOLUTIONS = (32, 64, 128, 256)
+DEFAULT_PATHFINDER = (32, 128)  # Pathfinder-32 and Path-X
+PATHFINDER_FOLDERS = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
+
+Fetch = Callable[[str, str], None]  # (url, path of the .part file to write or extend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Archive:
+  """A downloadable archive and what is unpacked from it.
+
+  Attributes:
+    name: resource name (several tasks may share one).
+    url: where it is fetched from.
+    filename: its name under DIR/downloads.
+    size: approximate size, for the plan.
+    checksums: algorithm -> hex digest published for the archive ({} if none).
+    checksum_source: where those digests come from.
+    kind: "tar.gz" or "zip".
+    dest: the folder under DIR that holds the unpacked folders.
+    folders: unpacked folder name -> files (relative to it) that must exist afterwards.
+    file_checksums: "folder/file" -> (algorithm, digest) checked after unpacking.
+  """
+  name: str
+  url: str
+  filename: str
+  size: str
+  checksums: dict
+  checksum_source: str
+  kind: str
+  dest: str
+  folders: dict
+  file_checksums: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tfds:
+  """A tfds dataset prepared as array_record under DIR/tfds."""
+  name: str
+  size: str
+  checksum_source: str = "tfds' registered sha256 (url_checksums), checked by tfds itself"
+
+
+def _pathfinder_files() -> tuple[str, ...]:
+  return tuple(f"{d}/metadata" for d in PATHFINDER_FOLDERS)
+
+
+LRA = Archive(
+    name="lra_release",
+    url="https://storage.googleapis.com/long-range-arena/lra_release.gz",
+    filename="lra_release.gz",
+    size="~7.7 GB (tar.gz)",
+    checksums={},
+    checksum_source="none published (google-research/long-range-arena README gives only the "
+                    "URL)",
+    kind="tar.gz",
+    dest=paths.LRA_SUBDIR,
+    folders={
+        "listops-1000": ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv"),
+        "tsv_data": ("new_aan_pairs.train.tsv", "new_aan_pairs.eval.tsv",
+                     "new_aan_pairs.test.tsv"),
+        **{f"pathfinder{r}": _pathfinder_files() for r in PATHFINDER_RESOLUTIONS},
+    },
+)
+
+WIKITEXT = Archive(
+    name="wikitext103",
+    url="https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip",
+    filename="wikitext-103-v1.zip",
+    size="~181 MiB (zip), ~0.5 GB unpacked",
+    checksums={"md5": "9ddaacaf6af0710eda8c456decff7832",
+               "sha1": "0aec09a7537b58d4bb65362fee27650eeaba625a"},
+    checksum_source="md5: pytorch/text torchtext/experimental/datasets/raw/wikitext103.py; "
+                    "sha1 (archive and files): GluonNLP data/language_model.py (WikiText103)",
+    kind="zip",
+    dest="",
+    folders={paths.WIKITEXT_SUBDIR: ("wiki.train.tokens", "wiki.valid.tokens",
+                                     "wiki.test.tokens")},
+    file_checksums={
+        "wikitext-103/wiki.train.tokens": ("sha1", "b7497e2dfe77e72cfef5e3dbc61b7b53712ac211"),
+        "wikitext-103/wiki.valid.tokens": ("sha1", "c326ac59dc587676d58c422eb8a03e119582f92b"),
+        "wikitext-103/wiki.test.tokens": ("sha1", "8a5befc548865cec54ed4273cf87dbbad60d1e47"),
+    },
+)
+
+RESOURCES: dict = {
+    "lra_release": LRA,
+    "wikitext103": WIKITEXT,
+    "imdb_reviews": Tfds("imdb_reviews", "~84 MB download (aclImdb_v1.tar.gz)"),
+    "cifar10": Tfds("cifar10", "~170 MB download (cifar-10-binary.tar.gz)"),
+    "mnist": Tfds("mnist", "~12 MB download (4 idx .gz files)"),
+}
+
+# task -> (resource, LRA folders it needs or ()).
+TASKS: dict = {
+    "listops": ("lra_release", ("listops-1000",)),
+    "lra_retrieval": ("lra_release", ("tsv_data",)),
+    "pathfinder": ("lra_release", ("pathfinder",)),  # resolutions from --pathfinder
+    "lra_text": ("imdb_reviews", ()),
+    "lra_image": ("cifar10", ()),
+    "mnist": ("mnist", ()),
+    "wikitext103": ("wikitext103", ()),
+}
+
+
+class DownloadError(RuntimeError):
+  """A fetch, checksum, unpacking or environment problem (the message says what to do)."""
+
+
+# --------------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass
+class Step:
+  """What one resource fetch does for the asked tasks."""
+  resource: str
+  tasks: list
+  source: str
+  size: str
+  checksum: str
+  outputs: list  # absolute paths it creates
+  present: list  # of outputs, those already complete
+  folders: tuple = ()
+
+  @property
+  def done(self) -> bool:
+    return len(self.present) == len(self.outputs)
+
+
+def _folder_complete(path: str, required: Sequence[str]) -> bool:
+  if os.path.exists(os.path.join(path, MARKER)):
+    return True
+  return bool(required) and all(os.path.exists(os.path.join(path, f)) for f in required)
+
+
+def _tfds_prepared(name: str, root: str) -> bool:
+  """Whether DIR/tfds/<name> holds a prepared version (a dataset_info.json below it)."""
+  folder = os.path.join(root, paths.TFDS_SUBDIR, name)
+  for dirpath, _, files in os.walk(folder):
+    if "dataset_info.json" in files:
+      return True
+  return False
+
+
+def parse_resolutions(text: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    values = ()
+  if not values or any(v not in PATHFINDER_RESOLUTIONS for v in values):
+    raise DownloadError(f"--pathfinder {text!r}: give comma-separated resolutions from "
+                        f"{', '.join(map(str, PATHFINDER_RESOLUTIONS))}.")
+  return tuple(sorted(set(values)))
+
+
+def plan(task_names: Sequence[str], data_dir: str, *,
+         pathfinder: Sequence[int] = DEFAULT_PATHFINDER, resources: dict | None = None,
+         tasks: dict | None = None) -> list[Step]:
+  """The steps that fetch ``task_names`` into ``data_dir`` (one per resource, in order)."""
+  resources = RESOURCES if resources is None else resources
+  tasks = TASKS if tasks is None else tasks
+  unknown = [t for t in task_names if t not in tasks]
+  if unknown:
+    raise DownloadError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: "
+                        f"{', '.join(tasks)}.")
+  if not task_names:
+    raise DownloadError(f"no task given; valid tasks: {', '.join(tasks)}.")
+  root = paths.data_root(data_dir)
+  steps: dict[str, Step] = {}
+  for task in dict.fromkeys(task_names):
+    res_name, folders = tasks[task]
+    res = resources[res_name]
+    if "pathfinder" in folders:
+      folders = tuple(f for f in folders if f != "pathfinder") + tuple(
+          f"pathfinder{r}" for r in pathfinder)
+    step = steps.get(res_name)
+    if step is None:
+      if isinstance(res, Archive):
+        published = ", ".join(f"{k} {v}" for k, v in res.checksums.items())
+        checksum = (f"{published} ({res.checksum_source})" if res.checksums else
+                    f"UNVERIFIED: {res.checksum_source}; its sha256 is printed")
+        step = Step(res_name, [], res.url, res.size, checksum, [], [])
+      else:
+        step = Step(res_name, [], f"tfds.builder({res.name!r}).download_and_prepare "
+                    f"(array_record)", res.size, res.checksum_source, [], [])
+      steps[res_name] = step
+    step.tasks.append(task)
+    if isinstance(res, Archive):
+      wanted = folders or tuple(res.folders)
+      for f in wanted:
+        out = os.path.join(root, res.dest, f)
+        if out not in step.outputs:
+          step.outputs.append(out)
+          step.folders += (f,)
+          if _folder_complete(out, res.folders.get(f, ())):
+            step.present.append(out)
+    else:
+      out = os.path.join(root, paths.TFDS_SUBDIR, res.name)
+      if out not in step.outputs:
+        step.outputs.append(out)
+        if _tfds_prepared(res.name, root):
+          step.present.append(out)
+  return list(steps.values())
+
+
+def describe(steps: Sequence[Step]) -> str:
+  lines = []
+  for s in steps:
+    state = "present, skipped" if s.done else "to fetch"
+    lines.append(f"[{s.resource}] for {', '.join(s.tasks)}: {state}")
+    lines.append(f"  source:   {s.source}")
+    lines.append(f"  size:     {s.size}")
+    lines.append(f"  checksum: {s.checksum}")
+    for out in s.outputs:
+      lines.append(f"  -> {out}{'  (present)' if out in s.present else ''}")
+  return "\n".join(lines)
+
+
+def list_text() -> str:
+  lines = ["task            fetches"]
+  for task, (res_name, folders) in TASKS.items():
+    res = RESOURCES[res_name]
+    if isinstance(res, Archive):
+      what = f"{res.url} ({res.size})"
+      if folders:
+        names = ["pathfinder{" + ",".join(map(str, DEFAULT_PATHFINDER)) + "}"
+                 if f == "pathfinder" else f for f in folders]
+        what += f" -> {res.dest}/{', '.join(names)}" if res.dest else ""
+      else:
+        what += f" -> {', '.join(res.folders)}"
+    else:
+      what = f"tfds {res.name} -> {paths.TFDS_SUBDIR}/{res.name} ({res.size}; needs tensorflow)"
+    lines.append(f"{task:<15} {what}")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ fetching
+
+
+def urllib_fetch(url: str, part: str) -> None:
+  """Downloads ``url`` into ``part``, resuming from its current size when the server answers a
+  Range request with 206 (anything else restarts the file)."""
+  start = os.path.getsize(part) if os.path.exists(part) else 0
+  headers = {"Range": f"bytes={start}-"} if start else {}
+  req = urllib.request.Request(url, headers=headers)
+  with urllib.request.urlopen(req, timeout=60) as resp:
+    status = getattr(resp, "status", None)
+    append = start > 0 and status == 206
+    if start and not append:
+      print(f"  server did not resume (status {status}); downloading from the start")
+    total = resp.headers.get("Content-Length")
+    total = int(total) + (start if append else 0) if total else None
+    done = start if append else 0
+    last = time.monotonic()
+    with open(part, "ab" if append else "wb") as f:
+      while True:
+        chunk = resp.read(1 << 20)
+        if not chunk:
+          break
+        f.write(chunk)
+        done += len(chunk)
+        if time.monotonic() - last > 10:
+          pct = f" ({100 * done / total:.1f}%)" if total else ""
+          print(f"  {done / 1e6:.0f} MB{pct}", flush=True)
+          last = time.monotonic()
+
+
+def file_digests(path: str, algorithms: Iterable[str]) -> dict[str, str]:
+  hashes = {a: hashlib.new(a) for a in dict.fromkeys(algorithms)}
+  with open(path, "rb") as f:
+    while True:
+      chunk = f.read(1 << 22)
+      if not chunk:
+        break
+      for h in hashes.values():
+        h.update(chunk)
+  return {a: h.hexdigest() for a, h in hashes.items()}
+
+
+def verify(path: str, checksums: dict, what: str) -> str:
+  """Checks ``path`` against ``checksums``; returns its sha256. Raises DownloadError on a
+  mismatch (naming the file, the algorithm and both digests)."""
+  got = file_digests(path, ["sha256", *checksums])
+  for algo, want in checksums.items():
+    if got[algo] != want.lower():
+      raise DownloadError(f"{what}: {algo} of {path} is {got[algo]}, expected {want}; the file is "
+                          f"corrupt or was changed upstream. Delete it and run again.")
+  return got["sha256"]
+
+
+def download(res: Archive, root: str, fetch: Fetch) -> str:
+  """The verified archive under DIR/downloads (fetched to .part, then renamed)."""
+  folder = os.path.join(root, DOWNLOADS)
+  os.makedirs(folder, exist_ok=True)
+  final = os.path.join(folder, res.filename)
+  if os.path.exists(final):
+    print(f"  {final} present; verifying")
+    sha = verify(final, res.checksums, res.name)
+  else:
+    part = final + ".part"
+    resume = f" (resuming {os.path.getsize(part)} bytes)" if os.path.exists(part) else ""
+    print(f"  fetching {res.url} -> {part}{resume}")
+    fetch(res.url, part)
+    try:
+      sha = verify(part, res.checksums, res.name)
+    except DownloadError:
+      os.replace(part, part + ".bad")
+      raise
+    os.replace(part, final)
+  if res.checksums:
+    print(f"  verified {', '.join(res.checksums)} ({res.checksum_source}); sha256 {sha}")
+  else:
+    print(f"  UNVERIFIED: no published checksum for {res.filename}; its sha256 is {sha}")
+  return final
+
+
+def _safe_parts(name: str) -> list[str] | None:
+  parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+  if not parts or name.startswith("/") or ".." in parts:
+    return None
+  return parts
+
+
+def _find_folder(parts: Sequence[str], wanted: Sequence[str]) -> int:
+  for i, p in enumerate(parts):
+    if p in wanted:
+      return i
+  return -1
+
+
+def unpack(res: Archive, archive: str, root: str, folders: Sequence[str]) -> None:
+  """Unpacks the members of ``folders`` (found at any depth of the archive: the LRA archive's
+  prefix differs between reports, ``lra_release/`` or ``lra_release/lra_release/``) into
+  DIR/<dest>/<folder>, each through a staging folder renamed into place, marker last."""
+  dest = os.path.join(root, res.dest)
+  os.makedirs(dest, exist_ok=True)
+  for f in folders:
+    out = os.path.join(dest, f)
+    if os.path.exists(out) and not os.path.exists(os.path.join(out, MARKER)):
+      raise DownloadError(f"{out} exists but was not completed by this script (no {MARKER}); "
+                          f"move it away or delete it, then run again.")
+  staging = {f: os.path.join(dest, f".unpack-{f}") for f in folders}
+  for s in staging.values():
+    if os.path.exists(s):
+      shutil.rmtree(s)
+  prefixes: dict[str, tuple] = {}
+  seen_top: set = set()
+  skipped_links = 0
+  count = 0
+
+  def place(name: str, is_dir: bool, reader) -> None:
+    nonlocal count
+    parts = _safe_parts(name)
+    if parts is None:
+      raise DownloadError(f"{archive}: unsafe member path {name!r}; refusing to unpack.")
+    seen_top.add("/".join(parts[:3]))
+    i = _find_folder(parts, folders)
+    if i < 0:
+      return
+    folder = parts[i]
+    prefix = tuple(parts[:i])
+    if prefixes.setdefault(folder, prefix) != prefix:
+      print(f"  note: skipping {name} (a second copy of {folder}/ under "
+            f"{'/'.join(prefix) or '.'}; using {'/'.join(prefixes[folder]) or '.'})")
+      return
+    target = os.path.join(staging[folder], *parts[i + 1:])
+    if is_dir:
+      os.makedirs(target, exist_ok=True)
+      return
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with reader() as src, open(target, "wb") as dst:
+      shutil.copyfileobj(src, dst, 1 << 20)
+    count += 1
+    if count % 50000 == 0:
+      print(f"  {count} files unpacked", flush=True)
+
+  print(f"  unpacking {', '.join(folders)} from {archive}")
+  if res.kind == "tar.gz":
+    with tarfile.open(archive, mode="r|gz") as tar:
+      for m in tar:
+        if m.issym() or m.islnk():
+          skipped_links += 1
+          continue
+        if not (m.isdir() or m.isfile()):
+          continue
+        place(m.name, m.isdir(), lambda m=m: tar.extractfile(m))
+  elif res.kind == "zip":
+    with zipfile.ZipFile(archive) as z:
+      for info in z.infolist():
+        place(info.filename, info.is_dir(), lambda info=info: z.open(info))
+  else:
+    raise DownloadError(f"unknown archive kind {res.kind!r}; valid: tar.gz, zip.")
+  if skipped_links:
+    print(f"  note: skipped {skipped_links} links in the archive")
+  missing = [f for f in folders if f not in prefixes]
+  if missing:
+    for s in staging.values():
+      shutil.rmtree(s, ignore_errors=True)
+    raise DownloadError(f"{archive} holds no folder {', '.join(missing)}; its entries start "
+                        f"with: {', '.join(sorted(seen_top)[:20])}.")
+  for f in folders:
+    required = res.folders.get(f, ())
+    absent = [r for r in required if not os.path.exists(os.path.join(staging[f], r))]
+    if absent:
+      raise DownloadError(f"{archive}: {f}/ lacks {', '.join(absent)} (wrong archive?); the "
+                          f"partial copy is left in {staging[f]}.")
+    for rel, (algo, digest) in res.file_checksums.items():
+      head, _, tail = rel.partition("/")
+      if head == f:
+        path = os.path.join(staging[f], tail)
+        got = file_digests(path, [algo])[algo]
+        if got != digest:
+          raise DownloadError(f"{res.name}: {algo} of unpacked {tail} is {got}, expected "
+                              f"{digest}.")
+    with open(os.path.join(staging[f], MARKER), "w") as m:
+      json.dump({"source": res.url, "archive_prefix": "/".join(prefixes[f]),
+                 "time": time.strftime("%Y-%m-%d %H:%M:%S")}, m)
+    out = os.path.join(dest, f)
+    if os.path.exists(out):  # complete (marker) but asked again: replaced by the new copy
+      shutil.rmtree(out)
+    os.replace(staging[f], out)
+    print(f"  -> {out}")
+
+
+def prepare_tfds(res: Tfds, root: str) -> None:
+  missing = [m for m in ("tensorflow", "importlib_resources")
+             if importlib.util.find_spec(m) is None]
+  if missing:
+    raise DownloadError(
+        f"preparing tfds {res.name!r} with tensorflow-datasets needs {' and '.join(missing)} "
+        f"(tfds reads archives with tf.io.gfile and encodes images with tf.image; reading the "
+        f"prepared files later does not). Install them for this step only, e.g.\n"
+        f"  python -m venv ~/tfds-prep\n"
+        f"  ~/tfds-prep/bin/pip install tensorflow-datasets==4.9.10 tensorflow "
+        f"importlib_resources\n"
+        f"  ~/tfds-prep/bin/python scripts/download_data.py <tasks> --data_dir {root}")
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  data_dir = os.path.join(root, paths.TFDS_SUBDIR)
+  builder = tfds.builder(res.name, data_dir=data_dir)
+  builder.download_and_prepare(file_format="array_record",
+                               download_dir=os.path.join(data_dir, "downloads"))
+  print(f"  -> {builder.data_dir}")
+
+
+def run(task_names: Sequence[str], data_dir: str, *, dry_run: bool = False,
+        fetch: Fetch = urllib_fetch, pathfinder: Sequence[int] = DEFAULT_PATHFINDER,
+        delete_archives: bool = False, resources: dict | None = None,
+        tasks: dict | None = None) -> list[Step]:
+  """Plans, prints and (unless ``dry_run``) carries out the fetch of ``task_names``."""
+  resources = RESOURCES if resources is None else resources
+  steps = plan(task_names, data_dir, pathfinder=pathfinder, resources=resources, tasks=tasks)
+  root = paths.data_root(data_dir)
+  print(f"data root: {root}")
+  print(describe(steps))
+  if dry_run:
+    return steps
+  for step in steps:
+    if step.done:
+      continue
+    res = resources[step.resource]
+    print(f"[{step.resource}]")
+    if isinstance(res, Archive):
+      todo = [f for f, out in zip(step.folders, step.outputs) if out not in step.present]
+      archive = download(res, root, fetch)
+      unpack(res, archive, root, todo)
+      if delete_archives:
+        os.remove(archive)
+        print(f"  deleted {archive}")
+    else:
+      prepare_tfds(res, root)
+  print("done.")
+  return steps
+
+
+def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> int:
+  parser = argparse.ArgumentParser(
+      description="Fetch the data of fastpos tasks into one data root (see the module "
+                  "docstring for the layout).")
+  parser.add_argument("tasks", nargs="*", metavar="TASK",
+                      help=f"tasks to fetch: {', '.join(TASKS)}")
+  parser.add_argument("--data_dir", default="",
+                      help=f"the data root ('' = ${paths.ENV_VAR}, else {paths.DEFAULT_ROOT})")
+  parser.add_argument("--list", action="store_true", help="print the tasks and what each fetches")
+  parser.add_argument("--dry_run", action="store_true",
+                      help="print the plan (sources, sizes, checksums, outputs) and stop")
+  parser.add_argument("--pathfinder", default=",".join(map(str, DEFAULT_PATHFINDER)),
+                      help="Pathfinder resolutions to unpack (32 = Pathfinder, 128 = Path-X)")
+  parser.add_argument("--delete_archives", action="store_true",
+                      help="delete each archive once unpacked (default: keep it in "
+                           "DIR/downloads for the other tasks it serves)")
+  args = parser.parse_args(argv)
+  if args.list:
+    print(list_text())
+    return 0
+  try:
+    run(args.tasks, args.data_dir, dry_run=args.dry_run, fetch=fetch,
+        pathfinder=parse_resolutions(args.pathfinder), delete_archives=args.delete_archives)
+  except DownloadError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

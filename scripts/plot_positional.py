@@ -1,0 +1,346 @@
+"""Figures of the learned positional parameters of a trained workdir (PNG, matplotlib Agg).
+
+  python scripts/plot_positional.py WORKDIR [--out DIR] [--checkpoint best|latest]
+      [--pixel 12,10]
+
+Reads the checkpoint through the trainer's checkpoint code (``fastpos.train.checkpoint``;
+``best``, the one eval.py scores, falling back to the newest) and plots, for every layer,
+whatever positional parameters the model has (scheme modules are named ``pos_<scheme>`` in
+the parameter tree, ``pos_<scheme>_shared`` when shared across layers):
+
+* ``fastrpb_1d.png``: FastRPB's ``w`` against the relative distance j - i (key minus query),
+  one panel per layer, one line per head with ``per_head`` (FastRPB Fig. 1; the paper draws
+  the same values as a colour strip).
+* ``fastrpb_2d_pixel_R_C.png``: the 2D bias seen by the query pixel (R, C): the image
+  ``W2d[p, q]`` over every key pixel q, i.e. ``w_rows[r_q - R] + w_cols[c_q - C]`` (axial)
+  or ``w[r_q - R, c_q - C]`` (full) (FastRPB Fig. 2, pixel (12, 10) of MNIST 28x28; the
+  default pixel is (12, 10) when it lies on the grid, else the centre), plus
+  ``fastrpb_2d_tables.png`` with the row / column tables (axial) or the full offset table.
+* ``kernelized_rpe.png``: the table ``b_{j-i}`` of Luo et al. (``c = exp(b)`` reweights the
+  keys inside numerator and denominator) per head against j - i; in 2D the ``[2H-1, 2W-1]``
+  table over (row, column) offsets per head.
+* ``lrpe_theta.png``: LRPE's learned angles ``theta_k`` (log scale of |theta|) against the
+  index k, per layer, one line per head with ``per_head``.
+
+Writes into ``--out`` (default ``WORKDIR/figures``) and prints each file's path. A model
+without any of these parameters writes nothing and says so (exit status 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")
+DEFAULT_PIXEL = (12, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
+  """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from fastpos.train.checkpoint import Checkpoints  # pylint: disable=import-outside-toplevel
+  config_path = workdir / "config.json"
+  if not config_path.exists():
+    raise FileNotFoundError(f"{config_path} does not exist: is {workdir} a train.py workdir?")
+  cfg = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+  ckpts = Checkpoints(workdir, cfg, read_only=True)
+  try:
+    if which == "best" and ckpts.best_step() is None:
+      which = "latest"
+    if ckpts.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}.")
+    # No abstract target: the saved tree comes back as nested dicts of arrays.
+    state, meta = ckpts.restore(None, which=which)
+  finally:
+    ckpts.close()
+  params = state["params"]
+  return _to_numpy(params), {**meta, "which": which}
+
+
+def _to_numpy(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    return {k: _to_numpy(v) for k, v in tree.items()}
+  return np.asarray(tree)
+
+
+def find_schemes(params: dict, prefix: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+  """Every ``pos_<scheme>`` module of SCHEMES in a parameter tree, in tree order:
+  [{"scheme", "path" (a "/"-joined string), "layer", "arrays" {name: array}}]."""
+  out = []
+  for key in sorted(params, key=_natural):
+    value = params[key]
+    if not isinstance(value, dict):
+      continue
+    path = prefix + (key,)
+    name = key[4:].removesuffix("_shared") if key.startswith("pos_") else None
+    if name in SCHEMES:
+      arrays = {k: v for k, v in value.items() if not isinstance(v, dict)}
+      layer = next((p for p in reversed(prefix) if p.startswith("block_")), "shared")
+      out.append({"scheme": name, "path": "/".join(path), "layer": layer, "arrays": arrays})
+    else:
+      out += find_schemes(value, path)
+  return out
+
+
+def _natural(key: str):
+  head, _, tail = key.rpartition("_")
+  return (head, int(tail)) if tail.isdigit() else (key, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (tested against the library's dense references)
+# ---------------------------------------------------------------------------------------------
+def offsets(table_len: int) -> np.ndarray:
+  """Relative distances j - i of a 1D table ``[2N-1]``: -(N-1) .. N-1."""
+  if table_len % 2 != 1:
+    raise ValueError(f"a relative table has odd length 2N-1; got {table_len}.")
+  n = (table_len + 1) // 2
+  return np.arange(-(n - 1), n)
+
+
+def pixel_bias_2d(table: np.ndarray | None, grid: tuple[int, int], pixel: tuple[int, int], *,
+                  rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
+  """The bias ``W2d[p, q]`` seen by the query pixel p over every key pixel q: ``[H, W]``.
+
+  ``W2d[p, q] = w[r_q - r_p + H-1, c_q - c_p + W-1]`` for a full table ``[2H-1, 2W-1]``
+  (``fastpos.ops.toeplitz.dense_toeplitz_2d``), or ``rows[r_q - r_p + H-1] + cols[c_q - c_p +
+  W-1]`` for FastRPB's axial tables (Sec. 3.2.2, W2d = X + Y).
+  """
+  h, w = grid
+  r0, c0 = pixel
+  if not (0 <= r0 < h and 0 <= c0 < w):
+    raise ValueError(f"pixel {pixel} is outside the grid {grid}.")
+  dr = np.arange(h)[:, None] - r0 + h - 1
+  dc = np.arange(w)[None, :] - c0 + w - 1
+  if table is not None:
+    if table.shape != (2 * h - 1, 2 * w - 1):
+      raise ValueError(f"a full 2D table for grid {grid} is [{2 * h - 1}, {2 * w - 1}]; got "
+                       f"{table.shape}.")
+    return table[dr, dc]
+  if rows is None or cols is None:
+    raise ValueError("pass a full table, or both the row and the column tables.")
+  return rows[dr] + cols[dc]
+
+
+def default_pixel(grid: tuple[int, int]) -> tuple[int, int]:
+  h, w = grid
+  if DEFAULT_PIXEL[0] < h and DEFAULT_PIXEL[1] < w:
+    return DEFAULT_PIXEL
+  return (h // 2, w // 2)
+
+
+def _heads(a: np.ndarray, base_ndim: int) -> np.ndarray:
+  """A table with an optional leading head axis as ``[heads, ...]``."""
+  return a[None] if a.ndim == base_ndim else a
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+# ---------------------------------------------------------------------------------------------
+def _panels(n: int, *, width: float = 4.5, height: float = 3.0, cols: int = 4):
+  ncol = min(n, cols)
+  nrow = (n + ncol - 1) // ncol
+  fig, axes = plt.subplots(nrow, ncol, figsize=(width * ncol, height * nrow), squeeze=False)
+  for ax in axes.flat[n:]:
+    ax.axis("off")
+  return fig, list(axes.flat[:n])
+
+
+def _title(fig, text: str) -> None:
+  """A suptitle wrapped to the figure's width (workdir names can be long)."""
+  chars = max(40, int(fig.get_figwidth() * 15))
+  lines = [textwrap.fill(part, chars) for part in text.split("\n")]
+  fig.suptitle("\n".join(lines), fontsize=9)
+
+
+def _save(fig, path: Path, written: list[Path]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  written.append(path)
+
+
+def plot_1d(entries: list[dict], key: str, title: str, ylabel: str, path: Path,
+            written: list[Path]) -> None:
+  """One panel per layer: ``table[..., 2N-1]`` against j - i, a line per head."""
+  fig, axes = _panels(len(entries))
+  for ax, e in zip(axes, entries):
+    t = _heads(e["arrays"][key], 1)
+    x = offsets(t.shape[-1])
+    for i, row in enumerate(t):
+      ax.plot(x, row, lw=1, label=f"head {i}" if len(t) > 1 else None)
+    ax.axhline(0, color="0.7", lw=0.5)
+    ax.set(title=f"{e['layer']}", xlabel="relative distance j - i (key - query)",
+           ylabel=ylabel)
+    if len(t) > 1:
+      ax.legend(fontsize=7)
+  _title(fig, title)
+  _save(fig, path, written)
+
+
+def _image(fig, ax, img, title, extent=None, xlabel="column", ylabel="row"):
+  lim = float(np.max(np.abs(img))) or 1.0
+  im = ax.imshow(img, cmap="RdBu_r", vmin=-lim, vmax=lim, extent=extent, origin="upper")
+  ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+  fig.colorbar(im, ax=ax, shrink=0.8)
+
+
+def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
+                    pixel: tuple[int, int], out: Path, written: list[Path]) -> None:
+  h, w = grid
+  mode = options.get("mode_2d", "axial")
+  per_head = bool(options.get("per_head", False))
+  shared_axes = bool(options.get("shared_axes", False))
+  slices, tables = [], []  # (title, [H, W] image) / (title, kind, arrays)
+  for e in entries:
+    a = e["arrays"]
+    if mode == "full":
+      t = a["w"] if per_head else a["w"][None]
+      for i, th in enumerate(t):
+        tag = f"{e['layer']}" + (f" head {i}" if per_head else "")
+        slices.append((tag, pixel_bias_2d(th, grid, pixel)))
+        tables.append((tag, "full", th))
+    else:
+      rows = a["w"] if shared_axes else a["w_rows"]
+      cols = a["w"] if shared_axes else a["w_cols"]
+      rows, cols = (rows, cols) if per_head else (rows[None], cols[None])
+      for i, (rh, ch) in enumerate(zip(rows, cols)):
+        tag = f"{e['layer']}" + (f" head {i}" if per_head else "")
+        slices.append((tag, pixel_bias_2d(None, grid, pixel, rows=rh, cols=ch)))
+        tables.append((tag, "axial", (rh, ch)))
+  fig, axes = _panels(len(slices), width=4.0, height=3.6)
+  for ax, (tag, img) in zip(axes, slices):
+    _image(fig, ax, img, tag)
+    ax.plot([pixel[1]], [pixel[0]], "k+", ms=10)
+  _title(fig, f"FastRPB 2D ({mode}): bias W2d[p, q] seen by pixel p = {pixel} over key "
+               f"pixels q, grid {h}x{w}")
+  _save(fig, out / f"fastrpb_2d_pixel_{pixel[0]}_{pixel[1]}.png", written)
+
+  fig, axes = _panels(len(tables), width=4.0, height=3.2)
+  for ax, (tag, kind, t) in zip(axes, tables):
+    if kind == "full":
+      _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
+             xlabel="column offset", ylabel="row offset")
+    else:
+      ax.plot(offsets(len(t[0])), t[0], label="rows (vertical offset)")
+      ax.plot(offsets(len(t[1])), t[1], label="columns (horizontal offset)")
+      ax.set(title=tag, xlabel="offset (key - query)", ylabel="w")
+      ax.legend(fontsize=7)
+  _title(fig, f"FastRPB 2D tables ({mode})")
+  _save(fig, out / "fastrpb_2d_tables.png", written)
+
+
+def plot_kernelized_rpe_2d(entries: list[dict], grid: tuple[int, int], out: Path,
+                           written: list[Path]) -> None:
+  h, w = grid
+  images = [(f"{e['layer']} head {i}", t) for e in entries for i, t in enumerate(e["arrays"]["b"])]
+  fig, axes = _panels(len(images), width=4.0, height=3.2)
+  for ax, (tag, t) in zip(axes, images):
+    _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
+           xlabel="column offset (key - query)", ylabel="row offset")
+  _title(fig, "Kernelized RPE table b (Luo et al.; keys weighted by exp(b))")
+  _save(fig, out / "kernelized_rpe.png", written)
+
+
+def plot_lrpe(entries: list[dict], out: Path, written: list[Path]) -> None:
+  entries = [e for e in entries if "theta" in e["arrays"]]
+  if not entries:
+    return
+  fig, axes = _panels(len(entries))
+  for ax, e in zip(axes, entries):
+    t = _heads(e["arrays"]["theta"], 1)
+    for i, row in enumerate(t):
+      ax.semilogy(np.arange(len(row)), np.abs(row) + 1e-12, lw=1, marker=".", ms=3,
+                  label=f"head {i}" if len(t) > 1 else None)
+    ax.set(title=e["layer"], xlabel="angle index k", ylabel="|theta_k| (rad per position)")
+    if len(t) > 1:
+      ax.legend(fontsize=7)
+  _title(fig, "LRPE learned angles theta")
+  _save(fig, out / "lrpe_theta.png", written)
+
+
+def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
+                 pixel: tuple[int, int] | None = None) -> list[Path]:
+  """Writes every figure that the workdir's checkpoint supports; returns the files."""
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only directory is read only
+  params, meta = load_checkpoint(workdir, which)
+  task = meta["config"]["task"]
+  grid = tuple(task["grid"]) if task.get("grid") else None
+  options = meta["config"]["model"].get("positional_options", {})
+  found = find_schemes(params)
+  out.mkdir(parents=True, exist_ok=True)
+  written: list[Path] = []
+  by = {s: [e for e in found if e["scheme"] == s] for s in SCHEMES}
+  step = f"{meta['which']} checkpoint, step {meta['step']}"
+  if by["fastrpb"]:
+    if grid is None:
+      plot_1d(by["fastrpb"], "w", f"FastRPB 1D weights w_(j-i)\n{workdir.name} ({step})",
+              "w", out / "fastrpb_1d.png", written)
+    else:
+      plot_fastrpb_2d(by["fastrpb"], grid, options.get("fastrpb", {}),
+                      pixel or default_pixel(grid), out, written)
+  if by["kernelized_rpe"]:
+    if grid is None:
+      plot_1d(by["kernelized_rpe"], "b", f"Kernelized RPE b_(j-i), keys weighted by exp(b)\n"
+              f"{workdir.name} ({step})", "b", out / "kernelized_rpe.png", written)
+    else:
+      plot_kernelized_rpe_2d(by["kernelized_rpe"], grid, out, written)
+  if by["lrpe"]:
+    plot_lrpe(by["lrpe"], out, written)
+  return written
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("workdir", type=Path)
+  p.add_argument("--out", type=Path, default=None, help="default: WORKDIR/figures")
+  p.add_argument("--checkpoint", default="best", choices=("best", "latest"))
+  p.add_argument("--pixel", default=None, help="2D: the query pixel ROW,COL (default 12,10 "
+                 "when on the grid, else the centre)")
+  args = p.parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a checkpoint read needs no accelerator
+  pixel = None
+  if args.pixel:
+    try:
+      pixel = tuple(int(v) for v in args.pixel.split(","))
+    except ValueError:
+      pixel = ()
+    if len(pixel) != 2:
+      print(f"plot_positional: --pixel must be ROW,COL; got {args.pixel!r}.", file=sys.stderr)
+      return 2
+  try:
+    written = plot_workdir(args.workdir, args.out or args.workdir / "figures",
+                           which=args.checkpoint, pixel=pixel)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"plot_positional: {e}", file=sys.stderr)
+    return 2
+  if not written:
+    print(f"plot_positional: {args.workdir} has no FastRPB, kernelized-RPE or LRPE parameters; "
+          "nothing written.", file=sys.stderr)
+  for path in written:
+    print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

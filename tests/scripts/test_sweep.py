@@ -1,0 +1,398 @@
+"""scripts/sweep.sh, make_tables.py and plot_positional.py (issue 8).
+
+Fast tests check the pieces in this process: grid parsing and run names, override validation,
+the tables from fixture results (exact numbers, "missing" cells, paper columns, LaTeX) and the
+2D pixel slice against the library's dense Toeplitz matrix. The end-to-end tests run a 2 x 1
+grid (seed=0,1 x one model with FastRPB, kernelized RPE and LRPE) of the tiny ListOps config
+for 2 steps through sweep.sh in subprocesses, once per module; a persistent compilation cache
+shared by the subprocesses compiles each step function once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import make_tables  # noqa: E402
+import plot_positional  # noqa: E402
+import sweep  # noqa: E402
+
+from fastpos.ops import toeplitz  # noqa: E402
+
+CONFIG = "configs/listops_generated.py:tiny"
+MODEL = "absolute+fastrpb+kernelized_rpe+lrpe"  # every plotted table in one tiny model
+GRID = ["seed=0,1", f"model.positional={MODEL}", "model.kernel=elu1", "num_train_steps=2"]
+NAMES = [f"seed={s}__model.positional=absolute+fastrpb+kernelized_rpe+lrpe__model.kernel=elu1"
+         f"__num_train_steps=2" for s in (0, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid, names, validation
+# ---------------------------------------------------------------------------------------------
+def test_parse_grid_splits_on_bar_when_values_hold_commas():
+  grid = sweep.parse_grid(["model.kernel=elu1,sikf", "model.positional=absolute|absolute,fastrpb",
+                           "--config.seed=0"])
+  assert sweep.parse_grid(["model.positional=absolute,fastrpb|"]) == [
+      ("model.positional", ["absolute,fastrpb"])]
+  assert grid == [("model.kernel", ["elu1", "sikf"]),
+                  ("model.positional", ["absolute", "absolute,fastrpb"]), ("seed", ["0"])]
+  combos = sweep.combinations(grid)
+  assert [tuple(c.values()) for c in combos] == [
+      ("elu1", "absolute", "0"), ("elu1", "absolute,fastrpb", "0"),
+      ("sikf", "absolute", "0"), ("sikf", "absolute,fastrpb", "0")]
+  assert sweep.run_name(combos[1]) == (
+      "model.kernel=elu1__model.positional=absolute+fastrpb__seed=0")
+  assert sweep.run_name({"task.data_dir": "/a b/c"}) == "task.data_dir=_a-b_c"
+  for bad in (["seed"], ["seed=0,,1"], ["seed=0,0"], ["seed=0", "seed=1"]):
+    with pytest.raises(ValueError):
+      sweep.parse_grid(bad)
+
+
+def test_validate_resolves_each_combination_like_train_py():
+  path, arg = sweep.split_config_spec(str(ROOT / CONFIG))
+  runs = sweep.validate(path, arg, sweep.parse_grid(["model.kernel=elu1,sikf", "seed=3"]))
+  assert list(runs) == ["model.kernel=elu1__seed=3", "model.kernel=sikf__seed=3"]
+  overrides, resolved = runs["model.kernel=sikf__seed=3"]
+  assert overrides == {"model.kernel": "sikf", "seed": "3"}
+  assert resolved["model"]["kernel"] == "sikf" and resolved["seed"] == 3  # typed, like absl
+  assert resolved["task"]["max_length"] == 32  # the :tiny variant
+
+
+def test_arg_keys_go_into_the_config_argument():
+  # The papers' experiment files pick a table cell by their argument (kernel=..., pos=...).
+  path, arg = sweep.split_config_spec(str(ROOT / "configs/listops_sweep.py:tiny"))
+  assert arg == "tiny"
+  runs = sweep.validate(path, arg, sweep.parse_grid(["arg.kernel=elu1,sikf", "arg.pos=none",
+                                                     "seed=1"]))
+  assert list(runs) == ["arg.kernel=elu1__arg.pos=none__seed=1",
+                        "arg.kernel=sikf__arg.pos=none__seed=1"]
+  overrides, resolved = runs["arg.kernel=sikf__arg.pos=none__seed=1"]
+  assert resolved["experiment"] == {"row": "Linear, SIKF", "col": "None"}
+  assert resolved["model"]["kernel"] == "sikf" and resolved["model"]["positional"] == "absolute"
+  assert resolved["task"]["max_length"] == 32 and resolved["seed"] == 1
+  assert sweep.config_argv(path, arg, overrides) == [
+      f"--config={path}:tiny,kernel=sikf,pos=none", "--config.seed=1"]
+  assert sweep.merge_arg("tiny,kernel=dpfp", {"kernel": "sikf"}) == "tiny,kernel=sikf"
+  with pytest.raises(ValueError, match="unknown config argument 'kernl'; valid: tiny, kernel"):
+    sweep.validate(path, arg, sweep.parse_grid(["arg.kernl=sikf"]))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("model.kernl=elu1", "unknown override key 'model.kernl'"),
+    ("sed=1", "Nearby valid keys: seed"),
+    ("model=elu1", "is a block of the config"),
+    ("model.dropout_rate=high", "could not convert string to float: 'high'"),
+])
+def test_validate_rejects_bad_overrides_before_running(spec, message):
+  path, arg = sweep.split_config_spec(str(ROOT / CONFIG))
+  with pytest.raises(ValueError, match=message) as e:
+    sweep.validate(path, arg, sweep.parse_grid([spec]))
+  if spec.startswith("model.kernl"):
+    assert "model.kernel" in str(e.value)  # the nearby valid key is named
+
+
+# ---------------------------------------------------------------------------------------------
+# make_tables from fixture results
+# ---------------------------------------------------------------------------------------------
+LABELS = {"elu1": "Linear, ELU + 1", "sikf": "Linear, SIKF", "absolute": "None",
+          "absolute+fastrpb": "FastRPB"}
+PAPER = {"table": "FastRPB Table 1 (ListOps)", "metric": "accuracy",
+         "results": {"Linear, SIKF|None": 12.55, "Linear, SIKF|FastRPB": [11.47, 4.79]}}
+
+
+def _fixture_run(d: Path, kernel: str, positional: str, seed: int, acc: float | None,
+                 task: str = "listops", lr: float = 1e-3, paper: dict | None = PAPER) -> None:
+  run = d / f"{kernel}_{positional}_{seed}_{task}_{lr}"
+  run.mkdir(parents=True)
+  config = {"seed": seed, "task": {"name": task, "max_length": 100},
+            "model": {"kernel": kernel, "positional": positional, "kernel_options": {"nu": 1}},
+            "optimizer": {"learning_rate": lr}, "num_train_steps": 600}
+  if paper:  # what fastpos.train.experiments.set_paper records
+    config["experiment"] = {"row": LABELS[kernel], "col": LABELS[positional]}
+    config["paper"] = paper
+  (run / "config.json").write_text(json.dumps(config))
+  if acc is not None:
+    (run / "results_test.json").write_text(json.dumps(
+        {"split": "test", "step": 600, "checkpoint": "best", "task": task,
+         "accuracy": acc, "loss": 1.0, "num_examples": 1000.0}))
+
+
+@pytest.fixture
+def fixture_sweep(tmp_path):
+  d = tmp_path / "sweep"
+  for seed, acc in ((0, 0.30), (1, 0.34), (2, 0.35)):  # mean 33.00, std 2.65
+    _fixture_run(d, "elu1", "absolute", seed, acc)
+  for seed, acc in ((0, 0.40), (1, 0.44), (2, 0.42)):  # mean 42.00, std 2.00
+    _fixture_run(d, "elu1", "absolute+fastrpb", seed, acc)
+  _fixture_run(d, "sikf", "absolute", 0, 0.25)  # one seed of three
+  _fixture_run(d, "sikf", "absolute", 1, None)  # started, no results
+  # (sikf, absolute+fastrpb): no run at all -> missing
+  return d
+
+
+def test_make_tables_markdown_from_fixture_results(fixture_sweep, tmp_path, capsys):
+  other = tmp_path / "other_task"  # a second sweep folder (another table): its own block
+  _fixture_run(other, "sikf", "absolute", 0, 0.5, task="lra_text",
+               paper={"table": "FastRPB Table 1 (Text)", "metric": "accuracy",
+                      "results": {"Linear, SIKF|None": 61.64}})
+  assert make_tables.main([str(fixture_sweep), str(other)]) == 0
+  out = capsys.readouterr().out
+  expected_listops = "\n".join([
+      "### FastRPB Table 1 (ListOps): test accuracy (%)",
+      "",
+      "| model | None | None (paper) | FastRPB | FastRPB (paper) |",  # the paper's order
+      "|---|---|---|---|---|",
+      "| Linear, SIKF | 25.00 (n=1 of 3) | 12.55 | missing | 11.47 ± 4.79 |",
+      "| Linear, ELU + 1 | 33.00 ± 2.65 (n=3) | – | 42.00 ± 2.00 (n=3) | – |",
+      "",
+      "mean ± sample std over seeds; n = runs with results. (paper): FastRPB Table 1 (ListOps).",
+  ])
+  assert expected_listops in out
+  assert "### FastRPB Table 1 (Text): test accuracy (%)" in out
+  assert "| Linear, SIKF | 50.00 (n=1) | 61.64 |" in out
+  assert " 0.00" not in out  # missing runs never read as zero
+
+
+def test_make_tables_without_labels_uses_kernel_and_positional(tmp_path, capsys):
+  d = tmp_path / "plain"
+  for kernel, positional, seed, acc in (("elu1", "absolute", 0, 0.2), ("elu1", "absolute", 1, 0.3),
+                                        ("sikf", "absolute+fastrpb", 0, 0.4)):
+    _fixture_run(d, kernel, positional, seed, acc, paper=None)
+  assert make_tables.main([str(d)]) == 0
+  out = capsys.readouterr().out
+  assert "| kernel | absolute | absolute+fastrpb |" in out
+  assert "| elu1 | 25.00 ± 7.07 (n=2) | missing |" in out
+  assert "| sikf | missing | 40.00 (n=1 of 2) |" in out
+
+
+def test_make_tables_latex_and_blocks_per_varying_field(fixture_sweep, capsys):
+  d = fixture_sweep
+  _fixture_run(d, "elu1", "absolute", 0, 0.6, lr=3e-3)  # another rate in a cell: its own block
+  assert make_tables.main([str(d), "--format=latex"]) == 0
+  out = capsys.readouterr().out
+  assert r"\begin{tabular}{lcccc}" in out and r"\end{tabular}" in out
+  assert (r"\textbf{FastRPB Table 1 (ListOps) (optimizer.learning\_rate=0.001)}: "
+          r"test accuracy (\%)") in out
+  assert (r"Linear, ELU + 1 & $33.00 \pm 2.65$ (n=3) & -- & $42.00 \pm 2.00$ (n=3) & -- \\"
+          in out)
+  assert r"Linear, SIKF & 25.00 (n=1 of 3) & 12.55 & missing & $11.47 \pm 4.79$ \\" in out
+  assert r"(optimizer.learning\_rate=0.003)" in out
+  assert r"Linear, ELU + 1 & 60.00 (n=1) & --" in out
+  assert "±" not in out
+
+
+def test_make_tables_one_block_for_a_table_whose_columns_are_tasks(tmp_path, capsys):
+  # LRPE Table 4: rows are encodings, columns are tasks; one sweep folder per task.
+  paper = {"table": "LRPE Table 4", "metric": "accuracy",
+           "results": {"Type1|Text": 66.80, "Type1|ListOps": 39.84}}
+  dirs = []
+  for task, label, acc in (("lra_text", "Text", 0.6), ("listops", "ListOps", 0.4)):
+    d = tmp_path / task
+    run = d / "arg.pe=type1__seed=0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(
+        {"seed": 0, "task": {"name": task}, "model": {"kernel": "elu1"},
+         "experiment": {"row": "Type1", "col": label}, "paper": paper}))
+    (run / "results_test.json").write_text(json.dumps({"accuracy": acc}))
+    dirs.append(str(d))
+  assert make_tables.main(dirs) == 0
+  out = capsys.readouterr().out
+  assert out.count("### ") == 1 and "### LRPE Table 4: test accuracy (%)" in out
+  assert "| model | Text | Text (paper) | ListOps | ListOps (paper) |" in out
+  assert "| Type1 | 60.00 (n=1) | 66.80 | 40.00 (n=1) | 39.84 |" in out
+
+
+def test_make_tables_rejects_unknown_row_key(fixture_sweep, capsys):
+  assert make_tables.main([str(fixture_sweep), "--rows=model.kernl"]) == 2
+  assert "'model.kernl' is not in the config" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# plot_positional pieces
+# ---------------------------------------------------------------------------------------------
+def test_pixel_bias_2d_is_a_row_of_the_dense_toeplitz_matrix():
+  rng = np.random.default_rng(0)
+  grid, pixel = (5, 4), (3, 1)
+  full = rng.normal(size=(9, 7))
+  rows, cols = rng.normal(size=9), rng.normal(size=7)
+  p = pixel[0] * grid[1] + pixel[1]  # raster index of the query pixel
+  dense = np.asarray(toeplitz.dense_toeplitz_2d(jnp.asarray(full), grid))
+  np.testing.assert_allclose(plot_positional.pixel_bias_2d(full, grid, pixel),
+                             dense[p].reshape(grid), rtol=1e-12, atol=1e-12)
+  axial = rows[:, None] + cols[None, :]  # FastRPB's W2d = X + Y as one offset table
+  dense = np.asarray(toeplitz.dense_toeplitz_2d(jnp.asarray(axial), grid))
+  np.testing.assert_allclose(
+      plot_positional.pixel_bias_2d(None, grid, pixel, rows=rows, cols=cols),
+      dense[p].reshape(grid), rtol=1e-12, atol=1e-12)
+  assert plot_positional.default_pixel((28, 28)) == (12, 10)
+  assert plot_positional.default_pixel((4, 6)) == (2, 3)
+  np.testing.assert_array_equal(plot_positional.offsets(7), np.arange(-3, 4))
+  with pytest.raises(ValueError, match="outside the grid"):
+    plot_positional.pixel_bias_2d(full, grid, (5, 0))
+
+
+def test_fastrpb_2d_figures_from_a_parameter_tree(tmp_path):
+  entries = [{"scheme": "fastrpb", "layer": "block_0", "path": "encoder/block_0/attention/"
+              "pos_fastrpb", "arrays": {"w_rows": np.linspace(-1, 1, 7),
+                                        "w_cols": np.linspace(1, -1, 9)}}]
+  written = []
+  plot_positional.plot_fastrpb_2d(entries, (4, 5), {}, (1, 2), tmp_path, written)
+  assert [p.name for p in written] == ["fastrpb_2d_pixel_1_2.png", "fastrpb_2d_tables.png"]
+  full = [{**entries[0], "arrays": {"w": np.arange(2 * 7 * 9.0).reshape(2, 7, 9)}}]
+  plot_positional.plot_fastrpb_2d(full, (4, 5), {"mode_2d": "full", "per_head": True},
+                                  (0, 0), tmp_path / "full", written)
+  krpe = [{"scheme": "kernelized_rpe", "layer": "block_0", "path": "",
+           "arrays": {"b": np.ones((2, 7, 9))}}]
+  plot_positional.plot_kernelized_rpe_2d(krpe, (4, 5), tmp_path, written)
+  assert len(written) == 5
+  assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+  tree = {"encoder": {"block_1": {"attention": {"pos_fastrpb": {"w": np.zeros(3)}}},
+                      "block_0": {"attention": {"pos_lrpe": {"theta": np.ones((1, 2))},
+                                                "query": {"kernel": np.zeros(2)}}},
+                      "pos_kernelized_rpe_shared": {"b": np.zeros((2, 3))}}}
+  found = plot_positional.find_schemes(tree)
+  assert [(e["scheme"], e["layer"]) for e in found] == [
+      ("lrpe", "block_0"), ("fastrpb", "block_1"), ("kernelized_rpe", "shared")]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: sweep.sh -> make_tables.py -> plot_positional.py
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  cache = tmp_path_factory.mktemp("jax_cache")
+  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "PYTHON": sys.executable}
+
+
+def _sweep(sweep_dir: Path, grid: list[str], env: dict, *extra: str):
+  return subprocess.run(
+      [str(ROOT / "scripts" / "sweep.sh"), f"--config={CONFIG}", f"--sweep_dir={sweep_dir}",
+       *extra, *grid], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, env):
+  d = tmp_path_factory.mktemp("sweep")
+  proc = _sweep(d, GRID, env)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return d, proc
+
+
+def test_sweep_runs_every_combination(swept):
+  d, proc = swept
+  manifest = json.loads((d / "sweep.json").read_text())
+  assert manifest["config"] == f"{ROOT / CONFIG}"
+  assert manifest["grid"] == {"seed": ["0", "1"], "model.positional": [MODEL],
+                              "model.kernel": ["elu1"], "num_train_steps": ["2"]}
+  assert sorted(manifest["runs"]) == sorted(NAMES)
+  for seed, name in enumerate(NAMES):
+    run = manifest["runs"][name]
+    assert run["status"] == "done" and run["returncode"] == 0, run
+    assert run["overrides"]["seed"] == str(seed) and run["config"]["seed"] == seed
+    results = json.loads((d / name / "results_test.json").read_text())
+    assert results["split"] == "test" and results["step"] == 2
+    assert run["results"]["accuracy"] == results["accuracy"]
+    saved = json.loads((d / name / "config.json").read_text())
+    assert saved["model"]["positional"] == MODEL and saved["num_train_steps"] == 2
+    log = (d / name / "sweep.log").read_text()
+    assert log.count("=== ") == 2 and "train.py" in log and "--split=test" in log
+  assert "2 done, 0 failed" in proc.stdout
+
+
+def test_rerun_skips_finished_runs(swept, env, tmp_path):
+  d, _ = swept
+  stamps = {n: ((d / n / "results_test.json").stat().st_mtime_ns,
+                (d / n / "sweep.log").stat().st_size) for n in NAMES}
+  proc = _sweep(d, GRID, env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stderr.count("[skip]") == 2 and "[run]" not in proc.stdout
+  assert "2 skipped (finished before), 0 done" in proc.stdout
+  for n in NAMES:  # nothing ran: results and logs untouched
+    assert ((d / n / "results_test.json").stat().st_mtime_ns,
+            (d / n / "sweep.log").stat().st_size) == stamps[n]
+  # --mode=print lists only unfinished runs: none here, both in a fresh sweep directory.
+  proc = _sweep(d, GRID, env, "--mode=print")
+  assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+  proc = _sweep(tmp_path / "fresh", GRID, env, "--mode=print")
+  lines = proc.stdout.strip().splitlines()
+  assert proc.returncode == 0 and len(lines) == 2, proc.stderr
+  assert all("/train.py --config=" in l and "/eval.py --config=" in l and "--config.seed=" in l
+             for l in lines)
+  assert not (tmp_path / "fresh" / NAMES[0]).exists()  # printed, not run
+  # A workdir whose config.json differs from the combination's config is not finished.
+  resolved = json.loads((d / "sweep.json").read_text())["runs"][NAMES[0]]["config"]
+  assert sweep.finished(d / NAMES[0], resolved) == (True, "done")
+  done, why = sweep.finished(d / NAMES[0], {**resolved, "num_train_steps": 3})
+  assert not done and "differs from the sweep's config in num_train_steps" in why
+
+
+def test_make_tables_from_the_sweep(swept, capsys):
+  d, _ = swept
+  accs = [json.loads((d / n / "results_test.json").read_text())["accuracy"] * 100
+          for n in NAMES]
+  mean, std = float(np.mean(accs)), float(np.std(accs, ddof=1))
+  assert make_tables.main([str(d)]) == 0
+  out = capsys.readouterr().out
+  assert f"| kernel | {MODEL} |" in out
+  assert f"| elu1 | {mean:.2f} ± {std:.2f} (n=2) |" in out
+
+
+@pytest.mark.slow
+def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys):
+  d = tmp_path / "with_failure"
+  # elu1 x t5_bias is incompatible (a logits bias needs softmax): train.py exits 2.
+  grid = [f"model.positional=t5_bias,{MODEL}", "model.kernel=elu1", "num_train_steps=2"]
+  proc = _sweep(d, grid, env)
+  assert proc.returncode == 1
+  bad = "model.positional=t5_bias__model.kernel=elu1__num_train_steps=2"
+  good = f"model.positional={MODEL}__model.kernel=elu1__num_train_steps=2"
+  assert f"FAILED {bad}: train exited with status 2" in proc.stdout
+  assert f"log: {d / bad / 'sweep.log'}" in proc.stdout
+  assert "'t5_bias' adds a bias to the attention logits" in proc.stdout
+  assert "1 done, 1 failed" in proc.stdout
+  assert (d / good / "results_test.json").exists()  # the run after the failure went on
+  manifest = json.loads((d / "sweep.json").read_text())
+  assert manifest["runs"][bad]["status"] == "failed"
+  assert manifest["runs"][bad]["returncode"] == 2
+  assert make_tables.main([str(d)]) == 0
+  assert "| elu1 | missing (1 failed) |" in capsys.readouterr().out
+
+
+def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
+  d, _ = swept
+  written = plot_positional.plot_workdir(d / NAMES[0], tmp_path, which="best")
+  assert sorted(p.name for p in written) == ["fastrpb_1d.png", "kernelized_rpe.png",
+                                             "lrpe_theta.png"]
+  for p in written:
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+  params, meta = plot_positional.load_checkpoint(d / NAMES[0], "best")
+  assert meta["step"] == 2 and meta["which"] == "best"
+  found = {e["scheme"]: e["arrays"] for e in plot_positional.find_schemes(params)}
+  assert found["fastrpb"]["w"].shape == (63,)  # 2 * max_length - 1, max_length 32
+  assert found["kernelized_rpe"]["b"].shape == (2, 63)  # [heads, 2N-1]
+  assert np.any(found["fastrpb"]["w"] != 0)  # trained away from the zero init
+
+
+def test_gpus_mode_runs_one_run_per_device_in_parallel(env, tmp_path):
+  # Two runs that fail at the config check (no compilation): each gets its own device id.
+  d = tmp_path / "gpus"
+  proc = _sweep(d, ["model.positional=t5_bias", "model.kernel=elu1", "seed=0,1"], env,
+                "--mode=gpus", "--gpus=3,5")
+  assert proc.returncode == 1 and "0 done, 2 failed" in proc.stdout, proc.stdout
+  runs = json.loads((d / "sweep.json").read_text())["runs"]
+  assert sorted(r["gpu"] for r in runs.values()) == ["3", "5"]
+  assert {r["status"] for r in runs.values()} == {"failed"}
+  for r in runs.values():
+    assert "is incompatible" in (d / r["log"]).read_text()
