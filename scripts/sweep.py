@@ -261,9 +261,9 @@ def latest_checkpoint_step(workdir: Path) -> int | None:
   return max(steps) if steps else None
 
 
-def finished(workdir: Path, resolved: dict) -> tuple[bool, str]:
+def finished(workdir: Path, resolved: dict, split: str = "test") -> tuple[bool, str]:
   """(done?, why not) for a workdir and the config its run should have."""
-  results, config = workdir / "results_test.json", workdir / "config.json"
+  results, config = workdir / f"results_{split}.json", workdir / "config.json"
   if not config.exists():
     return False, "not started"
   step = latest_checkpoint_step(workdir)
@@ -276,7 +276,7 @@ def finished(workdir: Path, resolved: dict) -> tuple[bool, str]:
   if not results.exists():
     return False, "trained, not evaluated"
   if results.stat().st_mtime < config.stat().st_mtime:
-    return False, "results_test.json is older than config.json"
+    return False, f"{results.name} is older than config.json"
   return True, "done"
 
 
@@ -349,7 +349,7 @@ class Runner:
     flags = config_argv(self.config_path, self.arg, overrides)
     common = [flags[0], f"--workdir={workdir}", *flags[1:]]
     return [[self.python, str(REPO / "train.py"), *common],
-            [self.python, str(REPO / "eval.py"), *common, "--split=test"]]
+            [self.python, str(REPO / "eval.py"), *common, f"--split={self.args.split}"]]
 
   def say(self, msg: str) -> None:
     with self.print_lock:
@@ -409,7 +409,7 @@ class Runner:
     fields = dict(status=status, returncode=rc, message=message, finished=_now(),
                   wall_s=round(wall, 1))
     if status == "done":
-      results = json.loads((workdir / "results_test.json").read_text())
+      results = json.loads((workdir / f"results_{self.args.split}.json").read_text())
       fields["results"] = {k: v for k, v in results.items() if isinstance(v, (int, float))}
       metric = next((k for k in ("accuracy", "perplexity", "loss") if k in results), None)
       summary = f"{metric}={results[metric]:.4g}" if metric else ""
@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--gpus", default=None, help="--mode=gpus: GPU ids, e.g. 0,1")
   p.add_argument("--dry_run", action="store_true", help="show the plan; run and write nothing")
   p.add_argument("--python", default=sys.executable, help="interpreter for train.py / eval.py")
+  p.add_argument("--split", default="test", choices=("test", "validation"),
+                 help="the split eval.py scores (results_<split>.json); validation for tables "
+                      "that report it (Luo et al. Table 2)")
   p.add_argument("--compilation_cache", default="SWEEP_DIR/jax_cache",
                  help="JAX persistent compilation cache shared by the runs (runs that differ "
                       "only in seed compile once); 'none' disables it; ignored when "
@@ -491,14 +494,14 @@ def main(argv: list[str] | None = None) -> int:
   todo: list[str] = []
   for name, (overrides, resolved) in runs.items():
     workdir = args.sweep_dir / name
-    done, why = finished(workdir, resolved)
+    done, why = finished(workdir, resolved, args.split)
     record = dict(overrides=overrides, workdir=name, log=str(Path(name) / LOG),
                   commands=[shlex.join(c) for c in runner.commands(workdir, overrides)],
                   config=resolved)
     if done:
       old = manifest.data["runs"].get(name, {})
       manifest.data["runs"][name] = {**old, **record, "status": "done"}
-      print(f"[skip] {name}: finished (results_test.json)", file=sys.stderr)
+      print(f"[skip] {name}: finished (results_{args.split}.json)", file=sys.stderr)
       continue
     step = latest_checkpoint_step(workdir)
     action = f"resume from step {step} ({why})" if step else "run"

@@ -336,6 +336,13 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
   assert sweep.finished(d / NAMES[0], resolved) == (True, "done")
   done, why = sweep.finished(d / NAMES[0], {**resolved, "num_train_steps": 3})
   assert not done and "differs from the sweep's config in num_train_steps" in why
+  # Scoring another split: the runs are trained, not yet evaluated on it.
+  assert sweep.finished(d / NAMES[0], resolved, "validation") == (False,
+                                                                  "trained, not evaluated")
+  proc = _sweep(d, GRID, env, "--mode=print", "--split=validation")
+  lines = proc.stdout.strip().splitlines()
+  assert proc.returncode == 0 and len(lines) == 2, proc.stderr
+  assert all("--split=validation" in l for l in lines)
 
 
 def test_make_tables_from_the_sweep(swept, capsys):
