@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Iterator, Sequence
 
 from absl import logging
@@ -543,18 +542,6 @@ def _cache_path(cache_dir: str, key: dict) -> str:
   return os.path.join(os.fspath(cache_dir), name)
 
 
-def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
-  folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_listops_", suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **arrays)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def _warn_truncated(num_truncated: int, n: int, max_length: int, split: str) -> None:
@@ -638,7 +625,7 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
     _warn_truncated(num_truncated, len(rows), max_length, split)
   out = {"inputs": inputs, "targets": targets}
   if cache_path is not None:
-    _save_atomic(cache_path, {**out, "num_truncated": np.int64(num_truncated),
+    paths.save_npz_atomic(cache_path, {**out, "num_truncated": np.int64(num_truncated),
                               "key": np.array(json.dumps(key, sort_keys=True))})
   return out
 

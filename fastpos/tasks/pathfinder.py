@@ -56,7 +56,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from typing import NamedTuple
 
 from absl import logging
@@ -201,18 +200,6 @@ def _cache_paths(cache_dir: str, key: dict) -> dict[str, str]:
   return {s: os.path.join(cache_dir, f"{stem}_{s}.npz") for s in SPLITS}
 
 
-def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
-  folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_pathfinder_", suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **arrays)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def build_splits(folder: str, resolution: int, difficulty: str, split_order: str,
@@ -270,7 +257,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
   if not all(os.path.exists(p) for p in files.values()):
     splits = build_splits(folder, resolution, difficulty, split_order, num_threads)
     for s, arrays in splits.items():
-      _save_atomic(files[s], {**arrays, "key": np.array(json.dumps(key, sort_keys=True))})
+      paths.save_npz_atomic(files[s], {**arrays, "key": np.array(json.dumps(key, sort_keys=True))})
     logging.info("pathfinder: decoded %s (%s) into %s", folder,
                  ", ".join(f"{s} {len(a['targets'])}" for s, a in splits.items()), cache_dir)
   stored = _load_cache(files[split], key, resolution)

@@ -21,6 +21,10 @@ Nothing is ever downloaded while training or testing: a task whose files are mis
 from __future__ import annotations
 
 import os
+import tempfile
+from typing import Callable, Mapping
+
+import numpy as np
 
 ENV_VAR = "FASTPOS_DATA_DIR"
 DEFAULT_ROOT = "~/fastpos_data"
@@ -68,3 +72,25 @@ def require(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | No
   if not os.path.exists(path):
     raise missing_data(task, path, data_dir, what)
   return os.fspath(path)
+
+
+def save_atomic(path: str, write: Callable) -> None:
+  """Writes a cache file atomically: ``write(f)`` fills a temporary file in the same folder,
+  which then replaces ``path`` (a crash leaves the old file or none, never half of one)."""
+  folder = os.path.dirname(path)
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_" + os.path.basename(path) + ".")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data root wants it readable
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+  """``np.savez`` of ``arrays`` to ``path``, atomically (``save_atomic``)."""
+  save_atomic(path, lambda f: np.savez(f, **arrays))

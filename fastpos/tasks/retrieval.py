@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Iterator
 
 from absl import logging
@@ -168,18 +167,6 @@ def _cache_file(cache_dir: str, key: dict) -> str:
                                  f"n{key['num_examples']}_{key['on_overflow']}_{digest}.npz")
 
 
-def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
-  folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_aan_", suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **arrays)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def _warn_truncated(split: str, pairs: int, docs: int, n: int, max_length: int) -> None:
@@ -261,7 +248,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, max_length: in
                  stored["targets"].shape[0], cache_path)
   if stored is None:
     stored = _tokenise(path, split, max_length, num_examples, on_overflow)
-    _save_atomic(cache_path, {**stored, "key": np.array(json.dumps(key, sort_keys=True))})
+    paths.save_npz_atomic(cache_path, {**stored, "key": np.array(json.dumps(key, sort_keys=True))})
     logging.info("lra_retrieval %s: tokenised %d pairs of %s; cached in %s", split,
                  stored["targets"].shape[0], path, cache_path)
   pairs, docs = (int(x) for x in stored["num_truncated"])

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -157,19 +156,6 @@ def check_fraction_and_seed(fraction, seed) -> None:
     raise ValueError(f"validation_seed must be an integer >= 0, got {seed!r}.")
 
 
-def _save_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-  folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, **arrays)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data root wants it readable
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def _load(path: str, key_json: str, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -233,7 +219,7 @@ def cached_split(*, task: str, name: str, split: str, data_dir: str | None,
   if sorted(out) != sorted(fields):
     raise RuntimeError(f"internal error: {task} built arrays {sorted(out)}, not "
                        f"{sorted(fields)}.")
-  _save_atomic(path, {**out, "key": np.array(key_json)})
+  paths.save_npz_atomic(path, {**out, "key": np.array(key_json)})
   logging.info("%s: %s split of %s:%s preprocessed in %.1f s and cached at %s", task, split,
                name, tfds_version, time.time() - t, path)
   return out

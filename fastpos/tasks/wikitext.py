@@ -65,7 +65,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from typing import Iterator, Sequence
 
 from absl import logging
@@ -130,19 +129,6 @@ def _digest(key: dict) -> str:
   return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _save_atomic(path: str, write) -> None:
-  folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_wikitext_")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared like the data
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:
@@ -253,8 +239,8 @@ class Corpus:
                  self.cache_dir)
     words, counts, stream = build_vocabulary(path, self.vocab_size)
     record = {"key": self._vocab_key(), "words": words, "counts": counts.tolist()}
-    _save_atomic(train_file, lambda f: np.save(f, stream))
-    _save_atomic(vocab_file, lambda f: f.write(json.dumps(record).encode("utf-8")))
+    paths.save_atomic(train_file, lambda f: np.save(f, stream))
+    paths.save_atomic(vocab_file, lambda f: f.write(json.dumps(record).encode("utf-8")))
     logging.info("WikiText-103: %d ids, train stream of %d tokens (%d <unk>) cached in %s",
                  len(words), stream.size, counts[UNK_ID], self.cache_dir)
     self._vocab = words
@@ -291,7 +277,7 @@ class Corpus:
       return self._load(file, split)
     stream, unknown = _encode_file(self.path(split), self.vocabulary(),
                                    stream_dtype(self.vocab_size))
-    _save_atomic(file, lambda f: np.save(f, stream))
+    paths.save_atomic(file, lambda f: np.save(f, stream))
     logging.info("WikiText-103 %s: %d tokens, %d words not in the train vocabulary -> <unk>; "
                  "cached in %s", split, stream.size, unknown, file)
     return stream
