@@ -10,6 +10,7 @@ are thin command-line entry points over them. Modules: ``config`` (the base conf
 
 from __future__ import annotations
 
-from fastpos.train.trainer import NonFiniteLossError, evaluate, train_and_evaluate
+from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
+from fastpos.train.trainer import evaluate, train_and_evaluate
 
-__all__ = ["NonFiniteLossError", "evaluate", "train_and_evaluate"]
+__all__ = ["NonFiniteLossError", "RunError", "WorkdirLockedError", "evaluate", "train_and_evaluate"]

@@ -44,12 +44,9 @@ from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.checkpoint import Checkpoints, config_meta
+from fastpos.train.errors import NonFiniteLossError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
 from fastpos.train.steps import make_eval_step, make_train_step
-
-
-class NonFiniteLossError(FloatingPointError):
-  """The training loss or gradient became NaN / Inf; the last good checkpoint is intact."""
 
 
 class _Run:

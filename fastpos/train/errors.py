@@ -1,0 +1,35 @@
+"""Why a run stops, and the exit codes the command-line tools use for each reason.
+
+Every error here carries a message that names the bad value or file and the fix; ``train.py``
+and ``eval.py`` print that message alone (no traceback) and exit with the code below.
+``scripts/sweep.sh`` / ``scripts/sweep.py`` read the codes (e.g. a preempted run is restarted,
+a bad config is not).
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1       # an unexpected error (a bug): the traceback is printed
+EXIT_BAD_INPUT = 2    # bad config, flag, data or workdir: fix the input and run again
+EXIT_NONFINITE = 3    # the loss became NaN / Inf: the last good checkpoint is intact
+EXIT_LOCKED = 4       # another trainer holds the workdir
+EXIT_PREEMPTED = 75   # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
+                      # (75 = EX_TEMPFAIL of sysexits.h: "try again later")
+
+
+class RunError(Exception):
+  """A run cannot proceed; the message says what is wrong and how to fix it."""
+
+  exit_code = EXIT_BAD_INPUT
+
+
+class NonFiniteLossError(RunError, FloatingPointError):
+  """The training loss or gradient became NaN / Inf; the last good checkpoint is intact."""
+
+  exit_code = EXIT_NONFINITE
+
+
+class WorkdirLockedError(RunError):
+  """Another trainer (named in the message) holds the workdir's lock."""
+
+  exit_code = EXIT_LOCKED
