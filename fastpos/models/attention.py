@@ -38,6 +38,7 @@ from fastpos import compat, positional
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import toeplitz
+from fastpos.ops.masks import check_mask
 
 # Random-feature maps estimate the softmax kernel exp(q.k): q and k are scaled by d^-1/4 so
 # that they estimate exp(q.k / sqrt(d)) as softmax attention does.
@@ -200,7 +201,8 @@ class Attention(nn.Module):
                reference: bool = False):
     """Args:
       x: ``[batch, N, D]``.
-      mask: ``[batch, N]`` True for real tokens (``[batch, M+N]`` with memory).
+      mask: ``[batch, N]`` bool, True for real tokens (``[batch, M+N]`` with memory). Boolean
+        only: any other dtype or shape raises ValueError (``fastpos.ops.masks``).
       grid: (H, W) with H * W == N for 2D inputs; required iff the layer was built 2D.
       memory: ``[batch, M, D]`` earlier states (Transformer-XL): keys and values are computed
         over ``[memory, x]``; softmax kernel only.
@@ -220,6 +222,11 @@ class Attention(nn.Module):
     if memory is not None and not cfg.kernel.is_softmax:
       raise ValueError("memory (Transformer-XL) needs the softmax kernel; got kernel "
                        f"{cfg.kernel.name!r}.")
+    if memory is None:
+      mask = check_mask(mask, (b, n), against=f"x of shape {x.shape}")
+    else:
+      mask = check_mask(mask, (b, m_len + n), layout="[batch, M+N]",
+                        against=f"memory {memory.shape} and x {x.shape}")
 
     dense = lambda name: nn.DenseGeneral((h, d), dtype=self.dtype, name=name)
     q = dense("query")(x)

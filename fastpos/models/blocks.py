@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fastpos.models.attention import Attention, AttentionConfig
+from fastpos.ops.masks import check_mask
 
 NORMS = ("post", "pre", "batch")
 
@@ -58,11 +59,16 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, *, mask=None, grid=None, memory=None, memory_mask=None,
                train: bool = False, reference: bool = False):
-    """``x [b, N, D] -> [b, N, D]``; ``memory [b, M, D]`` (Transformer-XL) is this layer's
-    input of the previous segment(s), ``memory_mask [b, M]`` True where it holds a real token
-    (all real when None)."""
+    """``x [b, N, D] -> [b, N, D]``; ``mask [b, N]`` True for real tokens (all real when
+    None); ``memory [b, M, D]`` (Transformer-XL) is this layer's input of the previous
+    segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
+    Masks are boolean only: any other dtype or shape raises ValueError."""
     if self.norm not in NORMS:
       raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
+    mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is not None:
+      memory_mask = check_mask(memory_mask, memory.shape[:2], name="memory_mask",
+                               layout="[batch, M]", against=f"memory of shape {memory.shape}")
     attn = Attention(self.attention, shared=self.shared, dtype=self.dtype, name="attention")
     drop = nn.Dropout(self.dropout_rate)
     mlp = MLP(self.mlp_dim, self.dropout_rate, dtype=self.dtype, name="mlp")

@@ -3,7 +3,8 @@
 All share one ``Tower`` (embedding-hook schemes -> blocks -> final norm for pre-LN) and one
 ``Block``; the kernel and the positional schemes live in the ``AttentionConfig``. Inputs are a
 batch dict: ``inputs`` int32 ``[b, N]`` (0 = padding), ``mask`` bool ``[b, N]`` (True for real
-tokens), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is static (the task's
+tokens; ``inputs != 0`` when absent; a mask of another dtype or shape raises ValueError, it is
+never cast), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is static (the task's
 ``TaskInfo.grid``), not part of the batch.
 """
 
@@ -18,14 +19,20 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models.attention import AttentionConfig, PositionalSpec
 from fastpos.models.blocks import Block
+from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
 
 
 def _mask_or_ones(batch, key_inputs: str, key_mask: str):
+  """``(inputs, mask)``: the batch's boolean mask (checked against the inputs' shape; any other
+  dtype raises ValueError, never a cast), or ``inputs != 0`` when the batch has none."""
   inputs = batch[key_inputs]
   mask = batch.get(key_mask)
-  return inputs, (inputs != 0 if mask is None else mask.astype(bool))
+  if mask is None:
+    return inputs, inputs != 0
+  return inputs, check_mask(mask, jnp.shape(inputs), name=f"batch[{key_mask!r}]",
+                            against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}")
 
 
 class Tower(nn.Module):
@@ -39,9 +46,17 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None):
-    """``memory``: ``(states, memory_mask)`` with a list of per-layer ``[b, M, D]`` states
-    (each layer's input over the previous segments; Transformer-XL) and ``[b, M]`` True where
-    a real token sits, or None. Returns ``(states, new_memory)`` (None without memory)."""
+    """``mask``: ``[b, N]`` bool, True for real tokens. ``memory``: ``(states, memory_mask)``
+    with a list of per-layer ``[b, M, D]`` states (each layer's input over the previous
+    segments; Transformer-XL) and a bool ``[b, M]`` True where a real token sits, or None.
+    Masks of any other dtype or shape raise ValueError. Returns ``(states, new_memory)`` (None
+    without memory)."""
+    mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is not None:
+      states, mmask = memory
+      m_shape = jnp.shape(states[0]) if states else (x.shape[0], None)
+      memory = (states, check_mask(mmask, (x.shape[0], m_shape[1]), name="memory_mask",
+                                   layout="[batch, M]", against=f"memory states {m_shape}"))
     cfg = self.attention
     grid = cfg.grid
     ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1],

@@ -2,8 +2,10 @@
 
 Shapes: ``q, k, v: [batch, length, heads, dim]``; feature maps ``phi_q, phi_k:
 [batch, length, heads, m]``; ``mask: [batch, length]`` boolean, True for real tokens (padding
-is excluded as keys: it contributes nothing to numerators and denominators). Outputs are
-``[batch, length, heads, dim]``. Rows of padded queries are computed but meaningless.
+is excluded as keys: it contributes nothing to numerators and denominators). Masks of any other
+dtype (0/1 ints, floats, additive 0/-inf masks) raise ``ValueError``; see
+``fastpos.ops.masks``. Outputs are ``[batch, length, heads, dim]``. Rows of padded queries are
+computed but meaningless.
 
 Kernelized attention (FastRPB Eq. 3; Luo et al. Eq. 3 and, with RPE, Eq. 10):
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.ops import toeplitz
+from fastpos.ops.masks import check_mask
 
 # Denominators smaller than this in magnitude are clamped to +-DEFAULT_EPS (see _guard).
 DEFAULT_EPS = 1e-6
@@ -57,13 +60,6 @@ def _check_qkv(q, k, v, names=("q", "k", "v"), *, same_length: bool = True
   return b, n, h
 
 
-def _check_mask(mask, b: int, n: int) -> None:
-  if mask is not None and jnp.shape(mask) != (b, n):
-    raise ValueError(
-        f"mask must be [batch, length]=({b}, {n}) with True for real tokens; got shape "
-        f"{jnp.shape(mask)}.")
-
-
 def _state_dtype(*arrays):
   return jnp.float64 if jnp.result_type(*arrays) == jnp.float64 else jnp.float32
 
@@ -86,7 +82,7 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
   position M + i, and causal means key j is visible iff j <= M + i."""
   b, n, _ = _check_qkv(q, k, v, same_length=False)
   nk = k.shape[1]
-  _check_mask(mask, b, nk)
+  mask = check_mask(mask, (b, nk), against=f"k of shape {k.shape}")
   if bias is not None:
     bias = jnp.asarray(bias)
     if bias.ndim == 3:
@@ -114,7 +110,7 @@ def softmax_attention(q, k, v, *, bias=None, mask=None, causal: bool = False,
     q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
       first M = Lk - Lq keys are memory preceding the queries; usually Lk == Lq).
     bias: additive logits bias ``[heads, Lq, Lk]`` or ``[batch|1, heads|1, Lq, Lk]``.
-    mask: ``[batch, Lk]`` True for real keys.
+    mask: ``[batch, Lk]`` bool, True for real keys (any other dtype or shape: ValueError).
     causal: key j visible to query i iff j <= M + i.
     scale: defaults to ``1/sqrt(dim)``.
   """
@@ -227,7 +223,8 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   Args:
     phi_q, phi_k: ``[batch, N, heads, m]`` features of queries and keys.
     v: ``[batch, N, heads, dim]``.
-    mask: ``[batch, N]`` True for real tokens; padded keys are zeroed in ``phi_k``.
+    mask: ``[batch, N]`` bool, True for real tokens; padded keys are zeroed in ``phi_k``. Any
+      other dtype or shape raises ValueError.
     causal: query i sees keys j <= i (raster order with ``grid``).
     rpe: positive relative weights ``c = exp(b)``, ``[heads, 2N-1]`` by offset ``j-i``, or
       ``[heads, 2H-1, 2W-1]`` by ``(r'-r, c'-c)`` with ``grid``. Mixes keys in numerator and
@@ -252,7 +249,7 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   FFT over m*d channels is the method of Luo et al.).
   """
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
-  _check_mask(mask, b, n)
+  mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
   _check_rpe(rpe, h, n, grid)
   _check_decay(decay, h, causal)
   _check_den_features(den_features, phi_q, phi_k)
@@ -384,7 +381,7 @@ def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = Fal
   (C the rpe Toeplitz matrix, R_ij = r^(i-j) the decay) and normalises by the row sums of the
   same matrix built from ``den_features`` when given."""
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
-  _check_mask(mask, b, n)
+  mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
   _check_rpe(rpe, h, n, grid)
   _check_decay(decay, h, causal)
   _check_den_features(den_features, phi_q, phi_k)

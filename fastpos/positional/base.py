@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fastpos.ops.masks import check_mask
+
 HOOKS = ("embed", "features", "logits", "kv", "output")
 FEATURE_STAGES = ("pre_phi", "post_phi")
 
@@ -83,7 +85,9 @@ class Context:
   """What a hook sees at call time.
 
   Attributes:
-    mask: ``[batch, Lk]`` True for real tokens, or None (no padding).
+    mask: ``[batch, Lk]`` bool, True for real tokens, or None (no padding). Boolean only (any
+      other dtype raises ValueError, ``fastpos.ops.masks``); with ``length`` set its last axis
+      must be ``memory_length + length``.
     grid: the (H, W) grid of this batch (H * W == N), or None for 1D inputs.
     causal: query i sees keys j <= i only (raster order on a grid).
     reference: compute with dense O(N^2) references instead of fast paths (tests hold the
@@ -100,6 +104,11 @@ class Context:
   deterministic: bool = True
   length: int = 0
   memory_length: int = 0
+
+  def __post_init__(self):
+    # Static dtype and shape only: free under jit, and hooks may then trust the mask.
+    keys = self.memory_length + self.length if self.length else None
+    check_mask(self.mask, (None, keys), name="Context.mask", layout="[batch, Lk]")
 
 
 @dataclasses.dataclass(frozen=True)
