@@ -34,6 +34,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from fastpos.ops.masks import check_mask
+
 FEATURE_MAPS = ("elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
 _RANDOM_MAPS = ("favor", "prf", "trf", "nprf", "orf")
 
@@ -52,10 +54,7 @@ def _check_x(x) -> None:
 
 
 def _check_mask(mask, x) -> None:
-  if mask is not None and tuple(jnp.shape(mask)) != tuple(x.shape[:2]):
-    raise ValueError(
-        f"mask must be [batch, length] = {tuple(x.shape[:2])} (True = real token); got shape "
-        f"{jnp.shape(mask)}.")
+  check_mask(mask, x.shape[:2], against=f"x of shape {tuple(x.shape)}")
 
 
 def _check_projection(projection, x, name: str = "this feature map") -> None:

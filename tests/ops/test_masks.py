@@ -92,8 +92,6 @@ REFERENCES = {
 }
 # Feature maps: fastpos/ops/features.py still casts any mask to bool (it is expected to call
 # fastpos.ops.masks.check_mask like the ops above); strict, so the fix shows up as XPASS.
-_FEATURES_CAST = pytest.mark.xfail(
-    strict=True, reason="fastpos.ops.features casts masks with jnp.asarray(mask, bool)")
 FEATURE_OPS = {
     "sikf_keys": lambda m: features.sikf(K, is_query=False, mask=m),
     "feature_map_favor_keys": lambda m: features.feature_map(
@@ -115,7 +113,7 @@ def test_op_rejects_non_boolean_mask(op, jit, bad):
 
 
 @pytest.mark.parametrize("bad", ("float32", "additive"))
-@pytest.mark.parametrize("op", [pytest.param(op, marks=_FEATURES_CAST) for op in FEATURE_OPS])
+@pytest.mark.parametrize("op", list(FEATURE_OPS))
 def test_feature_map_rejects_non_boolean_mask(op, bad):
   with pytest.raises(ValueError, match=_dtype_error("mask", bad)):
     FEATURE_OPS[op](BAD[bad](_mask()))
