@@ -174,8 +174,17 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   cfg = dict(num_train_steps=2, **{"model.dropout_rate": 0.0, "model.norm": "pre"})
   one = train_and_evaluate(tiny_config(**cfg), tmp_path / "one")
   two = train_and_evaluate(tiny_config(grad_accum_steps=2, **cfg), tmp_path / "two")
-  for a, b in zip(jax.tree.leaves(one["state"].params), jax.tree.leaves(two["state"].params)):
-    assert rel_err(b, a) < 1e-5
+  # The key bias adds q . b_k to every logit of a query alike, which softmax cancels: its
+  # gradient is exactly 0 up to round-off, and Adam scales round-off up to +-lr. Every other
+  # parameter has a real gradient.
+  leaves = jax.tree_util.tree_leaves_with_path(one["state"].params)
+  compared = 0
+  for (path, a), b in zip(leaves, jax.tree.leaves(two["state"].params)):
+    if "['key']['bias']" in jax.tree_util.keystr(path):
+      continue
+    assert rel_err(b, a) < 1e-5, jax.tree_util.keystr(path)
+    compared += 1
+  assert compared == len(leaves) - 1
   # Adam hides a wrong gradient scale in the update; the logged loss and norm of the
   # averaged gradient do not.
   for name in ("loss", "grad_norm"):
