@@ -1,4 +1,4 @@
-"""scripts/sweep.sh, make_tables.py and plot_positional.py (issue 8).
+"""scripts/sweep.sh, make_tables.py and plot_positional.py.
 
 Fast tests check the pieces in this process: grid parsing and run names, override validation,
 the tables from fixture results (exact numbers, "missing" cells, paper columns, LaTeX) and the
@@ -365,13 +365,13 @@ def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys
   assert proc.returncode == 1
   bad = "model.positional=t5_bias__model.kernel=elu1__num_train_steps=2"
   good = f"model.positional={MODEL}__model.kernel=elu1__num_train_steps=2"
-  assert f"FAILED {bad}: train exited with status 2" in proc.stdout
+  assert f"BAD_INPUT {bad}: train exited with status 2 (bad config" in proc.stdout
   assert f"log: {d / bad / 'sweep.log'}" in proc.stdout
   assert "'t5_bias' adds a bias to the attention logits" in proc.stdout
-  assert "1 done, 1 failed" in proc.stdout
+  assert "1 done, 0 failed, 1 bad_input" in proc.stdout
   assert (d / good / "results_test.json").exists()  # the run after the failure went on
   manifest = json.loads((d / "sweep.json").read_text())
-  assert manifest["runs"][bad]["status"] == "failed"
+  assert manifest["runs"][bad]["status"] == "bad_input"
   assert manifest["runs"][bad]["returncode"] == 2
   assert make_tables.main([str(d)]) == 0
   assert "| elu1 | missing (1 failed) |" in capsys.readouterr().out
@@ -397,9 +397,102 @@ def test_gpus_mode_runs_one_run_per_device_in_parallel(env, tmp_path):
   d = tmp_path / "gpus"
   proc = _sweep(d, ["model.positional=t5_bias", "model.kernel=elu1", "seed=0,1"], env,
                 "--mode=gpus", "--gpus=3,5")
-  assert proc.returncode == 1 and "0 done, 2 failed" in proc.stdout, proc.stdout
+  assert proc.returncode == 1 and "0 done, 0 failed, 2 bad_input" in proc.stdout, proc.stdout
   runs = json.loads((d / "sweep.json").read_text())["runs"]
   assert sorted(r["gpu"] for r in runs.values()) == ["3", "5"]
-  assert {r["status"] for r in runs.values()} == {"failed"}
+  assert {r["status"] for r in runs.values()} == {"bad_input"}
   for r in runs.values():
     assert "is incompatible" in (d / r["log"]).read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU mode without GPUs, and the trainer's exit codes (no training: a stand-in interpreter)
+# ---------------------------------------------------------------------------------------------
+def _sweep_py(sweep_dir: Path, grid: list[str], *extra: str, path: str = ""):
+  """sweep.py as a user runs it, with ``PATH`` = ``path`` (an empty folder: no nvidia-smi)."""
+  env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+  env["PATH"] = path or env.get("PATH", "")
+  return subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
+       f"--sweep_dir={sweep_dir}", *extra, *grid], cwd=ROOT, capture_output=True, text=True,
+      env=env, timeout=300)
+
+
+def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
+  no_gpu = tmp_path / "bin"  # PATH without nvidia-smi, no CUDA_VISIBLE_DEVICES
+  no_gpu.mkdir()
+  d = tmp_path / "sweep"
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", path=str(no_gpu))
+  assert proc.returncode == 0, proc.stderr
+  assert [l for l in proc.stderr.splitlines() if l.startswith("[plan]")] == [
+      f"[plan] seed={s}: run" for s in range(3)]
+  assert "no GPU found on this machine (nvidia-smi is not installed)" in proc.stderr
+  assert "Traceback" not in proc.stderr and not d.exists()
+  # With the GPUs named, the plan says which run starts where.
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5",
+                   path=str(no_gpu))
+  assert proc.returncode == 0, proc.stderr
+  assert "[plan] seed=0: run on GPU 3" in proc.stderr
+  assert "[plan] seed=1: run on GPU 5" in proc.stderr
+  assert "[plan] seed=2: run queued for the next free GPU" in proc.stderr
+  assert not d.exists()
+  # A real run stops with one message before creating anything.
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", path=str(no_gpu))
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.startswith("sweep: --mode=gpus: no GPU found on this machine "
+                                "(nvidia-smi is not installed).")
+  assert proc.stderr.count("\n") == 1 and "--mode=sequential" in proc.stderr
+  assert not d.exists()
+
+
+FAKE_TRAINER = """#!{python}
+# Stands in for the interpreter: "train.py" / "eval.py" exit with the code given as the seed;
+# code 0 leaves what a finished run leaves (config.json, a last checkpoint, results).
+import json, os, sys
+script, args = os.path.basename(sys.argv[1]), sys.argv[2:]
+workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
+code = int(next(a.split("=", 1)[1] for a in args if a.startswith("--config.seed=")))
+if code == 0 and script == "train.py":
+  manifest = json.load(open(os.path.join(os.path.dirname(workdir), "sweep.json")))
+  config = manifest["runs"][os.path.basename(workdir)]["config"]
+  json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
+  os.makedirs(os.path.join(workdir, "checkpoints", str(config["num_train_steps"])))
+if code == 0 and script == "eval.py":
+  open(os.path.join(workdir, "results_test.json"), "w").write('{{"accuracy": 0.5}}')
+print(script, "exits with", code)
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+  path = tmp_path / "fake_python"
+  path.write_text(FAKE_TRAINER.format(python=sys.executable))
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_exit_codes_are_reported_apart(tmp_path, fake_python):
+  from fastpos.train import errors  # pylint: disable=import-outside-toplevel
+  codes = {0: "done", 1: "failed", errors.EXIT_BAD_INPUT: "bad_input",
+           errors.EXIT_NONFINITE: "nonfinite", errors.EXIT_LOCKED: "locked",
+           errors.EXIT_PREEMPTED: "preempted"}
+  d = tmp_path / "sweep"
+  proc = _sweep_py(d, [f"seed={','.join(map(str, codes))}"], f"--python={fake_python}")
+  assert proc.returncode == 1, proc.stdout + proc.stderr  # some runs need a fix
+  assert ("6 runs" in proc.stdout and "1 done, 1 failed, 1 bad_input, 1 nonfinite, 1 locked, "
+          "1 preempted, 0 interrupted / not started." in proc.stdout), proc.stdout
+  runs = json.loads((d / "sweep.json").read_text())["runs"]
+  assert {n: r["status"] for n, r in runs.items()} == {f"seed={c}": s for c, s in codes.items()}
+  assert "FAILED seed=1: train exited with status 1\n" in proc.stdout
+  assert "BAD_INPUT seed=2: train exited with status 2 (bad config" in proc.stdout
+  assert "NONFINITE seed=3: train exited with status 3 (the loss became NaN" in proc.stdout
+  assert "LOCKED seed=4: train exited with status 4 (another trainer holds" in proc.stdout
+  assert "PREEMPTED seed=75: re-run the same command to resume it" in proc.stdout
+  assert "train.py exits with 3" in (d / "seed=3" / "sweep.log").read_text()
+  # Only preempted runs left: the sweep itself says "try again" (75), and a re-run resumes
+  # the preempted run (the finished one is skipped).
+  proc = _sweep_py(d, ["seed=0,75"], f"--python={fake_python}")
+  assert proc.returncode == errors.EXIT_PREEMPTED, proc.stdout + proc.stderr
+  assert "[run] seed=75" in proc.stdout and "[run] seed=0" not in proc.stdout
+  assert "1 preempted" in proc.stdout
