@@ -137,6 +137,19 @@ def _lengths(flag: str, text: str) -> tuple[int, ...]:
   return values
 
 
+def _check_writable(out: str) -> None:
+  """Raises ValueError unless ``out`` is, or can be created as, a writable folder (checked
+  before measuring, so a long run does not end in a failed write)."""
+  path = os.path.abspath(os.path.expanduser(out))
+  probe = path
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ValueError(f"--out={out}: {probe} is a file, not a folder; give another --out.")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ValueError(f"--out={out}: {probe} is not writable; give another --out.")
+
+
 def _same_dir(a: str, b: str) -> bool:
   return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(b)
 
@@ -335,6 +348,8 @@ def main(argv=None) -> int:
       bench_models.all_cells(args.cells)
     if args.all or args.mode == "train_step":
       bench_models.select_train_models(args.train_rows, args.num_features)
+    if args.out:
+      _check_writable(args.out)
   except ValueError as e:
     print(f"benchmark: {e}", file=sys.stderr)
     return 2
@@ -344,7 +359,16 @@ def main(argv=None) -> int:
         f"{os.path.join(args.out, args.platform)}", flush=True)
   targets = []
   for mode in (MODES if args.all else (args.mode,)):
-    targets += run_mode(mode, args)
+    try:
+      targets += run_mode(mode, args)
+    except KeyboardInterrupt:
+      print(f"\nbenchmark: interrupted during {mode}; the modes finished before are under "
+            f"{args.out}.", file=sys.stderr)
+      return 130
+    except OSError as e:  # writing the results (the tables were printed above)
+      print(f"benchmark: cannot write {e.filename or args.out}: {e.strerror or e}; the tables "
+            f"of {mode} are printed above. Give another --out.", file=sys.stderr)
+      return 2
   if targets:
     print("\nTargets:")
     for t in targets:

@@ -66,8 +66,9 @@ In the sequential and gpus modes the runs share a JAX persistent compilation cac
 seed compile their steps once. Printed commands set nothing (export JAX_COMPILATION_CACHE_DIR
 for the jobs to share one).
 
-SIGTERM (a preempted job) is passed on to the running trainings, which save a checkpoint and
-stop; their runs are recorded as interrupted and the next invocation resumes them.
+SIGTERM (a preempted job) and SIGINT (Ctrl-C) are passed on to the running trainings, which
+save a checkpoint and stop; their runs are recorded as interrupted and the next invocation
+resumes them.
 """
 
 from __future__ import annotations
@@ -413,7 +414,23 @@ class Runner:
 
   def run(self, name: str, overrides: dict[str, str], resolved: dict,
           gpu: str | None = None) -> str:
-    """Runs one combination; returns its final status (done / failed / interrupted)."""
+    """Runs one combination; returns its final status (done / interrupted / a status of
+    ``EXIT_STATUS`` / failed). A file that cannot be written (disk full, permissions) fails
+    the run with one line, never a traceback from a worker thread."""
+    try:
+      return self._run(name, overrides, resolved, gpu)
+    except OSError as e:
+      message = f"cannot write {e.filename or self.args.sweep_dir / name}: {e.strerror or e}"
+      self.say(f"[failed] {name}: {message}")
+      try:
+        self.manifest.set(name, status="failed", returncode=None, message=message,
+                          finished=_now())
+      except OSError:  # the manifest cannot be written either; the summary still lists it
+        pass
+      return "failed"
+
+  def _run(self, name: str, overrides: dict[str, str], resolved: dict,
+           gpu: str | None) -> str:
     workdir = self.args.sweep_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / LOG
@@ -430,7 +447,7 @@ class Runner:
       for stage, argv in zip(("train", "eval"), self.commands(workdir, overrides)):
         rc = self._call(argv, log, env)
         if self.stop.is_set():
-          status, message = "interrupted", f"stopped during {stage} (SIGTERM)"
+          status, message = "interrupted", f"stopped during {stage} (SIGTERM / SIGINT)"
           break
         if rc != 0:
           status, meaning = EXIT_STATUS.get(rc, ("failed", ""))
@@ -602,7 +619,10 @@ def main(argv: list[str] | None = None) -> int:
             "there. Pass --gpus=0,1,... to see which run starts on which GPU.", file=sys.stderr)
     return 0
 
+  # SIGTERM (a preempted job) and Ctrl-C: the trainings save and stop, the summary says what
+  # to re-run.
   signal.signal(signal.SIGTERM, lambda *_: runner.terminate())
+  signal.signal(signal.SIGINT, lambda *_: runner.terminate())
   statuses: dict[str, str] = {}
   t0 = time.time()
   if args.mode == "sequential":

@@ -459,6 +459,11 @@ if code == 0 and script == "train.py":
   os.makedirs(os.path.join(workdir, "checkpoints", str(config["num_train_steps"])))
 if code == 0 and script == "eval.py":
   open(os.path.join(workdir, "results_test.json"), "w").write('{{"accuracy": 0.5}}')
+if code == 99:  # a long training: waits for SIGTERM, then "saves" and exits as preempted
+  import signal, time
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+  print("training", flush=True)
+  time.sleep(60)
 print(script, "exits with", code)
 sys.exit(code)
 """
@@ -496,3 +501,26 @@ def test_exit_codes_are_reported_apart(tmp_path, fake_python):
   assert proc.returncode == errors.EXIT_PREEMPTED, proc.stdout + proc.stderr
   assert "[run] seed=75" in proc.stdout and "[run] seed=0" not in proc.stdout
   assert "1 preempted" in proc.stdout
+
+
+def test_ctrl_c_stops_the_runs_and_says_how_to_resume(tmp_path, fake_python):
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  d = tmp_path / "sweep"
+  env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+  p = subprocess.Popen(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
+       f"--sweep_dir={d}", f"--python={fake_python}", "seed=99,0"], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  log = d / "seed=99" / "sweep.log"
+  deadline = time.time() + 120
+  while not (log.exists() and "training" in log.read_text()) and time.time() < deadline:
+    time.sleep(0.1)
+  p.send_signal(signal.SIGINT)
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 75, out + err  # EXIT_PREEMPTED: re-run to continue
+  assert "Traceback" not in out + err
+  assert "INTERRUPTED seed=99: re-run the same command to resume it." in out
+  assert "NOT STARTED seed=0: re-run the same command to run it." in out
+  runs = json.loads((d / "sweep.json").read_text())["runs"]
+  assert runs["seed=99"]["status"] == "interrupted" and runs["seed=99"]["returncode"] == 75
