@@ -495,6 +495,7 @@ def test_exit_codes_are_reported_apart(tmp_path, fake_python):
   assert "LOCKED seed=4: train exited with status 4 (another trainer holds" in proc.stdout
   assert "PREEMPTED seed=75: re-run the same command to resume it" in proc.stdout
   assert "train.py exits with 3" in (d / "seed=3" / "sweep.log").read_text()
+  assert set(make_tables.FAILED) == set(sweep.NEEDS_FIX)  # the tables count them as failed
   # Only preempted runs left: the sweep itself says "try again" (75), and a re-run resumes
   # the preempted run (the finished one is skipped).
   proc = _sweep_py(d, ["seed=0,75"], f"--python={fake_python}")
