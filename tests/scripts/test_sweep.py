@@ -287,12 +287,13 @@ def swept(tmp_path_factory, env):
   d = tmp_path_factory.mktemp("sweep")
   proc = _sweep(d, GRID, env)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return d, proc
+  # The manifest as this sweep left it: later tests re-run other modes and splits on the same
+  # directory, which rewrite it.
+  return d, proc, json.loads((d / "sweep.json").read_text())
 
 
 def test_sweep_runs_every_combination(swept):
-  d, proc = swept
-  manifest = json.loads((d / "sweep.json").read_text())
+  d, proc, manifest = swept
   assert manifest["config"] == f"{ROOT / CONFIG}"
   assert manifest["grid"] == {"seed": ["0", "1"], "model.positional": [MODEL],
                               "model.kernel": ["elu1"], "num_train_steps": ["2"]}
@@ -312,7 +313,7 @@ def test_sweep_runs_every_combination(swept):
 
 
 def test_rerun_skips_finished_runs(swept, env, tmp_path):
-  d, _ = swept
+  d, _, _ = swept
   stamps = {n: ((d / n / "results_test.json").stat().st_mtime_ns,
                 (d / n / "sweep.log").stat().st_size) for n in NAMES}
   proc = _sweep(d, GRID, env)
@@ -346,7 +347,7 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
 
 
 def test_make_tables_from_the_sweep(swept, capsys):
-  d, _ = swept
+  d, _, _ = swept
   accs = [json.loads((d / n / "results_test.json").read_text())["accuracy"] * 100
           for n in NAMES]
   mean, std = float(np.mean(accs)), float(np.std(accs, ddof=1))
@@ -378,7 +379,7 @@ def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys
 
 
 def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
-  d, _ = swept
+  d, _, _ = swept
   written = plot_positional.plot_workdir(d / NAMES[0], tmp_path, which="best")
   assert sorted(p.name for p in written) == ["fastrpb_1d.png", "kernelized_rpe.png",
                                              "lrpe_theta.png"]
