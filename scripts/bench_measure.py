@@ -328,7 +328,7 @@ def _numeric(cell: str) -> bool:
 
 @dataclasses.dataclass
 class Target:
-  """One line of the issue's Targets list, as measured.
+  """One line of the Targets list (a performance goal), as measured.
 
   ``passed`` is None when this run did not measure it (``measured`` says why).
   """

@@ -393,18 +393,25 @@ def train_case(m: Model, args) -> bm.Case:
   return bm.Case(m.name, step, make)
 
 
+def select_train_models(selection: str, num_features: int) -> list:
+  """The train_step rows of ``--train-rows`` ('all', 'core' or names), baseline first; a
+  ValueError names unknown rows and the valid ones."""
+  models = train_models(num_features)
+  if selection == "core":
+    return [m for m in models if m.core]
+  if selection == "all":
+    return models
+  wanted = [w.strip() for w in selection.split(",")]
+  names = [m.name for m in models]
+  bad = [w for w in wanted if w not in names]
+  if bad:
+    raise ValueError(f"--train-rows: unknown rows {bad}; valid: 'all', 'core' or names from "
+                     f"{'; '.join(names)}.")
+  return [models[0]] + [m for m in models[1:] if m.name in wanted]
+
+
 def run_train(args, log) -> tuple[list[bm.Table], list[bm.Target]]:
-  models = train_models(args.num_features)
-  if args.train_rows == "core":
-    models = [m for m in models if m.core]
-  elif args.train_rows != "all":
-    wanted = [w.strip() for w in args.train_rows.split(",")]
-    names = [m.name for m in models]
-    bad = [w for w in wanted if w not in names]
-    if bad:
-      raise ValueError(f"--train-rows: unknown rows {bad}; valid: 'all', 'core' or names from "
-                       f"{'; '.join(names)}.")
-    models = [models[0]] + [m for m in models[1:] if m.name in wanted]
+  models = select_train_models(args.train_rows, args.num_features)
   log(f"{len(models)} models at length {args.train_length}, batch {args.train_batch}")
   got = bm.measure_group([train_case(m, args) for m in models], limits=args.limits,
                          min_time_s=args.min_time, max_runs=args.repeats)

@@ -1,7 +1,7 @@
 """Mode ``ops`` of ``scripts/benchmark.py``: the fast ops of ``fastpos.ops`` against their
 lower bounds, forward and forward+backward, over sequence lengths.
 
-Shapes (the issue's setting): batch 1, 8 heads, head dim 64. Toeplitz products act on
+Shapes (the benchmark's setting): batch 1, 8 heads, head dim 64. Toeplitz products act on
 ``x [1, 8, N, 64]`` (512 channels) with one relative table shared by the heads (FastRPB's
 default, ``per_head=False``); linear attention on ``phi_q, phi_k [1, N, 8, m]`` and
 ``v [1, N, 8, 64]``.

@@ -1,4 +1,4 @@
-"""Speed and memory of fastpos against sequence length, in one run (issue 7).
+"""Speed and memory of fastpos against sequence length, in one run.
 
 Modes:
   ops         toeplitz_matmul, toeplitz_matmul_2d, fastrpb_2d_matmul, linear_attention
@@ -13,14 +13,18 @@ Modes:
   python scripts/benchmark.py ops --lengths 1024,4096
   python scripts/benchmark.py layer --dtype bfloat16     # the GPU target
   python scripts/benchmark.py train_step --scale 0.25    # shorter sequences on a slow CPU
+  python scripts/benchmark.py --all --update_committed   # rewrite the tables in benchmarks/
 
 Setting: float32 (``--dtype``), batch 1, 8 heads, head dim 64. Times are medians of several
 runs after a warm-up; all rows of a table at one length are measured side by side, round
 robin, in this process (bench_measure.py). Memory is the compiled executable's temp +
 argument + output bytes, plus the allocator's peak on GPU. Each table names its lower bound.
 Writes ``<out>/<platform>/<mode>_<table>.json`` (and ``.png`` when matplotlib is installed)
-and the mode's section of ``<out>/README.md``; prints PASS / FAIL for each target of the
-issue that the mode measures.
+and the mode's section of ``<out>/README.md``; prints PASS / FAIL for each target that the
+mode measures. ``<out>`` is ``--out`` when given, else a new temporary folder (its path is
+printed): the committed tables in the repository's ``benchmarks/`` are rewritten only on
+request, with ``--update_committed`` (or ``--out`` naming that folder); ``--smoke`` numbers
+never go there.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import platform as py_platform
 import shlex
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench_* helpers
@@ -52,6 +57,8 @@ DEFAULTS = {
             "layer": (1024, 2048, 4096, 8192, 16384, 32768), "cell": 4096, "cells": "all",
             "train_batch": 32, "train_rows": "all", "max_run_s": 30.0, "target_run_s": 120.0},
 }
+COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")  # the tables the repository ships
 SMOKE = {"ops": (16, 64), "layer": (16, 64), "cell": 16, "cell_memory": (16, 64),
          "train_length": 32}
 
@@ -93,8 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-memory-gb", type=float, default=0.0,
                  help="skip running cases whose compiled memory exceeds this (default: 60%% "
                  "of RAM on CPU, 90%% of the device's memory on GPU)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))), "benchmarks"), help="output folder")
+  p.add_argument("--out", default="",
+                 help="output folder (default: a new temporary folder, printed; the "
+                 "repository's benchmarks/ only with --update_committed or --out naming it)")
+  p.add_argument("--update_committed", action="store_true",
+                 help="write into the repository's benchmarks/ (its tables and README.md "
+                 "sections): for measurements meant to be committed")
   p.add_argument("--no-readme", action="store_true", help="do not update <out>/README.md")
   p.add_argument("--smoke", action="store_true",
                  help="tiny sizes and a tiny model: checks that every mode runs (tests)")
@@ -103,8 +114,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("give a mode (ops, layer, train_step) or --all")
   if args.all and args.mode is not None:
     p.error("give either a mode or --all, not both")
+  if args.update_committed and args.out and not _same_dir(args.out, COMMITTED):
+    p.error(f"--update_committed writes to {COMMITTED}; drop --out={args.out} or "
+            "--update_committed")
+  if args.update_committed:
+    args.out = COMMITTED
+  if args.smoke and args.out and _same_dir(args.out, COMMITTED):
+    p.error(f"--smoke measures tiny sizes only; its numbers do not go into the committed "
+            f"tables in {COMMITTED} (drop --smoke, or give another --out)")
   args.argv = list(sys.argv[1:] if argv is None else argv)
   return args
+
+
+def _lengths(flag: str, text: str) -> tuple[int, ...]:
+  """Comma-separated sequence lengths; a ValueError names the flag and the bad value."""
+  try:
+    values = tuple(int(n) for n in text.split(","))
+  except ValueError:
+    values = ()
+  if not values or min(values) < 2:
+    raise ValueError(f"{flag} must be comma-separated integers >= 2; got {text!r}.")
+  return values
+
+
+def _check_writable(out: str) -> None:
+  """Raises ValueError unless ``out`` is, or can be created as, a writable folder (checked
+  before measuring, so a long run does not end in a failed write)."""
+  path = os.path.abspath(os.path.expanduser(out))
+  probe = path
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise ValueError(f"--out={out}: {probe} is a file, not a folder; give another --out.")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ValueError(f"--out={out}: {probe} is not writable; give another --out.")
+
+
+def _same_dir(a: str, b: str) -> bool:
+  return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(b)
 
 
 def _scaled(lengths, args, *, clip: bool = False) -> tuple[int, ...]:
@@ -124,9 +171,7 @@ def resolve(args) -> argparse.Namespace:
   """Fills the platform-dependent defaults in ``args`` (and the derived fields)."""
   args.platform = jax.devices()[0].platform
   d = DEFAULTS.get(args.platform, DEFAULTS["gpu"])
-  given = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
-  if given is not None and min(given) < 2:
-    raise ValueError(f"--lengths must be integers >= 2; got {args.lengths!r}.")
+  given = _lengths("--lengths", args.lengths) if args.lengths else None
   if args.smoke:
     args.ops_lengths = given or SMOKE["ops"]
     args.layer_lengths = given or SMOKE["layer"]
@@ -137,8 +182,8 @@ def resolve(args) -> argparse.Namespace:
     args.ops_lengths = given or _scaled(d["ops"], args)
     args.layer_lengths = given or _scaled(d["layer"], args)
     args.cell_length = args.cell_length or _scaled((d["cell"],), args, clip=True)[0]
-    args.cell_memory = _scaled(tuple(int(n) for n in args.cell_memory_lengths.split(",")), args,
-                               clip=True)
+    args.cell_memory = _scaled(_lengths("--cell-memory-lengths", args.cell_memory_lengths),
+                               args, clip=True)
     args.train_length = _scaled((args.train_length,), args, clip=True)[0]
   args.train_batch = args.train_batch or d["train_batch"]
   args.cells = args.cells or d["cells"]
@@ -295,12 +340,35 @@ def _load() -> str:
 
 
 def main(argv=None) -> int:
-  args = resolve(parse_args(argv))
+  args = parse_args(argv)
+  try:
+    args = resolve(args)
+    import bench_models  # bad cells / rows stop here, before any compute
+    if args.all or args.mode == "layer":
+      bench_models.all_cells(args.cells)
+    if args.all or args.mode == "train_step":
+      bench_models.select_train_models(args.train_rows, args.num_features)
+    if args.out:
+      _check_writable(args.out)
+  except ValueError as e:
+    print(f"benchmark: {e}", file=sys.stderr)
+    return 2
+  if not args.out:
+    args.out = tempfile.mkdtemp(prefix="fastpos_benchmark_")
   print(f"fastpos benchmark on {jax.devices()[0]} ({args.dtype}); output under "
         f"{os.path.join(args.out, args.platform)}", flush=True)
   targets = []
   for mode in (MODES if args.all else (args.mode,)):
-    targets += run_mode(mode, args)
+    try:
+      targets += run_mode(mode, args)
+    except KeyboardInterrupt:
+      print(f"\nbenchmark: interrupted during {mode}; the modes finished before are under "
+            f"{args.out}.", file=sys.stderr)
+      return 130
+    except OSError as e:  # writing the results (the tables were printed above)
+      print(f"benchmark: cannot write {e.filename or args.out}: {e.strerror or e}; the tables "
+            f"of {mode} are printed above. Give another --out.", file=sys.stderr)
+      return 2
   if targets:
     print("\nTargets:")
     for t in targets:

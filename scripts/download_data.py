@@ -1,7 +1,13 @@
 """Fetches the data of fastpos tasks into one data root, on a machine with internet.
 
   python scripts/download_data.py TASK... --data_dir DIR [--dry_run] [--delete_archives]
+  python scripts/download_data.py --dry_run [--data_dir DIR]   # the plan for every task
   python scripts/download_data.py --list
+
+A fetch that cannot proceed (no network, a server error, a checksum mismatch, a full disk)
+stops with one message naming the URL or file, the reason and the fix, exits 2, and leaves
+behind no folder it created: only a ``.part`` file that holds downloaded bytes stays, for the
+next run to resume.
 
 Training and tests never download anything: a task whose files are missing stops with the
 command above (``fastpos.tasks.paths.missing_data``). The layout under DIR is the one of
@@ -45,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
+import http.client
 import importlib.util
 import json
 import os
@@ -53,6 +61,7 @@ import shutil
 import sys
 import tarfile
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from typing import Callable, Iterable, Sequence
@@ -239,7 +248,8 @@ def plan(task_names: Sequence[str], data_dir: str, *,
     raise DownloadError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: "
                         f"{', '.join(tasks)}.")
   if not task_names:
-    raise DownloadError(f"no task given; valid tasks: {', '.join(tasks)}.")
+    raise DownloadError(f"no task given; valid tasks: {', '.join(tasks)} (--dry_run alone "
+                        f"shows the plan for all of them, --list what each fetches).")
   root = paths.data_root(data_dir)
   steps: dict[str, Step] = {}
   for task in dict.fromkeys(task_names):
@@ -375,7 +385,10 @@ def download(res: Archive, root: str, fetch: Fetch) -> str:
     part = final + ".part"
     resume = f" (resuming {os.path.getsize(part)} bytes)" if os.path.exists(part) else ""
     print(f"  fetching {res.url} -> {part}{resume}")
-    fetch(res.url, part)
+    try:
+      fetch(res.url, part)
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError, timeouts: OSError
+      raise DownloadError(_fetch_failure(res, part, final, e)) from e
     try:
       sha = verify(part, res.checksums, res.name)
     except DownloadError:
@@ -387,6 +400,31 @@ def download(res: Archive, root: str, fetch: Fetch) -> str:
   else:
     print(f"  UNVERIFIED: no published checksum for {res.filename}; its sha256 is {sha}")
   return final
+
+
+def _fetch_failure(res: Archive, part: str, final: str, e: BaseException) -> str:
+  """The message for a failed fetch: what failed, why, and how to get the file another way.
+  An empty ``.part`` left by the failure is removed (one with bytes stays, to be resumed)."""
+  kept = os.path.getsize(part) if os.path.exists(part) else 0
+  if os.path.exists(part) and not kept:
+    os.remove(part)
+  if isinstance(e, urllib.error.HTTPError):
+    reason = f"HTTP {e.code} {e.reason}"
+  elif isinstance(e, urllib.error.URLError):
+    reason = str(e.reason)
+  else:
+    reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+  if isinstance(e, OSError) and not isinstance(e, urllib.error.URLError) and e.errno in (
+      errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+    return (f"cannot write {part}: {reason}. Free space or fix the permissions of that folder "
+            f"(or choose another --data_dir), then run again.")
+  resume = (f" The {kept} bytes received are kept in {part}; running the same command again "
+            f"resumes the download." if kept else "")
+  return (f"cannot fetch {res.url}: {reason}.{resume} If this machine has no internet access, "
+          f"run the same command on one that has and copy its data root's folder "
+          f"{res.dest or ', '.join(res.folders)}/ into {os.path.dirname(os.path.dirname(final))}"
+          f", or place the file {res.filename} at {final} and run again (it is verified, then "
+          f"unpacked).")
 
 
 def _safe_parts(name: str) -> list[str] | None:
@@ -511,9 +549,17 @@ def prepare_tfds(res: Tfds, root: str) -> None:
         f"  ~/tfds-prep/bin/python scripts/download_data.py <tasks> --data_dir {root}")
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   data_dir = os.path.join(root, paths.TFDS_SUBDIR)
-  builder = tfds.builder(res.name, data_dir=data_dir)
-  builder.download_and_prepare(file_format="array_record",
-                               download_dir=os.path.join(data_dir, "downloads"))
+  try:
+    builder = tfds.builder(res.name, data_dir=data_dir)
+    builder.download_and_prepare(file_format="array_record",
+                                 download_dir=os.path.join(data_dir, "downloads"))
+  except Exception as e:  # tfds wraps network / checksum errors in its own types
+    last = (str(e).strip().splitlines() or [""])[-1]
+    raise DownloadError(
+        f"tfds could not prepare {res.name!r} under {data_dir}: {type(e).__name__}: {last}. "
+        f"If this machine has no internet access, run the same command on one that has and "
+        f"copy {os.path.join(data_dir, res.name)} here; running again resumes what tfds "
+        f"downloaded into {os.path.join(data_dir, 'downloads')}.") from e
   print(f"  -> {builder.data_dir}")
 
 
@@ -529,6 +575,42 @@ def run(task_names: Sequence[str], data_dir: str, *, dry_run: bool = False,
   print(describe(steps))
   if dry_run:
     return steps
+  absent = _absent_folders(root, steps, resources)
+  try:
+    _carry_out(steps, root, resources, fetch, delete_archives)
+  except BaseException:
+    _remove_empty(absent)  # a failed run leaves no empty folder it created
+    raise
+  print("done.")
+  return steps
+
+
+def _absent_folders(root: str, steps: Sequence[Step], resources: dict) -> list[str]:
+  """The folders a run may create that do not exist yet: the data root and its missing
+  parents, DIR/downloads, the archives' destination folders and DIR/tfds."""
+  candidates = [root, os.path.join(root, DOWNLOADS), os.path.join(root, paths.TFDS_SUBDIR)]
+  parent = os.path.dirname(root)
+  while parent and parent != os.path.dirname(parent):
+    candidates.append(parent)
+    parent = os.path.dirname(parent)
+  for step in steps:
+    res = resources[step.resource]
+    if isinstance(res, Archive) and res.dest:
+      candidates.append(os.path.join(root, res.dest))
+  return [c for c in dict.fromkeys(candidates) if not os.path.exists(c)]
+
+
+def _remove_empty(folders: Iterable[str]) -> None:
+  """Removes those of ``folders`` that are now empty, deepest first."""
+  for folder in sorted(folders, key=lambda f: f.count(os.sep), reverse=True):
+    try:
+      os.rmdir(folder)
+    except OSError:  # not empty (it holds a resumable .part or data) or never created
+      pass
+
+
+def _carry_out(steps: Sequence[Step], root: str, resources: dict, fetch: Fetch,
+               delete_archives: bool) -> None:
   for step in steps:
     if step.done:
       continue
@@ -543,8 +625,6 @@ def run(task_names: Sequence[str], data_dir: str, *, dry_run: bool = False,
         print(f"  deleted {archive}")
     else:
       prepare_tfds(res, root)
-  print("done.")
-  return steps
 
 
 def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> int:
@@ -557,7 +637,8 @@ def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> i
                       help=f"the data root ('' = ${paths.ENV_VAR}, else {paths.DEFAULT_ROOT})")
   parser.add_argument("--list", action="store_true", help="print the tasks and what each fetches")
   parser.add_argument("--dry_run", action="store_true",
-                      help="print the plan (sources, sizes, checksums, outputs) and stop")
+                      help="print the plan (sources, sizes, checksums, outputs) and stop; "
+                           "without TASKs, the plan for every task")
   parser.add_argument("--pathfinder", default=",".join(map(str, DEFAULT_PATHFINDER)),
                       help="Pathfinder resolutions to unpack (32 = Pathfinder, 128 = Path-X)")
   parser.add_argument("--delete_archives", action="store_true",
@@ -567,12 +648,26 @@ def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> i
   if args.list:
     print(list_text())
     return 0
+  # --dry_run alone: the plan for every task (what the README offers to see the plan).
+  task_names = args.tasks or (list(TASKS) if args.dry_run else [])
   try:
-    run(args.tasks, args.data_dir, dry_run=args.dry_run, fetch=fetch,
+    run(task_names, args.data_dir, dry_run=args.dry_run, fetch=fetch,
         pathfinder=parse_resolutions(args.pathfinder), delete_archives=args.delete_archives)
   except DownloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except BrokenPipeError:  # the output went to a pipe that closed (`| head`): stop quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+  except OSError as e:  # creating, unpacking or renaming under the data root
+    where = f" {e.filename}" if e.filename else ""
+    print(f"error: cannot write{where}: {e.strerror or e}. Free space or fix the permissions "
+          f"there (or choose another --data_dir), then run again.", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("error: interrupted; run the same command again to resume (a partial download is "
+          "kept as <file>.part).", file=sys.stderr)
+    return 130
   return 0
 
 

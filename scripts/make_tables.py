@@ -135,11 +135,15 @@ def format_number(mean: float, std: float | None, digits: int, latex: bool) -> s
   return f"${s}$" if latex else s
 
 
+# The statuses sweep.py records for runs that stopped and need a fix (sweep.NEEDS_FIX).
+FAILED = ("failed", "bad_input", "nonfinite", "locked")
+
+
 def cell_text(runs: list[dict], expected: int, metric: str, scale: float, digits: int,
               latex: bool) -> str:
   values = [r["results"][metric] * scale for r in runs
             if r["results"] is not None and metric in r["results"]]
-  failed = sum(r["status"] == "failed" for r in runs)
+  failed = sum(r["status"] in FAILED for r in runs)
   if not values:
     return f"{MISSING} ({failed} failed)" if failed else MISSING
   mean, std = mean_std(values)

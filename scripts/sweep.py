@@ -32,27 +32,43 @@ that never started); it is rewritten after every change of status.
 Re-running the same command skips finished runs (``results_test.json`` newer than the
 workdir's ``config.json``, that ``config.json`` equal to the combination's resolved config,
 and the newest checkpoint at ``num_train_steps``) and resumes unfinished ones (train.py
-resumes from the newest checkpoint by itself). A run that exits non-zero is recorded as
-failed with its log; the others go on, and the summary at the end lists the failures (the
-exit status is then 1).
+resumes from the newest checkpoint by itself). A run that exits non-zero is recorded with
+its log and a status read from train.py / eval.py's exit code (``fastpos/train/errors.py``):
+
+  preempted   75: stopped by SIGTERM / SIGINT after saving a checkpoint; re-running the sweep
+              resumes it;
+  nonfinite   3: the loss became NaN / Inf; the last good checkpoint is kept (resuming it
+              with the same settings will likely diverge again: change the config);
+  locked      4: another trainer holds the workdir (another sweep on the same directory?);
+  bad_input   2: a bad config, flag, data or workdir: the log's last line says which;
+  failed      any other code (a bug: the log has the traceback).
+
+The others go on; the summary at the end lists each kind apart. The sweep's exit status is
+0 when every run is done, 1 when a run needs a fix (failed, nonfinite, locked, bad_input),
+else 75 (``EXIT_PREEMPTED``) when runs were preempted, interrupted or not started: re-run
+the same command to continue.
 
 Modes:
   sequential  (default) one run after another in this process's environment;
   gpus        one run per GPU in parallel, each with CUDA_VISIBLE_DEVICES set to its GPU
-              (the GPUs: ``--gpus=0,1``, else CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``);
+              (the GPUs: ``--gpus=0,1``, else CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``;
+              with none found the sweep stops with a message before running anything);
   print       prints one shell command per unfinished run (train then eval) and runs
               nothing: ``... --mode=print | xargs -P 4 -I{} sh -c '{}'`` or one line per
               task of a job array. Re-run with ``--mode=sequential`` (it skips the finished
               runs) or run scripts/make_tables.py directly afterwards.
-``--dry_run`` shows what each mode would do (run / resume / skip) and writes nothing.
+``--dry_run`` shows what each mode would do (run / resume / skip, and in gpus mode which run
+starts on which GPU) and writes nothing; it needs no GPU (on a machine without one, pass
+``--gpus=0,1,...`` to see the assignment for those).
 
 In the sequential and gpus modes the runs share a JAX persistent compilation cache
 (``--compilation_cache``, by default ``SWEEP_DIR/jax_cache``): runs that differ only in their
 seed compile their steps once. Printed commands set nothing (export JAX_COMPILATION_CACHE_DIR
 for the jobs to share one).
 
-SIGTERM (a preempted job) is passed on to the running trainings, which save a checkpoint and
-stop; their runs are recorded as interrupted and the next invocation resumes them.
+SIGTERM (a preempted job) and SIGINT (Ctrl-C) are passed on to the running trainings, which
+save a checkpoint and stop; their runs are recorded as interrupted and the next invocation
+resumes them.
 """
 
 from __future__ import annotations
@@ -77,7 +93,25 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fastpos.train import errors  # noqa: E402  (loads jax: configs need it anyway)
+
 MODES = ("sequential", "gpus", "print")
+# A child's exit code -> (status, what it means for the sweep). The codes are train.py /
+# eval.py's (fastpos/train/errors.py); any other non-zero code is "failed".
+EXIT_STATUS = {
+    errors.EXIT_PREEMPTED: ("preempted", "preempted after saving a checkpoint; re-run the sweep "
+                                         "to resume it"),
+    errors.EXIT_NONFINITE: ("nonfinite", "the loss became NaN / Inf; the last good checkpoint is "
+                                         "kept: change the config (e.g. a lower learning rate) "
+                                         "before resuming"),
+    errors.EXIT_LOCKED: ("locked", "another trainer holds the workdir (another sweep on this "
+                                   "directory?); wait for it or stop it, then re-run"),
+    errors.EXIT_BAD_INPUT: ("bad_input", "bad config, flag, data or workdir; fix it (see the "
+                                         "log's last line) and re-run"),
+}
+# Statuses a re-run of the same command continues; the others need a fix first.
+RESUMABLE = ("preempted", "interrupted")
+NEEDS_FIX = ("failed", "nonfinite", "locked", "bad_input")
 MANIFEST = "sweep.json"
 LOG = "sweep.log"
 _SAFE = re.compile(r"[^A-Za-z0-9._=+-]")
@@ -304,7 +338,11 @@ class Manifest:
     self.path = sweep_dir / MANIFEST
     self.write_enabled = write
     self.lock = threading.Lock()
-    old = json.loads(self.path.read_text()) if self.path.exists() else None
+    try:
+      old = json.loads(self.path.read_text()) if self.path.exists() else None
+    except (OSError, ValueError) as e:
+      raise ValueError(f"cannot read the manifest {self.path}: {e}; move it away (the runs' "
+                       "workdirs stay usable) or use another --sweep_dir.") from e
     if old is not None and old.get("config") != config:
       raise ValueError(f"{sweep_dir} holds a sweep of {old.get('config')!r}, not {config!r}; "
                        "use another --sweep_dir.")
@@ -376,7 +414,23 @@ class Runner:
 
   def run(self, name: str, overrides: dict[str, str], resolved: dict,
           gpu: str | None = None) -> str:
-    """Runs one combination; returns its final status (done / failed / interrupted)."""
+    """Runs one combination; returns its final status (done / interrupted / a status of
+    ``EXIT_STATUS`` / failed). A file that cannot be written (disk full, permissions) fails
+    the run with one line, never a traceback from a worker thread."""
+    try:
+      return self._run(name, overrides, resolved, gpu)
+    except OSError as e:
+      message = f"cannot write {e.filename or self.args.sweep_dir / name}: {e.strerror or e}"
+      self.say(f"[failed] {name}: {message}")
+      try:
+        self.manifest.set(name, status="failed", returncode=None, message=message,
+                          finished=_now())
+      except OSError:  # the manifest cannot be written either; the summary still lists it
+        pass
+      return "failed"
+
+  def _run(self, name: str, overrides: dict[str, str], resolved: dict,
+           gpu: str | None) -> str:
     workdir = self.args.sweep_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / LOG
@@ -393,10 +447,11 @@ class Runner:
       for stage, argv in zip(("train", "eval"), self.commands(workdir, overrides)):
         rc = self._call(argv, log, env)
         if self.stop.is_set():
-          status, message = "interrupted", f"stopped during {stage} (SIGTERM)"
+          status, message = "interrupted", f"stopped during {stage} (SIGTERM / SIGINT)"
           break
         if rc != 0:
-          status, message = "failed", f"{stage} exited with status {rc}"
+          status, meaning = EXIT_STATUS.get(rc, ("failed", ""))
+          message = f"{stage} exited with status {rc}" + (f" ({meaning})" if meaning else "")
           break
         if stage == "train":
           step = latest_checkpoint_step(workdir)
@@ -433,23 +488,46 @@ def last_error_line(log_path: Path) -> str:
   return lines[-1][-400:] if lines else ""
 
 
+class NoGpuError(ValueError):
+  """--mode=gpus found no GPU; ``why`` says what was looked at."""
+
+  def __init__(self, why: str):
+    self.why = why
+    super().__init__(f"--mode=gpus: no GPU found on this machine ({why}). Run the sweep where "
+                     "GPUs are, name them with --gpus=0,1,..., or use --mode=sequential (one "
+                     "run after another on this machine's devices).")
+
+
 def discover_gpus(flag: str | None, env: dict[str, str]) -> list[str]:
-  """GPU ids: ``--gpus``, else CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``."""
+  """GPU ids: ``--gpus``, else CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``. Raises
+  ValueError (saying how to go on) when none is found."""
   if flag:
     gpus = [g.strip() for g in flag.split(",") if g.strip()]
-  elif env.get("CUDA_VISIBLE_DEVICES", "").strip():
-    gpus = [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-  else:
-    try:
-      out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60,
-                           check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-      raise ValueError(f"--mode=gpus: cannot list GPUs with nvidia-smi -L ({e}); pass "
-                       "--gpus=0,1,...") from e
-    gpus = re.findall(r"^GPU (\d+):", out, flags=re.M)
+    if not gpus:
+      raise ValueError(f"--gpus={flag!r} names no GPU; give ids such as --gpus=0,1.")
+    return gpus
+  if env.get("CUDA_VISIBLE_DEVICES", "").strip():
+    return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    why = "nvidia-smi -L lists none"
+  except FileNotFoundError:
+    out, why = "", "nvidia-smi is not installed"
+  except (OSError, subprocess.SubprocessError) as e:
+    detail = getattr(e, "stderr", None) or str(e)
+    out, why = "", f"nvidia-smi -L failed: {detail.strip().splitlines()[-1] if detail else e}"
+  gpus = re.findall(r"^GPU (\d+):", out, flags=re.M)
   if not gpus:
-    raise ValueError("--mode=gpus: no GPU found; pass --gpus=0,1,... or use --mode=sequential.")
+    raise NoGpuError(why)
   return gpus
+
+
+def gpu_plan(todo: list[str], gpus: list[str]) -> dict[str, str]:
+  """Where each run of a gpus-mode sweep starts: the first ``len(gpus)`` runs on one GPU each,
+  the rest queued for whichever GPU frees first."""
+  return {name: (f"on GPU {gpus[i]}" if i < len(gpus) else "queued for the next free GPU")
+          for i, name in enumerate(todo)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,7 +561,14 @@ def main(argv: list[str] | None = None) -> int:
     config_path, arg = split_config_spec(args.config)
     grid = parse_grid(args.grid)
     runs = validate(config_path, arg, grid)
-    gpus = discover_gpus(args.gpus, child_env) if args.mode == "gpus" else []
+    gpus, no_gpu = [], ""
+    if args.mode == "gpus":
+      try:
+        gpus = discover_gpus(args.gpus, child_env)
+      except NoGpuError as e:
+        if not args.dry_run:
+          raise
+        no_gpu = e.why  # a dry run shows the plan all the same
     manifest = Manifest(args.sweep_dir, config_flag(config_path, arg)[len("--config="):], grid,
                         write=not args.dry_run)
   except ValueError as e:
@@ -503,14 +588,23 @@ def main(argv: list[str] | None = None) -> int:
       manifest.data["runs"][name] = {**old, **record, "status": "done"}
       print(f"[skip] {name}: finished (results_{args.split}.json)", file=sys.stderr)
       continue
-    step = latest_checkpoint_step(workdir)
-    action = f"resume from step {step} ({why})" if step else "run"
-    if args.mode == "print" or args.dry_run:
-      print(f"[{'plan' if args.dry_run else 'print'}] {name}: {action}", file=sys.stderr)
     manifest.data["runs"][name] = {**manifest.data["runs"].get(name, {}), **record,
                                    "status": "pending", "message": why}
     todo.append(name)
-  manifest._write()  # pylint: disable=protected-access
+  if args.mode == "print" or args.dry_run:
+    where = gpu_plan(todo, gpus) if gpus else {}
+    for name in todo:
+      step = latest_checkpoint_step(args.sweep_dir / name)
+      why = manifest.data["runs"][name]["message"]
+      action = f"resume from step {step} ({why})" if step else "run"
+      on = f" {where[name]}" if name in where else ""
+      print(f"[{'plan' if args.dry_run else 'print'}] {name}: {action}{on}", file=sys.stderr)
+  try:
+    manifest._write()  # pylint: disable=protected-access
+  except OSError as e:
+    print(f"sweep: cannot write {manifest.path}: {e.strerror or e}; choose a --sweep_dir that "
+          "can be written.", file=sys.stderr)
+    return 2
 
   if args.mode == "print":
     for name in todo:
@@ -520,9 +614,15 @@ def main(argv: list[str] | None = None) -> int:
   if args.dry_run:
     print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run"
           + (f" on GPUs {','.join(gpus)}" if gpus else ""), file=sys.stderr)
+    if no_gpu:
+      print(f"sweep: --mode=gpus: no GPU found on this machine ({no_gpu}); a real run stops "
+            "there. Pass --gpus=0,1,... to see which run starts on which GPU.", file=sys.stderr)
     return 0
 
+  # SIGTERM (a preempted job) and Ctrl-C: the trainings save and stop, the summary says what
+  # to re-run.
   signal.signal(signal.SIGTERM, lambda *_: runner.terminate())
+  signal.signal(signal.SIGINT, lambda *_: runner.terminate())
   statuses: dict[str, str] = {}
   t0 = time.time()
   if args.mode == "sequential":
@@ -553,23 +653,32 @@ def main(argv: list[str] | None = None) -> int:
         t.join(timeout=1.0)  # wake up for signals
 
   # Summary.
-  failed = [n for n, s in statuses.items() if s == "failed"]
-  interrupted = [n for n, s in statuses.items() if s == "interrupted"]
+  by_status: dict[str, list[str]] = {}
+  for name, status in statuses.items():
+    by_status.setdefault(status, []).append(name)
   not_started = [n for n in todo if n not in statuses]
+  counts = ", ".join(f"{len(by_status.get(k, []))} {k}" for k in (
+      "done", "failed", "bad_input", "nonfinite", "locked", "preempted"))
   print(f"\nsweep: {len(runs)} runs in {args.sweep_dir} ({time.time() - t0:.0f} s): "
-        f"{len(runs) - len(todo)} skipped (finished before), "
-        f"{sum(s == 'done' for s in statuses.values())} done, {len(failed)} failed, "
-        f"{len(interrupted) + len(not_started)} interrupted / not started.")
-  for name in failed:
-    rec = manifest.data["runs"][name]
-    print(f"  FAILED {name}: {rec['message']}\n    log: {args.sweep_dir / rec['log']}\n"
-          f"    {last_error_line(args.sweep_dir / rec['log'])}")
-  for name in interrupted:
+        f"{len(runs) - len(todo)} skipped (finished before), {counts}, "
+        f"{len(by_status.get('interrupted', [])) + len(not_started)} interrupted / not started.")
+  for status in NEEDS_FIX:
+    for name in by_status.get(status, []):
+      rec = manifest.data["runs"][name]
+      print(f"  {status.upper()} {name}: {rec['message']}\n"
+            f"    log: {args.sweep_dir / rec['log']}\n"
+            f"    {last_error_line(args.sweep_dir / rec['log'])}")
+  for name in by_status.get("preempted", []):
+    print(f"  PREEMPTED {name}: re-run the same command to resume it from its checkpoint.")
+  for name in by_status.get("interrupted", []):
     print(f"  INTERRUPTED {name}: re-run the same command to resume it.")
   for name in not_started:
     print(f"  NOT STARTED {name}: re-run the same command to run it.")
-  return 1 if failed or interrupted or not_started else 0
-
+  if any(by_status.get(k) for k in NEEDS_FIX):
+    return 1
+  if not_started or any(by_status.get(k) for k in RESUMABLE):
+    return errors.EXIT_PREEMPTED
+  return 0
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -1,7 +1,7 @@
 """One attention layer for every kernel x positional scheme.
 
-``Attention`` projects x to q, k, v, then calls each positional scheme at its hooks (DESIGN.md
-"Attention = kernel x positional scheme") without knowing which scheme it talks to:
+``Attention`` projects x to q, k, v, then calls each positional scheme at its hooks (README
+"Design", "The five hooks") without knowing which scheme it talks to:
 
 1. ``features`` (pre_phi) on q, k;
 2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits_bias`` + the

@@ -1,7 +1,7 @@
 """The contract every positional scheme follows: its hooks, what it sees, how it is built.
 
-A scheme is a Flax linen module that acts at one or more of five places (DESIGN.md,
-"Attention = kernel x positional scheme"). The attention layer and the models call each hook
+A scheme is a Flax linen module that acts at one or more of five places (README,
+"Design"). The attention layer and the models call each hook
 at its place and never look at a scheme's name:
 
 | hook       | method                              | returns                                      |

@@ -10,7 +10,7 @@ RPE), so FastRPB is independent of the kernel: it works with softmax and every f
 
 * 1D: ``w`` ``[2*max_length-1]`` (or ``[heads, ...]`` with ``per_head``), sliced to the
   batch's length, so shorter batches use the offsets -(N-1)..(N-1) of the same table (the
-  reference code padded by max_len-1 and was only right at N == max_len; PEERS.md).
+  reference code padded by max_len-1 and was only right at N == max_len).
 * causal 1D: ``W`` lower triangular (``w_{j-i}`` for j <= i only) by the causal FFT path.
 * 2D (Sec. 3.2.2): ``mode_2d="axial"`` (the paper): ``W2d = X + Y``, a vertical table
   ``[2H-1]`` plus a horizontal table ``[2W-1]`` (``shared_axes=True`` uses one table for both,

@@ -9,7 +9,7 @@ Encoding" (NeurIPS 2021), Eq. 10-13: with a learned table ``b_{j-i}`` and ``c = 
 keys are Toeplitz products over ``m*d + m`` channels, done by FFT in O(N log N)
 (``fastpos.ops.attention.linear_attention(rpe=...)``). With the softmax kernel the same table
 is an exact T5-style logits bias: ``exp(q.k + b_{j-i})`` = ``exp(b_{j-i}) exp(q.k)``, so one
-learned ``b`` serves both paths (DESIGN.md). The attention layer does the kernel-specific part;
+learned ``b`` serves both paths (README, Design). The attention layer does the kernel-specific part;
 this module only owns ``b``.
 
 Parameters: ``b`` ``[heads, 2*max_length-1]`` (1D) or ``[heads, 2H-1, 2W-1]`` (2D, by row and

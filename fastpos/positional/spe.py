@@ -1,8 +1,8 @@
 """``spe``: Stochastic Positional Encoding, sineSPE and convSPE, gated (features, pre_phi).
 
 Liutkus et al., "Relative Positional Encoding for Transformers with Linear Complexity" (ICML
-2021); FastRPB (``/work/shared/papers/fastrpb_sikf.txt``) Eq. (8) and Table 1 use it as a
-baseline. The paper's text is not in ``shared/papers``; the formulation below is derived here
+2021); FastRPB Eq. (8) and Table 1 use it as a
+baseline. The formulation below is derived here
 and pinned by tests (``tests/positional/test_spe.py``).
 
 **Target.** Relative attention with one stationary kernel per feature dimension d:
@@ -87,7 +87,7 @@ noise windows instead of convolving (dense references of the fast paths). Memory
 are ``[Lk, h, d, R]`` per call (0.5 GB in float32 for Lk = 4096, h = 8, d = R = 64), as in the
 authors' code.
 
-Equation numbers: the SPE paper's text is not in ``shared/papers``, so its equation numbers
+Equation numbers: the SPE paper's equation numbers
 are not cited here; the formulas above are derived and each is pinned by a test.
 """
 

@@ -5,7 +5,7 @@ gives its ``TaskInfo`` without reading any data; ``task_config(name)`` is the ta
 ``config.task`` block for experiment files. A new task is a module with a ``Task`` subclass
 listed in ``TASK_MODULES``.
 
-Tasks named in ``PLANNED`` are tracked in the tasks issue and not built yet: their shape is
+Tasks named in ``PLANNED`` are not built yet: their shape is
 known (so configs for them load and build their models) but asking for their data raises.
 """
 
@@ -30,7 +30,7 @@ TASK_MODULES = {
     "pathfinder": "fastpos.tasks.pathfinder:PathfinderTask",
 }
 
-# Tasks of the tasks issue that are not built yet: name -> the shape their data will have
+# Tasks that are not built yet: name -> the shape their data will have
 # (none left).
 PLANNED: dict[str, TaskInfo] = {}
 
@@ -48,7 +48,7 @@ def get_task_class(name: str) -> type[Task]:
   """The Task class registered as ``name``."""
   if name in PLANNED:
     raise NotImplementedError(
-        f"task {name!r} is not built yet (it comes with the tasks issue); built tasks: "
+        f"task {name!r} is not built yet; built tasks: "
         f"{', '.join(TASK_MODULES)}.")
   if name not in TASK_MODULES:
     raise _unknown(name)

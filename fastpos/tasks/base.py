@@ -1,6 +1,6 @@
 """What every task gives the trainer: its ``TaskInfo``, random-access splits and a metric.
 
-A task is data plus a metric; it is not a training loop (DESIGN.md). Each split is a
+A task is data plus a metric; it is not a training loop (README "Design"). Each split is a
 random-access source (``len(source)``, ``source[i]`` -> one example as a dict of numpy arrays)
 that grain reads. Every example of a task has the same fields and fixed shapes:
 

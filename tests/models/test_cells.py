@@ -257,7 +257,7 @@ def test_every_scheme_has_a_compatible_cell_and_the_table_prints(capsys):
 
 
 def test_kernelized_rpe_softmax_equals_linear_with_exact_exponential_features():
-  """One table b, two paths (DESIGN.md): softmax with the logits bias b_{j-i} equals linear
+  """One table b, two paths (README "Design"): softmax with the logits bias b_{j-i} equals linear
   attention weighting keys by exp(b_{j-i}) when phi is an exact exponential feature map.
 
   For one-hot q, k over d symbols, exp(s q.k) = 1 + (e^s - 1) [q == k] = phi(q).phi(k) with

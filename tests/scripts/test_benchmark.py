@@ -1,4 +1,5 @@
-"""Smoke test of scripts/benchmark.py: every mode runs at tiny sizes and writes its outputs.
+"""Smoke test of scripts/benchmark.py: every mode runs at tiny sizes and writes its outputs;
+a run without --out leaves the committed tables in benchmarks/ untouched.
 
 No timing is asserted (timing lives in the benchmark, never in tests); the test checks that
 each mode produces its tables, JSON files with numbers in them, a README section and a
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -31,16 +34,40 @@ TABLES = {"ops": ["toeplitz_matmul", "toeplitz_matmul_2d", "fastrpb_2d_matmul",
           "layer": ["layer_sweep", "layer_cells"], "train_step": ["train_step"]}
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("bench"))
+def _snapshot(folder):
+  """{relative path: bytes} of every file under ``folder``."""
+  out = {}
+  for dirpath, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = f.read()
+  return out
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_mode_runs_and_writes(mode, out_dir, capsys):
-  assert benchmark.main([mode, "--smoke", "--out", out_dir] + MODES[mode]) == 0
+def test_mode_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
+  # ops runs as a user types it, without --out: the output goes to a new temporary folder
+  # (printed) and the committed tables stay as they are. The committed folder is stood in for
+  # by a copy, so a regression cannot touch the real one; the real one is checked too.
+  if mode == "ops":
+    real = _snapshot(benchmark.COMMITTED)
+    assert "README.md" in real
+    committed = tmp_path / "committed"
+    shutil.copytree(benchmark.COMMITTED, committed)
+    monkeypatch.setattr(benchmark, "COMMITTED", str(committed))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.mkdir(tmp_path / "tmp")
+    assert benchmark.main([mode, "--smoke"] + MODES[mode]) == 0
+    assert _snapshot(committed) == real and _snapshot(benchmark.COMMITTED) == real
+    (name,) = os.listdir(tmp_path / "tmp")
+    out_dir = str(tmp_path / "tmp" / name)
+  else:
+    out_dir = str(tmp_path)
+    assert benchmark.main([mode, "--smoke", "--out", out_dir] + MODES[mode]) == 0
   printed = capsys.readouterr().out
   platform = benchmark.jax.devices()[0].platform
+  assert f"output under {os.path.join(out_dir, platform)}" in printed
   for name in TABLES[mode]:
     with open(os.path.join(out_dir, platform, f"{mode}_{name}.json")) as f:
       doc = json.load(f)
@@ -55,6 +82,27 @@ def test_mode_runs_and_writes(mode, out_dir, capsys):
     readme = f.read()
   assert f"<!-- benchmark:{platform}:{mode}:start -->" in readme
   assert f"<!-- benchmark:{platform}:{mode}:end -->" in readme
+
+
+def test_committed_tables_only_on_request(monkeypatch, capsys):
+  monkeypatch.setattr(benchmark, "COMMITTED", "/nonexistent/benchmarks")
+  assert benchmark.parse_args(["ops"]).out == ""  # main() makes a temporary folder
+  assert benchmark.parse_args(["ops", "--update_committed"]).out == "/nonexistent/benchmarks"
+  # Smoke numbers never go into the committed tables, however asked for.
+  for flags in (["--update_committed"], ["--out", "/nonexistent/benchmarks"]):
+    with pytest.raises(SystemExit) as e:
+      benchmark.parse_args(["ops", "--smoke", *flags])
+    assert e.value.code == 2
+    assert "do not go into the committed tables" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_message_before_any_compute(capsys):
+  assert benchmark.main(["ops", "--smoke", "--lengths", "1,x"]) == 2
+  assert capsys.readouterr().err == ("benchmark: --lengths must be comma-separated integers "
+                                     ">= 2; got '1,x'.\n")
+  assert benchmark.main(["train_step", "--smoke", "--train-rows", "Nope"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("benchmark: --train-rows: unknown rows ['Nope']; valid: 'all', 'core'")
 
 
 def test_bad_cell_is_refused():

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -123,6 +124,50 @@ def test_dry_run_plan(tmp_path, capsys):
   assert [os.path.basename(o) for o in steps[0].outputs] == ["pathfinder64", "pathfinder256"]
 
 
+def test_dry_run_alone_plans_every_task(tmp_path):
+  # The README's way to see the plan: no task named. Run as a user would (no traceback).
+  root = tmp_path / "root"
+  proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "download_data.py"), "--dry_run",
+                         "--data_dir", str(root)], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  for task in dd.TASKS:
+    assert task in proc.stdout
+  assert "wikitext-103-v1.zip" in proc.stdout and "lra_release.gz" in proc.stdout
+  assert proc.stderr == "" and not root.exists()
+
+
+def test_no_network_is_one_message_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+  # A closed port on loopback stands for a machine without network: the connection is refused
+  # at once, and no host outside this machine is contacted.
+  url = "http://127.0.0.1:9/wikitext-103-v1.zip"
+  monkeypatch.setitem(dd.RESOURCES, "wikitext103", dataclasses.replace(dd.WIKITEXT, url=url))
+  root = tmp_path / "data" / "root"
+  assert dd.main(["wikitext103", "--data_dir", str(root)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: cannot fetch {url}: ") and err.count("\n") == 1, err
+  assert "refused" in err and "Traceback" not in err
+  assert f"place the file wikitext-103-v1.zip at {root}/downloads/wikitext-103-v1.zip" in err
+  assert "on one that has and copy" in err
+  assert os.listdir(tmp_path) == []  # no empty data root, downloads/ or .part left behind
+  # Folders that were there before stay, even when empty.
+  (root / "downloads").mkdir(parents=True)
+  assert dd.main(["wikitext103", "--data_dir", str(root)]) == 2
+  assert os.listdir(root / "downloads") == []
+
+
+def test_urlopen_failure_names_the_http_status(tmp_path, monkeypatch, capsys):
+  import urllib.error  # pylint: disable=import-outside-toplevel
+
+  def not_found(req, timeout):
+    raise urllib.error.HTTPError(req.full_url, 404, "Not Found", {}, None)
+
+  monkeypatch.setattr(dd.urllib.request, "urlopen", not_found)
+  assert dd.main(["wikitext103", "--data_dir", str(tmp_path / "root")]) == 2
+  err = capsys.readouterr().err
+  assert f"cannot fetch {dd.WIKITEXT.url}: HTTP 404 Not Found." in err
+  assert os.listdir(tmp_path) == []
+
+
 def test_data_dir_defaults_to_the_env_var(tmp_path, monkeypatch):
   monkeypatch.setenv("FASTPOS_DATA_DIR", str(tmp_path / "env"))
   (step,) = dd.plan(["wikitext103"], "")
@@ -219,7 +264,7 @@ def test_resume_extends_the_part_file(tmp_path):
     if len(calls) == 1:
       raise ConnectionError("connection reset")
 
-  with pytest.raises(ConnectionError):
+  with pytest.raises(dd.DownloadError, match=f"The {len(data) // 2} bytes received are kept"):
     dd.run(["listops"], root, resources=resources, fetch=flaky)
   assert os.path.getsize(os.path.join(root, "downloads", "lra_release.gz.part")) == len(data) // 2
   dd.run(["listops"], root, resources=resources, fetch=flaky)
@@ -243,7 +288,10 @@ def test_archive_without_a_needed_folder(tmp_path):
   with pytest.raises(dd.DownloadError, match=r"holds no folder tsv_data; its entries start "
                                              r"with: lra_release/lra_release/listops-1000"):
     dd.run(["lra_retrieval"], root, resources=_resources("file://" + archive, {}))
-  assert not [f for f in os.listdir(os.path.join(root, "lra_release")) if f.startswith(".")]
+  # No staging folder is left, nor the lra_release/ folder the failed run created; the
+  # verified archive stays for the next run.
+  assert os.listdir(root) == ["downloads"]
+  assert os.listdir(os.path.join(root, "downloads")) == ["lra_release.gz"]
 
 
 def test_unsafe_member_is_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/sweep.sh, make_tables.py and plot_positional.py (issue 8).
+"""scripts/sweep.sh, make_tables.py and plot_positional.py.
 
 Fast tests check the pieces in this process: grid parsing and run names, override validation,
 the tables from fixture results (exact numbers, "missing" cells, paper columns, LaTeX) and the
@@ -287,12 +287,13 @@ def swept(tmp_path_factory, env):
   d = tmp_path_factory.mktemp("sweep")
   proc = _sweep(d, GRID, env)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return d, proc
+  # The manifest as this sweep left it: later tests re-run other modes and splits on the same
+  # directory, which rewrite it.
+  return d, proc, json.loads((d / "sweep.json").read_text())
 
 
 def test_sweep_runs_every_combination(swept):
-  d, proc = swept
-  manifest = json.loads((d / "sweep.json").read_text())
+  d, proc, manifest = swept
   assert manifest["config"] == f"{ROOT / CONFIG}"
   assert manifest["grid"] == {"seed": ["0", "1"], "model.positional": [MODEL],
                               "model.kernel": ["elu1"], "num_train_steps": ["2"]}
@@ -312,7 +313,7 @@ def test_sweep_runs_every_combination(swept):
 
 
 def test_rerun_skips_finished_runs(swept, env, tmp_path):
-  d, _ = swept
+  d, _, _ = swept
   stamps = {n: ((d / n / "results_test.json").stat().st_mtime_ns,
                 (d / n / "sweep.log").stat().st_size) for n in NAMES}
   proc = _sweep(d, GRID, env)
@@ -346,7 +347,7 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
 
 
 def test_make_tables_from_the_sweep(swept, capsys):
-  d, _ = swept
+  d, _, _ = swept
   accs = [json.loads((d / n / "results_test.json").read_text())["accuracy"] * 100
           for n in NAMES]
   mean, std = float(np.mean(accs)), float(np.std(accs, ddof=1))
@@ -365,20 +366,20 @@ def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys
   assert proc.returncode == 1
   bad = "model.positional=t5_bias__model.kernel=elu1__num_train_steps=2"
   good = f"model.positional={MODEL}__model.kernel=elu1__num_train_steps=2"
-  assert f"FAILED {bad}: train exited with status 2" in proc.stdout
+  assert f"BAD_INPUT {bad}: train exited with status 2 (bad config" in proc.stdout
   assert f"log: {d / bad / 'sweep.log'}" in proc.stdout
   assert "'t5_bias' adds a bias to the attention logits" in proc.stdout
-  assert "1 done, 1 failed" in proc.stdout
+  assert "1 done, 0 failed, 1 bad_input" in proc.stdout
   assert (d / good / "results_test.json").exists()  # the run after the failure went on
   manifest = json.loads((d / "sweep.json").read_text())
-  assert manifest["runs"][bad]["status"] == "failed"
+  assert manifest["runs"][bad]["status"] == "bad_input"
   assert manifest["runs"][bad]["returncode"] == 2
   assert make_tables.main([str(d)]) == 0
   assert "| elu1 | missing (1 failed) |" in capsys.readouterr().out
 
 
 def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
-  d, _ = swept
+  d, _, _ = swept
   written = plot_positional.plot_workdir(d / NAMES[0], tmp_path, which="best")
   assert sorted(p.name for p in written) == ["fastrpb_1d.png", "kernelized_rpe.png",
                                              "lrpe_theta.png"]
@@ -397,9 +398,131 @@ def test_gpus_mode_runs_one_run_per_device_in_parallel(env, tmp_path):
   d = tmp_path / "gpus"
   proc = _sweep(d, ["model.positional=t5_bias", "model.kernel=elu1", "seed=0,1"], env,
                 "--mode=gpus", "--gpus=3,5")
-  assert proc.returncode == 1 and "0 done, 2 failed" in proc.stdout, proc.stdout
+  assert proc.returncode == 1 and "0 done, 0 failed, 2 bad_input" in proc.stdout, proc.stdout
   runs = json.loads((d / "sweep.json").read_text())["runs"]
   assert sorted(r["gpu"] for r in runs.values()) == ["3", "5"]
-  assert {r["status"] for r in runs.values()} == {"failed"}
+  assert {r["status"] for r in runs.values()} == {"bad_input"}
   for r in runs.values():
     assert "is incompatible" in (d / r["log"]).read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU mode without GPUs, and the trainer's exit codes (no training: a stand-in interpreter)
+# ---------------------------------------------------------------------------------------------
+def _sweep_py(sweep_dir: Path, grid: list[str], *extra: str, path: str = ""):
+  """sweep.py as a user runs it, with ``PATH`` = ``path`` (an empty folder: no nvidia-smi)."""
+  env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+  env["PATH"] = path or env.get("PATH", "")
+  return subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
+       f"--sweep_dir={sweep_dir}", *extra, *grid], cwd=ROOT, capture_output=True, text=True,
+      env=env, timeout=300)
+
+
+def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
+  no_gpu = tmp_path / "bin"  # PATH without nvidia-smi, no CUDA_VISIBLE_DEVICES
+  no_gpu.mkdir()
+  d = tmp_path / "sweep"
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", path=str(no_gpu))
+  assert proc.returncode == 0, proc.stderr
+  assert [l for l in proc.stderr.splitlines() if l.startswith("[plan]")] == [
+      f"[plan] seed={s}: run" for s in range(3)]
+  assert "no GPU found on this machine (nvidia-smi is not installed)" in proc.stderr
+  assert "Traceback" not in proc.stderr and not d.exists()
+  # With the GPUs named, the plan says which run starts where.
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5",
+                   path=str(no_gpu))
+  assert proc.returncode == 0, proc.stderr
+  assert "[plan] seed=0: run on GPU 3" in proc.stderr
+  assert "[plan] seed=1: run on GPU 5" in proc.stderr
+  assert "[plan] seed=2: run queued for the next free GPU" in proc.stderr
+  assert not d.exists()
+  # A real run stops with one message before creating anything.
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", path=str(no_gpu))
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.startswith("sweep: --mode=gpus: no GPU found on this machine "
+                                "(nvidia-smi is not installed).")
+  assert proc.stderr.count("\n") == 1 and "--mode=sequential" in proc.stderr
+  assert not d.exists()
+
+
+FAKE_TRAINER = """#!{python}
+# Stands in for the interpreter: "train.py" / "eval.py" exit with the code given as the seed;
+# code 0 leaves what a finished run leaves (config.json, a last checkpoint, results).
+import json, os, sys
+script, args = os.path.basename(sys.argv[1]), sys.argv[2:]
+workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
+code = int(next(a.split("=", 1)[1] for a in args if a.startswith("--config.seed=")))
+if code == 0 and script == "train.py":
+  manifest = json.load(open(os.path.join(os.path.dirname(workdir), "sweep.json")))
+  config = manifest["runs"][os.path.basename(workdir)]["config"]
+  json.dump(config, open(os.path.join(workdir, "config.json"), "w"))
+  os.makedirs(os.path.join(workdir, "checkpoints", str(config["num_train_steps"])))
+if code == 0 and script == "eval.py":
+  open(os.path.join(workdir, "results_test.json"), "w").write('{{"accuracy": 0.5}}')
+if code == 99:  # a long training: waits for SIGTERM, then "saves" and exits as preempted
+  import signal, time
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+  print("training", flush=True)
+  time.sleep(60)
+print(script, "exits with", code)
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+  path = tmp_path / "fake_python"
+  path.write_text(FAKE_TRAINER.format(python=sys.executable))
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_exit_codes_are_reported_apart(tmp_path, fake_python):
+  from fastpos.train import errors  # pylint: disable=import-outside-toplevel
+  codes = {0: "done", 1: "failed", errors.EXIT_BAD_INPUT: "bad_input",
+           errors.EXIT_NONFINITE: "nonfinite", errors.EXIT_LOCKED: "locked",
+           errors.EXIT_PREEMPTED: "preempted"}
+  d = tmp_path / "sweep"
+  proc = _sweep_py(d, [f"seed={','.join(map(str, codes))}"], f"--python={fake_python}")
+  assert proc.returncode == 1, proc.stdout + proc.stderr  # some runs need a fix
+  assert ("6 runs" in proc.stdout and "1 done, 1 failed, 1 bad_input, 1 nonfinite, 1 locked, "
+          "1 preempted, 0 interrupted / not started." in proc.stdout), proc.stdout
+  runs = json.loads((d / "sweep.json").read_text())["runs"]
+  assert {n: r["status"] for n, r in runs.items()} == {f"seed={c}": s for c, s in codes.items()}
+  assert "FAILED seed=1: train exited with status 1\n" in proc.stdout
+  assert "BAD_INPUT seed=2: train exited with status 2 (bad config" in proc.stdout
+  assert "NONFINITE seed=3: train exited with status 3 (the loss became NaN" in proc.stdout
+  assert "LOCKED seed=4: train exited with status 4 (another trainer holds" in proc.stdout
+  assert "PREEMPTED seed=75: re-run the same command to resume it" in proc.stdout
+  assert "train.py exits with 3" in (d / "seed=3" / "sweep.log").read_text()
+  assert set(make_tables.FAILED) == set(sweep.NEEDS_FIX)  # the tables count them as failed
+  # Only preempted runs left: the sweep itself says "try again" (75), and a re-run resumes
+  # the preempted run (the finished one is skipped).
+  proc = _sweep_py(d, ["seed=0,75"], f"--python={fake_python}")
+  assert proc.returncode == errors.EXIT_PREEMPTED, proc.stdout + proc.stderr
+  assert "[run] seed=75" in proc.stdout and "[run] seed=0" not in proc.stdout
+  assert "1 preempted" in proc.stdout
+
+
+def test_ctrl_c_stops_the_runs_and_says_how_to_resume(tmp_path, fake_python):
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  d = tmp_path / "sweep"
+  env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+  p = subprocess.Popen(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
+       f"--sweep_dir={d}", f"--python={fake_python}", "seed=99,0"], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  log = d / "seed=99" / "sweep.log"
+  deadline = time.time() + 120
+  while not (log.exists() and "training" in log.read_text()) and time.time() < deadline:
+    time.sleep(0.1)
+  p.send_signal(signal.SIGINT)
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 75, out + err  # EXIT_PREEMPTED: re-run to continue
+  assert "Traceback" not in out + err
+  assert "INTERRUPTED seed=99: re-run the same command to resume it." in out
+  assert "NOT STARTED seed=0: re-run the same command to run it." in out
+  runs = json.loads((d / "sweep.json").read_text())["runs"]
+  assert runs["seed=99"]["status"] == "interrupted" and runs["seed=99"]["returncode"] == 75
