@@ -203,6 +203,8 @@ def _flag(key: str, raw: str | None, negated: bool) -> str:
 
 
 def _literal(raw: str) -> Any:
+  if raw.strip() in ("true", "false"):  # absl's spelling of booleans
+    return raw.strip() == "true"
   try:
     return ast.literal_eval(raw)
   except (SyntaxError, ValueError):
@@ -316,6 +318,8 @@ def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bo
     value = _parse_typed(raw, float, where)
   elif isinstance(default, str):
     value = raw
+  elif "bool" in annotation and raw.strip().lower() in _TRUE + _FALSE:  # bool | None
+    value = _parse_bool(raw, where)
   else:  # None or a union with tuples: a Python literal, checked by the scheme when built
     value = _literal(raw)
     if isinstance(value, list):
