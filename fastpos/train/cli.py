@@ -236,7 +236,8 @@ def _parse_typed(raw: str, kind: type, where: str) -> Any:
     try:
       return float(raw)
     except ValueError:
-      raise ConfigError(f"{where}: {raw!r} is not a number (the field is a float).") from None
+      raise ConfigError(f"{where}: could not convert string to float: {raw!r}; the field is "
+                        "a float.") from None
   if kind is str:
     return raw
   if kind is tuple or kind is list:

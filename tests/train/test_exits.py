@@ -333,7 +333,7 @@ def test_nested_option_overrides():
 @pytest.mark.parametrize("key, raw, match", [
     ("model.positional_options.fastrpb.per_head", "sure", "'sure' is not a boolean"),
     ("model.positional_options.lrpe.type", "2.5", "'2.5' is not an integer"),
-    ("model.positional_options.rope.base", "big", "'big' is not a number"),
+    ("model.positional_options.rope.base", "big", "could not convert string to float: 'big'"),
     ("model.positional_options.fastrpb.per_head.x", "1", "goes deeper"),
     ("model.positional_options.fastrpb", "{'per_haed': True}", "has no option 'per_haed'"),
     ("model.positional_options.spe.kind", None, "needs a value"),
