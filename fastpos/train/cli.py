@@ -430,6 +430,8 @@ def message(e: BaseException) -> str:
     where = " -> ".join(repr(os.fspath(p)) for p in (e.filename, e.filename2) if p)
     hint = _OS_HINTS.get(e.errno, "check the path and run again")
     text = f"{e.strerror}{': ' + where if where else ''}; {hint}."
+  elif "No space left on device" in str(e):  # tensorstore's write errors (orbax saves)
+    text = f"{e}; {_OS_HINTS[errno.ENOSPC]}."
   elif isinstance(e, (errors.RunError, FileNotFoundError, flags.Error)) or type(e) in (
       ValueError, NotImplementedError):
     text = str(e) or type(e).__name__
@@ -437,6 +439,55 @@ def message(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
   # One line: a message split over lines (or carrying a nested error) is joined.
   return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class _OneLineBackgroundErrors(py_logging.Filter):
+  """Log records of background threads and of orbax without their traceback: a failed save
+  reaches the main thread as an exception too, and dozens of tracebacks (one per thread and
+  array) would bury that one line."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if record.exc_info and (record.thread != threading.main_thread().ident
+                            or f"{os.sep}orbax{os.sep}" in record.pathname):
+      exc = record.exc_info[1]
+      record.msg = f"{record.getMessage()} ({type(exc).__name__}: {exc})"
+      record.args, record.exc_info, record.exc_text = None, None, None
+    return True
+
+
+_SEEN_BACKGROUND: set[tuple[str, str]] = set()
+
+
+def _log_background(where: str, exc_type, exc) -> None:
+  """One line per distinct background error (an event loop closed under a failed save is
+  reported once per array otherwise)."""
+  key = (exc_type.__name__, str(exc))
+  if key not in _SEEN_BACKGROUND:
+    _SEEN_BACKGROUND.add(key)
+    logging.error("%s: %s: %s", where, exc_type.__name__, exc)
+
+
+def _thread_hook(args) -> None:
+  if args.exc_type is not SystemExit:
+    _log_background(f"background thread {getattr(args.thread, 'name', '?')}", args.exc_type,
+                    args.exc_value)
+
+
+def _unraisable_hook(unraisable) -> None:
+  # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
+  _log_background(unraisable.err_msg or "ignored exception", unraisable.exc_type,
+                  unraisable.exc_value)
+
+
+def _background_errors_in_one_line() -> None:
+  """Errors of background and native threads as one log line each, never a traceback; the
+  main thread's uncaught exceptions (bugs) keep theirs."""
+  threading.excepthook = _thread_hook
+  sys.unraisablehook = _unraisable_hook
+  handlers = [logging.get_absl_handler(), *py_logging.getLogger().handlers]
+  for handler in dict.fromkeys(handlers):
+    if not any(isinstance(f, _OneLineBackgroundErrors) for f in handler.filters):
+      handler.addFilter(_OneLineBackgroundErrors())
 
 
 def _quiet_shutdown() -> None:
@@ -472,6 +523,7 @@ def run(main: Callable[[Argv], int | None], prog: str) -> None:
   error as one line (module docstring); exits with ``main``'s return value."""
 
   def wrapped(argv: Argv) -> int | None:
+    _background_errors_in_one_line()
     try:
       return main(argv)
     except KeyboardInterrupt:

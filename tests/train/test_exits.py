@@ -224,6 +224,30 @@ def test_workdir_not_writable(tmp_path, data_dir):
       parent.chmod(0o700)
 
 
+@pytest.mark.slow
+def test_disk_full(tmp_path, data_dir):
+  # A 600 kB disk: the first checkpoint (about 2 MB with this model) does not fit. Orbax
+  # fails in a dozen threads at once; the run still ends in one line that says so.
+  disk = tmp_path / "small_disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
+      capture_output=True).returncode != 0:
+    pytest.skip("making a small disk needs root and mount (tmpfs)")
+  try:
+    proc = _run("train.py", "--config=configs/synthetic.py:tiny", f"--workdir={disk / 'run'}",
+                "--config.model.embed_dim=128", "--config.model.mlp_dim=512",
+                data_dir=data_dir)
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == errors.EXIT_BAD_INPUT and "Traceback" not in out, out[-4000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("train.py: ") and "No space left on device" in last
+  assert last.endswith("the disk is full: free space there or use a --workdir on another disk.")
+  assert len(proc.stderr.splitlines()) < 40  # a few log lines, not hundreds
+
+
 # ---------------------------------------------------------------------------------------------
 # eval.py
 # ---------------------------------------------------------------------------------------------
