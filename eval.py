@@ -28,7 +28,6 @@ _CHECKPOINT = flags.DEFINE_enum("checkpoint", "best", ["best", "latest"],
 
 
 def main(argv: cli.Argv) -> int:
-  cli.no_extra_args(argv)
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   if not os.path.isdir(workdir):
     what = "is a file" if os.path.exists(workdir) else "does not exist"
@@ -41,6 +40,7 @@ def main(argv: cli.Argv) -> int:
           f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
           "give the workdir of a run, or its config with --config=configs/<experiment>.py.")
   cfg = cli.load_config(spec, argv.overrides)
+  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
   sharding.maybe_initialize_distributed()  # before anything touches the devices
   results = evaluate(cfg, workdir, _SPLIT.value, checkpoint=_CHECKPOINT.value)
   print(json.dumps(results, indent=2))

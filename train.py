@@ -24,9 +24,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and 
 
 
 def main(argv: cli.Argv) -> int:
-  cli.no_extra_args(argv)
   spec = cli.require("config", _CONFIG.value, "--config=configs/listops_generated.py")
   cfg = cli.load_config(spec, argv.overrides)
+  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   cli.check_workdir(workdir)
   sharding.maybe_initialize_distributed()  # before anything touches the devices
