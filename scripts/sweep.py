@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import itertools
 import json
 import os
