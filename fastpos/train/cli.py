@@ -255,19 +255,27 @@ def _parse_typed(raw: str, kind: type, where: str) -> Any:
   return _literal(raw)  # a None field (any type) or a type the config chose itself
 
 
-def _field_error(cfg, key: str, raw: str | None, negated: bool, block: str) -> ConfigError:
-  keys = config_keys(cfg)
-  level = [k for k in keys if k.count(".") == key.count(".")]  # same depth first
-  close = (difflib.get_close_matches(key, level, n=3, cutoff=0.6)
-           or difflib.get_close_matches(key, keys, n=3, cutoff=0.6))
+def _field_error(cfg, key: str, where: str, block: str) -> ConfigError:
+  """``key`` (a dotted path under ``block``) is not in the config."""
   node = cfg
   for part in block.split(".") if block else ():
     node = node[part]
+  last = key.rsplit(".", 1)[-1]
+  prefix = f"{block}." if block else ""
+  # The fields beside it first; else a field of that name elsewhere (model.learning_rate).
+  close = [prefix + k for k in difflib.get_close_matches(last, list(node.keys()), n=3,
+                                                         cutoff=0.6)]
+  if not close:
+    by_name = {}
+    for k in config_keys(cfg):
+      by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    close = [k for n in difflib.get_close_matches(last, list(by_name), n=3, cutoff=0.8)
+             for k in by_name[n]][:3]
   fields = ", ".join(node.keys())
-  where = f"config.{block}" if block else "the config"
+  name = f"config.{block}" if block else "the config"
   mean = f" Did you mean {' or '.join(close)}?" if close else ""
-  return ConfigError(f"{_flag(key, raw, negated)}: {where} has no field "
-                     f"{key.rsplit('.', 1)[-1]!r}.{mean} Fields of {where}: {fields}.")
+  return ConfigError(f"{where}: {name} has no field {key.rsplit('.', 1)[-1]!r}.{mean} "
+                     f"Fields of {name}: {fields}.")
 
 
 def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bool) -> None:
@@ -356,14 +364,14 @@ def apply_override(cfg: ml_collections.ConfigDict, key: str, raw: str | None, *,
   node = cfg
   for i, part in enumerate(parts[:-1]):
     if part not in node:
-      raise _field_error(cfg, ".".join(parts[:i + 1]), raw, negated, ".".join(parts[:i]))
+      raise _field_error(cfg, ".".join(parts[:i + 1]), where, ".".join(parts[:i]))
     node = node[part]
     if not isinstance(node, ml_collections.ConfigDict):
       raise ConfigError(f"{where}: config.{'.'.join(parts[:i + 1])} is a field "
                         f"({type(node).__name__}), not a block of fields.")
   name = parts[-1]
   if name not in node:
-    raise _field_error(cfg, key, raw, negated, ".".join(parts[:-1]))
+    raise _field_error(cfg, key, where, ".".join(parts[:-1]))
   kind = node.get_type(name)
   if raw is None:
     if kind is not bool:
