@@ -1,42 +1,51 @@
-"""Evaluates a trained workdir: ``python eval.py --config=... --workdir=DIR [--split=test]``.
+"""Evaluates a trained workdir: ``python eval.py --workdir=DIR [--split=test]``.
 
-Scores the best checkpoint on validation (``--checkpoint=latest`` for the newest one) and
-writes ``DIR/results_<split>.json``. Only this script reads test splits.
+The config is the one the run saved (``DIR/config.json``) unless ``--config`` names another
+(a ``configs/*.py[:variant]`` file or a ``config.json``); ``--config.<field>=<value>`` overrides
+apply on top. Scores the best checkpoint on validation (``--checkpoint=latest`` for the newest
+one) and writes ``DIR/results_<split>.json``. Only this script reads test splits.
+
+Exit codes as ``train.py``'s: 0 done, 2 bad config, flag, data or workdir (one line on stderr),
+1 an unexpected error (a bug: its traceback is printed).
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import os
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-from fastpos.train import evaluate
-from fastpos.train import sharding
+from fastpos.train import cli, errors, evaluate, sharding
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "the config the workdir was trained "
-                                          "with", lock_config=True)
+_CONFIG = flags.DEFINE_string(
+    "config", None, "the config the workdir was trained with; default: <workdir>/config.json. "
+    "Override fields with --config.<field>=<value>")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py")
 _SPLIT = flags.DEFINE_enum("split", "test", ["test", "validation", "train"], "split to score")
 _CHECKPOINT = flags.DEFINE_enum("checkpoint", "best", ["best", "latest"],
                                 "best on validation, or the newest checkpoint")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv: cli.Argv) -> int:
+  workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+  if not os.path.isdir(workdir):
+    what = "is a file" if os.path.exists(workdir) else "does not exist"
+    raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
+  spec = _CONFIG.value
+  if not spec:
+    spec = os.path.join(workdir, "config.json")
+    if not os.path.isfile(spec):
+      raise errors.RunError(
+          f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
+          "give the workdir of a run, or its config with --config=configs/<experiment>.py.")
+  cfg = cli.load_config(spec, argv.overrides)
+  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
   sharding.maybe_initialize_distributed()  # before anything touches the devices
-  try:
-    results = evaluate(_CONFIG.value, _WORKDIR.value, _SPLIT.value,
-                       checkpoint=_CHECKPOINT.value)
-  except (ValueError, NotImplementedError, FileNotFoundError) as e:  # bad config / workdir
-    print(f"eval.py: {type(e).__name__}: {e}", file=sys.stderr)
-    return 2
+  results = evaluate(cfg, workdir, _SPLIT.value, checkpoint=_CHECKPOINT.value)
   print(json.dumps(results, indent=2))
-  return 0
+  return errors.EXIT_OK
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main))
+  cli.run(main, "eval.py")

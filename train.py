@@ -1,40 +1,43 @@
 """Trains a model: ``python train.py --config=configs/<experiment>.py[:variant] --workdir=DIR``.
 
 Any config field can be overridden on the command line, e.g. ``--config.model.kernel=sikf
---config.num_train_steps=2000``. The run resumes from the newest checkpoint in ``--workdir``.
+--config.num_train_steps=2000``; options of a positional scheme one at a time, e.g.
+``--config.model.positional_options.fastrpb.per_head=True``. The run resumes from the newest
+checkpoint in ``--workdir``.
+
+Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
+line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
+holds the workdir; 75 preempted (SIGTERM / SIGINT: a checkpoint was saved, run the same command
+again to continue); 1 an unexpected error (a bug: its traceback is printed).
 """
 
 from __future__ import annotations
 
-import sys
+from absl import flags, logging
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from fastpos.train import cli, errors, train_and_evaluate, sharding
 
-from fastpos.train import NonFiniteLossError, train_and_evaluate
-from fastpos.train import sharding
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/)",
-                                          lock_config=True)
+_CONFIG = flags.DEFINE_string(
+    "config", None, "experiment config: configs/<experiment>.py[:variant]; override any field "
+    "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv: cli.Argv) -> int:
+  spec = cli.require("config", _CONFIG.value, "--config=configs/listops_generated.py")
+  cfg = cli.load_config(spec, argv.overrides)
+  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
+  workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+  cli.check_workdir(workdir)
   sharding.maybe_initialize_distributed()  # before anything touches the devices
-  try:
-    result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except NonFiniteLossError as e:
-    print(f"train.py: {e}", file=sys.stderr)
-    return 3
-  except (ValueError, NotImplementedError, FileNotFoundError) as e:  # bad config / data
-    print(f"train.py: {type(e).__name__}: {e}", file=sys.stderr)
-    return 2
+  result = train_and_evaluate(cfg, workdir)
+  if result.get("stopped_early"):
+    logging.warning("preempted at step %d; restart to continue (run the same command again).",
+                    result["step"])
+    return errors.EXIT_PREEMPTED
   logging.info("done at step %d; best %s", result["step"], result["best"])
-  return 0
+  return errors.EXIT_OK
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main))
+  cli.run(main, "train.py")

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import itertools
 import json
 import os
@@ -202,15 +201,11 @@ def config_argv(config_path: Path, base_arg: str | None, overrides: dict[str, st
 
 
 def load_config(config_path: Path, arg: str | None, overrides: dict[str, str]):
-  """The ConfigDict train.py would build from these flags (absl + ml_collections)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  argv = ["train.py", *config_argv(config_path, arg, overrides)]
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
-                                           lock_config=True, sys_argv=argv)
-  values(argv)
-  return holder.value
+  """The ConfigDict train.py would build from these flags (``fastpos.train.cli``)."""
+  from fastpos.train import cli  # pylint: disable=import-outside-toplevel
+  arg = merge_arg(arg, {k[4:]: v for k, v in overrides.items() if k.startswith("arg.")})
+  return cli.load_config(config_flag(config_path, arg)[len("--config="):],
+                         [(k, v) for k, v in overrides.items() if not k.startswith("arg.")])
 
 
 def config_keys(cfg, prefix: str = "") -> list[str]:
@@ -226,12 +221,8 @@ def config_keys(cfg, prefix: str = "") -> list[str]:
 
 
 def _nearby(key: str, keys: list[str]) -> list[str]:
-  close = difflib.get_close_matches(key, keys, n=6, cutoff=0.6)
-  parent = key.rsplit(".", 1)[0] if "." in key else ""
-  siblings = [k for k in keys if parent and k.startswith(parent + ".")
-              and k.count(".") == key.count(".")]
-  out = list(dict.fromkeys(close + siblings))
-  return out[:12] or [k for k in keys if "." not in k]
+  from fastpos.train import cli  # pylint: disable=import-outside-toplevel
+  return cli.nearby(key, keys)
 
 
 def _last_line(e: Exception) -> str:
@@ -259,12 +250,12 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
       if any("," in v for v in values):
         raise ValueError(f"grid key {key!r}: a config argument value cannot hold a comma.")
       continue
-    if key not in keys:
+    if key not in keys and not key.startswith("model.positional_options."):  # loader checks
       raise ValueError(
           f"unknown override key {key!r}: {config_path.name}"
           f"{':' + arg if arg else ''} has no field config.{key}. Nearby valid keys: "
           f"{', '.join(_nearby(key, keys))}.")
-    if hasattr(base[key], "keys"):
+    if key in keys and hasattr(base[key], "keys"):
       raise ValueError(f"override key {key!r} is a block of the config, not a field; set its "
                        f"fields ({', '.join(list(base[key].keys())[:8])}).")
   runs: dict[str, tuple[dict[str, str], dict]] = {}

@@ -54,7 +54,11 @@ def model_config() -> ml_collections.ConfigDict:
   # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
   # fastpos.compat` prints which kernels each works with.
   c.positional = "none"
-  # Per-scheme options, by scheme name, e.g. positional_options.fastrpb.per_head = True.
+  # Per-scheme options, by scheme name: {scheme: {option: value}}; a scheme's options are
+  # the fields of its class in fastpos.positional (unset ones keep the class defaults). In a
+  # config file: c.model.positional_options.fastrpb = {"per_head": True}; on the command line
+  # one option at a time: --config.model.positional_options.fastrpb.per_head=True (train.py
+  # creates the scheme's block and checks the option's name and type).
   c.positional_options = ml_collections.ConfigDict()
   c.num_layers = 4
   c.embed_dim = 256  # D, the model width

@@ -456,39 +456,64 @@ def split_seed(seed: int, split: str) -> int:
 # ----------------------------------------------------------------------- TSV files
 
 
+_TSV_FIX = ("The file is damaged or is not an LRA ListOps TSV: re-fetch it (`python "
+            "scripts/download_data.py listops`) or fix that line.")
+
+
+def _bad_row(path: str, line_no: int, what: str) -> ValueError:
+  return ValueError(f"{path}:{line_no}: {what} {_TSV_FIX}")
+
+
+def _tsv_lines(path: str) -> Iterator[tuple[int, str]]:
+  """(line number, text without its line end) of every line; CRLF and LF ends are read
+  alike. A line that is not UTF-8 names the file, the line and the byte."""
+  with open(path, "rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      if raw.endswith(b"\n"):
+        raw = raw[:-1]
+      if raw.endswith(b"\r"):
+        raw = raw[:-1]
+      try:
+        yield line_no, raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise _bad_row(path, line_no, f"not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                       f"{e.start + 1}); the LRA files are ASCII.") from None
+
+
 def _tsv_rows(path: str) -> Iterator[tuple[int, str, int, np.ndarray]]:
   """(line number, source, label, ids) of every row of an LRA ListOps TSV."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise _missing(path)
-  with open(path, encoding="utf-8", newline=None) as f:  # universal newlines: CRLF rows
-    header = f.readline().rstrip("\n").split("\t")
-    if tuple(header) != TSV_HEADER:
-      raise ValueError(f"{path}:1: header {header!r} is not the LRA ListOps header "
-                       f"{'<TAB>'.join(TSV_HEADER)!r}.")
-    for line_no, line in enumerate(f, start=2):
-      line = line.rstrip("\n")
-      cols = line.split("\t")
-      if len(cols) != 2:
-        raise ValueError(f"{path}:{line_no}: expected 2 tab-separated columns (Source, Target), "
-                         f"got {len(cols)}.")
-      source, target = cols
-      if target.strip() not in DIGITS:
-        raise ValueError(f"{path}:{line_no}: label {target!r} is not one of 0..9.")
-      try:
-        ids = encode(source)
-      except ValueError as e:
-        raise ValueError(f"{path}:{line_no}: {e}") from None
-      if ids.size == 0:
-        raise ValueError(f"{path}:{line_no}: empty expression.")
-      counts = np.bincount(ids, minlength=len(VOCAB))
-      n_ops = int(counts[_OP_ID0:_OP_ID0 + len(OPERATORS)].sum())
-      if n_ops != counts[_CLOSE_ID] or counts[_OPEN_PAREN_ID] != counts[_CLOSE_PAREN_ID]:
-        raise ValueError(
-            f"{path}:{line_no}: malformed expression: {n_ops} operators and "
-            f"{counts[_CLOSE_ID]} ']', {counts[_OPEN_PAREN_ID]} '(' and "
-            f"{counts[_CLOSE_PAREN_ID]} ')'.")
-      yield line_no, source, int(target), ids
+  lines = _tsv_lines(path)
+  _, first = next(lines, (1, ""))
+  header = first.split("\t")
+  if tuple(header) != TSV_HEADER:
+    raise _bad_row(path, 1, f"header {header!r} is not the LRA ListOps header "
+                   f"{'<TAB>'.join(TSV_HEADER)!r}.")
+  for line_no, line in lines:
+    cols = line.split("\t")
+    if len(cols) != 2:
+      cut = " (a cut-off row?)" if len(cols) == 1 else ""
+      raise _bad_row(path, line_no, f"expected 2 tab-separated columns (Source, Target), "
+                     f"got {len(cols)}{cut}.")
+    source, target = cols
+    if target.strip() not in DIGITS:
+      raise _bad_row(path, line_no, f"label {target!r} is not one of 0..9.")
+    try:
+      ids = encode(source)
+    except ValueError as e:
+      raise _bad_row(path, line_no, str(e)) from None
+    if ids.size == 0:
+      raise _bad_row(path, line_no, "empty expression.")
+    counts = np.bincount(ids, minlength=len(VOCAB))
+    n_ops = int(counts[_OP_ID0:_OP_ID0 + len(OPERATORS)].sum())
+    if n_ops != counts[_CLOSE_ID] or counts[_OPEN_PAREN_ID] != counts[_CLOSE_PAREN_ID]:
+      raise _bad_row(
+          path, line_no, f"malformed expression: {n_ops} operators and "
+          f"{counts[_CLOSE_ID]} ']', {counts[_OPEN_PAREN_ID]} '(' and "
+          f"{counts[_CLOSE_PAREN_ID]} ')'.")
+    yield line_no, source, int(target), ids
 
 
 def read_tsv(path: str) -> list[tuple[str, int]]:

@@ -110,6 +110,12 @@ def tsv_path(data_dir: str | os.PathLike | None, split: str) -> str:
   return os.path.join(tsv_dir(data_dir), TSV_FILES[split])
 
 
+def _bad_line(path: str, line_no: int, what: str) -> ValueError:
+  return ValueError(f"{path}:{line_no}: {what} The file is damaged or is not an LRA Retrieval "
+                    "TSV: re-fetch it (`python scripts/download_data.py lra_retrieval`) or fix "
+                    "that line.")
+
+
 def read_tsv(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str, bytes, bytes]]:
   """(line number, label, id1, id2, text1, text2) of every line of an AAN pairs TSV.
 
@@ -126,15 +132,15 @@ def read_tsv(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str, byte
       if line.endswith(b"\r"):
         line = line[:-1]
       if not line:
-        raise ValueError(f"{path}:{line_no}: empty line (expected 5 tab-separated columns "
-                         f"{', '.join(COLUMNS)}).")
+        raise _bad_line(path, line_no, "empty line (expected 5 tab-separated columns "
+                       f"{', '.join(COLUMNS)}).")
       cols = line.split(b"\t")
       if len(cols) != len(COLUMNS):
-        raise ValueError(f"{path}:{line_no}: expected {len(COLUMNS)} tab-separated columns "
-                         f"({', '.join(COLUMNS)}), got {len(cols)}.")
+        raise _bad_line(path, line_no, f"expected {len(COLUMNS)} tab-separated columns "
+                       f"({', '.join(COLUMNS)}), got {len(cols)}.")
       label = _LABELS.get(cols[0].strip())
       if label is None:
-        raise ValueError(f"{path}:{line_no}: label {cols[0][:20]!r} is not 0 or 1.")
+        raise _bad_line(path, line_no, f"label {cols[0][:20]!r} is not 0 or 1.")
       yield (line_no, label, cols[1].decode("utf-8", "replace"),
              cols[2].decode("utf-8", "replace"), cols[3], cols[4])
 

@@ -254,8 +254,12 @@ class Corpus:
       if not os.path.exists(vocab_file):
         self._build_train(vocab_file, self._cache_file("train", key, "npy"))
       else:
-        with open(vocab_file, encoding="utf-8") as f:
-          record = json.load(f)
+        try:
+          with open(vocab_file, encoding="utf-8") as f:
+            record = json.load(f)
+        except ValueError as e:  # bad JSON or not UTF-8: a damaged cache file
+          raise ValueError(f"WikiText-103 cache file {vocab_file!r} is damaged ({e}); delete "
+                           "it to rebuild.") from None
         if record.get("key") != key or len(record.get("words", ())) != self.vocab_size:
           raise ValueError(f"WikiText-103 cache file {vocab_file!r} does not hold the "
                            f"vocabulary of {key}; delete it to rebuild.")
