@@ -48,8 +48,8 @@ class KernelSpec:
   """The similarity: ``name`` (a kernel of ``fastpos.ops.features.KERNELS``) and its options.
 
   The fields are every kernel's options (``fastpos.ops.features.OPTION_DEFAULTS``); each kernel
-  reads those its registry entry lists
-  (``Kernel.options``), so one model config can switch kernels without editing its options.
+  reads those its registry entry lists (``Kernel.options``), so one model config can switch
+  kernels without editing its options.
 
   Attributes:
     num_features: m for the random maps (favor, prf, trf, nprf, orf).
