@@ -18,14 +18,13 @@ from typing import Mapping, Sequence
 from fastpos import positional
 from fastpos.ops import features
 
-KERNELS = ("softmax",) + features.FEATURE_MAPS
+KERNELS = features.KERNELS
 
 
 def kernel_info(kernel: str) -> positional.KernelInfo:
-  if kernel not in KERNELS:
-    raise ValueError(f"unknown kernel {kernel!r}; valid choices: {', '.join(KERNELS)}.")
-  nonneg = True if kernel == "softmax" else features.is_nonnegative(kernel)
-  return positional.KernelInfo(kernel, nonnegative=nonneg)
+  """What a scheme may know of ``kernel``, read from its registry entry."""
+  entry = features.get_kernel(kernel)
+  return positional.KernelInfo(entry.name, nonnegative=entry.nonnegative)
 
 
 def problem(kernel: str, scheme: str, *, causal: bool = False, two_d: bool = False,

@@ -40,15 +40,16 @@ from fastpos.ops import features as feature_ops
 from fastpos.ops import toeplitz
 from fastpos.ops.masks import check_mask
 
-# Random-feature maps estimate the softmax kernel exp(q.k): q and k are scaled by d^-1/4 so
-# that they estimate exp(q.k / sqrt(d)) as softmax attention does.
-_SOFTMAX_ESTIMATORS = ("favor", "prf", "trf", "orf")
-_KERNEL_OPTIONS = ("num_features", "nu", "eps", "redraw", "seed")
+_OPTIONS = feature_ops.OPTION_DEFAULTS
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
-  """The similarity: ``name`` ("softmax" or a feature map) and the feature map's options.
+  """The similarity: ``name`` (a kernel of ``fastpos.ops.features.KERNELS``) and its options.
+
+  The fields are every kernel's options (``fastpos.ops.features.OPTION_DEFAULTS``); each kernel
+  reads those its registry entry lists (``Kernel.options``), so one model config can switch
+  kernels without editing its options.
 
   Attributes:
     num_features: m for the random maps (favor, prf, trf, nprf, orf).
@@ -59,34 +60,47 @@ class KernelSpec:
     seed: seed of the fixed projection.
   """
   name: str = "softmax"
-  num_features: int = 64
-  nu: int = 1
-  eps: float = 1e-6
-  redraw: bool = False
-  seed: int = 0
+  num_features: int = _OPTIONS["num_features"]
+  nu: int = _OPTIONS["nu"]
+  eps: float = _OPTIONS["eps"]
+  redraw: bool = _OPTIONS["redraw"]
+  seed: int = _OPTIONS["seed"]
 
   def __post_init__(self):
-    compat.kernel_info(self.name)  # validates the name
+    feature_ops.get_kernel(self.name)  # validates the name
 
   @classmethod
   def from_config(cls, name: str, options: Mapping | None = None) -> "KernelSpec":
+    """Validates ``options`` (``model.kernel_options``) against the entry of kernel ``name``.
+
+    An option no kernel takes is an error naming the kernel and its options. Options of other
+    kernels are allowed (the shared ``kernel_options`` block holds them all) and unused.
+    """
+    kernel = feature_ops.get_kernel(name)
     options = dict(options or {})
     for key in options:
-      if key not in _KERNEL_OPTIONS:
-        raise ValueError(f"unknown kernel option {key!r}; valid options: "
-                         f"{', '.join(_KERNEL_OPTIONS)}.")
+      if key not in _OPTIONS:
+        own = ", ".join(f"{k}={v!r}" for k, v in kernel.defaults.items()) or "(none)"
+        others = ", ".join(o for o in _OPTIONS if o not in kernel.options)
+        raise ValueError(
+            f"unknown kernel option {key!r} for kernel {name!r}; {name!r} takes: {own}"
+            + (f" (kernel_options may also hold other kernels' options, unused by {name!r}: "
+               f"{others})." if others else "."))
     return cls(name=name, **options)
 
   @property
+  def kernel(self) -> feature_ops.Kernel:
+    """The registry entry of ``name``."""
+    return feature_ops.get_kernel(self.name)
+
+  @property
   def is_softmax(self) -> bool:
-    return self.name == "softmax"
+    return self.kernel.is_softmax
 
   def info(self) -> positional.KernelInfo:
     return compat.kernel_info(self.name)
 
   def feature_dim(self, dim: int) -> int:
-    if self.is_softmax:
-      return dim
     return feature_ops.feature_dim(self.name, dim, num_features=self.num_features, nu=self.nu)
 
 
@@ -285,14 +299,14 @@ class Attention(nn.Module):
     dim = q.shape[-1]
     state = jnp.promote_types(q.dtype, jnp.float32)  # feature maps: float32 at least
     q, k = q.astype(state), k.astype(state)
-    if spec.name in _SOFTMAX_ESTIMATORS:
+    if spec.kernel.estimates_softmax:  # phi(q).phi(k) ~ exp(q.k / sqrt(d)), as softmax
       q, k = q * dim ** -0.25, k * dim ** -0.25
     if mask is not None:
       # Zero padded rows before phi: exp of garbage could overflow and poison gradients.
       q = jnp.where(mask[:, :, None, None], q, 0)
       k = jnp.where(mask[:, :, None, None], k, 0)
     projection = None
-    if feature_ops.needs_projection(spec.name):
+    if spec.kernel.needs_projection:
       if spec.redraw and not deterministic:
         key = self.make_rng("features")
       else:

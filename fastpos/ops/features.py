@@ -20,6 +20,10 @@ Conventions:
     exp-features under- and overflow bf16 and are summed over the whole sequence.
   * ``sikf`` and ``favor`` subtract a stabilising max that cancels between the numerator and the
     denominator of attention (see ``_stabilizer``); the other maps are plain formulas.
+  * ``get_kernel(name)`` is the registry: one ``Kernel`` record per kernel (``softmax``
+    included) with its map, projection, softmax scaling, sign, output size and options.
+    ``feature_map`` / ``make_projection`` / ``feature_dim`` / ``needs_projection`` /
+    ``is_nonnegative`` read it; so do the attention layer and the kernel x scheme checks.
   * Every check runs on static shapes before any compute and raises ``ValueError``. The maps
     and projections are jitted (flags and sizes static), so eager calls compile once per shape
     and calls inside a caller's jit inline.
@@ -27,27 +31,21 @@ Conventions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
+import types
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from fastpos.ops.masks import check_mask
 
-FEATURE_MAPS = ("elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
-_RANDOM_MAPS = ("favor", "prf", "trf", "nprf", "orf")
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation and dtype helpers (static shapes only)
 # ---------------------------------------------------------------------------------------------
-def _check_name(name) -> None:
-  if name not in FEATURE_MAPS:
-    raise ValueError(f"Unknown feature map {name!r}; valid choices: {', '.join(FEATURE_MAPS)}.")
-
-
 def _check_x(x) -> None:
   if jnp.ndim(x) != 4:
     raise ValueError(f"x must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(x)}.")
@@ -289,8 +287,109 @@ def nprf(x, projection, *, eps: float = 1e-6):
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry
+# Registry: one record per kernel, read by everything that needs a fact about a kernel
 # ---------------------------------------------------------------------------------------------
+# Every option a kernel can take, with its default (``KernelSpec`` in ``fastpos.models`` takes
+# its defaults from here).
+OPTION_DEFAULTS = types.MappingProxyType(
+    {"num_features": 64, "nu": 1, "eps": 1e-6, "redraw": False, "seed": 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """The facts about one attention kernel.
+
+  Attributes:
+    name: the config name (``model.kernel``).
+    phi: ``phi(x, projection, is_query, mask, nu) -> [b, l, h, m]``, the feature map; None for
+      ``softmax``, which is computed from materialised scores instead.
+    projection: how the random projection is drawn (``gaussian_projection`` or
+      ``orthogonal_projection``, called as ``(key, num_features, dim, dtype=)``); None for the
+      deterministic maps.
+    estimates_softmax: phi(q).phi(k) estimates exp(q.k), so the attention layer scales q and k
+      by d^-1/4 before phi to estimate softmax's exp(q.k / sqrt(d)).
+    nonnegative: phi(x) >= 0 always (what causal kernelized RPE and PermuteFormer need).
+    out_dim: ``out_dim(dim, num_features, nu) -> m``, the size of phi(x) for inputs of size dim.
+    options: the names of ``OPTION_DEFAULTS`` this kernel reads.
+  """
+  name: str
+  phi: Callable | None
+  out_dim: Callable[[int, int | None, int], int]
+  options: tuple[str, ...]
+  projection: Callable | None = None
+  estimates_softmax: bool = False
+  nonnegative: bool = True
+
+  @property
+  def is_softmax(self) -> bool:
+    return self.phi is None
+
+  @property
+  def needs_projection(self) -> bool:
+    return self.projection is not None
+
+  @property
+  def defaults(self) -> dict:
+    """The options this kernel reads, with their defaults."""
+    return {o: OPTION_DEFAULTS[o] for o in self.options}
+
+
+def _same(dim, num_features, nu):
+  return dim
+
+
+def _per_feature(dim, num_features, nu):
+  return num_features
+
+
+_RANDOM_OPTIONS = ("num_features", "eps", "redraw", "seed")
+
+# Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
+# (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one.
+_REGISTRY = {k.name: k for k in (
+    Kernel("softmax", phi=None, out_dim=_same, options=()),
+    Kernel("elu1", phi=lambda x, w, is_query, mask, nu: elu1(x), out_dim=_same,
+           options=("eps",)),
+    Kernel("relu", phi=lambda x, w, is_query, mask, nu: relu(x), out_dim=_same,
+           options=("eps",)),
+    Kernel("sikf", phi=lambda x, w, is_query, mask, nu: sikf(x, is_query=is_query, mask=mask),
+           out_dim=_same, options=("eps",)),
+    Kernel("dpfp", phi=lambda x, w, is_query, mask, nu: dpfp(x, nu=nu),
+           out_dim=lambda dim, num_features, nu: 2 * dim * nu, options=("nu", "eps")),
+    Kernel("favor",
+           phi=lambda x, w, is_query, mask, nu: favor(x, w, is_query=is_query, mask=mask),
+           out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=gaussian_projection,
+           estimates_softmax=True),
+    Kernel("prf", phi=lambda x, w, is_query, mask, nu: prf(x, w), out_dim=_per_feature,
+           options=_RANDOM_OPTIONS, projection=gaussian_projection, estimates_softmax=True),
+    Kernel("trf", phi=lambda x, w, is_query, mask, nu: trf(x, w),
+           out_dim=lambda dim, num_features, nu: 2 * num_features, options=_RANDOM_OPTIONS,
+           projection=gaussian_projection, estimates_softmax=True, nonnegative=False),
+    # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
+    Kernel("nprf", phi=lambda x, w, is_query, mask, nu: nprf(x, w), out_dim=_per_feature,
+           options=_RANDOM_OPTIONS, projection=gaussian_projection),
+    Kernel("orf",
+           phi=lambda x, w, is_query, mask, nu: favor(x, w, is_query=is_query, mask=mask),
+           out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=orthogonal_projection,
+           estimates_softmax=True),
+)}
+KERNELS = tuple(_REGISTRY)
+FEATURE_MAPS = tuple(n for n, k in _REGISTRY.items() if not k.is_softmax)
+
+
+def get_kernel(name: str) -> Kernel:
+  """The registry entry of ``name`` (``"softmax"`` or a feature map)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown kernel {name!r}; valid choices: {', '.join(KERNELS)}.")
+  return _REGISTRY[name]
+
+
+def _feature_kernel(name: str) -> Kernel:
+  if name not in FEATURE_MAPS:
+    raise ValueError(f"Unknown feature map {name!r}; valid choices: {', '.join(FEATURE_MAPS)}.")
+  return _REGISTRY[name]
+
+
 def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=None,
                 nu: int = 1):
   """Applies the feature map ``name`` (one of ``FEATURE_MAPS``) to ``x [b, l, h, d]``.
@@ -299,58 +398,44 @@ def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=N
   by the deterministic ones; ``is_query`` and ``mask`` matter for the stabilised maps
   (``sikf``, ``favor``, ``orf``); ``nu`` for ``dpfp``. Returns ``[b, l, h, feature_dim(...)]``.
   """
-  _check_name(name)
+  kernel = _feature_kernel(name)
   _check_x(x)
-  if name in _RANDOM_MAPS:
+  if kernel.needs_projection:
     _check_projection(projection, x, name)
   elif projection is not None:
     raise ValueError(f"feature map {name!r} is deterministic and takes no projection; got one "
                      f"of shape {jnp.shape(projection)}.")
-  if name == "elu1":
-    return elu1(x)
-  if name == "relu":
-    return relu(x)
-  if name == "sikf":
-    return sikf(x, is_query=is_query, mask=mask)
-  if name == "dpfp":
-    return dpfp(x, nu=nu)
-  if name in ("favor", "orf"):
-    return favor(x, projection, is_query=is_query, mask=mask)
-  return {"prf": prf, "trf": trf, "nprf": nprf}[name](x, projection)
+  return kernel.phi(x, projection, is_query, mask, nu)
 
 
 def make_projection(name: str, key, num_features: int, dim: int, *, dtype=jnp.float32):
-  """The projection ``name`` needs: None (deterministic maps), ``[num_features, dim]`` Gaussian
-  (favor, prf, trf, nprf) or orthogonal (orf)."""
-  _check_name(name)
-  if name not in _RANDOM_MAPS:
+  """The projection kernel ``name`` needs: None (softmax, deterministic maps) or its
+  ``[num_features, dim]`` draw (Gaussian for favor, prf, trf, nprf; orthogonal for orf)."""
+  kernel = get_kernel(name)
+  if not kernel.needs_projection:
     return None
-  make = orthogonal_projection if name == "orf" else gaussian_projection
-  return make(key, num_features, dim, dtype=dtype)
+  return kernel.projection(key, num_features, dim, dtype=dtype)
 
 
 def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int = 1) -> int:
-  """m, the size of phi(x) for inputs of size ``dim``: dim (elu1, relu, sikf), 2 dim nu (dpfp),
-  num_features (favor, prf, nprf, orf) or 2 num_features (trf)."""
-  _check_name(name)
-  if name == "dpfp":
+  """m, the size of phi(x) for inputs of size ``dim`` (``Kernel.out_dim``): dim (softmax, elu1,
+  relu, sikf), 2 dim nu (dpfp), num_features (favor, prf, nprf, orf) or 2 num_features (trf)."""
+  kernel = get_kernel(name)
+  if "nu" in kernel.options:
     _check_nu(nu, dim)
-    return 2 * dim * nu
-  if name not in _RANDOM_MAPS:
-    return dim
-  if num_features is None:
-    raise ValueError(f"feature map {name!r} is random; feature_dim needs num_features, got None.")
-  _check_sizes(num_features, dim)
-  return 2 * num_features if name == "trf" else num_features
+  if kernel.needs_projection:
+    if num_features is None:
+      raise ValueError(f"feature map {name!r} is random; feature_dim needs num_features, got "
+                       "None.")
+    _check_sizes(num_features, dim)
+  return kernel.out_dim(dim, num_features, nu)
 
 
 def needs_projection(name: str) -> bool:
   """Whether ``name`` is a random-feature map that needs a projection (``make_projection``)."""
-  _check_name(name)
-  return name in _RANDOM_MAPS
+  return get_kernel(name).needs_projection
 
 
 def is_nonnegative(name: str) -> bool:
-  """Whether phi(x) >= 0 always: True for every map but ``trf`` (sin / cos features)."""
-  _check_name(name)
-  return name != "trf"
+  """Whether phi(x) >= 0 always: True for every kernel but ``trf`` (sin / cos features)."""
+  return get_kernel(name).nonnegative

@@ -43,10 +43,13 @@ def test_shape_and_dtype(name, dtype):
 
 
 def test_feature_dim_and_nonnegative_registry():
-  dims = {n: F.feature_dim(n, 4, num_features=7, nu=3) for n in F.FEATURE_MAPS}
-  assert dims == {"elu1": 4, "relu": 4, "sikf": 4, "dpfp": 24, "favor": 7, "prf": 7,
-                  "trf": 14, "nprf": 7, "orf": 7}
-  assert [n for n in F.FEATURE_MAPS if not F.is_nonnegative(n)] == ["trf"]
+  expected = {"softmax": 4, "elu1": 4, "relu": 4, "sikf": 4, "dpfp": 24, "favor": 7, "prf": 7,
+              "trf": 14, "nprf": 7, "orf": 7}
+  assert {n: F.feature_dim(n, 4, num_features=7, nu=3) for n in expected} == expected
+  assert [n for n in expected if not F.is_nonnegative(n)] == ["trf"]
+  assert [n for n in expected if F.needs_projection(n)] == list(RANDOM)
+  assert [n for n in expected if F.get_kernel(n).estimates_softmax] == ["favor", "prf", "trf",
+                                                                       "orf"]
 
 
 @pytest.mark.parametrize("name", RANDOM)
@@ -140,6 +143,40 @@ def test_formula_matches_numpy(name):
   mask[1, 3:] = False
   out = np.asarray(_CALLS[name](jnp.asarray(x), jnp.asarray(w), jnp.asarray(mask)))
   ref = _reference(name, x, w, mask)
+  assert out.dtype == np.float64 and out.shape == ref.shape
+  if name == "trf":  # sin can be ~0, so the error is measured against the largest feature
+    assert np.max(np.abs(out - ref)) <= 1e-12 * np.max(np.abs(ref))
+  else:
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=0)
+
+
+# The dense (numpy) check of every feature map in the registry, by kernel name:
+# ``(x, w, mask, is_query, nu) -> phi(x)``. A new kernel needs its entry here
+# (tests/ops/test_kernel_registry.py fails without one); orf is favor fed an orthogonal draw.
+_NUMPY = {
+    "elu1": lambda x, w, mask, q, nu: _reference("elu1", x, w, mask),
+    "relu": lambda x, w, mask, q, nu: _reference("relu", x, w, mask),
+    "sikf": lambda x, w, mask, q, nu: _reference("sikf_q" if q else "sikf_k", x, w, mask),
+    "dpfp": lambda x, w, mask, q, nu: _np_dpfp(x, nu),
+    "favor": lambda x, w, mask, q, nu: _reference("favor_q" if q else "favor_k", x, w, mask),
+    "prf": lambda x, w, mask, q, nu: _reference("prf", x, w, mask),
+    "trf": lambda x, w, mask, q, nu: _reference("trf", x, w, mask),
+    "nprf": lambda x, w, mask, q, nu: _reference("nprf", x, w, mask),
+    "orf": lambda x, w, mask, q, nu: _reference("favor_q" if q else "favor_k", x, w, mask),
+}
+
+
+@pytest.mark.parametrize("name", F.FEATURE_MAPS)
+@pytest.mark.parametrize("is_query", [True, False])
+def test_registered_map_matches_numpy(name, is_query):
+  # Through the registry (feature_map, with the projection the entry draws), float64.
+  x = _x(4)
+  mask = np.ones((B, L), bool)
+  mask[1, 3:] = False
+  w = F.make_projection(name, _key(5), M, D, dtype=jnp.float64)
+  out = np.asarray(F.feature_map(name, jnp.asarray(x), projection=w, is_query=is_query,
+                                 mask=jnp.asarray(mask), nu=3))
+  ref = _NUMPY[name](x, None if w is None else np.asarray(w), mask, is_query, 3)
   assert out.dtype == np.float64 and out.shape == ref.shape
   if name == "trf":  # sin can be ~0, so the error is measured against the largest feature
     assert np.max(np.abs(out - ref)) <= 1e-12 * np.max(np.abs(ref))
