@@ -28,9 +28,12 @@ reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging as std_logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,6 +91,35 @@ def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, 
       enable_async_checkpointing=async_save and not read_only,
       cleanup_tmp_directories=not read_only)
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+@contextlib.contextmanager
+def quiet_closed_event_loop():
+  """Drops the "Event loop is closed" RuntimeError that tensorstore's callbacks report (as an
+  unraisable exception, with a traceback) after a failed read or write, and asyncio's logs of
+  abandoned reads; the failure itself is raised where it happened. Other unraisable
+  exceptions go to the previous hook."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            "Event loop is closed" in str(unraisable.exc_value)):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  asyncio_logger = std_logging.getLogger("asyncio")
+  asyncio_logger.addFilter(_drop_never_retrieved)
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+    asyncio_logger.removeFilter(_drop_never_retrieved)
+
+
+def _drop_never_retrieved(record: std_logging.LogRecord) -> bool:
+  # A failed read makes orbax abandon its sibling reads; asyncio then logs each one's error
+  # with a traceback. The first error is raised (and reported) where the read was asked for.
+  return "exception was never retrieved" not in str(record.msg)
 
 
 def _reason(exc: BaseException) -> str:
@@ -190,6 +222,10 @@ class Checkpoints:
     ``(training data iterator, whether to restore its position from the checkpoint)``.
     Raises CheckpointLoadError listing every checkpoint when none loads.
     """
+    with quiet_closed_event_loop():
+      return self._restore_newest(abstract_state, which, check, data_iter_for)
+
+  def _restore_newest(self, abstract_state, which, check, data_iter_for):
     manager = self._manager_of(which)
     steps = self.steps(which)
     failed = []
@@ -214,7 +250,8 @@ class Checkpoints:
         state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
         jax.block_until_ready(state)
       except Exception as e:  # pylint: disable=broad-except
-        if self._loads_as_saved(manager, step):  # intact, but not the state of this config
+        # Intact, but not the state of this config?
+        if self._loads_as_saved(manager, step, data_iter if restore_position else None):
           raise RunError(
               f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
               "was a setting that shapes the optimizer state or the model's variables "
@@ -233,10 +270,14 @@ class Checkpoints:
     return None
 
   @staticmethod
-  def _loads_as_saved(manager: ocp.CheckpointManager, step: int) -> bool:
-    """Whether a step's state loads as saved (no target), i.e. is not damaged."""
+  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, data_iter) -> bool:
+    """Whether a step's state loads as saved (no target; and the data position), i.e. the
+    checkpoint is not damaged."""
+    args = {"state": ocp.args.StandardRestore()}
+    if data_iter is not None:
+      args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
-      raw = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+      raw = manager.restore(step, args=ocp.args.Composite(**args))
       jax.block_until_ready(raw["state"])
       return True
     except Exception:  # pylint: disable=broad-except

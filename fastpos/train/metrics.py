@@ -47,7 +47,7 @@ def summarize(metrics: Mapping[str, Any], *, perplexity: bool = False) -> dict[s
 
 # Orbax logs an error of a background save thread with its traceback, once per thread, and
 # then raises it in the main thread, where the trainer turns it into one message.
-_REPORTED_AGAIN = ("raised an exception", "Failed to run", "thread (save_finalize) failed")
+_REPORTED_AGAIN = ("raised an exception", "Failed to run", "Save Finalize thread")
 
 
 class _LibraryInfoFilter(std_logging.Filter):
@@ -61,7 +61,7 @@ class _LibraryInfoFilter(std_logging.Filter):
     if record.levelno < std_logging.WARNING or "Given directory is read only" in str(record.msg):
       return False  # the trainer opens checkpoints read-only on purpose
     return not ("/orbax/" in path and record.levelno >= std_logging.ERROR and
-                any(s in str(record.msg) for s in _REPORTED_AGAIN))
+                any(s in record.getMessage() for s in _REPORTED_AGAIN))
 
 
 _FILTER = _LibraryInfoFilter()

@@ -58,7 +58,8 @@ from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, check_compatible, config_meta
+from fastpos.train.checkpoint import (CheckpointLoadError, Checkpoints, check_compatible,
+                                      config_meta, quiet_closed_event_loop)
 from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
 from fastpos.train.steps import make_eval_step, make_train_step
@@ -406,9 +407,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       state = run.init_state()
     step = int(jax.device_get(state.step))
     writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
-    result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
-                         train_src, data_start, data_start_step, best_value)
-    ckpts.wait()  # a failed background save raises here
+    with quiet_closed_event_loop():  # after a failed save (a full disk)
+      result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
+                           train_src, data_start, data_start_step, best_value)
+      ckpts.wait()  # a failed background save raises here
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
