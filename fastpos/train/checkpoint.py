@@ -3,29 +3,53 @@
 Layout::
 
   <workdir>/checkpoints/<step>/{state, data, meta}   every checkpoint_every_steps, at each
-                                                     evaluation, at the end and on SIGTERM;
-                                                     the last config.keep_checkpoints kept
+                                                     evaluation, at the end and on SIGTERM /
+                                                     SIGINT; the last config.keep_checkpoints kept
   <workdir>/best/<step>/{state, meta}                 the best by the validation metric
 
 ``state`` is the ``TrainState`` (step, params, optimizer state, other collections); ``data`` the
 grain iterator position (one JSON file per process); ``meta`` a JSON record: step, the
-training RNG key, the model and task config blocks (a resumed run must match them) and, in
+training RNG key, the model and task config blocks (a resumed run must match them), the data
+position in examples (``data``: see ``fastpos.train.data``), the training metrics of the
+current log window (so that a resumed run logs the rows of an uninterrupted one) and, in
 best/, the validation metrics. Orbax writes each step into a temporary folder and renames it
 when complete, so a crash mid-save leaves the previous checkpoint as the newest usable one.
+
+A checkpoint that does not load (damaged files) is reported with its path and the reason, and
+the next older one is used; a training run moves the damaged one aside, to
+``<step>.corrupt`` next to it, where orbax no longer sees it (``evaluate`` changes nothing).
+
+Nothing is created by ``Checkpoints(...)``: reading uses read-only managers, and the writing
+ones (which create the folders and delete orbax's leftover temporary folders) come from
+``open_for_writing()``, which the trainer calls once it holds the workdir's lock. Errors of
+the file system while saving (a full disk) become a ``RunError`` naming the folder and the
+reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging as std_logging
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from absl import logging
 
 from fastpos.models.config import TaskInfo
+from fastpos.train.errors import RunError
+from fastpos.train.workdir import os_error_reason
+
+
+class CheckpointLoadError(RunError):
+  """No checkpoint of a workdir loads; the message lists each one and why."""
 
 
 def _normalize(block: Any) -> Any:
@@ -41,6 +65,21 @@ def config_meta(cfg: ml_collections.ConfigDict, info: TaskInfo) -> dict[str, Any
           "task": _normalize({"name": cfg.task.name, **dataclasses.asdict(info)})}
 
 
+def check_compatible(meta: dict[str, Any], cfg: ml_collections.ConfigDict, info: TaskInfo,
+                     where: Path) -> None:
+  """Stops when a checkpoint (its ``meta``) belongs to a different model or task."""
+  want = config_meta(cfg, info)
+  for block in ("model", "task"):
+    saved, now = meta["config"][block], want[block]
+    if saved != now:
+      diffs = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+      detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
+      raise ValueError(
+          f"{where} holds a checkpoint (step {meta['step']}) of a different "
+          f"{block} (config.{block} differs in {detail}). Use a new --workdir, or the config "
+          f"that made it (its config.json).")
+
+
 def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, ...],
              read_only: bool = False) -> ocp.CheckpointManager:
   handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
@@ -49,8 +88,46 @@ def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, 
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
       save_interval_steps=0 if read_only else 1,
-      enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only)
+      enable_async_checkpointing=async_save and not read_only,
+      cleanup_tmp_directories=not read_only)
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+@contextlib.contextmanager
+def quiet_closed_event_loop():
+  """Drops the "Event loop is closed" RuntimeError that tensorstore's callbacks report (as an
+  unraisable exception, with a traceback) after a failed read or write, and asyncio's logs of
+  abandoned reads; the failure itself is raised where it happened. Other unraisable
+  exceptions go to the previous hook."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            "Event loop is closed" in str(unraisable.exc_value)):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  asyncio_logger = std_logging.getLogger("asyncio")
+  asyncio_logger.addFilter(_drop_never_retrieved)
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+    asyncio_logger.removeFilter(_drop_never_retrieved)
+
+
+def _drop_never_retrieved(record: std_logging.LogRecord) -> bool:
+  # A failed read makes orbax abandon its sibling reads; asyncio then logs each one's error
+  # with a traceback. The first error is raised (and reported) where the read was asked for.
+  return "exception was never retrieved" not in str(record.msg)
+
+
+def _reason(exc: BaseException) -> str:
+  """One line on why a checkpoint did not load."""
+  text = " ".join(str(exc).split())
+  if len(text) > 300:
+    text = text[:300] + "..."
+  return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Checkpoints:
@@ -60,19 +137,52 @@ class Checkpoints:
                read_only: bool = False):
     workdir = Path(workdir).absolute()
     self.latest_dir, self.best_dir = workdir / "checkpoints", workdir / "best"
+    self.cfg = cfg
     self.read_only = read_only
-    if read_only and not self.latest_dir.exists():
-      self.latest = self.best = None
-      return
-    self.latest = _manager(self.latest_dir, keep=cfg.keep_checkpoints,
-                           async_save=cfg.async_checkpoints, items=("state", "data", "meta"),
-                           read_only=read_only)
-    self.best = None
-    if not read_only or self.best_dir.exists():
+    self.writable = False
+    self.latest = self.best = None
+    self._open_read_only()
+
+  def _open_read_only(self) -> None:
+    # Read-only managers create nothing; a folder that does not exist has no checkpoint.
+    self.close()
+    if self.latest_dir.is_dir():
+      self.latest = _manager(self.latest_dir, keep=0, async_save=False,
+                             items=("state", "data", "meta"), read_only=True)
+    if self.best_dir.is_dir():
+      self.best = _manager(self.best_dir, keep=0, async_save=False, items=("state", "meta"),
+                           read_only=True)
+
+  def open_for_writing(self) -> None:
+    """Writing managers: creates the folders, deletes orbax's leftover temporary folders of
+    interrupted saves. Only with the workdir's lock held."""
+    assert not self.read_only
+    self.close()
+    cfg = self.cfg
+    try:
+      self.latest = _manager(self.latest_dir, keep=cfg.keep_checkpoints,
+                             async_save=cfg.async_checkpoints, items=("state", "data", "meta"))
       self.best = _manager(self.best_dir, keep=1, async_save=cfg.async_checkpoints,
-                           items=("state", "meta"), read_only=read_only)
+                           items=("state", "meta"))
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_io(e, self.latest_dir.parent)
+      raise
+    self.writable = True
 
   # Reading.
+  def _manager_of(self, which: str) -> ocp.CheckpointManager | None:
+    if which not in ("latest", "best"):
+      raise ValueError(f"which must be 'latest' or 'best'; got {which!r}.")
+    return self.latest if which == "latest" else self.best
+
+  def _dir_of(self, which: str) -> Path:
+    return self.latest_dir if which == "latest" else self.best_dir
+
+  def steps(self, which: str = "latest") -> list[int]:
+    """The complete steps, newest first."""
+    manager = self._manager_of(which)
+    return sorted(manager.all_steps(), reverse=True) if manager else []
+
   def latest_step(self) -> int | None:
     return self.latest.latest_step() if self.latest else None
 
@@ -80,7 +190,7 @@ class Checkpoints:
     return self.best.latest_step() if self.best else None
 
   def read_meta(self, which: str = "latest", step: int | None = None) -> dict[str, Any] | None:
-    manager = self.latest if which == "latest" else self.best
+    manager = self._manager_of(which)
     if manager is None:
       return None
     step = manager.latest_step() if step is None else step
@@ -88,26 +198,11 @@ class Checkpoints:
       return None
     return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def check_compatible(self, cfg: ml_collections.ConfigDict, info: TaskInfo) -> None:
-    """Stops when the newest checkpoint belongs to a different model or task."""
-    meta = self.read_meta("latest")
-    if meta is None:
-      return
-    want = config_meta(cfg, info)
-    for block in ("model", "task"):
-      saved, now = meta["config"][block], want[block]
-      if saved != now:
-        diffs = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diffs)
-        raise ValueError(
-            f"{self.latest_dir} holds a checkpoint (step {meta['step']}) of a different "
-            f"{block} (config.{block} differs in {detail}). Use a new --workdir, or the config "
-            f"that made it (its config.json).")
-
   def restore(self, abstract_state: Any, data_iter=None, which: str = "latest",
               step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """(state, meta) of a checkpoint; restores ``data_iter``'s position in place if given."""
-    manager = self.latest if which == "latest" else self.best
+    """(state, meta) of one checkpoint (the newest by default); restores ``data_iter``'s
+    position in place if given. No fallback: see ``restore_newest``."""
+    manager = self._manager_of(which)
     step = manager.latest_step() if step is None else step
     args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
@@ -115,22 +210,143 @@ class Checkpoints:
     out = manager.restore(step, args=ocp.args.Composite(**args))
     return out["state"], out["meta"]
 
+  def restore_newest(self, abstract_state: Any, which: str = "latest", *,
+                     check: Callable[[dict[str, Any]], None] | None = None,
+                     data_iter_for: Callable[[dict[str, Any]], Any] | None = None):
+    """(state, meta, data_iter) of the newest checkpoint that loads; None when there is none.
+
+    ``check(meta)`` may raise to refuse a checkpoint that loads but does not fit the run
+    (another model): that stops the run, unlike a damaged checkpoint, which is reported
+    (``logging.warning``: path and reason) and skipped for the next older one, and moved
+    aside to ``<step>.corrupt`` unless read-only. ``data_iter_for(meta)`` gives
+    ``(training data iterator, whether to restore its position from the checkpoint)``.
+    Raises CheckpointLoadError listing every checkpoint when none loads.
+    """
+    with quiet_closed_event_loop():
+      return self._restore_newest(abstract_state, which, check, data_iter_for)
+
+  def _restore_newest(self, abstract_state, which, check, data_iter_for):
+    manager = self._manager_of(which)
+    steps = self.steps(which)
+    failed = []
+    for step in steps:
+      path = self._dir_of(which) / str(step)
+      try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+        if not isinstance(meta, dict) or "step" not in meta or "config" not in meta:
+          raise ValueError(f"meta is not a checkpoint record: {str(meta)[:100]}")
+      except Exception as e:  # pylint: disable=broad-except
+        failed.append(self._damaged(path, e))
+        continue
+      if check is not None:
+        check(meta)
+      data_iter, restore_position = (data_iter_for(meta) if data_iter_for is not None
+                                     else (None, False))
+      args = {"state": ocp.args.StandardRestore(abstract_state)}
+      if restore_position:
+        args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+      try:
+        state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
+        jax.block_until_ready(state)
+      except Exception as e:  # pylint: disable=broad-except
+        # Intact, but not the state of this config?
+        if self._loads_as_saved(manager, step, data_iter if restore_position else None):
+          raise RunError(
+              f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
+              "was a setting that shapes the optimizer state or the model's variables "
+              "changed (e.g. optimizer.grad_clip_norm, batch_size with a memory)? Use the "
+              "config that made it (its config.json), or a new --workdir.") from None
+        failed.append(self._damaged(path, e))
+        continue
+      if failed and not self.read_only:
+        self._open_read_only()  # the moved steps are gone from the managers' lists
+      return state, meta, data_iter
+    if failed:
+      listing = "; ".join(failed)
+      raise CheckpointLoadError(
+          f"no checkpoint in {self._dir_of(which)} loads: {listing}. Restore them from a "
+          f"copy, or move them away to start over (or use another --workdir).")
+    return None
+
+  @staticmethod
+  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, data_iter) -> bool:
+    """Whether a step's state loads as saved (no target; and the data position), i.e. the
+    checkpoint is not damaged."""
+    args = {"state": ocp.args.StandardRestore()}
+    if data_iter is not None:
+      args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    try:
+      raw = manager.restore(step, args=ocp.args.Composite(**args))
+      jax.block_until_ready(raw["state"])
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  def _damaged(self, path: Path, exc: BaseException) -> str:
+    reason = _reason(exc)
+    if self.read_only:
+      logging.warning("checkpoint %s does not load (%s); trying the next older one.", path,
+                      reason)
+      return f"{path} ({reason})"
+    aside = path.with_name(f"{path.name}.corrupt")
+    n = 1
+    while aside.exists():
+      aside = path.with_name(f"{path.name}.corrupt.{n}")
+      n += 1
+    try:
+      path.rename(aside)
+    except OSError as e:
+      raise RunError(f"checkpoint {path} does not load ({reason}) and cannot be moved aside "
+                     f"({os.strerror(e.errno) if e.errno else e}); move it away by hand.")
+    logging.warning("checkpoint %s does not load (%s); moved it to %s and trying the next "
+                    "older one.", path, reason, aside)
+    return f"{path} ({reason}; moved to {aside.name})"
+
   # Writing.
+  def _raise_io(self, exc: BaseException, directory: Path) -> None:
+    """Re-raises an error of the file system as a RunError naming ``directory``."""
+    reason = os_error_reason(exc)
+    if reason is not None:
+      raise RunError(f"{reason} in {directory}: free space or use another --workdir "
+                     f"(writing a checkpoint failed).") from None
+
   def save(self, step: int, state: Any, data_iter, meta: dict[str, Any]) -> None:
-    self.latest.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    try:
+      self.latest.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
+          meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_io(e, self.latest_dir)
+      raise
 
   def save_best(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    self.best.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    try:
+      if step in self.best.all_steps():  # from a run resumed before it: replaced
+        self.best.delete(step)
+      self.best.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_io(e, self.best_dir)
+      raise
 
   def wait(self) -> None:
-    for m in (self.latest, self.best):
+    for m, directory in ((self.latest, self.latest_dir), (self.best, self.best_dir)):
       if m is not None:
-        m.wait_until_finished()
+        try:
+          m.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+          self._raise_io(e, directory)
+          raise
 
   def close(self) -> None:
-    for m in (self.latest, self.best):
-      if m is not None:
+    """Closes both managers (waits for a save in flight); never raises a save's error twice:
+    call ``wait`` first to see it."""
+    managers = [m for m in (self.latest, self.best) if m is not None]
+    self.latest = self.best = None
+    self.writable = False
+    for m in managers:
+      try:
         m.close()
+      except Exception:  # pylint: disable=broad-except
+        logging.debug("closing a checkpoint manager", exc_info=True)

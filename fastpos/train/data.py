@@ -32,8 +32,7 @@ import numpy as np
 from fastpos.tasks.base import ArraySource
 
 
-def _with_weight(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {**example, "weight": np.float32(1.0)}
+_ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
 
 def _read_options(cfg: ml_collections.ConfigDict) -> grain.ReadOptions:
@@ -41,18 +40,39 @@ def _read_options(cfg: ml_collections.ConfigDict) -> grain.ReadOptions:
                            prefetch_buffer_size=cfg.data.prefetch)
 
 
-def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict):
+def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: int = 0):
   """An endless grain iterator of this process's rows of each global training batch.
 
-  Yields dicts of numpy arrays ``[batch_size / process_count, ...]`` (the task's fields plus
-  ``weight``); ``get_state()`` / ``set_state()`` give its exact position.
+  The examples form one endless sequence (the split shuffled afresh every epoch); global batch
+  b holds examples ``[start + b * B, start + (b + 1) * B)`` of it, B = ``cfg.batch_size``.
+  ``start`` (in examples) lets a run resumed with another batch size carry on at the example
+  where the checkpointed run stopped. Yields dicts of numpy arrays ``[B / process_count, ...]``
+  (the task's fields plus ``weight``); ``get_state()`` / ``set_state()`` give its exact
+  position in batches (``{"next_index": b}``).
   """
   procs = jax.process_count()
-  local = cfg.batch_size // procs
-  ds = grain.MapDataset.source(source).seed(cfg.seed).shuffle().repeat()
-  ds = ds.map(_with_weight).batch(local, drop_remainder=True)
-  ds = ds[jax.process_index()::procs]
+  global_batch = cfg.batch_size
+  local = global_batch // procs
+  offset = start + jax.process_index() * local
+  examples = grain.MapDataset.source(source).seed(cfg.seed).shuffle().repeat()
+
+  def make(b: int) -> dict[str, np.ndarray]:
+    rows = [examples[offset + b * global_batch + i] for i in range(local)]
+    batch = {k: np.stack([ex[k] for ex in rows]) for k in rows[0]}
+    batch["weight"] = np.ones(local, np.float32)
+    return batch
+
+  ds = grain.MapDataset.range(_ENDLESS).map(make)
   return iter(ds.to_iter_dataset(_read_options(cfg)))
+
+
+def data_position(cfg: ml_collections.ConfigDict, num_examples: int, start: int,
+                  step_in_run: int, *, stream: bool) -> dict:
+  """What a checkpoint records of the training data: the examples read so far
+  (``start`` + batches * batch size), the batch size and the split's size."""
+  return {"examples": int(start + step_in_run * cfg.batch_size), "start": int(start),
+          "batch_size": int(cfg.batch_size), "num_examples": int(num_examples),
+          "stream": bool(stream)}
 
 
 def num_eval_batches(n: int, global_batch: int, limit: int = 0) -> int:

@@ -5,8 +5,10 @@ tokens) of a batch, weighted by ``weight`` so that padded examples count for not
 add across steps, micro-batches and devices, and ``summarize`` divides at the end.
 
 ``MetricWriter`` writes one JSON line per record to ``metrics.jsonl``, the same scalars to
-TensorBoard event files under ``tensorboard/`` and a progress line to the log. Only process 0
-writes.
+a TensorBoard event file under ``tensorboard/`` and a progress line to the log. Only process 0
+writes. A resumed run first drops the records past the step it resumes from (written after
+that checkpoint by the run that stopped), in both files, so that its logs are those of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -43,12 +45,23 @@ def summarize(metrics: Mapping[str, Any], *, perplexity: bool = False) -> dict[s
   return out
 
 
+# Orbax logs an error of a background save thread with its traceback, once per thread, and
+# then raises it in the main thread, where the trainer turns it into one message.
+_REPORTED_AGAIN = ("raised an exception", "Failed to run", "Save Finalize thread")
+
+
 class _LibraryInfoFilter(std_logging.Filter):
-  """Drops the per-save INFO chatter of orbax and grain (their warnings still show)."""
+  """Drops the per-save INFO chatter of orbax and grain (their warnings still show), and
+  orbax's logs of background save errors that the main thread raises again."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     path = record.pathname.replace("\\", "/")
-    return record.levelno >= std_logging.WARNING or not ("/orbax/" in path or "/grain/" in path)
+    if not ("/orbax/" in path or "/grain/" in path):
+      return True
+    if record.levelno < std_logging.WARNING or "Given directory is read only" in str(record.msg):
+      return False  # the trainer opens checkpoints read-only on purpose
+    return not ("/orbax/" in path and record.levelno >= std_logging.ERROR and
+                any(s in record.getMessage() for s in _REPORTED_AGAIN))
 
 
 _FILTER = _LibraryInfoFilter()
@@ -73,18 +86,51 @@ def first_nonfinite(steps: list[int], metrics: list[Mapping[str, Any]]) -> int |
   return None
 
 
-class MetricWriter:
-  """metrics.jsonl + TensorBoard + progress line, written by process 0 only."""
+def truncate_jsonl(path: Path, after_step: int) -> int:
+  """Drops the records of ``path`` with ``step > after_step`` (and a torn last line), by
+  writing the rest to a temporary file renamed over it; returns how many were dropped."""
+  if not path.exists():
+    return 0
+  keep, dropped = [], 0
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+        step = int(record["step"])
+      except (ValueError, KeyError, TypeError):
+        dropped += 1  # a line cut off by a crash
+        continue
+      if step > after_step:
+        dropped += 1
+      else:
+        keep.append(line if line.endswith("\n") else line + "\n")
+  if dropped:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+  return dropped
 
-  def __init__(self, workdir: str | Path, total_steps: int):
+
+class MetricWriter:
+  """metrics.jsonl + TensorBoard + progress line, written by process 0 only.
+
+  ``resume_step``: the step a resumed run starts from; records past it are dropped first.
+  """
+
+  def __init__(self, workdir: str | Path, total_steps: int, resume_step: int | None = None):
     self.active = jax.process_index() == 0
     self.total_steps = total_steps
     self._last_time = None
     self._last_step = None
     if self.active:
-      Path(workdir).mkdir(parents=True, exist_ok=True)
-      self._jsonl = open(Path(workdir) / "metrics.jsonl", "a")
-      self._tb = EventWriter(Path(workdir) / "tensorboard")
+      path = Path(workdir) / "metrics.jsonl"
+      if resume_step is not None:
+        dropped = truncate_jsonl(path, resume_step)
+        if dropped:
+          logging.info("%s: dropped %d record(s) written after step %d by the run that "
+                       "stopped", path, dropped, resume_step)
+      self._jsonl = open(path, "a")
+      self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
 
   def write(self, step: int, split: str, values: Mapping[str, float], **extra) -> None:
     if not self.active:

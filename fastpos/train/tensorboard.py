@@ -11,6 +11,9 @@ summary.proto):
 Each record is framed as ``uint64 length, uint32 masked_crc32c(length), data,
 uint32 masked_crc32c(data)`` (little endian), with CRC-32C (Castagnoli) masked as in TFRecord.
 ``read_scalars`` parses the files back (and checks every CRC) for tests and scripts.
+
+A workdir has one event file: a resumed run appends to the newest one, after dropping the
+events past the step it resumes from (so TensorBoard shows each step once).
 """
 
 from __future__ import annotations
@@ -79,11 +82,56 @@ def _record(data: bytes) -> bytes:
           struct.pack("<I", masked_crc32c(data)))
 
 
-class EventWriter:
-  """Appends scalar summaries to a new ``events.out.tfevents.*`` file in ``logdir``."""
+def _records(data: bytes) -> list[tuple[bytes, bytes]]:
+  """(raw record, payload) of every complete record; stops at a torn or damaged one."""
+  out, pos = [], 0
+  while pos + 12 <= len(data):
+    header = data[pos:pos + 8]
+    (length,) = struct.unpack("<Q", header)
+    (crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
+    end = pos + 16 + length
+    if crc != masked_crc32c(header) or end > len(data):
+      break
+    payload = data[pos + 12:pos + 12 + length]
+    (crc,) = struct.unpack("<I", data[pos + 12 + length:end])
+    if crc != masked_crc32c(payload):
+      break
+    out.append((data[pos:end], payload))
+    pos = end
+  return out
 
-  def __init__(self, logdir: str | os.PathLike):
+
+def _event_step(payload: bytes) -> int:
+  for number, value in _fields(payload):
+    if number == 2:
+      return value
+  return 0
+
+
+class EventWriter:
+  """Appends scalar summaries to the ``events.out.tfevents.*`` file of ``logdir``.
+
+  A new file is started when there is none; with ``resume_step`` set, the newest existing file
+  is kept without its events past that step (rewritten to a temporary file renamed over it,
+  which also drops a record cut off by a crash) and appended to.
+  """
+
+  def __init__(self, logdir: str | os.PathLike, resume_step: int | None = None):
     Path(logdir).mkdir(parents=True, exist_ok=True)
+    existing = sorted(Path(logdir).glob("events.out.tfevents.*"),
+                      key=lambda p: (p.stat().st_mtime, p.name))
+    existing = [p for p in existing if not p.name.endswith(".tmp")]
+    if resume_step is not None and existing:
+      self.path = existing[-1]
+      data = self.path.read_bytes()
+      records = _records(data)
+      kept = b"".join(raw for raw, payload in records if _event_step(payload) <= resume_step)
+      if len(kept) != len(data):
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(kept)
+        tmp.replace(self.path)
+      self._file = open(self.path, "ab")
+      return
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
     self.path = Path(logdir) / name
     self._file = open(self.path, "ab")

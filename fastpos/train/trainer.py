@@ -9,8 +9,21 @@ steps are compiled, then the loop runs:
   -> every eval_every_steps: validation metrics, best checkpoint -> every
   checkpoint_every_steps / at the end / on SIGTERM: checkpoint.
 
-A run resumes from the newest checkpoint in the workdir: parameters, optimizer state, step,
-data position and RNG, so that the resumed run is bitwise the uninterrupted one on CPU.
+Nothing is created in the workdir before every check has passed (config, model, devices,
+the data of every split the run reads, a workdir that can be written); then the trainer takes
+the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
+then creates ``checkpoints/``, ``best/``, ``metrics.jsonl`` and ``tensorboard/``.
+
+A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
+and moved aside): parameters, optimizer state, step, data position and RNG, so that the
+resumed run is bitwise the uninterrupted one on CPU, and so are its logs (training rows average
+the steps since the last multiple of ``log_every_steps``; the current window travels in the
+checkpoint). The data position is kept in examples, so a run may resume with another batch
+size; another training split size is refused.
+
+A checkpoint is saved only from a state that is finite and whose loss, on the batch it was
+just trained on, is finite (``_Run.state_is_good``): a NaN stop leaves a checkpoint that
+evaluates and trains.
 
 Language models with a Transformer-XL memory (``model.memory_length > 0``): the data come as
 stream batches (``data.stream_train_iterator``: row r of step t + 1 continues row r of step t),
@@ -25,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -43,8 +57,10 @@ from fastpos.models.config import TaskInfo
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
-from fastpos.train.checkpoint import Checkpoints, config_meta
-from fastpos.train.errors import NonFiniteLossError
+from fastpos.train import workdir as workdir_lib
+from fastpos.train.checkpoint import (CheckpointLoadError, Checkpoints, check_compatible,
+                                      config_meta, quiet_closed_event_loop)
+from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
 from fastpos.train.steps import make_eval_step, make_train_step
 
@@ -53,7 +69,7 @@ class _Run:
   """Everything built (and checked) from a config before anything is compiled."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path,
-               model: nn.Module | None, *, read_only: bool = False):
+               model: nn.Module | None):
     cfg = config.copy_and_resolve_references()
     for name in ("num_train_steps", "log_every_steps", "eval_every_steps",
                  "checkpoint_every_steps", "keep_checkpoints"):
@@ -85,8 +101,6 @@ class _Run:
     self.abstract_state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract,
         self.state_sharding)
-    self.ckpts = Checkpoints(self.workdir, cfg, read_only=read_only)
-    self.ckpts.check_compatible(cfg, self.info)
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
 
   def dummy_batch(self) -> dict[str, jax.Array]:
@@ -125,10 +139,35 @@ class _Run:
     size = self.cfg.eval_batch_size or self.cfg.batch_size
     return jax.jit(lambda: self.model.init_memory(size), out_shardings=self.batch_sharding)
 
-  def train_iterator(self, source):
+  def train_iterator(self, source, start: int = 0):
     if self.memory:
+      assert start == 0  # stream batches: a resumed run keeps the batch size (_data_iter_for)
       return data_lib.stream_train_iterator(source, self.cfg)
-    return data_lib.train_iterator(source, self.cfg)
+    return data_lib.train_iterator(source, self.cfg, start)
+
+  def check_meta(self, meta: dict[str, Any]) -> None:
+    check_compatible(meta, self.cfg, self.info, self.workdir / "checkpoints")
+
+  @functools.cached_property
+  def _all_finite(self):
+    def all_finite(tree):
+      leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                if jnp.issubdtype(x.dtype, jnp.inexact)]
+      return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+    return jax.jit(all_finite, out_shardings=self.replicated)
+
+  def state_is_good(self, eval_step, state: TrainState, batch) -> bool:
+    """Whether ``state`` may be saved: parameters, optimizer state and other collections
+    finite, and a finite loss on ``batch`` (the batch the step just trained on; evaluation
+    mode, as ``evaluate`` would score it). Huge but finite weights pass the first test and
+    fail the second."""
+    finite = self._all_finite((state.params, state.opt_state, state.collections))
+    if self.memory:
+      out, _ = eval_step(state, batch, state.memory)
+    else:
+      out = eval_step(state, batch)
+    loss_sum, count = jax.device_get(out["loss"])
+    return bool(jax.device_get(finite)) and bool(np.isfinite(loss_sum)) and count > 0
 
   def evaluate_split(self, eval_step, state: TrainState, split: str,
                      limit: int = 0) -> dict[str, float]:
@@ -155,35 +194,47 @@ class _Run:
     return contextlib.nullcontext() if p == "default" else jax.default_matmul_precision(p)
 
 
-class _StopOnSigterm:
-  """Turns SIGTERM (preemption) into a request to save and exit after the current step."""
+class _StopOnSignal:
+  """Turns SIGTERM (preemption) and SIGINT (Ctrl-C) into a request to save and exit after the
+  current step; a second SIGINT aborts at once (KeyboardInterrupt)."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.requested: str | None = None  # the signal's name
+    self._previous = {}
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    if signum == signal.SIGINT and self.requested == "SIGINT":
+      raise KeyboardInterrupt
+    if self.requested is None:
+      self.requested = signal.Signals(signum).name
+      logging.warning("%s: saving after this step (Ctrl-C again to abort without saving).",
+                      self.requested)
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for s in self.SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
     return self
 
   def stop_now(self, step: int, every: int) -> bool:
     """Whether to stop after ``step``. With several processes the hosts agree every ``every``
     steps (one all-gather), so that all of them save the same step and exit together."""
     if jax.process_count() == 1:
-      return self.requested
+      return self.requested is not None
     if step % every:
       return False
-    votes = multihost_utils.process_allgather(np.int32(self.requested))
+    votes = multihost_utils.process_allgather(np.int32(self.requested is not None))
+    if np.any(votes) and self.requested is None:
+      self.requested = "SIGTERM"  # another host was signalled
     return bool(np.any(votes))
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for s, previous in self._previous.items():
+      signal.signal(s, previous)
+    self._previous = {}
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
@@ -200,125 +251,270 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
+def _take_lock(workdir: Path) -> workdir_lib.WorkdirLock:
+  """Creates the workdir and takes its lock (process 0 only: the processes of one run are one
+  trainer); every process raises when process 0 could not."""
+  lock = workdir_lib.WorkdirLock(workdir)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      workdir.mkdir(parents=True, exist_ok=True)
+      lock.acquire()
+    except OSError as e:
+      error = RunError(f"cannot create --workdir={workdir} "
+                       f"({os.strerror(e.errno) if e.errno else e}); use another --workdir.")
+    except RunError as e:
+      error = e
+  if jax.process_count() > 1:
+    ok = multihost_utils.process_allgather(np.int32(error is None))
+    if not np.all(ok):
+      lock.release()
+      raise error or WorkdirLockedError(
+          f"process 0 could not take the lock of {workdir}; its log says why.")
+  elif error is not None:
+    raise error
+  return lock
+
+
+def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
+               step: int) -> dict[str, int]:
+  """The data position a checkpoint records, in examples (see ``_data_iter_for``)."""
+  return {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
+          "start_step": start_step, "batch_size": run.cfg.batch_size,
+          "num_examples": num_examples}
+
+
+def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
+  """(training iterator, whether to restore its position from the checkpoint, start example,
+  start step) for resuming from a checkpoint's ``meta``.
+
+  Same batch size: the iterator of the checkpointed run, at its position. Another batch size:
+  a new iterator that starts at the example where the checkpointed run stopped. Another
+  training split size (or batch size with stream batches, whose layout depends on it) cannot
+  carry the position over: RunError naming both values.
+  """
+  data = meta.get("data")
+  if data is None:  # written before positions were kept in examples: batches of this size
+    return run.train_iterator(source), True, 0, 0
+  n, batch = len(source), run.cfg.batch_size
+  if data["num_examples"] != n:
+    raise RunError(
+        f"{where}/{meta['step']} was trained on a training split of {data['num_examples']} "
+        f"examples; it now has {n}: the data position cannot carry over. Use the data the run "
+        "started with, or a new --workdir.")
+  if data["batch_size"] == batch:
+    return run.train_iterator(source, data["start"]), True, data["start"], data["start_step"]
+  if run.memory:
+    raise RunError(
+        f"{where}/{meta['step']} was trained with config.batch_size={data['batch_size']}; now "
+        f"{batch}. Stream batches (a Transformer-XL memory) keep their layout: resume with "
+        f"--config.batch_size={data['batch_size']}, or use a new --workdir.")
+  logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
+                  "training data (step %d).", data["batch_size"], batch, data["examples"],
+                  meta["step"])
+  return run.train_iterator(source, data["examples"]), False, data["examples"], meta["step"]
+
+
+def _window_meta(window: list[dict]) -> dict[str, list[float]] | None:
+  """The summed metrics of the current log window, as JSON (float32 values, exact)."""
+  if not window:
+    return None
+  total = jax.device_get(_sum_window(window))
+  return {k: [float(np.float32(s)), float(np.float32(c))] for k, (s, c) in total.items()}
+
+
+def _window_from_meta(saved: dict[str, list[float]] | None) -> list[dict]:
+  if not saved:
+    return []
+  return [{k: (np.float32(s), np.float32(c)) for k, (s, c) in saved.items()}]
+
+
+def _sum_window(window: list[dict]) -> dict:
+  # Left to right, in float32: a window restored from a checkpoint (its first entry) adds up
+  # to the same bits as the uninterrupted run's.
+  return jax.tree.map(lambda *xs: sum(xs), *window) if len(window) > 1 else window[0]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *,
                        model: nn.Module | None = None) -> dict[str, Any]:
-  """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint.
+  """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint that loads.
 
   Args:
     config: the run's config (``configs/*.py``).
-    workdir: checkpoints, ``metrics.jsonl``, ``tensorboard/`` and ``config.json`` go here.
+    workdir: checkpoints, ``metrics.jsonl``, ``tensorboard/``, ``config.json`` and the lock
+      ``train.lock`` go here.
     model: a linen module to train instead of ``build_model(config.model, task.info)``
       (tests use this to inject a throwaway model).
 
   Returns:
     {"step", "train": last logged training metrics, "validation": last validation metrics,
-    "best": {"step", metric}, "stopped_early": bool (SIGTERM), "state": the final
-    ``TrainState``}.
+    "best": {"step", metric}, "stopped_early": bool (SIGTERM / SIGINT: saved, restart to
+    continue), "signal": its name or None, "state": the final ``TrainState``}.
 
   Raises:
-    NonFiniteLossError: the loss or gradient norm became NaN / Inf (names the step and the
-      last good checkpoint, which is left intact).
+    NonFiniteLossError: the loss, gradient norm or parameters became NaN / Inf (names the
+      step and the last good checkpoint, which is left intact).
+    WorkdirLockedError: another trainer holds the workdir (named in the message).
+    RunError: the workdir cannot be used (a file, read-only, full disk), no checkpoint in
+      it loads, or the training data changed size.
+    ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
   """
   metrics_lib.quiet_library_logs()
   run = _Run(config, workdir, model)
   cfg = run.cfg
-  train_src = run.task.source("train")  # a missing dataset stops here, before compiling
+  train_src = run.task.source("train")  # missing data stops here, before anything is made
   val_src = run.task.source("validation")
-  _write_json(run.workdir / "config.json", cfg.to_json_best_effort(indent=2))
-  logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d devices "
-               "(mesh %s), %d process(es)", cfg.task.name, len(train_src), len(val_src),
-               run.num_params, jax.device_count(), dict(run.mesh.shape), jax.process_count())
+  workdir_lib.check_usable(run.workdir)
+  lock = _take_lock(run.workdir)
+  ckpts = Checkpoints(run.workdir, cfg)
+  writer = None
+  try:
+    best_metric, best_value = run.task.metric, None
+    position = {}
 
-  train_iter = run.train_iterator(train_src)
-  best_metric, best_value = run.task.metric, None
-  train_rng = run.train_rng
-  if run.ckpts.latest_step() is not None:
-    state, meta = run.ckpts.restore(run.abstract_state, train_iter)
-    train_rng = jnp.asarray(np.asarray(meta["rng"], np.uint32))
-    best_meta = run.ckpts.read_meta("best")
-    if best_meta is not None:
-      best_value = best_meta["metrics"][best_metric]
-    logging.info("resumed from %s/%d", run.ckpts.latest_dir, meta["step"])
-  else:
-    state = run.init_state()
+    def data_iter_for(meta):
+      it, restore, position["start"], position["start_step"] = _data_iter_for(
+          run, train_src, meta, ckpts.latest_dir)
+      return it, restore
 
+    restored = ckpts.restore_newest(run.abstract_state, check=run.check_meta,
+                                    data_iter_for=data_iter_for)
+    window: list[dict] = []
+    if restored is not None:
+      state, meta, train_iter = restored
+      data_start, data_start_step = position["start"], position["start_step"]
+      train_rng = jnp.asarray(np.asarray(meta["rng"], np.uint32))
+      window = _window_from_meta(meta.get("log_window"))
+      try:
+        best_meta = ckpts.read_meta("best")
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("the best checkpoint in %s does not load (%s); the next evaluation "
+                        "that improves on nothing replaces it.", ckpts.best_dir, e)
+        best_meta = None
+      if best_meta is not None:
+        best_value = best_meta["metrics"][best_metric]
+      logging.info("resumed from %s/%d", ckpts.latest_dir, meta["step"])
+    else:
+      state, train_iter, train_rng = None, run.train_iterator(train_src), run.train_rng
+      data_start = data_start_step = 0
+    ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
+    _write_json(run.workdir / "config.json", cfg.to_json_best_effort(indent=2))
+    logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d "
+                 "devices (mesh %s), %d process(es)", cfg.task.name, len(train_src),
+                 len(val_src), run.num_params, jax.device_count(), dict(run.mesh.shape),
+                 jax.process_count())
+    if state is None:
+      state = run.init_state()
+    step = int(jax.device_get(state.step))
+    writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
+    with quiet_closed_event_loop():  # after a failed save (a full disk)
+      result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
+                           train_src, data_start, data_start_step, best_value)
+      ckpts.wait()  # a failed background save raises here
+    return result
+  except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
+    reason = os.strerror(e.errno) if e.errno else str(e)
+    raise RunError(f"{reason} in {run.workdir}: free space or use another --workdir "
+                   f"({getattr(e, 'filename', None) or 'writing logs'} failed).") from None
+  finally:
+    ckpts.close()
+    if writer is not None:
+      writer.close()
+    if jax.process_count() > 1:  # nobody leaves before the last save is complete everywhere
+      multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
+    lock.release()
+
+
+def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_iter,
+                train_rng, window: list[dict], train_src, data_start: int,
+                data_start_step: int, best_value: float | None) -> dict[str, Any]:
+  cfg = run.cfg
+  best_metric = run.task.metric
   train_step = jax.jit(
       make_train_step(run.model, run.tx, run.info.kind, cfg.grad_accum_steps,
                       memory=run.memory),
       in_shardings=(run.state_sharding, run.batch_sharding, run.replicated),
       out_shardings=(run.state_sharding, run.replicated), donate_argnums=0)
   eval_step = run.compile_eval()
-  writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps)
   step = int(jax.device_get(state.step))
-  last_good = run.ckpts.latest_step()
+  last_good = step if ckpts.latest_step() is not None else None
   meta_base = {"rng": np.asarray(jax.device_get(train_rng)).tolist(),
                "config": config_meta(cfg, run.info)}
-  result: dict[str, Any] = {"train": {}, "validation": {}, "stopped_early": False}
-  pending_steps: list[int] = []
-  pending: list[dict] = []
+  result: dict[str, Any] = {"train": {}, "validation": {}, "stopped_early": False,
+                            "signal": None}
+  unchecked_steps: list[int] = []
+  unchecked: list[dict] = []
   first_step = step
   writer.start_timer(step)
 
-  try:
-    with _StopOnSigterm() as sigterm, run.precision():
-      while step < cfg.num_train_steps:
-        batch = sharding_lib.global_batch(next(train_iter), run.batch_sharding)
-        state, step_metrics = train_step(state, batch, train_rng)
-        step += 1
-        if step == first_step + 1:  # steps/s from here on: the first step includes compiling
-          jax.block_until_ready(step_metrics)
-          writer.start_timer(step)
-        pending_steps.append(step)
-        pending.append(step_metrics)
-        stop = sigterm.stop_now(step, cfg.log_every_steps)
-        last = step == cfg.num_train_steps
-        do_eval = step % cfg.eval_every_steps == 0 or last
-        do_save = step % cfg.checkpoint_every_steps == 0 or last or do_eval or stop
-        if step % cfg.log_every_steps == 0 or do_save:
-          bad = metrics_lib.first_nonfinite(pending_steps, pending)
-          if bad is not None:
-            run.ckpts.wait()
-            where = (f"The last good checkpoint is step {last_good} in {run.ckpts.latest_dir} "
-                     "(left intact)" if last_good is not None else
-                     "No checkpoint had been saved yet")
-            raise NonFiniteLossError(
-                f"loss or gradient became NaN/Inf at step {bad}; training stopped. {where}. "
-                "Lower the learning rate, enable clipping (optimizer.grad_clip_norm) or "
-                "check the data.")
-          summary = metrics_lib.summarize(
-              jax.tree.map(lambda *xs: sum(xs), *pending) if len(pending) > 1 else pending[0],
-              perplexity=run.info.kind == "lm")
-          summary["learning_rate"] = float(run.schedule(step - 1))
-          rate = writer.steps_per_second(step)
-          writer.write(step, "train", summary, steps_per_second=rate)
-          writer.progress(step, summary, rate)
-          result["train"] = summary
-          pending_steps, pending = [], []
-        meta = {**meta_base, "step": step}
-        if do_eval:
-          val = run.evaluate_split(eval_step, state, "validation", cfg.num_eval_batches)
-          writer.write(step, "validation", val)
-          logging.info("step %d validation: %s", step,
-                       " ".join(f"{k}={v:.4g}" for k, v in val.items()))
-          result["validation"] = val
-          if _better(val[best_metric], best_value, run.task.metric_mode):
-            best_value = val[best_metric]
-            run.ckpts.save_best(step, state, {**meta, "metrics": val})
-        if do_save:
-          run.ckpts.save(step, state, train_iter, meta)
-          last_good = step
-        if do_eval or do_save:
-          writer.start_timer(step)  # steps/s counts training steps, not evaluation or saving
-        if stop:
-          logging.warning("SIGTERM: saved step %d in %s; exiting.", step, run.ckpts.latest_dir)
-          result["stopped_early"] = True
-          break
-  finally:
-    run.ckpts.wait()
-    run.ckpts.close()
-    writer.close()
+  def stop_nonfinite(what: str, at: int):
+    ckpts.wait()
+    where = (f"The last good checkpoint is step {last_good} in {ckpts.latest_dir} "
+             "(left intact)" if last_good is not None else "No checkpoint had been saved yet")
+    raise NonFiniteLossError(
+        f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
+        "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
+
+  with _StopOnSignal() as signals, run.precision():
+    while step < cfg.num_train_steps:
+      batch = sharding_lib.global_batch(next(train_iter), run.batch_sharding)
+      state, step_metrics = train_step(state, batch, train_rng)
+      step += 1
+      if step == first_step + 1:  # steps/s from here on: the first step includes compiling
+        jax.block_until_ready(step_metrics)
+        writer.start_timer(step)
+      window.append(step_metrics)
+      unchecked_steps.append(step)
+      unchecked.append(step_metrics)
+      stop = signals.stop_now(step, cfg.log_every_steps)
+      last = step == cfg.num_train_steps
+      # Rows at multiples of log_every_steps (and the last step): a resumed run logs the
+      # windows of an uninterrupted one.
+      do_log = step % cfg.log_every_steps == 0 or last
+      do_eval = step % cfg.eval_every_steps == 0 or last
+      do_save = step % cfg.checkpoint_every_steps == 0 or last or do_eval or stop
+      if do_log or do_save:
+        bad = metrics_lib.first_nonfinite(unchecked_steps, unchecked)
+        if bad is not None:
+          stop_nonfinite("loss or gradient", bad)
+        unchecked_steps, unchecked = [], []
+      if do_log:
+        summary = metrics_lib.summarize(_sum_window(window), perplexity=run.info.kind == "lm")
+        summary["learning_rate"] = float(run.schedule(step - 1))
+        rate = writer.steps_per_second(step)
+        writer.write(step, "train", summary, steps_per_second=rate)
+        writer.progress(step, summary, rate)
+        result["train"] = summary
+        if step % cfg.log_every_steps == 0:
+          window = []
+      if do_save and not run.state_is_good(eval_step, state, batch):
+        stop_nonfinite("the parameters after the step (or their loss)", step)
+      meta = {**meta_base, "step": step,
+              "data": _data_meta(run, len(train_src), data_start, data_start_step, step),
+              "log_window": _window_meta(window)}
+      if do_eval:
+        val = run.evaluate_split(eval_step, state, "validation", cfg.num_eval_batches)
+        writer.write(step, "validation", val)
+        logging.info("step %d validation: %s", step,
+                     " ".join(f"{k}={v:.4g}" for k, v in val.items()))
+        result["validation"] = val
+        if (np.isfinite(val["loss"]) and
+            _better(val[best_metric], best_value, run.task.metric_mode)):
+          best_value = val[best_metric]
+          ckpts.save_best(step, state, {**meta, "metrics": val})
+      if do_save:
+        ckpts.save(step, state, train_iter, meta)
+        last_good = step
+      if do_eval or do_save:
+        writer.start_timer(step)  # steps/s counts training steps, not evaluation or saving
+      if stop:
+        logging.warning("preempted at step %d (%s): saved %s/%d; restart to continue.", step,
+                        signals.requested, ckpts.latest_dir, step)
+        result["stopped_early"] = True
+        result["signal"] = signals.requested
+        break
   result["step"] = step
-  result["best"] = {"step": run.ckpts.best_step(), best_metric: best_value}
+  result["best"] = {"step": ckpts.best_step(), best_metric: best_value}
   result["state"] = state
   return result
 
@@ -332,7 +528,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str 
     workdir: a workdir written by ``train_and_evaluate``.
     split: "test" (default), "validation" or "train".
     checkpoint: "best" (the best on validation; the latest when no evaluation ran yet) or
-      "latest".
+      "latest" (the newest that loads: a damaged one is reported and skipped).
     model: as in ``train_and_evaluate``.
 
   Returns:
@@ -343,15 +539,26 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str 
   if split not in tasks.SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(tasks.SPLITS)}.")
   metrics_lib.quiet_library_logs()
-  run = _Run(config, workdir, model, read_only=True)
-  which = "best" if checkpoint == "best" and run.ckpts.best_step() is not None else "latest"
-  if run.ckpts.latest_step() is None and which == "latest":
-    raise FileNotFoundError(
-        f"no checkpoint in {run.ckpts.latest_dir}; train first: python train.py "
-        f"--config=... --workdir={workdir}")
-  run.task.source(split)
-  state, meta = run.ckpts.restore(run.abstract_state, which=which)
-  run.ckpts.close()
+  run = _Run(config, workdir, model)
+  run.task.source(split)  # missing data stops here
+  if run.workdir.exists() and not run.workdir.is_dir():
+    raise RunError(f"--workdir={run.workdir} is a file, not a workdir written by train.py.")
+  ckpts = Checkpoints(run.workdir, run.cfg, read_only=True)
+  try:
+    which = "best" if checkpoint == "best" and ckpts.best_step() is not None else "latest"
+    if ckpts.latest_step() is None and which == "latest":
+      raise FileNotFoundError(
+          f"no checkpoint in {ckpts.latest_dir}; train first: python train.py "
+          f"--config=... --workdir={workdir}")
+    try:
+      state, meta, _ = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta)
+    except CheckpointLoadError as e:
+      if which == "best":
+        raise CheckpointLoadError(f"{e} Or evaluate the newest checkpoint: "
+                                  "--checkpoint=latest.") from None
+      raise
+  finally:
+    ckpts.close()
   with run.precision():
     out = run.evaluate_split(run.compile_eval(), state, split)
   results = {"split": split, "step": int(meta["step"]), "checkpoint": which,

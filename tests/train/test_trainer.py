@@ -13,7 +13,7 @@ import pytest
 
 from fastpos import tasks
 from fastpos.models import build_model
-from fastpos.train import NonFiniteLossError, evaluate, train_and_evaluate
+from fastpos.train import evaluate, train_and_evaluate
 from fastpos.train.checkpoint import Checkpoints
 from fastpos.train.tensorboard import read_scalars
 from tests.helpers import rel_err
@@ -125,20 +125,6 @@ def test_evaluate_pads_and_masks_the_last_batch(runs):
   assert res["accuracy"] == pytest.approx(accuracy, abs=1e-6)
   best = evaluate(cfg, workdir, "validation")
   assert best["checkpoint"] == "best" and best["num_examples"] == 10
-
-
-def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-  """A huge learning rate without clipping: step 1 is finite, its update makes the logits
-  overflow, so step 2's loss is NaN; checkpoint 1 stays and is finite."""
-  cfg = tiny_config(**{"optimizer.learning_rate": 1e30, "optimizer.grad_clip_norm": 0.0,
-                       "schedule.warmup_steps": 0, "checkpoint_every_steps": 1,
-                       "eval_every_steps": 100, "num_train_steps": 6})
-  with pytest.raises(NonFiniteLossError, match=r"at step 2;.*last good checkpoint is step 1"):
-    train_and_evaluate(cfg, tmp_path)
-  ckpts = Checkpoints(tmp_path, cfg, read_only=True)
-  assert ckpts.latest_step() == 1
-  state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "1" / "state")
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state["params"]))
 
 
 def test_checkpoint_of_another_model_stops(runs):

@@ -1,0 +1,364 @@
+"""Checkpoints that survive misuse: a run stopped by SIGINT resumes to the uninterrupted run's
+state and logs; a damaged newest checkpoint falls back to the previous one; a NaN stop keeps
+a checkpoint that evaluates; one trainer per workdir; a bad workdir or a full disk stops with
+one message and creates nothing; another batch size resumes at the same example."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from fastpos import tasks
+from fastpos.train import NonFiniteLossError, RunError, WorkdirLockedError, evaluate
+from fastpos.train import train_and_evaluate
+from fastpos.train import data as data_lib
+from fastpos.train import metrics as metrics_lib
+from fastpos.train import workdir as workdir_lib
+from fastpos.train.checkpoint import CheckpointLoadError
+from fastpos.train.tensorboard import read_scalars
+from tests.train.common import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+# Rows at steps 2, 4, 6; validation at 3 and 6; checkpoints at 2, 3, 4, 6 (the last 3 kept).
+SETTINGS = {"num_train_steps": 6, "log_every_steps": 2, "eval_every_steps": 3,
+            "checkpoint_every_steps": 2}
+
+
+def config(**overrides):
+  return tiny_config(**{**SETTINGS, **overrides})
+
+
+def _assert_trees_equal(a, b):
+  la, ta = jax.tree.flatten(jax.device_get(a))
+  lb, tb = jax.tree.flatten(jax.device_get(b))
+  assert ta == tb and len(la) > 0
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _rows(workdir):
+  """metrics.jsonl without the fields that depend on time."""
+  rows = [json.loads(line) for line in open(Path(workdir) / "metrics.jsonl")]
+  return [{k: v for k, v in r.items() if k not in ("time", "steps_per_second")} for r in rows]
+
+
+def _events(workdir):
+  files = sorted((Path(workdir) / "tensorboard").glob("events.out.tfevents.*"))
+  assert len(files) == 1, files  # one file per workdir, however often it was resumed
+  return read_scalars(files[0])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """An uninterrupted 6-step run, and the same run stopped by SIGINT (raised while step 4's
+  row is written, so it stops after step 5: mid log window), kept as a template."""
+  root = tmp_path_factory.mktemp("ckpts")
+  full = train_and_evaluate(config(), root / "full")
+  write = metrics_lib.MetricWriter.write
+
+  def write_then_interrupt(self, step, split, values, **extra):
+    write(self, step, split, values, **extra)
+    if split == "train" and step == 4:
+      os.kill(os.getpid(), signal.SIGINT)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(metrics_lib.MetricWriter, "write", write_then_interrupt)
+    handler = logging.Handler()
+    messages = []
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("absl")
+    logger.addHandler(handler)
+    try:
+      stopped = train_and_evaluate(config(), root / "stopped")
+    finally:
+      logger.removeHandler(handler)
+  return {"root": root, "full": full, "stopped": stopped, "messages": messages}
+
+
+def _copy(runs, tmp_path, name="stopped"):
+  dst = tmp_path / name
+  shutil.copytree(runs["root"] / name, dst)
+  return dst
+
+
+def test_sigint_saves_and_the_resumed_run_equals_the_uninterrupted_one(runs, tmp_path):
+  stopped = runs["stopped"]
+  assert stopped["stopped_early"] and stopped["signal"] == "SIGINT" and stopped["step"] == 5
+  assert any(m.startswith("preempted at step 5 (SIGINT): saved ") and
+             m.endswith("checkpoints/5; restart to continue.") for m in runs["messages"])
+  workdir = _copy(runs, tmp_path)
+  assert not (workdir / workdir_lib.LOCK_NAME).exists()  # released on the way out
+  resumed = train_and_evaluate(config(), workdir)
+  assert resumed["step"] == 6 and not resumed["stopped_early"]
+  _assert_trees_equal(runs["full"]["state"], resumed["state"])
+  # The same rows: none twice, and the row of step 6 averages steps 5 and 6 although the
+  # stopped run saved after step 5 (its window travels in the checkpoint).
+  full_rows = _rows(runs["root"] / "full")
+  assert [(r["step"], r["split"]) for r in full_rows] == [
+      (2, "train"), (3, "validation"), (4, "train"), (6, "train"), (6, "validation")]
+  assert _rows(workdir) == full_rows
+  strip = lambda events: sorted((s, t, v) for s, t, v in events)  # noqa: E731
+  assert strip(_events(workdir)) == strip(_events(runs["root"] / "full"))
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
+                                    "remove_meta", "remove_data"])
+def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_path, damage,
+                                                                    caplog):
+  workdir = _copy(runs, tmp_path)
+  _damage(workdir / "checkpoints" / "5", damage)
+  with caplog.at_level(logging.WARNING):
+    resumed = train_and_evaluate(config(), workdir)
+  assert resumed["step"] == 6
+  _assert_trees_equal(runs["full"]["state"], resumed["state"])  # replayed 5 and 6 exactly
+  assert _rows(workdir) == _rows(runs["root"] / "full")
+  assert (workdir / "checkpoints" / "5.corrupt").is_dir()  # kept, moved aside
+  assert any(f"checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
+             for r in caplog.records)
+
+
+def _damage(step_dir: Path, how: str) -> None:
+  state = step_dir / "state"
+  if how == "truncate_state":
+    for f in state.rglob("*"):
+      if f.is_file() and f.name != "commit_success.txt":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  elif how == "remove_state_data":
+    for d in state.rglob("d"):
+      shutil.rmtree(d)
+  elif how == "bad_meta_json":
+    (step_dir / "meta" / "metadata").write_text('{"step": 5, "rng": [')
+  elif how == "meta_not_a_record":
+    (step_dir / "meta" / "metadata").write_text("[]")
+  elif how == "remove_meta":
+    shutil.rmtree(step_dir / "meta")
+  elif how == "remove_data":
+    shutil.rmtree(step_dir / "data")
+  elif how == "empty_folder":
+    for child in step_dir.iterdir():
+      shutil.rmtree(child) if child.is_dir() else child.unlink()
+  elif how == "remove_checkpoint_metadata":
+    (step_dir / "_CHECKPOINT_METADATA").unlink()
+    shutil.rmtree(state)
+  elif how == "remove_state_metadata":
+    (state / "_METADATA").unlink()
+  else:
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
+                                    "meta_not_a_record", "remove_meta", "empty_folder",
+                                    "remove_checkpoint_metadata", "remove_state_metadata"])
+def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path, damage,
+                                                                 caplog):
+  workdir = _copy(runs, tmp_path)
+  _damage(workdir / "checkpoints" / "5", damage)
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  with caplog.at_level(logging.WARNING):
+    res = evaluate(config(), workdir, "validation", checkpoint="latest")
+  assert res["step"] == 4 and np.isfinite(res["loss"])
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+  if damage != "empty_folder" and "5" in before:
+    assert any("checkpoints/5 does not load" in r.getMessage() for r in caplog.records)
+
+
+def test_no_checkpoint_loads_lists_them(runs, tmp_path):
+  workdir = _copy(runs, tmp_path)
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps == [3, 4, 5]
+  for s in steps:
+    _damage(workdir / "checkpoints" / str(s), "bad_meta_json")
+  with pytest.raises(CheckpointLoadError, match=r"no checkpoint in .*checkpoints loads: "
+                     r".*/5 \(.*/4 \(.*/3 \("):
+    evaluate(config(), workdir, "validation", checkpoint="latest")
+  with pytest.raises(CheckpointLoadError, match=r"moved to 5.corrupt.*moved to 3.corrupt"):
+    train_and_evaluate(config(), workdir)
+  assert not (workdir / workdir_lib.LOCK_NAME).exists()
+
+
+def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path):
+  """lr 1e30 after a warmup from 0: step 1 leaves the parameters unchanged (lr 0), step 2
+  sends them to ~1e29 (finite, but their loss is not): checkpoint 1 is the last good one."""
+  bad = {"optimizer.learning_rate": 1e30, "optimizer.grad_clip_norm": 0.0,
+         "schedule.warmup_steps": 2, "checkpoint_every_steps": 1, "eval_every_steps": 100,
+         "log_every_steps": 100, "num_train_steps": 6}
+  with pytest.raises(NonFiniteLossError, match=r"at step 2;.*last good checkpoint is step 1"):
+    train_and_evaluate(tiny_config(**bad), tmp_path)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+  state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "1" / "state")
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+  res = evaluate(tiny_config(**bad), tmp_path, "validation", checkpoint="latest")
+  assert res["step"] == 1 and np.isfinite(res["loss"])
+  sane = train_and_evaluate(tiny_config(**{**bad, "optimizer.learning_rate": 1e-2,
+                                           "num_train_steps": 3}), tmp_path)
+  assert sane["step"] == 3 and np.isfinite(sane["train"]["loss"])
+
+
+def test_batch_size_change_resumes_at_the_same_example(runs, tmp_path, caplog):
+  workdir = _copy(runs, tmp_path)
+  with caplog.at_level(logging.WARNING):
+    res = train_and_evaluate(config(batch_size=2), workdir)
+  assert res["step"] == 6
+  assert any("batch_size changed from 4 to 2: resuming at example 20" in r.getMessage()
+             for r in caplog.records)
+  meta = json.loads((workdir / "checkpoints" / "6" / "meta" / "metadata").read_text())
+  assert meta["data"] == {"examples": 22, "start": 20, "start_step": 5, "batch_size": 2,
+                          "num_examples": 12}
+  # Batch 0 of the new iterator is examples 20, 21: the first half of the old batch 5.
+  src = tasks.make_task(config().task).source("train")
+  old = data_lib.train_iterator(src, config())
+  for _ in range(5):
+    next(old)
+  want = next(old)
+  got = next(data_lib.train_iterator(src, config(batch_size=2), start=20))
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k][:2])
+
+
+def test_training_split_size_change_is_refused(runs, tmp_path):
+  workdir = _copy(runs, tmp_path)
+  before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+  with pytest.raises(RunError, match=r"training split of 12 examples; it now has 16"):
+    train_and_evaluate(config(**{"task.num_train": 16}), workdir)
+  assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
+
+
+def test_a_live_holder_keeps_the_workdir(runs, tmp_path):
+  """A lock naming a live process of this host (the test's parent, as a file system without
+  flock would leave it): refused, and the orbax leftovers of that trainer are not touched."""
+  workdir = _copy(runs, tmp_path)
+  holder = {"host": socket.gethostname(), "pid": os.getppid(), "started": 0}
+  (workdir / workdir_lib.LOCK_NAME).write_text(json.dumps(holder))
+  (workdir / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
+  with pytest.raises(WorkdirLockedError, match=rf"in use by another trainer \(pid "
+                     rf"{os.getppid()} on host {socket.gethostname()}.*delete .*train.lock"):
+    train_and_evaluate(config(), workdir)
+  assert (workdir / "checkpoints" / "6.orbax-checkpoint-tmp").is_dir()
+  assert json.loads((workdir / workdir_lib.LOCK_NAME).read_text()) == holder
+
+
+_HOLD = """
+import sys
+from fastpos.train.workdir import WorkdirLock
+lock = WorkdirLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()
+lock.release()
+"""
+
+
+def test_a_second_process_holding_the_lock_stops_the_trainer(tmp_path):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(workdir)], cwd=ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  try:
+    assert proc.stdout.readline().strip() == "held"
+    with pytest.raises(WorkdirLockedError, match=rf"pid {proc.pid} on host"):
+      train_and_evaluate(config(), workdir)
+    assert sorted(p.name for p in workdir.iterdir()) == [workdir_lib.LOCK_NAME]
+  finally:
+    proc.communicate("", timeout=60)
+  assert proc.returncode == 0
+  assert not (workdir / workdir_lib.LOCK_NAME).exists()
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, caplog):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  lock_path = tmp_path / workdir_lib.LOCK_NAME
+  lock_path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
+                                   "started": 0}))
+  with caplog.at_level(logging.WARNING):
+    with workdir_lib.WorkdirLock(tmp_path):
+      assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+      with pytest.raises(WorkdirLockedError, match=rf"pid {os.getpid()}"):
+        workdir_lib.WorkdirLock(tmp_path).acquire()  # a second trainer, same process
+  assert any("left by a trainer that is gone" in r.getMessage() and str(dead.pid) in
+             r.getMessage() for r in caplog.records)
+  assert not lock_path.exists()
+
+
+def test_workdir_that_is_a_file_or_read_only_stops_before_anything(tmp_path, monkeypatch):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  with pytest.raises(RunError, match=r"file is a file, not a directory"):
+    train_and_evaluate(config(), a_file)
+  with pytest.raises(RunError, match=r"lies under .*file, which is a file"):
+    train_and_evaluate(config(), a_file / "sub")
+  real_open = os.open
+
+  def read_only_open(path, flags, *args):
+    if ".fastpos-probe-" in str(path):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    return real_open(path, flags, *args)
+
+  monkeypatch.setattr(workdir_lib.os, "open", read_only_open)
+  with pytest.raises(RunError, match=r"cannot create files in .*Read-only file system"):
+    train_and_evaluate(config(), tmp_path / "new" / "run")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_missing_validation_data_creates_nothing(tmp_path, monkeypatch):
+  real = tasks.make_task
+
+  def make_task(cfg):
+    task = real(cfg)
+    source = task.source
+
+    def no_validation(split):
+      if split == "validation":
+        raise FileNotFoundError("no validation data in /nowhere")
+      return source(split)
+
+    task.source = no_validation
+    return task
+
+  monkeypatch.setattr(tasks, "make_task", make_task)
+  with pytest.raises(FileNotFoundError, match="no validation data"):
+    train_and_evaluate(config(), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_disk_full_during_a_save_is_one_message(tmp_path, monkeypatch, caplog):
+  # The meta item's file write, in orbax's background save thread, finds the disk full.
+  async def full(self, x, directory):
+    del self, x
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
+  with caplog.at_level(logging.WARNING):
+    with pytest.raises(RunError, match=r"No space left on device in .*(checkpoints|best): "
+                       r"free space or use another --workdir"):
+      train_and_evaluate(config(num_train_steps=2), tmp_path / "run")
+  assert not (tmp_path / "run" / workdir_lib.LOCK_NAME).exists()
+  assert not [r for r in caplog.records if r.exc_info]  # no background tracebacks
+
+
+def test_os_error_reason_reads_tensorstore_messages():
+  err = ValueError("RESOURCE_EXHAUSTED: Failed to write 166 bytes to file 7: No space left "
+                   "on device [os_error_code='28']")
+  assert workdir_lib.os_error_reason(err) == os.strerror(errno.ENOSPC)
+  try:
+    try:
+      raise OSError(errno.EROFS, "x")
+    except OSError as e:
+      raise RuntimeError("wrapped") from e
+  except RuntimeError as wrapped:
+    assert workdir_lib.os_error_reason(wrapped) == os.strerror(errno.EROFS)
+  assert workdir_lib.os_error_reason(ValueError("bad shape")) is None
