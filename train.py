@@ -28,12 +28,9 @@ def main(argv: cli.Argv) -> int:
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
-  cli.check_workdir(workdir)
   sharding.maybe_initialize_distributed()  # before anything touches the devices
   result = train_and_evaluate(cfg, workdir)
-  if result.get("stopped_early"):
-    logging.warning("preempted at step %d; restart to continue (run the same command again).",
-                    result["step"])
+  if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
     return errors.EXIT_PREEMPTED
   logging.info("done at step %d; best %s", result["step"], result["best"])
   return errors.EXIT_OK

@@ -534,8 +534,10 @@ def run(main: Callable[[Argv], int | None], prog: str) -> None:
     _background_errors_in_one_line()
     try:
       return main(argv)
-    except KeyboardInterrupt:
-      raise
+    except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
+      return fail(prog, errors.RunError("interrupted twice: stopped without saving this step; "
+                                        "the newest checkpoint is intact, run again to resume"),
+                  errors.EXIT_INTERRUPTED)
     except Exception as e:  # pylint: disable=broad-except
       code = user_exit_code(e)
       if code is None:
@@ -549,28 +551,6 @@ def require(name: str, value: Any, example: str) -> Any:
   if value in (None, ""):
     raise errors.RunError(f"--{name} is required, e.g. {example}.")
   return value
-
-
-def check_workdir(workdir: str | os.PathLike) -> None:
-  """Stops before anything is created when ``workdir`` cannot be a folder this process writes:
-  it is a file, a part of its path is a file, or its nearest existing folder is not
-  writable (a read-only file system, no permission)."""
-  path = Path(workdir).absolute()
-  if path.exists() and not path.is_dir():
-    raise errors.RunError(f"--workdir={workdir} is a file; give a folder (it is created if "
-                          "missing).")
-  existing = path
-  while not existing.exists() and existing != existing.parent:
-    existing = existing.parent
-  if not existing.is_dir():
-    raise errors.RunError(f"--workdir={workdir}: {existing} is a file, so no folder can be made "
-                          "under it; use another --workdir.")
-  if not path.exists() and not os.access(existing, os.W_OK | os.X_OK):
-    raise errors.RunError(f"--workdir={workdir}: cannot create it in {existing} (read-only or "
-                          "no permission); use a --workdir on a writable disk.")
-  if path.exists() and not os.access(path, os.W_OK | os.X_OK):
-    raise errors.RunError(f"--workdir={workdir} is not writable (read-only or no permission); "
-                          "use a --workdir on a writable disk.")
 
 
 def no_extra_args(argv: Sequence[str]) -> None:

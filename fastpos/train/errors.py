@@ -15,6 +15,7 @@ EXIT_NONFINITE = 3    # the loss became NaN / Inf: the last good checkpoint is i
 EXIT_LOCKED = 4       # another trainer holds the workdir
 EXIT_PREEMPTED = 75   # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
                       # (75 = EX_TEMPFAIL of sysexits.h: "try again later")
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped without saving (128 + SIGINT, as shells do)
 
 
 class RunError(Exception):

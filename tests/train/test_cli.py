@@ -34,8 +34,8 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert len(steps) == 1 and 3 <= steps[0] < 100000, steps
   step = steps[0]
-  assert f"SIGTERM: saved step {step}" in log
-  assert f"preempted at step {step}; restart to continue" in log and "Traceback" not in log
+  assert f"preempted at step {step} (SIGTERM): saved" in log
+  assert "restart to continue" in log and "Traceback" not in log
   (data,) = (workdir / "checkpoints" / str(step) / "data").glob("*.json")
   assert json.loads(data.read_text()) == {"next_index": step}  # the data position
   assert json.loads((workdir / "config.json").read_text())["task"]["name"] == "synthetic"
