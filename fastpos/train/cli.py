@@ -532,6 +532,9 @@ def run(main: Callable[[Argv], int | None], prog: str) -> None:
 
   def wrapped(argv: Argv) -> int | None:
     _background_errors_in_one_line()
+    # JAX logs at INFO each accelerator plugin it probes and does not find (libtpu on every
+    # CPU or GPU machine): noise before the one line a failed run prints.
+    py_logging.getLogger("jax._src.xla_bridge").setLevel(py_logging.WARNING)
     try:
       return main(argv)
     except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
