@@ -6,7 +6,8 @@
   verbosity; ``os.environ``; the working directory; ``jax.config``) and, after the test,
   restores it and fails the test naming what it left changed. A test that must change one of
   them restores it itself (``monkeypatch``, ``caplog``, try / finally) or uses a fixture of a
-  wider scope, whose changes are part of the snapshot.
+  wider scope, whose changes are part of the snapshot. Loggers that first appear during a test
+  are a library's own set-up at its first import, and are left alone.
 """
 
 from __future__ import annotations
@@ -64,8 +65,6 @@ def _logger_state(logger: logging.Logger) -> tuple:
           tuple(logger.filters))
 
 
-# A logger created during a test (by getLogger) is left as Python creates it.
-_FRESH = (logging.NOTSET, True, False, (), ())
 # pytest's own: the phase of the running test.
 _ENV_IGNORED = ("PYTEST_CURRENT_TEST",)
 
@@ -94,20 +93,29 @@ def _restore_logger(logger: logging.Logger, state: tuple) -> None:
 
 def _restore(before: dict) -> list[str]:
   """Puts back what changed since ``before``; returns a line per change."""
-  changed = []
-  if flags.FLAGS["verbosity"].value != before["absl_verbosity"]:
-    changed.append(f"absl verbosity {before['absl_verbosity']} -> "
-                   f"{flags.FLAGS['verbosity'].value} (absl.logging.set_verbosity)")
-    # Through the flag, as set_verbosity does; the logger levels are restored below anyway.
-    flags.FLAGS.verbosity = before["absl_verbosity"]
+  changed, loggers = [], []
+  verbosity = flags.FLAGS["verbosity"].value
+  if verbosity != before["absl_verbosity"]:
+    changed.append(f"absl verbosity {before['absl_verbosity']} -> {verbosity} "
+                   "(absl.logging.set_verbosity)")
   for name, logger in _loggers().items():
-    old = before["loggers"].get(name, _FRESH)
-    new = _logger_state(logger)
+    if name not in before["loggers"]:
+      # Created during the test: a library imported for the first time set up its own
+      # logger (e.g. a NullHandler); that is the library's state, whichever test imports it.
+      continue
+    old, new = before["loggers"][name], _logger_state(logger)
     if new != old:
       fields = ("level", "propagate", "disabled", "handlers", "filters")
       diff = ", ".join(f"{f} {o!r} -> {n!r}" for f, o, n in zip(fields, old, new) if o != n)
       changed.append(f"logger {name or 'root'!r}: {diff}")
-      _restore_logger(logger, old)
+      loggers.append((logger, old))
+  if verbosity != before["absl_verbosity"]:
+    # Through the flag, as set_verbosity does (it sets logger levels: restored next).
+    flags.FLAGS.verbosity = before["absl_verbosity"]
+    loggers = [(lg, before["loggers"][n]) for n, lg in _loggers().items()
+               if n in before["loggers"]]
+  for logger, old in loggers:
+    _restore_logger(logger, old)
   env = os.environ
   if _environ() != before["environ"]:
     for key in sorted(set(_environ()) | set(before["environ"])):
