@@ -29,12 +29,14 @@ without any of these parameters writes nothing and says so (exit status 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -52,6 +54,26 @@ DEFAULT_PIXEL = (12, 10)
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
+class _OrbaxBelowError(logging.Filter):
+  """Drops orbax's records below ERROR: opened read-only on purpose, it warns that the
+  checkpoint folder is read only."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR or "/orbax/" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+  """Scopes the filter to a checkpoint read: the process's logging is left as it was."""
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  logger, quiet = absl_logging.get_absl_logger(), _OrbaxBelowError()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
 def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
   """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir."""
   import ml_collections  # pylint: disable=import-outside-toplevel
@@ -280,9 +302,8 @@ def plot_lrpe(entries: list[dict], out: Path, written: list[Path]) -> None:
 def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
                  pixel: tuple[int, int] | None = None) -> list[Path]:
   """Writes every figure that the workdir's checkpoint supports; returns the files."""
-  from absl import logging  # pylint: disable=import-outside-toplevel
-  logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only directory is read only
-  params, meta = load_checkpoint(workdir, which)
+  with _quiet_orbax():
+    params, meta = load_checkpoint(workdir, which)
   task = meta["config"]["task"]
   grid = tuple(task["grid"]) if task.get("grid") else None
   options = meta["config"]["model"].get("positional_options", {})

@@ -1,6 +1,147 @@
-"""Test-wide JAX settings: float64 available, implicit rank promotion is an error."""
+"""Test-wide settings, and a guard that keeps every test from seeing what another one left.
+
+* JAX: float64 available, implicit rank promotion is an error.
+* ``_process_state_guard`` (autouse): snapshots the process state that a test can change by
+  accident (the logging tree: levels, handlers, filters, propagation of every logger, absl's
+  verbosity; ``os.environ``; the working directory; ``jax.config``) and, after the test,
+  restores it and fails the test naming what it left changed. A test that must change one of
+  them restores it itself (``monkeypatch``, ``caplog``, try / finally) or uses a fixture of a
+  wider scope, whose changes are part of the snapshot. Loggers that first appear during a test
+  are a library's own set-up at its first import, and are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
 
 import jax
+import pytest
+from absl import flags
+from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
+
+from fastpos.train import metrics
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The tests' programs are tiny: compiling them is most of the suite's time, and XLA's CPU
+# backend compiles about a quarter faster without its LLVM optimisations (same results up to
+# round-off, which every comparison allows for). Only this process: XLA reads XLA_FLAGS once,
+# at its first compile, so the variable is set for that compile and restored at once, and the
+# programs the tests start (train.py, sweeps, benchmarks) compile as users' do.
+_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _compile_fast() -> None:
+  before = os.environ.get("XLA_FLAGS")
+  os.environ["XLA_FLAGS"] = f"{before or ''} {_FAST_COMPILE_FLAGS}".strip()
+  try:
+    jax.jit(lambda x: x + 1)(0).block_until_ready()
+  finally:
+    if before is None:
+      del os.environ["XLA_FLAGS"]
+    else:
+      os.environ["XLA_FLAGS"] = before
+
+
+_compile_fast()
+# The trainer drops orbax's and grain's INFO records (a filter on the absl logger, added once
+# per process by train_and_evaluate / evaluate): added here, it is part of every test's
+# starting state whichever test trains first.
+metrics.quiet_library_logs()
+
+
+def _loggers() -> dict[str, logging.Logger]:
+  out = {"": logging.getLogger()}
+  for name, logger in list(logging.Logger.manager.loggerDict.items()):
+    if isinstance(logger, logging.Logger):
+      out[name] = logger
+  return out
+
+
+def _logger_state(logger: logging.Logger) -> tuple:
+  return (logger.level, logger.propagate, logger.disabled, tuple(logger.handlers),
+          tuple(logger.filters))
+
+
+# pytest's own: the phase of the running test.
+_ENV_IGNORED = ("PYTEST_CURRENT_TEST",)
+
+
+def _environ() -> dict[str, str]:
+  return {k: v for k, v in os.environ.items() if k not in _ENV_IGNORED}
+
+
+def _snapshot() -> dict:
+  return {
+      "loggers": {name: _logger_state(lg) for name, lg in _loggers().items()},
+      "absl_verbosity": flags.FLAGS["verbosity"].value,
+      "environ": _environ(),
+      "cwd": os.getcwd(),
+      "jax_config": jax.config.values,
+  }
+
+
+def _restore_logger(logger: logging.Logger, state: tuple) -> None:
+  level, propagate, disabled, handlers, filters = state
+  logger.setLevel(level)
+  logger.propagate, logger.disabled = propagate, disabled
+  logger.handlers[:] = list(handlers)
+  logger.filters[:] = list(filters)
+
+
+def _restore(before: dict) -> list[str]:
+  """Puts back what changed since ``before``; returns a line per change."""
+  changed, loggers = [], []
+  verbosity = flags.FLAGS["verbosity"].value
+  if verbosity != before["absl_verbosity"]:
+    changed.append(f"absl verbosity {before['absl_verbosity']} -> {verbosity} "
+                   "(absl.logging.set_verbosity)")
+  for name, logger in _loggers().items():
+    if name not in before["loggers"]:
+      # Created during the test: a library imported for the first time set up its own
+      # logger (e.g. a NullHandler); that is the library's state, whichever test imports it.
+      continue
+    old, new = before["loggers"][name], _logger_state(logger)
+    if new != old:
+      fields = ("level", "propagate", "disabled", "handlers", "filters")
+      diff = ", ".join(f"{f} {o!r} -> {n!r}" for f, o, n in zip(fields, old, new) if o != n)
+      changed.append(f"logger {name or 'root'!r}: {diff}")
+      loggers.append((logger, old))
+  if verbosity != before["absl_verbosity"]:
+    # Through the flag, as set_verbosity does (it sets logger levels: restored next).
+    flags.FLAGS.verbosity = before["absl_verbosity"]
+    loggers = [(lg, before["loggers"][n]) for n, lg in _loggers().items()
+               if n in before["loggers"]]
+  for logger, old in loggers:
+    _restore_logger(logger, old)
+  env = os.environ
+  if _environ() != before["environ"]:
+    for key in sorted(set(_environ()) | set(before["environ"])):
+      old, new = before["environ"].get(key), env.get(key)
+      if old != new:
+        changed.append(f"os.environ[{key!r}]: {old!r} -> {new!r}")
+        if old is None:
+          del env[key]
+        else:
+          env[key] = old
+  if os.getcwd() != before["cwd"]:
+    changed.append(f"working directory {before['cwd']} -> {os.getcwd()}")
+    os.chdir(before["cwd"])
+  now = jax.config.values
+  for key, old in before["jax_config"].items():
+    if now.get(key) != old:
+      changed.append(f"jax.config {key}: {old!r} -> {now.get(key)!r}")
+      jax.config.update(key, old)
+  return changed
+
+
+@pytest.fixture(autouse=True)
+def _process_state_guard():
+  before = _snapshot()
+  yield
+  changed = _restore(before)
+  if changed:
+    pytest.fail("the test left process state changed (restored now; restore it in the test "
+                "or its fixture):\n  " + "\n  ".join(changed), pytrace=False)

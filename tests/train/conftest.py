@@ -1,5 +1,9 @@
 """Trainer tests compile the same tiny train / eval steps in several runs: a persistent
-compilation cache (a temporary folder, for this package only) compiles each once."""
+compilation cache (a temporary folder, for this package only) compiles each once.
+
+In a random order the package's tests come in several stretches, between which the fixture is
+torn down; the folder is the same for all of them (one per test process), so each stretch
+finds what the earlier ones compiled."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ def _compilation_cache(tmp_path_factory):
           "jax_persistent_cache_min_entry_size_bytes")
   previous = {k: getattr(jax.config, k) for k in keys}
   compilation_cache.reset_cache()
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  cache = tmp_path_factory.getbasetemp() / "train_jax_cache"
+  cache.mkdir(exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(cache))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   yield
