@@ -29,14 +29,12 @@ without any of these parameters writes nothing and says so (exit status 0).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -54,26 +52,6 @@ DEFAULT_PIXEL = (12, 10)
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
-class _OrbaxBelowError(logging.Filter):
-  """Drops orbax's records below ERROR: opened read-only on purpose, it warns that the
-  checkpoint folder is read only."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR or "/orbax/" not in record.pathname.replace("\\", "/")
-
-
-@contextlib.contextmanager
-def _quiet_orbax() -> Iterator[None]:
-  """Scopes the filter to a checkpoint read: the process's logging is left as it was."""
-  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
-  logger, quiet = absl_logging.get_absl_logger(), _OrbaxBelowError()
-  logger.addFilter(quiet)
-  try:
-    yield
-  finally:
-    logger.removeFilter(quiet)
-
-
 def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
   """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir."""
   import ml_collections  # pylint: disable=import-outside-toplevel
@@ -302,7 +280,8 @@ def plot_lrpe(entries: list[dict], out: Path, written: list[Path]) -> None:
 def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
                  pixel: tuple[int, int] | None = None) -> list[Path]:
   """Writes every figure that the workdir's checkpoint supports; returns the files."""
-  with _quiet_orbax():
+  from fastpos.train import metrics  # pylint: disable=import-outside-toplevel
+  with metrics.quiet_library_logs():  # orbax warns that a read-only folder is read only
     params, meta = load_checkpoint(workdir, which)
   task = meta["config"]["task"]
   grid = tuple(task["grid"]) if task.get("grid") else None

@@ -20,7 +20,6 @@ import pytest
 from absl import flags
 from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
 
-from fastpos.train import metrics
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -46,10 +45,6 @@ def _compile_fast() -> None:
 
 
 _compile_fast()
-# The trainer drops orbax's and grain's INFO records (a filter on the absl logger, added once
-# per process by train_and_evaluate / evaluate): added here, it is part of every test's
-# starting state whichever test trains first.
-metrics.quiet_library_logs()
 
 
 def _loggers() -> dict[str, logging.Logger]:

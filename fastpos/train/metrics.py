@@ -13,12 +13,13 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as std_logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -50,7 +51,7 @@ def summarize(metrics: Mapping[str, Any], *, perplexity: bool = False) -> dict[s
 _REPORTED_AGAIN = ("raised an exception", "Failed to run", "Save Finalize thread")
 
 
-class _LibraryInfoFilter(std_logging.Filter):
+class _LibraryFilter(std_logging.Filter):
   """Drops the per-save INFO chatter of orbax and grain (their warnings still show), and
   orbax's logs of background save errors that the main thread raises again."""
 
@@ -64,14 +65,16 @@ class _LibraryInfoFilter(std_logging.Filter):
                 any(s in record.getMessage() for s in _REPORTED_AGAIN))
 
 
-_FILTER = _LibraryInfoFilter()
-
-
-def quiet_library_logs() -> None:
-  """Keeps the log readable: progress lines, not checkpoint-library internals."""
-  logger = logging.get_absl_logger()
-  if _FILTER not in logger.filters:
-    logger.addFilter(_FILTER)
+@contextlib.contextmanager
+def quiet_library_logs() -> Iterator[None]:
+  """Keeps the log readable while it is entered: progress lines, not checkpoint-library
+  internals. The process's logging is as it was afterwards."""
+  logger, quiet = logging.get_absl_logger(), _LibraryFilter()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
 
 
 def first_nonfinite(steps: list[int], metrics: list[Mapping[str, Any]]) -> int | None:

@@ -359,7 +359,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       it loads, or the training data changed size.
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
   """
-  metrics_lib.quiet_library_logs()
+  with metrics_lib.quiet_library_logs():
+    return _train_and_evaluate(config, workdir, model)
+
+
+def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
   run = _Run(config, workdir, model)
   cfg = run.cfg
   train_src = run.task.source("train")  # missing data stops here, before anything is made
@@ -538,7 +542,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str 
     raise ValueError(f"checkpoint must be 'best' or 'latest'; got {checkpoint!r}.")
   if split not in tasks.SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(tasks.SPLITS)}.")
-  metrics_lib.quiet_library_logs()
+  with metrics_lib.quiet_library_logs():
+    return _evaluate(config, workdir, split, checkpoint, model)
+
+
+def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
   run = _Run(config, workdir, model)
   run.task.source(split)  # missing data stops here
   if run.workdir.exists() and not run.workdir.is_dir():
