@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from fastpos.train import cli, errors, train_and_evaluate, sharding
+from fastpos.train import cli, errors, sharding, train_and_evaluate
 
 _CONFIG = flags.DEFINE_string(
     "config", None, "experiment config: configs/<experiment>.py[:variant]; override any field "

@@ -5,7 +5,8 @@ Command: python train.py --config=configs/lra_listops_lrpe.py --workdir=/tmp/lra
 Cells:   python train.py --config=configs/lra_listops_lrpe.py:pe=type1 (pe: base rope per type1 type2 type3) --workdir=/tmp/lra_listops_lrpe_cell
 Then:    python eval.py --config=configs/lra_listops_lrpe.py --workdir=/tmp/lra_listops_lrpe --split=test
 Hardware: one GPU; ":tiny" builds a small model for a CPU check (data still needed).
-Paper: LRPE (Qin et al. 2023) Table 4: Type1 39.84, Type2 39.79, RoPE 40.57, Base 39.17 (accuracy %).
+Paper: LRPE (Qin et al. 2023) Table 4: Type1 39.84, Type2 39.79, RoPE 40.57, Base 39.17
+(accuracy %).
 Settings: LRA's base config for the task (fastpos/train/experiments.py: LRA_TASKS), the
 table's rows and columns and the paper's numbers in experiments.py (recorded in the run's
 config.json as config.experiment / config.paper for scripts/make_tables.py).

@@ -1,5 +1,5 @@
-"""LRA Retrieval (AAN pairs, 2 x 4K): LRPE Table 4, linear attention (ELU+1, BatchNorm blocks) with RoPE,
-PermuteFormer or LRPE Types 1-3.
+"""LRA Retrieval (AAN pairs, 2 x 4K): LRPE Table 4, linear attention (ELU+1, BatchNorm blocks) with
+RoPE, PermuteFormer or LRPE Types 1-3.
 
 Command: python train.py --config=configs/lra_retrieval_lrpe.py --workdir=/tmp/lra_retrieval_lrpe
 Cells:   python train.py --config=configs/lra_retrieval_lrpe.py:pe=type1 (pe: base rope per type1 type2 type3) --workdir=/tmp/lra_retrieval_lrpe_cell

@@ -5,7 +5,8 @@ Command: python train.py --config=configs/lra_text_lrpe.py --workdir=/tmp/lra_te
 Cells:   python train.py --config=configs/lra_text_lrpe.py:pe=type1 (pe: base rope per type1 type2 type3) --workdir=/tmp/lra_text_lrpe_cell
 Then:    python eval.py --config=configs/lra_text_lrpe.py --workdir=/tmp/lra_text_lrpe --split=test
 Hardware: one GPU; ":tiny" builds a small model for a CPU check (data still needed).
-Paper: LRPE (Qin et al. 2023) Table 4: Type1 66.80, Type2 66.52, RoPE 66.53, Base 64.81 (accuracy %).
+Paper: LRPE (Qin et al. 2023) Table 4: Type1 66.80, Type2 66.52, RoPE 66.53, Base 64.81
+(accuracy %).
 Settings: LRA's base config for the task (fastpos/train/experiments.py: LRA_TASKS), the
 table's rows and columns and the paper's numbers in experiments.py (recorded in the run's
 config.json as config.experiment / config.paper for scripts/make_tables.py).

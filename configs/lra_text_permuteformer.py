@@ -1,11 +1,13 @@
-"""LRA Text (IMDB bytes, 4K): PermuteFormer Table 1, one row per model (Transformer, sinusoidal, Performer,
-RoFormer, PermuteFormer, PermuteFormer w/o 2D positions).
+"""LRA Text (IMDB bytes, 4K): PermuteFormer Table 1, one row per model (Transformer, sinusoidal,
+Performer, RoFormer, PermuteFormer, PermuteFormer w/o 2D positions).
 
 Command: python train.py --config=configs/lra_text_permuteformer.py --workdir=/tmp/lra_text_permuteformer
 Cells:   python train.py --config=configs/lra_text_permuteformer.py:model=performer (model: transformer sinusoidal performer roformer permuteformer permuteformer_1d) --workdir=/tmp/lra_text_permuteformer_cell
 Then:    python eval.py --config=configs/lra_text_permuteformer.py --workdir=/tmp/lra_text_permuteformer --split=test
-Hardware: one GPU (the paper: 8 V100s; Table 2 gives epoch times); ":tiny" builds a small model for a CPU check (data still needed).
-Paper: PermuteFormer (Chen 2021) Table 1: PermuteFormer 65.95, Performer 63.95, Transformer 63.99 (accuracy %, mean of 5 runs).
+Hardware: one GPU (the paper: 8 V100s; Table 2 gives epoch times); ":tiny" builds a small model for
+a CPU check (data still needed).
+Paper: PermuteFormer (Chen 2021) Table 1: PermuteFormer 65.95, Performer 63.95, Transformer 63.99
+(accuracy %, mean of 5 runs).
 Settings: LRA's base config for the task (fastpos/train/experiments.py: LRA_TASKS), the
 table's rows and columns and the paper's numbers in experiments.py (recorded in the run's
 config.json as config.experiment / config.paper for scripts/make_tables.py).

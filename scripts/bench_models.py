@@ -32,8 +32,15 @@ import optax
 import bench_measure as bm
 from bench_ops import exponent_lengths
 from fastpos import compat, positional
-from fastpos.models import (Attention, AttentionConfig, KernelSpec, PositionalSpec, TaskInfo,
-                            build_model, model_config)
+from fastpos.models import (
+  Attention,
+  AttentionConfig,
+  KernelSpec,
+  PositionalSpec,
+  TaskInfo,
+  build_model,
+  model_config,
+)
 
 HEADS, DIM = 8, 64
 

@@ -55,6 +55,7 @@ DEFAULT_PIXEL = (12, 10)
 def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
   """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir."""
   import ml_collections  # pylint: disable=import-outside-toplevel
+
   from fastpos.train.checkpoint import Checkpoints  # pylint: disable=import-outside-toplevel
   config_path = workdir / "config.json"
   if not config_path.exists():

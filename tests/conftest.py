@@ -20,7 +20,6 @@ import pytest
 from absl import flags
 from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
 
-
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

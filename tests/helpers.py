@@ -17,9 +17,9 @@ def assert_causal_jacobian(jac, n: int, *, in_axis: int, rtol: float = 0.0) -> N
   """Checks that output i never depends on input j > i.
 
   jac: ``[n, ..., n, ...]`` with the output position first and the input position at axis
-  ``in_axis`` (its size must be n). With ``rtol=0`` the future entries must be exactly zero (dense and chunked
-  paths). FFT paths mix every input into every output through the transform, so their future
-  entries are float64 round-off: pass ``rtol`` (e.g. 1e-12) to bound them relative to the
+  ``in_axis`` (its size must be n). With ``rtol=0`` the future entries must be exactly zero (dense
+  and chunked paths). FFT paths mix every input into every output through the transform, so their
+  future entries are float64 round-off: pass ``rtol`` (e.g. 1e-12) to bound them relative to the
   largest entry, which still tells apart a real leak (of order 1). Some past entry must be
   nonzero, so an all-zero Jacobian does not pass.
   """

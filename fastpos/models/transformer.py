@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import positional
-from fastpos.models.attention import AttentionConfig, PositionalSpec
+from fastpos.models.attention import AttentionConfig
 from fastpos.models.blocks import Block
 from fastpos.ops.masks import check_mask
 

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from fastpos.ops.masks import check_mask
 
+
 # ---------------------------------------------------------------------------------------------
 # Validation and dtype helpers (static shapes only)
 # ---------------------------------------------------------------------------------------------

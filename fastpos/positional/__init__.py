@@ -11,8 +11,16 @@ import importlib
 import re
 from typing import Mapping
 
-from fastpos.positional.base import (Context, Dims, KernelInfo, KVMix, Scheme, center_slice,
-                                     center_slice_2d, positions_2d)
+from fastpos.positional.base import (
+  Context,
+  Dims,
+  KernelInfo,
+  KVMix,
+  Scheme,
+  center_slice,
+  center_slice_2d,
+  positions_2d,
+)
 
 # Modules holding schemes, in the order of the compatibility table.
 SCHEME_MODULES = ("none", "absolute", "fastrpb", "kernelized_rpe", "rope", "lrpe",

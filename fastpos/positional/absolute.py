@@ -17,7 +17,6 @@ shift tests of the relative schemes do not apply to it.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from fastpos.positional.base import Context, KernelInfo, Scheme

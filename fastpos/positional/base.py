@@ -22,7 +22,7 @@ Parameters are created in ``setup()`` from ``dims`` (static sizes: heads, head d
 dim, the longest length and the largest grid), so one set of parameters serves every
 sequence length up to ``dims.max_length``; tables indexed by offset are sliced to the batch's
 length with ``center_slice`` / ``center_slice_2d``.
-"""
+"""  # noqa: E501 (the hook table's rows are wider than a line)
 
 from __future__ import annotations
 

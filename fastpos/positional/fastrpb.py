@@ -30,8 +30,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fastpos.ops import toeplitz
-from fastpos.positional.base import (Context, KernelInfo, Scheme, center_slice,
-                                     center_slice_2d)
+from fastpos.positional.base import Context, KernelInfo, Scheme, center_slice, center_slice_2d
 
 MODES_2D = ("axial", "full")
 

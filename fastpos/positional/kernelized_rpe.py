@@ -26,8 +26,14 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from fastpos.positional.base import (Context, KernelInfo, KVMix, Scheme, center_slice,
-                                     center_slice_2d)
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  KVMix,
+  Scheme,
+  center_slice,
+  center_slice_2d,
+)
 
 
 class KernelizedRPE(Scheme):

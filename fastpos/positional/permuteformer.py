@@ -27,16 +27,16 @@ rejected (``compatibility``): there r^(i-j) grows without bound for keys after t
 breaking Property 2 (bounded), which is why the paper fixes r = 1 there; a symmetric
 r^|i-j| is not in the paper and cannot be factored into per-position features.
 
-2D (Sec. 3.5, Eq. 14): ``(P_x^{x_i} P_y^{y_i} phi(q_i))^T (P_x^{x_j} P_y^{y_j} phi(k_j))`` with
-two commuting permutations (x: column, y: row). Following the paper's words ("we permute some elements of the
-query / key feature according to a pixel's horizontal position, while others according to its
+2D (Sec. 3.5, Eq. 14): ``(P_x^{x_i} P_y^{y_i} phi(q_i))^T (P_x^{x_j} P_y^{y_j} phi(k_j))`` with two
+commuting permutations (x: column, y: row). Following the paper's words ("we permute some elements
+of the query / key feature according to a pixel's horizontal position, while others according to its
 vertical position"), pi_row permutes the first ceil(m/2) features only and pi_col the other
 floor(m/2): permutations of disjoint sets commute, so ``P^(r,c) = P_row^r P_col^c`` and
-``(P^(r,c))^T P^(r',c') = P_row^(r'-r) P_col^(c'-c)``: the score depends on the (row, column)
-offset only. (Powers of a single permutation would also commute, but then the score would
-depend on a combination of the two offsets, and rows and columns would share one period.)
-The two halves get independent random permutations; m >= 4 is needed (each half >= 2 features
-to move). A causal 2D model's decay is r^(raster distance) = r^(W dr + dc), still relative.
+``(P^(r,c))^T P^(r',c') = P_row^(r'-r) P_col^(c'-c)``: the score depends on the (row, column) offset
+only. (Powers of a single permutation would also commute, but then the score would depend on a
+combination of the two offsets, and rows and columns would share one period.) The two halves get
+independent random permutations; m >= 4 is needed (each half >= 2 features to move). A causal 2D
+model's decay is r^(raster distance) = r^(W dr + dc), still relative.
 
 Options and init (nothing is learned; there are no parameters, as in the paper, which treats
 pi and r as hyper-parameters):

@@ -65,8 +65,7 @@ import flax.linen as nn
 import numpy as np
 
 from fastpos.ops import toeplitz
-from fastpos.positional.base import (Context, KernelInfo, Scheme, center_slice,
-                                     center_slice_2d)
+from fastpos.positional.base import Context, KernelInfo, Scheme, center_slice, center_slice_2d
 
 
 def check_options(bucketed, num_buckets, max_distance, share_across_layers=False) -> None:

@@ -52,8 +52,7 @@ import ml_collections
 import numpy as np
 
 from fastpos.models.config import TaskInfo
-from fastpos.tasks import base
-from fastpos.tasks import tfds_source
+from fastpos.tasks import base, tfds_source
 
 VOCAB_SIZE = 257  # 256 intensities + padding
 CACHE_VERSION = 1

@@ -49,8 +49,8 @@ import json
 import os
 from typing import Iterator, Sequence
 
-from absl import logging
 import numpy as np
+from absl import logging
 
 from fastpos.tasks import paths
 

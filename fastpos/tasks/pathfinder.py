@@ -58,9 +58,9 @@ import json
 import os
 from typing import NamedTuple
 
-from absl import logging
 import ml_collections
 import numpy as np
+from absl import logging
 from PIL import Image
 
 from fastpos.models.config import TaskInfo

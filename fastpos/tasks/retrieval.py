@@ -43,9 +43,9 @@ import json
 import os
 from typing import Iterator
 
-from absl import logging
 import ml_collections
 import numpy as np
+from absl import logging
 
 from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths

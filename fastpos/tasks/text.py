@@ -34,13 +34,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from absl import logging
 import ml_collections
 import numpy as np
+from absl import logging
 
 from fastpos.models.config import TaskInfo
-from fastpos.tasks import base
-from fastpos.tasks import tfds_source
+from fastpos.tasks import base, tfds_source
 
 TFDS_NAME = "imdb_reviews/plain_text"
 VOCAB_SIZE = 257  # 256 byte values + padding

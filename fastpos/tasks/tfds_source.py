@@ -30,8 +30,8 @@ import re
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from absl import logging
 import numpy as np
+from absl import logging
 
 from fastpos.tasks import paths
 

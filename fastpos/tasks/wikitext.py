@@ -67,9 +67,9 @@ import math
 import os
 from typing import Iterator, Sequence
 
-from absl import logging
 import ml_collections
 import numpy as np
+from absl import logging
 
 from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths

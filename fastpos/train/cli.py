@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ml_collections
-from absl import app, flags
-from absl import logging
+from absl import app, flags, logging
 
 from fastpos.train import errors
 

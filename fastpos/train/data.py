@@ -31,7 +31,6 @@ import numpy as np
 
 from fastpos.tasks.base import ArraySource
 
-
 _ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
 

@@ -330,8 +330,8 @@ def mnist_table2(arg: str | None) -> ml_collections.ConfigDict:
 # ---------------------------------------------------------------------------------------------
 # PermuteFormer Sec. 4.2.1: fairseq's transformer_lm recipe (examples/language_model) with 6
 # layers, width 512, FFN 1024, 8 heads, segments of 512; r in [0.88, 0.99] per head
-# (decay="paper": permuteformer.paper_decays). fairseq's command: Adam (0.9, 0.98), lr 5e-4, inverse-sqrt
-# after 4000 warmup steps, weight decay 0.01, no clipping, dropout 0.1, 50k updates of
+# (decay="paper": permuteformer.paper_decays). fairseq's command: Adam (0.9, 0.98), lr 5e-4,
+# inverse-sqrt after 4000 warmup steps, weight decay 0.01, no clipping, dropout 0.1, 50k updates of
 # 2048 tokens x 16 (update-freq) = 64 segments. Sinusoidal absolute positions (fairseq's
 # default) except for PermuteFormer ("Absolute position embedding is disabled").
 WIKITEXT_PERMUTEFORMER_SETTINGS = dict(

@@ -17,7 +17,8 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 

@@ -58,8 +58,13 @@ from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import (CheckpointLoadError, Checkpoints, check_compatible,
-                                      config_meta, quiet_closed_event_loop)
+from fastpos.train.checkpoint import (
+  CheckpointLoadError,
+  Checkpoints,
+  check_compatible,
+  config_meta,
+  quiet_closed_event_loop,
+)
 from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
 from fastpos.train.steps import make_eval_step, make_train_step

@@ -11,7 +11,6 @@ every incompatible cell raises the configuration error.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax

@@ -1,6 +1,5 @@
 """Tests for fastpos.ops.features: formulas, shapes, unbiasedness, stabilisers, errors."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -409,7 +408,8 @@ def test_bad_input():
   _raises(lambda: F.is_nonnegative("rff"), "'rff'")
   for name in RANDOM:
     _raises(lambda: F.feature_map(name, x), name, "None")
-  _raises(lambda: F.feature_map("prf", x, projection=jnp.zeros((M, D + 3))), str(D + 3), f"[m, {D}]")
+  _raises(lambda: F.feature_map("prf", x, projection=jnp.zeros((M, D + 3))), str(D + 3),
+          f"[m, {D}]")
   _raises(lambda: F.favor(x, jnp.zeros((H + 1, M, D)), is_query=True), str(H + 1), f"heads={H}")
   _raises(lambda: F.trf(x, jnp.zeros((2, H, M, D))), str((2, H, M, D)))
   _raises(lambda: F.feature_map("elu1", x, projection=w), "'elu1'", "no projection")

@@ -15,8 +15,7 @@ import pytest
 
 from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo
-from fastpos.positional import lrpe
+from fastpos.positional import Context, Dims, KernelInfo, lrpe
 from tests.helpers import rel_err as _real_rel_err
 
 HEADS = 2

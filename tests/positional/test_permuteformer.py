@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from fastpos import compat, positional
-from fastpos.positional import Context, Dims, KernelInfo, KVMix
-from fastpos.positional import permuteformer
+from fastpos.positional import Context, Dims, KernelInfo, KVMix, permuteformer
 from tests.helpers import rel_err
 
 HEADS, F = 3, 8

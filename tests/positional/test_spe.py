@@ -18,8 +18,7 @@ import pytest
 
 from fastpos import compat, positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo
-from fastpos.positional import spe
+from fastpos.positional import Context, Dims, KernelInfo, spe
 from tests.helpers import rel_err
 
 B, H, D = 2, 2, 3

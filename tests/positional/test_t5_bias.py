@@ -13,8 +13,7 @@ import pytest
 
 from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo
-from fastpos.positional import t5_bias
+from fastpos.positional import Context, Dims, KernelInfo, t5_bias
 from tests.helpers import rel_err
 
 HEADS = 3

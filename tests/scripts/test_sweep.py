@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import make_tables  # noqa: E402
 import plot_positional  # noqa: E402
 import sweep  # noqa: E402
-
 from fastpos.ops import toeplitz  # noqa: E402
 
 CONFIG = "configs/listops_generated.py:tiny"

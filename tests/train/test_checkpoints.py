@@ -22,8 +22,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from fastpos import tasks
-from fastpos.train import NonFiniteLossError, RunError, WorkdirLockedError, evaluate
-from fastpos.train import train_and_evaluate
+from fastpos.train import (
+  NonFiniteLossError,
+  RunError,
+  WorkdirLockedError,
+  evaluate,
+  train_and_evaluate,
+)
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import workdir as workdir_lib
@@ -126,7 +131,7 @@ def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_pa
   _assert_trees_equal(runs["full"]["state"], resumed["state"])  # replayed 5 and 6 exactly
   assert _rows(workdir) == _rows(runs["root"] / "full")
   assert (workdir / "checkpoints" / "5.corrupt").is_dir()  # kept, moved aside
-  assert any(f"checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
+  assert any("checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
              for r in caplog.records)
 
 

@@ -27,9 +27,9 @@ from fastpos import tasks
 from fastpos.models import TaskInfo, build_model
 from fastpos.train import data as data_lib
 from fastpos.train import evaluate, train_and_evaluate
+from fastpos.train import steps as steps_lib
 from fastpos.train.config import base_config
 from fastpos.train.state import TrainState
-from fastpos.train import steps as steps_lib
 from fastpos.train.steps import loss_and_metrics, make_train_step, model_inputs
 from tests.helpers import rel_err
 
