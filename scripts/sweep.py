@@ -92,7 +92,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fastpos.train import errors  # noqa: E402  (loads jax: configs need it anyway)
+from fastpos.train import cli, errors  # noqa: E402  (loads jax: configs need it anyway)
 
 MODES = ("sequential", "gpus", "print")
 # A child's exit code -> (status, what it means for the sweep). The codes are train.py /
@@ -202,27 +202,9 @@ def config_argv(config_path: Path, base_arg: str | None, overrides: dict[str, st
 
 def load_config(config_path: Path, arg: str | None, overrides: dict[str, str]):
   """The ConfigDict train.py would build from these flags (``fastpos.train.cli``)."""
-  from fastpos.train import cli  # pylint: disable=import-outside-toplevel
   arg = merge_arg(arg, {k[4:]: v for k, v in overrides.items() if k.startswith("arg.")})
   return cli.load_config(config_flag(config_path, arg)[len("--config="):],
                          [(k, v) for k, v in overrides.items() if not k.startswith("arg.")])
-
-
-def config_keys(cfg, prefix: str = "") -> list[str]:
-  """Every field path of a ConfigDict, blocks and leaves (``model``, ``model.kernel``...)."""
-  out = []
-  for k in cfg.keys():
-    path = f"{prefix}{k}"
-    out.append(path)
-    v = cfg[k]
-    if hasattr(v, "keys") and callable(v.keys):
-      out.extend(config_keys(v, path + "."))
-  return out
-
-
-def _nearby(key: str, keys: list[str]) -> list[str]:
-  from fastpos.train import cli  # pylint: disable=import-outside-toplevel
-  return cli.nearby(key, keys)
 
 
 def _last_line(e: Exception) -> str:
@@ -244,7 +226,7 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
   except Exception as e:  # a broken config file or config argument
     raise ValueError(f"cannot load {config_flag(config_path, arg)[9:]}: "
                      f"{type(e).__name__}: {_last_line(e)}") from e
-  keys = config_keys(base)
+  keys = cli.config_keys(base)
   for key, values in grid:
     if key.startswith("arg."):  # a get_config argument: its names are checked on loading
       if any("," in v for v in values):
@@ -254,7 +236,7 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
       raise ValueError(
           f"unknown override key {key!r}: {config_path.name}"
           f"{':' + arg if arg else ''} has no field config.{key}. Nearby valid keys: "
-          f"{', '.join(_nearby(key, keys))}.")
+          f"{', '.join(cli.nearby(key, keys))}.")
     if key in keys and hasattr(base[key], "keys"):
       raise ValueError(f"override key {key!r} is a block of the config, not a field; set its "
                        f"fields ({', '.join(list(base[key].keys())[:8])}).")

@@ -467,17 +467,12 @@ def _bad_row(path: str, line_no: int, what: str) -> ValueError:
 def _tsv_lines(path: str) -> Iterator[tuple[int, str]]:
   """(line number, text without its line end) of every line; CRLF and LF ends are read
   alike. A line that is not UTF-8 names the file, the line and the byte."""
-  with open(path, "rb") as f:
-    for line_no, raw in enumerate(f, start=1):
-      if raw.endswith(b"\n"):
-        raw = raw[:-1]
-      if raw.endswith(b"\r"):
-        raw = raw[:-1]
-      try:
-        yield line_no, raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise _bad_row(path, line_no, f"not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                       f"{e.start + 1}); the LRA files are ASCII.") from None
+  for line_no, raw in paths.read_lines(path):
+    try:
+      yield line_no, raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise _bad_row(path, line_no, f"not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                     f"{e.start + 1}); the LRA files are ASCII.") from None
 
 
 def _tsv_rows(path: str) -> Iterator[tuple[int, str, int, np.ndarray]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -94,3 +94,15 @@ def save_atomic(path: str, write: Callable) -> None:
 def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> None:
   """``np.savez`` of ``arrays`` to ``path``, atomically (``save_atomic``)."""
   save_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
+  """(line number from 1, the line's bytes without its end) of a text file; LF and CRLF ends
+  are read alike. Bytes, so that a reader decodes (and names a bad line) itself."""
+  with open(path, "rb") as f:
+    for line_no, line in enumerate(f, start=1):
+      if line.endswith(b"\n"):
+        line = line[:-1]
+      if line.endswith(b"\r"):
+        line = line[:-1]
+      yield line_no, line

@@ -125,24 +125,19 @@ def read_tsv(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str, byte
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"LRA Retrieval file {path!r} not found.")
-  with open(path, "rb") as f:
-    for line_no, line in enumerate(f, start=1):
-      if line.endswith(b"\n"):
-        line = line[:-1]
-      if line.endswith(b"\r"):
-        line = line[:-1]
-      if not line:
-        raise _bad_line(path, line_no, "empty line (expected 5 tab-separated columns "
-                       f"{', '.join(COLUMNS)}).")
-      cols = line.split(b"\t")
-      if len(cols) != len(COLUMNS):
-        raise _bad_line(path, line_no, f"expected {len(COLUMNS)} tab-separated columns "
-                       f"({', '.join(COLUMNS)}), got {len(cols)}.")
-      label = _LABELS.get(cols[0].strip())
-      if label is None:
-        raise _bad_line(path, line_no, f"label {cols[0][:20]!r} is not 0 or 1.")
-      yield (line_no, label, cols[1].decode("utf-8", "replace"),
-             cols[2].decode("utf-8", "replace"), cols[3], cols[4])
+  for line_no, line in paths.read_lines(path):
+    if not line:
+      raise _bad_line(path, line_no, "empty line (expected 5 tab-separated columns "
+                     f"{', '.join(COLUMNS)}).")
+    cols = line.split(b"\t")
+    if len(cols) != len(COLUMNS):
+      raise _bad_line(path, line_no, f"expected {len(COLUMNS)} tab-separated columns "
+                     f"({', '.join(COLUMNS)}), got {len(cols)}.")
+    label = _LABELS.get(cols[0].strip())
+    if label is None:
+      raise _bad_line(path, line_no, f"label {cols[0][:20]!r} is not 0 or 1.")
+    yield (line_no, label, cols[1].decode("utf-8", "replace"),
+           cols[2].decode("utf-8", "replace"), cols[3], cols[4])
 
 
 # ----------------------------------------------------------------------- splits
