@@ -34,7 +34,7 @@ from fastpos.train import metrics as metrics_lib
 from fastpos.train import workdir as workdir_lib
 from fastpos.train.checkpoint import CheckpointLoadError
 from fastpos.train.tensorboard import read_scalars
-from tests.train.common import tiny_config
+from tests.train.common import assert_trees_equal, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # Rows at steps 2, 4, 6; validation at 3 and 6; checkpoints at 2, 3, 4, 6 (the last 3 kept).
@@ -44,14 +44,6 @@ SETTINGS = {"num_train_steps": 6, "log_every_steps": 2, "eval_every_steps": 3,
 
 def config(**overrides):
   return tiny_config(**{**SETTINGS, **overrides})
-
-
-def _assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(jax.device_get(a))
-  lb, tb = jax.tree.flatten(jax.device_get(b))
-  assert ta == tb and len(la) > 0
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _rows(workdir):
@@ -108,7 +100,7 @@ def test_sigint_saves_and_the_resumed_run_equals_the_uninterrupted_one(runs, tmp
   assert not (workdir / workdir_lib.LOCK_NAME).exists()  # released on the way out
   resumed = train_and_evaluate(config(), workdir)
   assert resumed["step"] == 6 and not resumed["stopped_early"]
-  _assert_trees_equal(runs["full"]["state"], resumed["state"])
+  assert_trees_equal(runs["full"]["state"], resumed["state"])
   # The same rows: none twice, and the row of step 6 averages steps 5 and 6 although the
   # stopped run saved after step 5 (its window travels in the checkpoint).
   full_rows = _rows(runs["root"] / "full")
@@ -128,7 +120,7 @@ def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_pa
   with caplog.at_level(logging.WARNING):
     resumed = train_and_evaluate(config(), workdir)
   assert resumed["step"] == 6
-  _assert_trees_equal(runs["full"]["state"], resumed["state"])  # replayed 5 and 6 exactly
+  assert_trees_equal(runs["full"]["state"], resumed["state"])  # replayed 5 and 6 exactly
   assert _rows(workdir) == _rows(runs["root"] / "full")
   assert (workdir / "checkpoints" / "5.corrupt").is_dir()  # kept, moved aside
   assert any("checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()

@@ -32,6 +32,7 @@ from fastpos.train.config import base_config
 from fastpos.train.state import TrainState
 from fastpos.train.steps import loss_and_metrics, make_train_step, model_inputs
 from tests.helpers import rel_err
+from tests.train.common import assert_trees_equal
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "wikitext")
 V = 143  # the fixture's vocabulary
@@ -61,14 +62,6 @@ def memory_config(cache_dir, **overrides) -> ml_collections.ConfigDict:
       node = node[part]
     node[last] = value
   return c
-
-
-def _assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(jax.device_get(a))
-  lb, tb = jax.tree.flatten(jax.device_get(b))
-  assert ta == tb and len(la) > 0
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _ce(logits, targets):
@@ -122,7 +115,7 @@ def test_resume_with_memory_is_bitwise_exact(runs):
   # After step 4 (the first segment of each stream again) the memory holds that segment.
   assert np.all(np.asarray(mask)) and np.any(np.asarray(states[0]) != 0)
   assert states[0].sharding.spec == jax.sharding.PartitionSpec("data")
-  _assert_trees_equal(full, resumed)  # params, Adam moments, step and the memory
+  assert_trees_equal(full, resumed)  # params, Adam moments, step and the memory
 
   def records(name):
     return [json.loads(l) for l in open(runs["root"] / name / "metrics.jsonl")]

@@ -17,16 +17,7 @@ from fastpos.train import evaluate, train_and_evaluate
 from fastpos.train.checkpoint import Checkpoints
 from fastpos.train.tensorboard import read_scalars
 from tests.helpers import rel_err
-from tests.train.common import tiny_config
-
-
-def _assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(jax.device_get(a))
-  lb, tb = jax.tree.flatten(jax.device_get(b))
-  assert ta == tb
-  assert len(la) > 0
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+from tests.train.common import assert_trees_equal, tiny_config
 
 
 def _jsonl(path):
@@ -47,7 +38,7 @@ def test_resume_is_bitwise_exact(runs):
   assert runs["first"]["step"] == 2 and runs["second"]["step"] == 4
   full, resumed = runs["full"]["state"], runs["second"]["state"]
   assert "batch_stats" in full.collections  # a non-param collection is carried and resumed
-  _assert_trees_equal(full, resumed)  # params, Adam moments, counts, batch stats, step
+  assert_trees_equal(full, resumed)  # params, Adam moments, counts, batch stats, step
   # The losses of steps 3 and 4 (after the resume) are the uninterrupted run's, bit for bit.
   def train_losses(name):
     return {r["step"]: r["loss"] for r in _jsonl(runs["root"] / name / "metrics.jsonl")
@@ -64,7 +55,7 @@ def test_mid_run_checkpoint_is_intact(runs):
   ckpt = ocp.StandardCheckpointer()
   a = ckpt.restore(runs["root"] / "full" / "checkpoints" / "2" / "state")
   b = ckpt.restore(runs["root"] / "split" / "checkpoints" / "2" / "state")
-  _assert_trees_equal(a, b)
+  assert_trees_equal(a, b)
   for name in ("full", "split"):
     data = glob.glob(str(runs["root"] / name / "checkpoints" / "2" / "data" / "*.json"))
     assert json.loads(open(data[0]).read()) == {"next_index": 2}
