@@ -3,7 +3,8 @@
 Any config field can be overridden on the command line, e.g. ``--config.model.kernel=sikf
 --config.num_train_steps=2000``; options of a positional scheme one at a time, e.g.
 ``--config.model.positional_options.fastrpb.per_head=True``. The run resumes from the newest
-checkpoint in ``--workdir``.
+checkpoint in ``--workdir``. ``--print_config`` prints the config with the overrides applied
+and exits (no ``--workdir`` needed, nothing is written).
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
@@ -21,12 +22,18 @@ _CONFIG = flags.DEFINE_string(
     "config", None, "experiment config: configs/<experiment>.py[:variant]; override any field "
     "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "print the resolved config (after the --config.* overrides) and "
+    "exit without training")
 
 
 def main(argv: cli.Argv) -> int:
   spec = cli.require("config", _CONFIG.value, "--config=configs/listops_generated.py")
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
+  if _PRINT_CONFIG.value:
+    print(cfg, end="", flush=True)
+    return errors.EXIT_OK
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   sharding.maybe_initialize_distributed()  # before anything touches the devices
   result = train_and_evaluate(cfg, workdir)

@@ -4,11 +4,11 @@ A step's metrics are ``{name: (sum, count)}`` of float32 scalars: sums over the 
 tokens) of a batch, weighted by ``weight`` so that padded examples count for nothing. They
 add across steps, micro-batches and devices, and ``summarize`` divides at the end.
 
-``MetricWriter`` writes one JSON line per record to ``metrics.jsonl``, the same scalars to
-a TensorBoard event file under ``tensorboard/`` and a progress line to the log. Only process 0
-writes. A resumed run first drops the records past the step it resumes from (written after
-that checkpoint by the run that stopped), in both files, so that its logs are those of an
-uninterrupted run.
+``MetricWriter`` writes one JSON line per record to ``metrics.jsonl``, the same scalars (with
+steps/s and tokens/s for training rows) to a TensorBoard event file under ``tensorboard/`` and
+a progress line to the log. Only process 0 writes. A resumed run first drops the records past
+the step it resumes from (written after that checkpoint by the run that stopped), in both
+files, so that its logs are those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ class MetricWriter:
               **{k: float(v) for k, v in values.items()}}
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
-    self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()})
+    scalars = {**extra, **values}
+    self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in scalars.items()})
 
   def start_timer(self, step: int) -> None:
     self._last_time, self._last_step = time.time(), step
@@ -154,18 +155,35 @@ class MetricWriter:
     self._last_time, self._last_step = now, step
     return rate
 
-  def progress(self, step: int, values: Mapping[str, float], rate: float) -> None:
+  def progress(self, step: int, values: Mapping[str, float], rate: float,
+               tokens_rate: float) -> None:
     if not self.active:
       return
     eta = (self.total_steps - step) / rate if rate > 0 else float("inf")
-    shown = " ".join(f"{k}={v:.4g}" for k, v in values.items() if k != "perplexity")
-    logging.info("step %d/%d  %s  %.2f steps/s  ETA %s", step, self.total_steps, shown, rate,
-                 _duration(eta))
+    shown = " ".join(f"{k}={v:.4g}" for k, v in values.items()
+                     if k not in ("perplexity", "tokens_per_step"))
+    logging.info("step %d/%d  %s  %.2f steps/s  %s tokens/s  ETA %s", step, self.total_steps,
+                 shown, rate, _count(tokens_rate), _duration(eta))
 
   def close(self) -> None:
     if self.active:
       self._jsonl.close()
       self._tb.close()
+
+
+def tokens_per_second(steps_per_second: float, values: Mapping[str, float]) -> float:
+  """Real (unpadded) tokens per second: the steps/s times the window's mean tokens per step
+  (the ``tokens_per_step`` metric of the train step, summed on device with the others)."""
+  return steps_per_second * values["tokens_per_step"]
+
+
+def _count(n: float) -> str:
+  """1234 -> '1234', 56789 -> '56.8k', 1.2e6 -> '1.20M'."""
+  if not math.isfinite(n):
+    return "?"
+  if n >= 1e6:
+    return f"{n / 1e6:.2f}M"
+  return f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
 
 
 def _duration(seconds: float) -> str:

@@ -1,9 +1,11 @@
 """The pure step functions: loss and metrics, ``train_step`` and ``eval_step``.
 
 ``make_train_step(model, tx, kind, grad_accum_steps)`` returns
-``train_step(state, batch, rng) -> (state, metrics)``; the trainer jits it with shardings and
-a donated state. The step's randomness is ``fold_in(rng, state.step)``, so a resumed run draws
-the same dropout masks as an uninterrupted one.
+``train_step(state, batch, rng) -> (state, metrics)`` (the metrics include
+``tokens_per_step``, the batch's real tokens, from which the trainer derives tokens/s); the
+trainer jits it with shardings and a donated state. The step's randomness is
+``fold_in(rng, state.step)``, so a resumed run draws the same dropout masks as an
+uninterrupted one.
 
 Memory (``memory=True``: a language model with a Transformer-XL memory, whose ``apply`` takes
 ``memory=`` and returns ``(logits, new_memory)``): the train step reads ``state.memory``,
@@ -63,6 +65,20 @@ def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
   metrics = {"loss": (loss_sum, count),
              "accuracy": (jnp.sum(jnp.where(real, weight * correct, 0.0)), count)}
   return loss_sum, metrics
+
+
+def real_tokens(batch: dict[str, jax.Array]) -> jax.Array:
+  """The batch's real (unpadded) tokens as a float32 scalar: the True entries of ``mask``
+  (and ``mask2``, a retrieval pair's second input) in examples of nonzero ``weight``; for lm
+  the mask marks the scored target tokens."""
+  real = batch["weight"] > 0
+  total = jnp.zeros((), jnp.float32)
+  for key in ("mask", "mask2"):
+    if key in batch:
+      m = batch[key]
+      keep = real.reshape(real.shape + (1,) * (m.ndim - 1))
+      total = total + jnp.sum(jnp.logical_and(m, keep).astype(jnp.float32))
+  return total
 
 
 def _split_rngs(rng: jax.Array) -> dict[str, jax.Array]:
@@ -152,6 +168,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, kind: st
     metrics = dict(metrics)
     metrics["grad_norm"] = (optax.tree.norm(grads).astype(jnp.float32),
                             jnp.ones((), jnp.float32))
+    metrics["tokens_per_step"] = (real_tokens(batch), jnp.ones((), jnp.float32))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               collections=collections, memory=mem if memory else state.memory)
     return new_state, metrics

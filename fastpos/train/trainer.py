@@ -12,7 +12,9 @@ steps are compiled, then the loop runs:
 Nothing is created in the workdir before every check has passed (config, model, devices,
 the data of every split the run reads, a workdir that can be written); then the trainer takes
 the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
-then creates ``checkpoints/``, ``best/``, ``metrics.jsonl`` and ``tensorboard/``.
+then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` and ``train.log``
+(process 0's log, appended to on resume). Each step says when it is being compiled and how long
+that took.
 
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
 and moved aside): parameters, optimizer state, step, data position and RNG, so that the
@@ -38,9 +40,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging as std_logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +136,12 @@ class _Run:
   def compile_eval(self):
     step = make_eval_step(self.model, self.info.kind, memory=self.memory)
     if self.memory:
-      return jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding,
-                                         self.batch_sharding),
-                     out_shardings=(self.replicated, self.batch_sharding))
-    return jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
-                   out_shardings=self.replicated)
+      return _SaysCompiling("eval", jax.jit(
+          step, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+          out_shardings=(self.replicated, self.batch_sharding)))
+    return _SaysCompiling("eval", jax.jit(
+        step, in_shardings=(self.state_sharding, self.batch_sharding),
+        out_shardings=self.replicated))
 
   @functools.cached_property
   def empty_eval_memory(self):
@@ -240,6 +245,43 @@ class _StopOnSignal:
     for s, previous in self._previous.items():
       signal.signal(s, previous)
     self._previous = {}
+
+
+class _SaysCompiling:
+  """A jitted step that logs "compiling the <name> step..." before its first compilation and
+  the seconds it took after it: a run is otherwise silent for the tens of seconds a model's
+  first compile takes. The compile is done ahead of the call (``lower().compile()``), whose
+  executable jit's own cache then serves, so the time is compilation only."""
+
+  def __init__(self, name: str, jitted):
+    self.name, self._jitted, self._compiled = name, jitted, False
+
+  def __call__(self, *args):
+    if not self._compiled:
+      logging.info("compiling the %s step...", self.name)
+      start = time.perf_counter()
+      self._jitted.lower(*args).compile()
+      logging.info("compiled the %s step in %.1f s", self.name, time.perf_counter() - start)
+      self._compiled = True
+    return self._jitted(*args)
+
+
+@contextlib.contextmanager
+def _log_file(path: Path):
+  """Process 0 also writes the absl log to ``path`` (appending) while entered; the logging
+  setup is as it was afterwards."""
+  if jax.process_index() != 0:
+    yield
+    return
+  handler = std_logging.FileHandler(path, mode="a", encoding="utf-8")
+  handler.setFormatter(logging.PythonFormatter())
+  logger = logging.get_absl_logger()
+  logger.addHandler(handler)
+  try:
+    yield
+  finally:
+    logger.removeHandler(handler)
+    handler.close()
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
@@ -377,6 +419,7 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
   lock = _take_lock(run.workdir)
   ckpts = Checkpoints(run.workdir, cfg)
   writer = None
+  log_file = contextlib.ExitStack()
   try:
     best_metric, best_value = run.task.metric, None
     position = {}
@@ -402,11 +445,16 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
         best_meta = None
       if best_meta is not None:
         best_value = best_meta["metrics"][best_metric]
-      logging.info("resumed from %s/%d", ckpts.latest_dir, meta["step"])
+      resumed = f"resumed from {ckpts.latest_dir}/{meta['step']}"
     else:
       state, train_iter, train_rng = None, run.train_iterator(train_src), run.train_rng
       data_start = data_start_step = 0
+      resumed = None
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
+    # The log file too only now: a run that fails its checks leaves the workdir untouched.
+    log_file.enter_context(_log_file(run.workdir / "train.log"))
+    if resumed:
+      logging.info("%s", resumed)
     _write_json(run.workdir / "config.json", cfg.to_json_best_effort(indent=2))
     logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d "
                  "devices (mesh %s), %d process(es)", cfg.task.name, len(train_src),
@@ -431,6 +479,7 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       writer.close()
     if jax.process_count() > 1:  # nobody leaves before the last save is complete everywhere
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
+    log_file.close()
     lock.release()
 
 
@@ -439,11 +488,11 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
                 data_start_step: int, best_value: float | None) -> dict[str, Any]:
   cfg = run.cfg
   best_metric = run.task.metric
-  train_step = jax.jit(
+  train_step = _SaysCompiling("train", jax.jit(
       make_train_step(run.model, run.tx, run.info.kind, cfg.grad_accum_steps,
                       memory=run.memory),
       in_shardings=(run.state_sharding, run.batch_sharding, run.replicated),
-      out_shardings=(run.state_sharding, run.replicated), donate_argnums=0)
+      out_shardings=(run.state_sharding, run.replicated), donate_argnums=0))
   eval_step = run.compile_eval()
   step = int(jax.device_get(state.step))
   last_good = step if ckpts.latest_step() is not None else None
@@ -491,8 +540,10 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
         summary = metrics_lib.summarize(_sum_window(window), perplexity=run.info.kind == "lm")
         summary["learning_rate"] = float(run.schedule(step - 1))
         rate = writer.steps_per_second(step)
-        writer.write(step, "train", summary, steps_per_second=rate)
-        writer.progress(step, summary, rate)
+        tokens_rate = metrics_lib.tokens_per_second(rate, summary)
+        writer.write(step, "train", summary, steps_per_second=rate,
+                     tokens_per_second=tokens_rate)
+        writer.progress(step, summary, rate, tokens_rate)
         result["train"] = summary
         if step % cfg.log_every_steps == 0:
           window = []

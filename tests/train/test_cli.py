@@ -51,6 +51,23 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   assert 0.0 <= results["accuracy"] <= 1.0
 
 
+def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "train.py", CONFIG, "--config.seed=1234", "--config.model.kernel=sikf",
+       "--print_config", f"--workdir={workdir}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "seed: 1234" in proc.stdout.splitlines()
+  assert "  kernel: sikf" in proc.stdout.splitlines() and "name: synthetic" in proc.stdout
+  assert not workdir.exists()
+  # No --workdir needed; a bad override still fails with its message.
+  proc = subprocess.run(
+      [sys.executable, "train.py", CONFIG, "--config.no_such_field=1", "--print_config"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "no_such_field" in proc.stderr
+
+
 def test_train_cli_stops_on_bad_config(tmp_path):
   proc = subprocess.run(
       [sys.executable, "train.py", CONFIG, f"--workdir={tmp_path}", "--config.task.name=cifar"],
