@@ -388,8 +388,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
 
   Args:
     config: the run's config (``configs/*.py``).
-    workdir: checkpoints, ``metrics.jsonl``, ``tensorboard/``, ``config.json`` and the lock
-      ``train.lock`` go here.
+    workdir: checkpoints, ``metrics.jsonl``, ``tensorboard/``, ``config.json``, the log
+      ``train.log`` and the lock ``train.lock`` go here.
     model: a linen module to train instead of ``build_model(config.model, task.info)``
       (tests use this to inject a throwaway model).
 
