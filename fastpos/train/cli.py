@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -500,9 +501,11 @@ def _background_errors_in_one_line() -> None:
 def _quiet_shutdown() -> None:
   """After a user error: nothing more on stderr. Background threads (orbax's async savers)
   and finalizers can still fail while the interpreter exits; their tracebacks would bury the
-  one message, so they are dropped, and library log lines with them."""
+  one message, so they are dropped, and library log lines with them, and warnings (a save
+  cut short by a full disk leaves orbax coroutines that are never awaited, reported at exit)."""
   threading.excepthook = lambda args: None
   sys.unraisablehook = lambda unraisable: None
+  warnings.simplefilter("ignore")
   logging.set_verbosity(logging.FATAL)
   py_logging.getLogger().setLevel(py_logging.CRITICAL)
 
