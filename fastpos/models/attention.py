@@ -4,11 +4,11 @@
 "Design", "The five hooks") without knowing which scheme it talks to:
 
 1. ``features`` (pre_phi) on q, k;
-2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits_bias`` + the
-   ``kv_mix`` tables materialised as b_{j-i} (+ a decay as (i-j) log r); exact softmax.
+2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits`` + the
+   ``kv`` tables materialised as b_{j-i} (+ a decay as (i-j) log r); exact softmax.
    linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
    phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
-   the numerator's features); ``kv_mix`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
+   the numerator's features); ``kv`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
    the chunked causal path;
 3. ``output`` terms added (FastRPB's W V);
 4. output projection.
@@ -265,7 +265,7 @@ class Attention(nn.Module):
                                         name=f"pos_{spec.name}"))
     pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
     post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
-    mixes = [s.kv_mix(ctx) for s in schemes if "kv" in s.hooks]
+    mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]
     log_table = _sum([m.log_table for m in mixes])
     log_decay = _sum([m.log_decay for m in mixes])
 
@@ -275,7 +275,7 @@ class Attention(nn.Module):
     if cfg.kernel.is_softmax:
       for s in post:
         q, k = s.features(q, k, ctx)
-      terms = [s.logits_bias(q, k, ctx) for s in schemes if "logits" in s.hooks]
+      terms = [s.logits(q, k, ctx) for s in schemes if "logits" in s.hooks]
       if log_table is not None:
         terms.append(_materialise(log_table, n, grid)[None])
       if log_decay is not None:

@@ -71,7 +71,7 @@ class Tower(nn.Module):
         positional.build(spec.name, dims[spec.name], spec.option_dict(),
                          name=f"pos_{spec.name}_shared")
         for spec in cfg.positional
-        if spec.cls.shareable_across_layers and spec.option_dict().get("share_across_layers"))
+        if spec.option_dict().get("share_across_layers"))
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
     new_states = [] if memory is not None else None

@@ -8,8 +8,8 @@ at its place and never look at a scheme's name:
 |------------|-------------------------------------|----------------------------------------------|
 | ``embed``    | ``embed(x, ctx)``  x ``[b, N, D]``    | new embeddings ``[b, N, D]``                   |
 | ``features`` | ``features(q, k, ctx)``             | new ``(q, k)``, q ``[b, Lq, h, f]``, k ``[b, Lk, h, f]`` |
-| ``logits``   | ``logits_bias(q, k, ctx)``          | ``[b|1, h|1, Lq, Lk]`` added to the *scaled* logits (softmax only) |
-| ``kv``       | ``kv_mix(ctx)``                     | a ``KVMix``: log weights ``b_{j-i}`` and/or a causal decay |
+| ``logits``   | ``logits(q, k, ctx)``          | ``[b|1, h|1, Lq, Lk]`` added to the *scaled* logits (softmax only) |
+| ``kv``       | ``kv(ctx)``                     | a ``KVMix``: log weights ``b_{j-i}`` and/or a causal decay |
 | ``output``   | ``output(v, ctx)``  v ``[b, N, h, d]`` | ``[b, N, h, d]`` added to the attention output |
 
 ``features`` schemes say at which stage they act (``feature_stage``): ``"pre_phi"`` on the raw
@@ -139,7 +139,6 @@ class Scheme(nn.Module):
   supports_causal: ClassVar[bool] = True
   supports_1d: ClassVar[bool] = True
   supports_2d: ClassVar[bool] = False
-  shareable_across_layers: ClassVar[bool] = False
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
@@ -163,10 +162,10 @@ class Scheme(nn.Module):
   def features(self, q, k, ctx: Context):
     raise NotImplementedError(f"{type(self).__name__} has no features hook.")
 
-  def logits_bias(self, q, k, ctx: Context):
+  def logits(self, q, k, ctx: Context):
     raise NotImplementedError(f"{type(self).__name__} has no logits hook.")
 
-  def kv_mix(self, ctx: Context) -> KVMix:
+  def kv(self, ctx: Context) -> KVMix:
     raise NotImplementedError(f"{type(self).__name__} has no kv hook.")
 
   def output(self, v, ctx: Context):
@@ -193,7 +192,8 @@ def center_slice_2d(table, grid: Sequence[int], max_grid: Sequence[int]):
   if h > mh or w > mw:
     raise ValueError(
         f"grid {tuple(grid)} exceeds the largest grid {tuple(max_grid)} the positional tables "
-        f"were built for; raise model.grid.")
+        f"were built for (the task's grid, TaskInfo.grid): build the model for the larger "
+        f"grid.")
   return table[..., mh - h: mh + h - 1, mw - w: mw + w - 1]
 
 

@@ -44,7 +44,6 @@ class KernelizedRPE(Scheme):
   scheme_name = "kernelized_rpe"
   hooks = ("kv",)
   supports_2d = True
-  shareable_across_layers = True
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
@@ -60,7 +59,7 @@ class KernelizedRPE(Scheme):
              (h, 2 * self.dims.grid[0] - 1, 2 * self.dims.grid[1] - 1))
     self.b = self.param("b", nn.initializers.zeros, shape)
 
-  def kv_mix(self, ctx: Context) -> KVMix:
+  def kv(self, ctx: Context) -> KVMix:
     if ctx.grid is None:
       if self.dims.grid is not None:
         raise ValueError("kernelized_rpe: built for a 2D grid but called without one.")

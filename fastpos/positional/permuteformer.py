@@ -20,9 +20,9 @@ N = 4096, 8 heads, m = 256 is 16 MiB), else int32.
 
 The decay r (Eq. 10: "r = 1 for bidirectional models and 0 < r < 1 for unidirectional
 models"): ``r^i`` and ``r^-j`` are not applied to the features (``r^-j`` overflows for long
-sequences); ``kv_mix`` returns ``log r`` per head and the attention layer applies ``r^(i-j)``
+sequences); ``kv`` returns ``log r`` per head and the attention layer applies ``r^(i-j)``
 stably per chunk (linear kernels) or as the logits bias ``(i-j) log r`` (softmax). With r = 1
-for every head ``kv_mix`` returns an empty ``KVMix()``. r < 1 in a bidirectional model is
+for every head ``kv`` returns an empty ``KVMix()``. r < 1 in a bidirectional model is
 rejected (``compatibility``): there r^(i-j) grows without bound for keys after the query,
 breaking Property 2 (bounded), which is why the paper fixes r = 1 there; a symmetric
 r^|i-j| is not in the paper and cannot be factored into per-position features.
@@ -238,7 +238,6 @@ class PermuteFormer(Scheme):
   supports_causal = True
   supports_1d = True
   supports_2d = True
-  shareable_across_layers = True
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
@@ -306,8 +305,8 @@ class PermuteFormer(Scheme):
       if gh > mh or gw > mw:
         raise ValueError(f"{SCHEME}: grid {tuple(ctx.grid)} exceeds the largest grid "
                          f"{tuple(self.dims.grid)} the permutation tables were built for; "
-                         f"raise model.grid.")
-    if not self.permute:  # "w/o P_pi": positions enter only through the decay (kv_mix)
+                         f"build the model for the larger grid (TaskInfo.grid).")
+    if not self.permute:  # "w/o P_pi": positions enter only through the decay (kv)
       return q, k
     pos_q, pos_k = lrpe.query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
                                             scheme=SCHEME)
@@ -317,7 +316,7 @@ class PermuteFormer(Scheme):
     index_q = index_k if np.array_equal(pos_q, pos_k) else jnp.asarray(self.index(pos_q))
     return apply(q, index_q), apply(k, index_k)
 
-  def kv_mix(self, ctx: Context) -> KVMix:
+  def kv(self, ctx: Context) -> KVMix:
     """``KVMix(log_decay=[heads] log r)`` for the causal decay r^(i-j); ``KVMix()`` if r = 1."""
     if min(self._decays) == 1.0:
       return KVMix()

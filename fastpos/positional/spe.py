@@ -178,7 +178,6 @@ class SPE(Scheme):
   supports_causal = True
   supports_1d = True
   supports_2d = False
-  shareable_across_layers = True
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,

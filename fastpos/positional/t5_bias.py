@@ -52,7 +52,7 @@ Init as T5X / flaxformer (``flax.linen.linear.default_embed_init``): normal with
 so std ``num_buckets ** -0.5``; ``2*max_length-1``, ``(2H-1)(2W-1)`` or ``num_buckets**2``
 for the other tables).
 
-Supports causal, 1D and 2D. Softmax only: ``logits_bias`` returns ``[1, heads, Lq, Lk]``
+Supports causal, 1D and 2D. Softmax only: ``logits`` returns ``[1, heads, Lq, Lk]``
 added to the scaled logits. With a linear kernel use ``kernelized_rpe``, its linear-attention
 counterpart (``exp(b_{j-i})`` inside numerator and denominator by FFT; Luo et al. 2021).
 """
@@ -139,7 +139,6 @@ class T5Bias(Scheme):
   scheme_name = "t5_bias"
   hooks = ("logits",)
   supports_2d = True
-  shareable_across_layers = True
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
@@ -187,7 +186,7 @@ class T5Bias(Scheme):
     cols = self._buckets(grid[1], True)            # ... but any column in an earlier row
     return self.rel_bias[:, rows[:, None], cols[None, :]]
 
-  def logits_bias(self, q, k, ctx: Context):
+  def logits(self, q, k, ctx: Context):
     """``[1, heads, Lq, Lk]``: ``b_{h, bucket(j - (M + i))}``; q ``[b, Lq, h, d]``,
     k ``[b, Lk, h, d]`` with Lk = M + Lq (M = ``ctx.memory_length``)."""
     lq, lk = q.shape[1], k.shape[1]

@@ -113,7 +113,7 @@ class TransformerXL(Scheme):
     r = sinusoids(distances, self.width, dtype)                                   # [T, d_R]
     return jnp.einsum("tr,rhd->thd", r, self.w_kr.astype(dtype))
 
-  def logits_bias(self, q, k, ctx: Context):
+  def logits(self, q, k, ctx: Context):
     """``[b, heads, Lq, Lk]``: ``((q_i + v) . W_{k,R} R_{M+i-j} + u . k_j) / sqrt(d)``.
 
     q ``[b, Lq, h, d]``, k ``[b, Lk, h, d]`` with Lk = M + Lq (M = ``ctx.memory_length``).

@@ -211,15 +211,15 @@ def test_features_stay_nonnegative(dims, grid):
 # ---------------------------------------------------------------------------------------------
 def test_kv_mix_log_decay():
   ctx = Context(causal=True, length=5)
-  mix = _bound(DIMS_1D_CAUSAL, (("decay", 0.9),)).kv_mix(ctx)
+  mix = _bound(DIMS_1D_CAUSAL, (("decay", 0.9),)).kv(ctx)
   assert mix.log_table is None
   assert mix.log_decay.shape == (HEADS,)
   assert rel_err(mix.log_decay, np.full(HEADS, np.log(0.9))) < TOL
   per_head = (0.8, 0.95, 1.0)
-  mix = _bound(DIMS_1D_CAUSAL, (("decay", per_head),)).kv_mix(ctx)
+  mix = _bound(DIMS_1D_CAUSAL, (("decay", per_head),)).kv(ctx)
   assert rel_err(mix.log_decay, np.log(per_head)) < TOL
   for dims in (DIMS_1D, DIMS_1D_CAUSAL):
-    assert _bound(dims).kv_mix(Context(causal=dims.causal, length=5)) == KVMix()
+    assert _bound(dims).kv(Context(causal=dims.causal, length=5)) == KVMix()
 
 
 def test_without_permutation_only_the_decay_remains():
@@ -230,7 +230,7 @@ def test_without_permutation_only_the_decay_remains():
   fq, fk = _features(DIMS_1D_CAUSAL, q, k, Context(causal=True, length=6), opts)
   np.testing.assert_array_equal(fq, q)
   np.testing.assert_array_equal(fk, k)
-  mix = _bound(DIMS_1D_CAUSAL, opts).kv_mix(Context(causal=True, length=6))
+  mix = _bound(DIMS_1D_CAUSAL, opts).kv(Context(causal=True, length=6))
   assert rel_err(mix.log_decay, np.full(HEADS, np.log(0.9))) < TOL
   # With the permutation the features do move.
   pq, _ = _features(DIMS_1D_CAUSAL, q, k, Context(causal=True, length=6), (("decay", 0.9),))
@@ -245,10 +245,10 @@ def test_paper_decay_ladder():
   want = 1.0 / (1.0 + np.exp(-(2.0 + 3.0 * np.arange(8) / 8)))
   assert rel_err(r, want) < TOL
   assert 0.88 < r[0] < 0.881 and 0.99 < r[-1] < 0.991  # Sec. 4.2.1: r in [0.88, 0.99]
-  mix = _bound(DIMS_1D_CAUSAL, (("decay", permuteformer.paper_decays(HEADS)),)).kv_mix(
+  mix = _bound(DIMS_1D_CAUSAL, (("decay", permuteformer.paper_decays(HEADS)),)).kv(
       Context(causal=True, length=3))
   assert rel_err(mix.log_decay, np.log(permuteformer.paper_decays(HEADS))) < TOL
-  named = _bound(DIMS_1D_CAUSAL, (("decay", "paper"),)).kv_mix(Context(causal=True, length=3))
+  named = _bound(DIMS_1D_CAUSAL, (("decay", "paper"),)).kv(Context(causal=True, length=3))
   assert rel_err(named.log_decay, mix.log_decay) < TOL  # "paper" = the ladder for any heads
   assert "Eq. 10" in compat.problem("relu", "permuteformer", causal=False,
                                     options={"decay": "paper"})
@@ -256,9 +256,9 @@ def test_paper_decay_ladder():
 
 def test_decay_is_refused_where_it_is_not_defined():
   with pytest.raises(ValueError, match="causal"):
-    _bound(DIMS_1D, (("decay", 0.9),)).kv_mix(Context(length=3))
+    _bound(DIMS_1D, (("decay", 0.9),)).kv(Context(length=3))
   with pytest.raises(ValueError, match="one per head"):
-    _bound(DIMS_1D_CAUSAL, (("decay", (0.9, 0.8)),)).kv_mix(Context(causal=True, length=3))
+    _bound(DIMS_1D_CAUSAL, (("decay", (0.9, 0.8)),)).kv(Context(causal=True, length=3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_bad_decay_raises(decay):
   with pytest.raises(ValueError, match=re.escape("(0, 1]")):
     compat.problem("relu", "permuteformer", causal=True, options={"decay": decay})
   with pytest.raises(ValueError, match=re.escape("(0, 1]")):
-    _bound(DIMS_1D_CAUSAL, (("decay", decay),)).kv_mix(Context(causal=True, length=3))
+    _bound(DIMS_1D_CAUSAL, (("decay", decay),)).kv(Context(causal=True, length=3))
 
 
 def test_bad_options_raise():
@@ -298,10 +298,10 @@ def test_bad_options_raise():
   with pytest.raises(ValueError, match="unknown option"):
     positional.build("permuteformer", DIMS_1D, {"r": 0.9})
   with pytest.raises(ValueError, match="bidirectional"):
-    _bound(DIMS_1D, (("decay", 0.5),)).kv_mix(Context(length=3))
+    _bound(DIMS_1D, (("decay", 0.5),)).kv(Context(length=3))
   small = Dims(num_heads=1, head_dim=2, feature_dim=3, embed_dim=2, max_length=4, grid=(2, 2))
   with pytest.raises(ValueError, match="feature dim >= 4"):
-    _bound(small).kv_mix(Context(length=4, grid=(2, 2)))
+    _bound(small).kv(Context(length=4, grid=(2, 2)))
   with pytest.raises(ValueError, match=r"\[batch, length, 3, 8\]"):
     _features(DIMS_1D, np.zeros((1, 4, HEADS, 5)), np.zeros((1, 4, HEADS, 5)),
               Context(length=4))

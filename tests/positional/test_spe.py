@@ -7,6 +7,7 @@ prefixes); option and input errors; jit and gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -262,7 +263,7 @@ def test_shapes_and_feature_out_dim(kind):
   cls = positional.get_class("spe")
   assert cls.hooks == ("features",) and cls.feature_stage == "pre_phi"
   assert cls.supports_causal and cls.supports_1d and not cls.supports_2d
-  assert cls.shareable_across_layers
+  assert "share_across_layers" in {f.name for f in dataclasses.fields(cls)}
 
 
 @pytest.mark.parametrize("kind", spe.KINDS)

@@ -58,14 +58,14 @@ def _params(options: tuple, dims: Dims):
   grid = None if dims.grid is None else (2, 2)
   x = np.zeros((1, n, dims.num_heads, dims.head_dim))
   ctx = Context(length=n, grid=grid)
-  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits_bias"))(
+  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(
       jax.random.key(0))
 
 
 @functools.lru_cache(maxsize=None)
 def _bias_fn(options: tuple, dims: Dims, ctx: Context):
   module = _module(options, dims)
-  return jax.jit(lambda params, q, k: module.apply(params, q, k, ctx, method="logits_bias"))
+  return jax.jit(lambda params, q, k: module.apply(params, q, k, ctx, method="logits"))
 
 
 def _bias(options: tuple, dims: Dims, *, lq: int, memory: int = 0, causal: bool = False,
@@ -242,11 +242,11 @@ def test_jit_matches_eager():
   module = _module(options, DIMS_1D)
   ctx = Context(causal=True, length=5, memory_length=2)
   q, k = np.zeros((1, 5, HEADS, 4)), np.zeros((1, 7, HEADS, 4))
-  eager = module.apply(params, q, k, ctx, method="logits_bias")
+  eager = module.apply(params, q, k, ctx, method="logits")
   jitted, _ = _bias(options, DIMS_1D, lq=5, memory=2, causal=True)
   np.testing.assert_array_equal(np.asarray(eager), jitted)
   # And differentiable: d sum(bias) / d table counts the pairs in each bucket.
-  grad = jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits_bias").sum())(params)
+  grad = jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits").sum())(params)
   g = np.asarray(grad["params"]["rel_bias"])
   buckets = [_py_bucket(j - (2 + i), False, 8, 9) for i in range(5) for j in range(7)]
   np.testing.assert_array_equal(g[0], np.bincount(buckets, minlength=8))
@@ -259,13 +259,13 @@ def test_length_and_context_errors():
   params = _params(SMALL, DIMS_1D)
   q, k = np.zeros((1, 5, HEADS, 4)), np.zeros((1, 7, HEADS, 4))
   with pytest.raises(ValueError, match="memory_length = 0"):
-    module.apply(params, q, k, Context(length=5), method="logits_bias")
+    module.apply(params, q, k, Context(length=5), method="logits")
   with pytest.raises(ValueError, match="built for 1D"):
-    module.apply(params, q, q, Context(length=5, grid=(1, 5)), method="logits_bias")
+    module.apply(params, q, q, Context(length=5, grid=(1, 5)), method="logits")
   module_2d, params_2d = _module(SMALL, DIMS_2D), _params(SMALL, DIMS_2D)
   with pytest.raises(ValueError, match="only defined for 1D"):
     module_2d.apply(params_2d, q, k, Context(length=5, memory_length=2, grid=(1, 5)),
-                    method="logits_bias")
+                    method="logits")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -302,7 +302,7 @@ def test_bad_options_raise(options, message):
   module = positional.build("t5_bias", DIMS_1D, options)
   x = np.zeros((1, 3, HEADS, 4))
   with pytest.raises(ValueError, match=re.escape(message)):
-    module.init(jax.random.key(0), x, x, Context(length=3), method="logits_bias")
+    module.init(jax.random.key(0), x, x, Context(length=3), method="logits")
 
 
 def test_unknown_option_lists_valid_ones():

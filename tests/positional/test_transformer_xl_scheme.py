@@ -31,7 +31,7 @@ def _init(module, shape):
   """Parameters of ``module`` (jitted: op-by-op init compiles every primitive)."""
   x = np.zeros(shape)
   ctx = Context(length=shape[1], causal=True)
-  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits_bias"))(
+  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(
       jax.random.key(0))
 
 
@@ -48,7 +48,7 @@ def _params(options: tuple = ()):
 @functools.lru_cache(maxsize=None)
 def _bias_fn(options: tuple, ctx: Context):
   module = _module(options)
-  return jax.jit(lambda params, q, k: module.apply(params, q, k, ctx, method="logits_bias"))
+  return jax.jit(lambda params, q, k: module.apply(params, q, k, ctx, method="logits"))
 
 
 def _bias(q, k, *, causal, reference=False, options=(), params=None):
@@ -179,19 +179,19 @@ def test_jit_float32_and_gradients():
   params = _params()
   module = _module()
   ctx = Context(causal=True, length=5, memory_length=2)
-  eager = np.asarray(module.apply(params, q, k, ctx, method="logits_bias"))
+  eager = np.asarray(module.apply(params, q, k, ctx, method="logits"))
   assert rel_err(_bias(q, k, causal=True), eager) < 1e-13
   # float32 inputs and parameters, against the float64 result on the same values.
   f32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
   q32, k32 = q.astype(np.float32), k.astype(np.float32)
-  apply = jax.jit(lambda p, a, b: module.apply(p, a, b, ctx, method="logits_bias"))
+  apply = jax.jit(lambda p, a, b: module.apply(p, a, b, ctx, method="logits"))
   got32 = apply(f32, q32, k32)
   assert got32.dtype == jnp.float32
   want = apply(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), f32),
                q32.astype(np.float64), k32.astype(np.float64))
   assert rel_err(got32, want) < 1e-4
   # d sum(bias) / d u = Lq sum_{b,j} k_j / sqrt(d): term (c) reaches every (i, j).
-  grad = jax.jit(jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits_bias").sum()))(
+  grad = jax.jit(jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits").sum()))(
       params)["params"]
   np.testing.assert_allclose(grad["u"], 5 * k.sum(axis=(0, 1)) / math.sqrt(HEAD_DIM),
                              rtol=1e-12)
@@ -237,7 +237,7 @@ def test_odd_embed_dim_needs_rel_dim():
 def test_context_errors():
   module, params = _module(), _params()
   q, k = _qk(10, 4, 2)
-  apply = lambda q_, k_, ctx: module.apply(params, q_, k_, ctx, method="logits_bias")
+  apply = lambda q_, k_, ctx: module.apply(params, q_, k_, ctx, method="logits")
   with pytest.raises(ValueError, match="memory_length = 0"):
     apply(q, k, Context(length=4, causal=True))
   with pytest.raises(ValueError, match="1D only"):
