@@ -245,8 +245,8 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks), O(N log N
   m d) with rpe. Memory of the causal path: one carried state ``[batch, heads, m, d]`` in the
   forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
-  backward pass, never a per-token ``[N, m, d]`` cumulative sum (except the rpe path, whose
-  FFT over m*d channels is the method of Luo et al.).
+  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the rpe path holds one group
+  of features' ``[N, group*d]`` channels at a time (``_rpe_mix``).
   """
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
@@ -296,21 +296,52 @@ def _decay_table(log_decay, n: int, grid):
   return log_decay.reshape((-1,) + (1,) * dist.ndim) * dist[None]
 
 
+# The rpe product mixes m*d + m channels per head (Luo et al. Eq. 11-13). All of them at once
+# hold the [batch, heads, N, m*d] outer products phi(k_j) v_j^T and their spectra: 1.3 GiB of
+# temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64). Instead the features run in
+# groups of about _RPE_GROUP_BYTES of channels, one after the other (lax.scan), each group's
+# body rematerialised in the backward pass: the outer products and spectra exist one group at
+# a time and the numerator and denominator are accumulated over groups. The price: the
+# backward pass recomputes each group's Toeplitz product (the gradient of phi_q needs it), three
+# FFT passes instead of two (benchmarks/README.md, "Long sequences on one device").
+_RPE_GROUP_BYTES = 8 * 2 ** 20
+
+
 def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
   """Luo et al. Eq. 11-13: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m)."""
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
-  kv = jnp.einsum("bjhm,bjhd->bhjmd", phi_k, v).reshape(b, h, n, m * d)
-  channels = jnp.concatenate([kv, jnp.transpose(phi_k, (0, 2, 1, 3))], axis=-1)
-  if grid is None:
-    mixed = toeplitz.toeplitz_matmul(rpe, channels, causal=causal)
-  else:
-    mixed = toeplitz.toeplitz_matmul_2d(rpe, channels, grid, causal=causal)
-  d1 = mixed[..., : m * d].reshape(b, h, n, m, d)
-  d2 = mixed[..., m * d:]  # [b, h, n, m]
-  num = jnp.einsum("bihm,bhimd->bihd", phi_q, d1)
-  den = jnp.einsum("bihm,bhim->bih", phi_q, d2)
-  return num, den
+  per_feature = b * h * n * (d + 1) * jnp.dtype(v.dtype).itemsize
+  group = int(max(1, min(m, _RPE_GROUP_BYTES // per_feature)))
+  steps = -(-m // group)
+  group = -(-m // steps)
+  pad = steps * group - m  # zero features add nothing to numerator or denominator
+
+  def split(phi):  # [b, n, h, m] -> [steps, b, h, n, group]
+    phi = jnp.pad(phi, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    return jnp.moveaxis(phi.reshape(b, n, h, steps, group), (3, 2), (0, 2))
+
+  vals = jnp.transpose(v, (0, 2, 1, 3))  # [b, h, n, d]
+
+  @jax.checkpoint
+  def mix(fq, fk):  # [b, h, n, group] each -> num [b, h, n, d], den [b, h, n]
+    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, h, n, group * d)
+    channels = jnp.concatenate([kv, fk], axis=-1)
+    if grid is None:
+      mixed = toeplitz.toeplitz_matmul(rpe, channels, causal=causal, remat=False)
+    else:
+      mixed = toeplitz.toeplitz_matmul_2d(rpe, channels, grid, causal=causal, remat=False)
+    num = jnp.einsum("bhig,bhigd->bhid", fq, mixed[..., : group * d].reshape(b, h, n, group, d))
+    den = jnp.einsum("bhig,bhig->bhi", fq, mixed[..., group * d:])
+    return num, den
+
+  def step(carry, fqk):
+    num, den = mix(*fqk)
+    return (carry[0] + num, carry[1] + den), None
+
+  init = (jnp.zeros((b, h, n, d), v.dtype), jnp.zeros((b, h, n), v.dtype))
+  (num, den), _ = jax.lax.scan(step, init, (split(phi_q), split(phi_k)))
+  return jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1))
 
 
 def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):

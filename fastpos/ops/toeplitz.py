@@ -110,7 +110,7 @@ def _circular_kernel(w, n: int, fft_len: int, axis: int, causal: bool):
 # ---------------------------------------------------------------------------------------------
 # 1D
 # ---------------------------------------------------------------------------------------------
-def toeplitz_matmul(w, x, *, causal: bool = False):
+def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
   """Toeplitz product ``out[i] = sum_j w[j - i + N - 1] x[j]`` by FFT (FastRPB Eq. 12).
 
   Args:
@@ -118,6 +118,8 @@ def toeplitz_matmul(w, x, *, causal: bool = False):
       against those of ``x`` (e.g. ``[heads, 2N-1]`` with ``x [batch, heads, N, C]``).
     x: ``[..., N, C]``.
     causal: keep only ``j <= i`` (lower-triangular W).
+    remat: recompute each group's FFTs in the backward pass instead of keeping them (see
+      ``_map_over_batch``); False when the caller already rematerialises around this call.
 
   Returns:
     ``[broadcast(...), N, C]`` in the promoted dtype of ``w`` and ``x``. Cost O(N log N) per
@@ -147,10 +149,10 @@ def toeplitz_matmul(w, x, *, causal: bool = False):
     z = jnp.fft.ifft(jnp.fft.fft(z, n=fft_len, axis=-1) * kf[:, None, :], axis=-1)
     return _unpack_pairs(jnp.swapaxes(z[..., :n], -1, -2), xb.shape[-1])
 
-  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * fft_len)
+  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * fft_len, remat)
   if causal:
     y = _refine_causal_head(y, lambda k: toeplitz_matmul(
-        w[..., n - k: n + k - 1], x[..., :k, :], causal=True), n // _REFINE_FACTOR)
+        w[..., n - k: n + k - 1], x[..., :k, :], causal=True, remat=remat), n // _REFINE_FACTOR)
   return y.astype(out_dtype)
 
 
@@ -170,7 +172,7 @@ def toeplitz_matmul(w, x, *, causal: bool = False):
 _GROUP_BYTES = 4 * 2 ** 20
 
 
-def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int):
+def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int, remat: bool):
   """``product(kf [G, ...], x [G, N, C]) -> [G, N, C]`` over the flattened ``batch``.
 
   ``kernel_f`` ``[wb..., ...]`` and ``x`` ``[xb..., N, C]`` have leading dims of rank
@@ -189,7 +191,9 @@ def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int):
   table = np.concatenate([table.reshape(-1), np.zeros(steps * group - size, np.int64)])
   kf = kernel_f.reshape((w_size,) + tail)
   xs = jnp.broadcast_to(x, batch + x.shape[-2:]).reshape((size,) + x.shape[-2:])
-  body = jax.checkpoint(lambda idx, xg: product(kf[idx], xg))
+  body = lambda idx, xg: product(kf[idx], xg)
+  if remat:
+    body = jax.checkpoint(body)
   if steps == 1:
     y = body(jnp.asarray(table), xs)
   else:
@@ -283,7 +287,8 @@ def raster_causal_mask_2d(grid: Sequence[int]):
   return (dr < 0) | ((dr == 0) & (dc <= 0))
 
 
-def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False):
+def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False,
+                       remat: bool = True):
   """2D relative product ``out[(r,c)] = sum_{r',c'} w[r'-r+H-1, c'-c+W-1] x[(r',c')]``.
 
   Args:
@@ -293,6 +298,7 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False):
     grid: ``(H, W)``; square or not.
     causal: raster order: pixel ``(r, c)`` sees ``(r', c')`` iff ``r'*W + c' <= r*W + c``.
       Implemented by zeroing the offsets that point forward (``raster_causal_mask_2d``).
+    remat: as in ``toeplitz_matmul``.
 
   Returns:
     ``[broadcast(...), H*W, C]``, by a 2D FFT of size >= (2H-1, 2W-1): O(N log N).
@@ -327,7 +333,7 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False):
     z = z[..., :h, :wd].reshape(z.shape[:-2] + (h * wd,))
     return _unpack_pairs(jnp.swapaxes(z, -1, -2), xb.shape[-1])
 
-  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * lh * lw)
+  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * lh * lw, remat)
   if causal:
     # Raster order: the first rows depend only on themselves (see _REFINE_FACTOR). With fewer
     # than _REFINE_FACTOR rows, the first row alone is a 1D causal product along the columns.

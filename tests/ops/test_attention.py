@@ -127,6 +127,28 @@ def test_linear_attention_gradients_match_dense(causal, use_rpe):
     assert rel_err(a, b) < 1e-9
 
 
+@pytest.mark.parametrize("causal, grid", [(False, None), (True, None), (True, (3, 5))])
+def test_rpe_feature_groups_match_dense(monkeypatch, causal, grid):
+  """The rpe product runs over groups of features (here 5 features in 3 groups of 2, one
+  zero-padded): outputs and gradients of every input equal the dense reference."""
+  n, heads = 15, 2
+  pq, pk, v, rng = _inputs(n, heads, seed=9)
+  shape = (heads, 2 * n - 1) if grid is None else (heads, 2 * grid[0] - 1, 2 * grid[1] - 1)
+  rpe = np.exp(rng.normal(size=shape))
+  mask, probe = _mask(2, n, 11), rng.normal(size=v.shape)
+  per_feature = 2 * heads * n * (v.shape[-1] + 1) * 8
+  monkeypatch.setattr(attention, "_RPE_GROUP_BYTES", 2 * per_feature)
+
+  def loss(fn, *args):
+    return jnp.sum(fn(*args[:3], mask=mask, causal=causal, rpe=args[3], grid=grid) * probe)
+
+  grads = [jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3)))(
+      pq, pk, v, rpe) for fn in (attention.linear_attention, attention.linear_attention_reference)]
+  assert rel_err(grads[0][0], grads[1][0]) < 1e-9
+  for a, b in zip(grads[0][1], grads[1][1]):
+    assert rel_err(a, b) < 1e-9
+
+
 @pytest.mark.parametrize("use_rpe, grid, n", [(False, None, 12), (True, None, 12),
                                                (True, None, 80), (True, (3, 4), 12),
                                                (True, (9, 9), 81)])
