@@ -51,8 +51,8 @@ from typing import Any, ClassVar, Sequence
 import ml_collections
 import numpy as np
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, tfds_source
+from fastpos.tasks.info import TaskInfo
 
 VOCAB_SIZE = 257  # 256 intensities + padding
 CACHE_VERSION = 1

@@ -63,8 +63,8 @@ import numpy as np
 from absl import logging
 from PIL import Image
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 TASK = "pathfinder"
 SPLITS = base.SPLITS

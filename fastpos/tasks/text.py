@@ -38,8 +38,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, tfds_source
+from fastpos.tasks.info import TaskInfo
 
 TFDS_NAME = "imdb_reviews/plain_text"
 VOCAB_SIZE = 257  # 256 byte values + padding

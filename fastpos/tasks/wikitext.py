@@ -71,8 +71,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 TASK = "wikitext103"
 FILES = {"train": "wiki.train.tokens", "validation": "wiki.valid.tokens",

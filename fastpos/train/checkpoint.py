@@ -43,7 +43,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
-from fastpos.models.config import TaskInfo
+from fastpos.tasks.info import TaskInfo
 from fastpos.train.errors import RunError
 from fastpos.train.workdir import os_error_reason
 
