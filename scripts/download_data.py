@@ -4,47 +4,13 @@
   python scripts/download_data.py --dry_run [--data_dir DIR]   # the plan for every task
   python scripts/download_data.py --list
 
-A fetch that cannot proceed (no network, a server error, a checksum mismatch, a full disk)
-stops with one message naming the URL or file, the reason and the fix, exits 2, and leaves
-behind no folder it created: only a ``.part`` file that holds downloaded bytes stays, for the
-next run to resume.
-
-Training and tests never download anything: a task whose files are missing stops with the
-command above (``fastpos.tasks.paths.missing_data``). The layout under DIR is the one of
-``fastpos/tasks/paths.py``::
-
-  DIR/downloads/                 archives as fetched (kept for the next task; --delete_archives)
-  DIR/lra_release/listops-1000/  listops          basic_{train,val,test}.tsv
-  DIR/lra_release/tsv_data/      lra_retrieval    new_aan_pairs.{train,eval,test}.tsv
-  DIR/lra_release/pathfinder32/  pathfinder       (and pathfinder128 = Path-X; --pathfinder
-                                                  chooses the resolutions)
-  DIR/tfds/                      lra_text (imdb_reviews), lra_image (cifar10), mnist (mnist)
-  DIR/wikitext-103/              wikitext103      wiki.{train,valid,test}.tokens
-
-Archives (the LRA release, WikiText-103) are downloaded to ``<file>.part`` (resumed with an
-HTTP Range request when the server allows it), checked against the checksums published for
-them where there are any (WikiText-103: md5 from torchtext, sha1 from GluonNLP, also per
-unpacked file; the LRA release has none published: its sha256 is printed and the download is
-reported UNVERIFIED), then renamed into place. Each unpacked folder gets a ``.fastpos_complete``
-marker written last, so an interrupted run is resumed, and folders that are complete are
-skipped. Only the LRA folders that the asked tasks need are unpacked from the ~7.7 GB archive
-(one streaming pass).
-
-tfds datasets (lra_text, lra_image, mnist) are prepared with
-``tfds.builder(name, data_dir=DIR/tfds).download_and_prepare(file_format="array_record",
-download_dir=DIR/tfds/downloads)``; tfds checks its own registered sha256 checksums. Preparing
-them with tensorflow-datasets 4.9.10 needs TensorFlow (its archive reader opens files with
-``tf.io.gfile`` and its image feature encodes PNGs with ``tf.image.encode_png``) and the
-``importlib_resources`` package, none of which the training environment needs (reading the
-prepared array_record files does not use TensorFlow). Install them for this step only, in a
-separate environment, e.g.::
-
-  python -m venv ~/tfds-prep
-  ~/tfds-prep/bin/pip install tensorflow-datasets==4.9.10 tensorflow importlib_resources
-  ~/tfds-prep/bin/python scripts/download_data.py lra_text lra_image mnist --data_dir DIR
-
-This script imports neither jax nor fastpos (it reads ``fastpos/tasks/paths.py`` by file), so
-it runs in such an environment.
+Archives are fetched to ``<file>.part`` (resumed), checked against their published checksums
+(``RESOURCES``), unpacked, and marked complete last; tfds datasets are prepared by tfds. A fetch
+that cannot proceed stops with one message naming the URL or file, the reason and the fix,
+exits 2, and leaves behind only the ``.part`` file for the next run to resume. The layout of the
+data root is ``fastpos/tasks/paths.py``'s; README "Data" has the sources, sizes and the separate
+environment that preparing tfds datasets needs. This script imports ``fastpos.tasks.paths``
+(numpy only: no jax, no ml_collections), so it runs in that environment.
 """
 
 from __future__ import annotations
@@ -66,19 +32,9 @@ import urllib.request
 import zipfile
 from typing import Callable, Iterable, Sequence
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fastpos
 
-
-def _load_paths():
-  """fastpos/tasks/paths.py, loaded by file (importing the fastpos package would pull in jax)."""
-  spec = importlib.util.spec_from_file_location(
-      "_fastpos_paths", os.path.join(_REPO, "fastpos", "tasks", "paths.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-paths = _load_paths()
+from fastpos.tasks import paths  # noqa: E402  (numpy only: the tfds environment has no jax)
 
 MARKER = ".fastpos_complete"
 DOWNLOADS = "downloads"

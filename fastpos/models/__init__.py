@@ -12,8 +12,9 @@ import ml_collections
 from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.models.blocks import NORMS, Block
-from fastpos.models.config import TaskInfo, model_config
+from fastpos.models.config import model_config
 from fastpos.models.transformer import POOLINGS, Classifier, DecoderLM, DualEncoder, Tower
+from fastpos.tasks.info import TaskInfo
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 

@@ -1,43 +1,9 @@
-"""The model's part of a config, and what a model needs to know of its task.
-
-``model_config()`` is the base every experiment config starts from (``config.model``); each
-field is commented. ``TaskInfo`` is what a task tells ``build_model``.
-"""
+"""The model's part of a config: ``model_config()``, the base of every experiment's
+``config.model``, each field commented."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import ml_collections
-
-TASK_KINDS = ("classify", "retrieval", "lm")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskInfo:
-  """What the model needs to know of its task.
-
-  Attributes:
-    kind: ``"classify"`` (encoder -> pooled logits ``[b, num_classes]``), ``"retrieval"``
-      (dual encoder over ``inputs`` / ``inputs2`` -> ``[b, num_classes]``) or ``"lm"``
-      (causal decoder -> ``[b, L, vocab_size]``).
-    vocab_size: number of token ids (ids are in [0, vocab_size); 0 is padding).
-    num_classes: classes of a classify / retrieval task (ignored for lm).
-    max_length: the longest sequence the task hands out.
-    grid: (H, W) for image tasks (max_length == H * W), else None.
-  """
-  kind: str
-  vocab_size: int
-  num_classes: int = 0
-  max_length: int = 0
-  grid: tuple[int, int] | None = None
-
-  def __post_init__(self):
-    if self.kind not in TASK_KINDS:
-      raise ValueError(f"TaskInfo.kind must be one of {TASK_KINDS}; got {self.kind!r}.")
-    if self.grid is not None and self.grid[0] * self.grid[1] != self.max_length:
-      raise ValueError(
-          f"TaskInfo.grid {self.grid} must cover max_length={self.max_length} tokens.")
 
 
 def model_config() -> ml_collections.ConfigDict:

@@ -4,19 +4,18 @@
 gives its ``TaskInfo`` without reading any data; ``task_config(name)`` is the task's default
 ``config.task`` block for experiment files. A new task is a module with a ``Task`` subclass
 listed in ``TASK_MODULES``.
-
-Tasks named in ``PLANNED`` are not built yet: their shape is
-known (so configs for them load and build their models) but asking for their data raises.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-import ml_collections
-
-from fastpos.models.config import TaskInfo
 from fastpos.tasks.base import SPLITS, ArraySource, Task
+from fastpos.tasks.info import TaskInfo
+
+if TYPE_CHECKING:  # at run time this package imports numpy only (scripts/download_data.py)
+  import ml_collections
 
 # name -> "module:Class", imported on use (a task's module may pull in heavy readers).
 TASK_MODULES = {
@@ -30,51 +29,27 @@ TASK_MODULES = {
     "pathfinder": "fastpos.tasks.pathfinder:PathfinderTask",
 }
 
-# Tasks that are not built yet: name -> the shape their data will have
-# (none left).
-PLANNED: dict[str, TaskInfo] = {}
-
 
 def task_names() -> tuple[str, ...]:
   return tuple(TASK_MODULES)
 
 
-def _unknown(name: str) -> ValueError:
-  planned = f"; planned, not built yet: {', '.join(PLANNED)}" if PLANNED else ""
-  return ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_MODULES)}{planned}.")
-
-
 def get_task_class(name: str) -> type[Task]:
   """The Task class registered as ``name``."""
-  if name in PLANNED:
-    raise NotImplementedError(
-        f"task {name!r} is not built yet; built tasks: "
-        f"{', '.join(TASK_MODULES)}.")
   if name not in TASK_MODULES:
-    raise _unknown(name)
+    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_MODULES)}.")
   module, cls = TASK_MODULES[name].split(":")
   return getattr(importlib.import_module(module), cls)
 
 
 def task_config(name: str) -> ml_collections.ConfigDict:
   """The default ``config.task`` block of task ``name`` (every field commented in its module)."""
-  if name in PLANNED:
-    c = ml_collections.ConfigDict()
-    c.name = name
-    c.data_dir = ""  # where the task's data will be read from
-    c.max_length = PLANNED[name].max_length
-    return c
   return get_task_class(name).default_config()
 
 
 def task_info(cfg: ml_collections.ConfigDict) -> TaskInfo:
-  """The ``TaskInfo`` of ``config.task`` (no data read; works for planned tasks too)."""
-  name = cfg.get("name")
-  if name in PLANNED:
-    p = PLANNED[name]
-    return TaskInfo(kind=p.kind, vocab_size=p.vocab_size, num_classes=p.num_classes,
-                    max_length=cfg.get("max_length", p.max_length), grid=p.grid)
-  return get_task_class(name).info_from_config(cfg)
+  """The ``TaskInfo`` of ``config.task`` (no data read)."""
+  return get_task_class(cfg.get("name")).info_from_config(cfg)
 
 
 def make_task(cfg: ml_collections.ConfigDict) -> Task:
@@ -88,5 +63,5 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
   return cls(cfg)
 
 
-__all__ = ["SPLITS", "ArraySource", "Task", "TASK_MODULES", "PLANNED", "get_task_class",
+__all__ = ["SPLITS", "ArraySource", "Task", "TASK_MODULES", "TaskInfo", "get_task_class",
            "make_task", "task_config", "task_info", "task_names"]

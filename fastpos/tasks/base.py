@@ -22,12 +22,14 @@ configs checked before data are loaded.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
-import ml_collections
 import numpy as np
 
-from fastpos.models.config import TaskInfo
+from fastpos.tasks.info import TaskInfo
+
+if TYPE_CHECKING:  # annotations only: importing fastpos.tasks needs numpy alone
+  import ml_collections
 
 SPLITS = ("train", "validation", "test")
 

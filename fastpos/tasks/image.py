@@ -1,46 +1,17 @@
 """Images as sequences of pixels: LRA Image (CIFAR-10 grayscale, task "lra_image") and MNIST
-(task "mnist"); one class, parameterised by ``SPECS``.
+(task "mnist", the FastRPB paper's Table 2); one class, parameterised by ``SPECS``.
 
-Sources, read through ``tfds.data_source`` (array record, no TensorFlow):
+Sources: tfds ``cifar10`` 3.0.2 (32x32 RGB, 10 classes; LRA, Tay et al. 2021, Sec. 3.4) and
+``mnist`` 3.0.1 (28x28 grayscale, 10 classes), prepared by ``python scripts/download_data.py
+lra_image mnist --data_dir DIR`` and read through ``tfds.data_source`` (no TensorFlow).
 
-- "lra_image": the Long Range Arena's image task (Tay et al. 2021, Sec. 3.4, "Image
-  Classification on sequences of pixels") on CIFAR-10 (Krizhevsky 2009), tfds ``cifar10``
-  (version 3.0.2): 32x32 RGB images, 10 classes; tfds train 50,000 / test 10,000.
-- "mnist": MNIST (LeCun et al. 1998), tfds ``mnist`` (version 3.0.1): 28x28 grayscale digits,
-  10 classes; tfds train 60,000 / test 10,000. The FastRPB paper's (Zubkov et al.) Table 2
-  experiment (8 layers, 8 heads, hidden 256).
-
-Fetch with ``python scripts/download_data.py lra_image --data_dir DIR`` (resp. ``mnist``),
-which prepares ``DIR/tfds/cifar10/3.0.2/`` (resp. ``DIR/tfds/mnist/3.0.1/``):
-``dataset_info.json`` and ``<name>-{train,test}.array_record-*``.
-
-Splits. Neither source has a validation split: ``validation_fraction`` (default 0.1, LRA's
-``train[90%:]`` share) of tfds train is carved off with a fixed seed (``validation_seed``):
-CIFAR-10 45,000 / 5,000 / 10,000 and MNIST 54,000 / 6,000 / 10,000 (train / validation /
-test). LRA takes the last 10% of tfds's train order; here a seeded random 10% (same sizes,
-other images). The test split is never used for model selection.
-
-Preprocessing. CIFAR-10 is made grayscale as LRA makes it, with
-``tf.image.rgb_to_grayscale`` on the uint8 image, replayed here in numpy float32 (``gray``):
-
-    gray = uint8( trunc( ((R/255) * 0.2989 + (G/255) * 0.5870 + (B/255) * 0.1140) * 255.5 ) )
-
-(``convert_image_dtype`` to float32 multiplies by 1/255; back to uint8 it multiplies by
-255.5 and casts, i.e. truncates; the largest value is 255.47, so nothing saturates). The sum
-is taken left to right in float32; were TF's reduce_sum to add in another order, the result
-would change by 1 for a few dozen of the 2^24 RGB colours (47 for R + (G + B), 43 for
-(R + B) + G: values within one float32 rounding of an integer). MNIST is already grayscale
-(its single channel is used as is). Each image becomes its pixels in raster order (row by
-row: position ``r * W + c``) with id = intensity + 1 (vocabulary 257, 0 stays padding although
-images have none: the mask is all True), length H * W (1024 for CIFAR-10, 784 for MNIST) and
-``TaskInfo.grid = (H, W)`` so that 2D positional schemes see the image. LRA feeds the
-intensities 0..255 themselves as ids (vocabulary 256); the shift by one changes nothing but
-the embedding row each intensity uses.
-
-Cache. Decoding the PNG-encoded images through tfds takes a while; the grayscale pixels
-(uint8 ``[n, H * W]``) and labels of each tfds split are cached once under
-``config.task.cache_dir`` (default ``DIR/cache/<task>/``), keyed by the dataset's files and
-``CACHE_VERSION`` (``fastpos.tasks.tfds_source``).
+Neither has a validation split: ``validation_fraction`` (0.1, LRA's share) of tfds train is
+held out with a seeded permutation (LRA takes the last 10%: same sizes, other images). CIFAR-10
+is made grayscale exactly as LRA does (``rgb_to_grayscale``). Each image becomes its pixels in
+raster order with id = intensity + 1 (vocabulary 257; LRA uses the intensities themselves,
+which changes only the embedding row each uses), mask all True, and ``TaskInfo.grid = (H, W)``
+so that 2D positional schemes see the image. The pixels of each tfds split are cached once
+(``fastpos.tasks.tfds_source``).
 """
 
 from __future__ import annotations
@@ -51,8 +22,8 @@ from typing import Any, ClassVar, Sequence
 import ml_collections
 import numpy as np
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, tfds_source
+from fastpos.tasks.info import TaskInfo
 
 VOCAB_SIZE = 257  # 256 intensities + padding
 CACHE_VERSION = 1
@@ -86,7 +57,13 @@ SPECS = {
 
 
 def rgb_to_grayscale(images: np.ndarray) -> np.ndarray:
-  """LRA's grayscale (``tf.image.rgb_to_grayscale`` on uint8; module docstring).
+  """LRA's grayscale: ``tf.image.rgb_to_grayscale`` on uint8, replayed in numpy float32::
+
+    gray = uint8( trunc( ((R/255) * 0.2989 + (G/255) * 0.5870 + (B/255) * 0.1140) * 255.5 ) )
+
+  (``convert_image_dtype`` to float32 multiplies by 1/255; back to uint8 it multiplies by 255.5
+  and truncates; the largest value is 255.47, so nothing saturates). The sum runs left to right
+  in float32; another order would change a few dozen of the 2^24 colours by 1.
 
   Args:
     images: uint8 ``[..., 3]`` (RGB).
@@ -149,8 +126,8 @@ def read_images(source: Sequence[Any], split: str, spec: ImageSpec) -> dict[str,
 
 
 class ImageTask(base.Task):
-  """An image classified from its pixel sequence (module docstring); subclasses set ``spec``
-  and ``task_name``. Accuracy picks the best checkpoint."""
+  """An image classified from its pixel sequence; subclasses set ``spec`` and ``task_name``.
+  Accuracy picks the best checkpoint."""
   spec: ClassVar[ImageSpec]
   metric = "accuracy"
   metric_mode = "max"

@@ -1,45 +1,22 @@
 """ListOps data: vocabulary, reference evaluator, seeded generator, LRA TSV reader, splits.
 
-ListOps (Nangia & Bowman 2018) in the long form of the Long Range Arena ("Long ListOps", Tay et
-al. 2021): nested prefix expressions over the digits 0-9 with the operators
+ListOps (Nangia & Bowman 2018) in the Long Range Arena's long form (Tay et al. 2021): nested
+prefix expressions over the digits 0-9 with ``[MIN``, ``[MAX``, ``[MED`` (LRA's
+``int(np.median(args))``: ``[MED 2 5 ]`` is 3) and ``[SM`` (sum modulo 10), each closed by
+``]``; the label is the expression's value (10 classes). The task wrapper is
+``listops_task``; ``load_split`` here reads either ``generate``'s seeded draws from LRA's tree
+distribution or the LRA release's TSVs (``python scripts/download_data.py listops``; in
+``tsv_dir(DIR)`` = ``DIR/lra_release/listops-1000/``, 96,000 / 2,000 / 2,000 rows).
 
-- ``[MIN`` / ``[MAX``: smallest / largest argument;
-- ``[MED``: the median, as LRA computes it: ``int(np.median(args))``, i.e. for an even count the
-  floor of the mean of the two middle values (``[MED 2 5 ]`` is 3);
-- ``[SM``: the sum modulo 10 (LRA writes SUM_MOD as ``[SM``);
-
-each operator closed by ``]``. The label is the value of the expression (10 classes). LRA's
-generator draws a tree top-down: a node at depth ``d < max_depth`` (root depth 1) is an
-operator with probability 1/4 (else a digit), an operator takes 2..``max_args`` arguments drawn
-the same way, nodes at depth ``max_depth`` are digits; trees are drawn again until the length
-falls in the window (LRA: 500..2000, depth 10, 10 arguments, 96k / 2k / 2k examples).
-
-Files. ``python scripts/download_data.py listops --data_dir DIR`` unpacks the LRA release into
-``DIR/lra_release/``; the ListOps TSVs are then in ``DIR/lra_release/listops-1000/``
-(``tsv_dir(DIR)``; 96,000 / 2,000 / 2,000 rows). The task (``listops_task``) takes the data
-root DIR as ``config.task.data_dir``; ``load_split`` here takes the TSV folder itself.
-
-Token format. The LRA release files (``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv``;
-header ``Source<TAB>Target``, rows written by ``csv.writer`` so lines end in CRLF) write each
-expression as the binary tuple tree of LRA's generator, every pair in parentheses::
+The release writes each expression as LRA's binary tuple tree, every pair in parentheses::
 
     [MAX 2 9 [MIN 4 7 ] 0 ]   is written   ( ( ( ( ( [MAX 2 ) 9 ) ( ( ( [MIN 4 ) 7 ) ] ) ) 0 ) ] )
 
-The parentheses carry no information (the prefix form with ``]`` is unambiguous) and triple the
-length: a paren-free expression of L tokens has 3L - 2 tokens in the paren form. LRA's first
-input pipeline dropped every non-alphanumeric character (``]`` included: the task became
-ill-posed) and its generator counted lengths without the parentheses, so the files' sequences
-are up to ~6000 tokens for a nominal 2000 (google-research/long-range-arena issues #6, #20). The
-upstream fix (March 2021) keeps ``]`` and removes the parentheses, so that the token count is the
-generator's count. Here:
-
-- ``VOCAB`` holds every token of the release format, parentheses included; ``encode`` /
-  ``decode`` / ``evaluate`` accept both forms;
-- ``parens=False`` (default) is the fixed LRA task: ``]`` is a token, parentheses are dropped,
-  lengths are counted in tokens of what the model sees; ``parens=True`` keeps the release
-  format verbatim (and counts its tokens);
-- ``generate`` draws from LRA's tree distribution and keeps a tree when its token count (in the
-  chosen form) lies in ``[min_length, max_length]`` (both ends included).
+The parentheses carry nothing and triple the length (LRA's generator counted lengths without
+them, so the files run to ~6000 tokens for a nominal 2000; google-research/long-range-arena
+issues #6, #20). ``parens=False`` (default) is LRA's fixed task: ``]`` is a token, the
+parentheses are dropped and lengths count what the model sees; ``parens=True`` keeps the
+release form. ``encode`` / ``decode`` / ``evaluate`` accept both.
 """
 
 from __future__ import annotations
@@ -67,7 +44,8 @@ NUM_CLASSES = 10
 SPLITS = ("train", "validation", "test")
 SOURCES = ("generated", "tsv")
 ON_OVERFLOW = ("truncate", "error")
-# LRA release file stems and sizes per split.
+# LRA release files per split (header ``Source<TAB>Target``, rows written by csv.writer, so
+# lines end in CRLF) and their sizes.
 TSV_FILES = {"train": "basic_train.tsv", "validation": "basic_val.tsv", "test": "basic_test.tsv"}
 LRA_SIZES = {"train": 96000, "validation": 2000, "test": 2000}
 TSV_HEADER = ("Source", "Target")
@@ -175,11 +153,6 @@ def decode(ids: Sequence[int] | np.ndarray) -> str:
     raise ValueError(f"padding id 0 at position {int(inner_pad[0])} comes before a real token "
                      f"(padding may only trail).")
   return " ".join(_VOCAB_ARRAY[ids[:n]])
-
-
-def strip_parens(expr: str) -> str:
-  """The expression without the redundant ``(`` / ``)`` of the LRA release format."""
-  return " ".join(t for t in expr.split() if t not in (OPEN_PAREN, CLOSE_PAREN))
 
 
 # --------------------------------------------------------------------- evaluator
@@ -433,8 +406,11 @@ def generate(num_examples: int, *, seed: int, min_length: int = 500, max_length:
              parens: bool = False) -> list[tuple[str, int]]:
   """``num_examples`` (expression, value) pairs drawn from LRA's ListOps distribution.
 
-  Reproducible from ``seed`` (a numpy Generator). Trees are drawn as LRA draws them (module
-  docstring) and kept when their token count is in ``[min_length, max_length]``; when
+  Reproducible from ``seed`` (a numpy Generator). Trees are drawn as LRA draws them, top-down:
+  a node at depth ``d < max_depth`` (root depth 1) is an operator with probability 1/4 (else a
+  digit), an operator takes 2..``max_args`` arguments drawn the same way, nodes at depth
+  ``max_depth`` are digits (LRA: depth 10, 10 arguments, lengths 500..2000, 96k / 2k / 2k
+  examples). A tree is kept when its token count is in ``[min_length, max_length]``; when
   ``min_length > 1`` the root is an operator (the same as rejecting single digits). With
   ``parens=True`` the expressions are in the LRA release form and their tokens, parentheses
   included, are counted.
@@ -593,7 +569,7 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
     on_overflow: for expressions longer than ``max_length``: "truncate" (keep the first
       ``max_length`` tokens; one warning gives the count) or "error" (ValueError).
     parens: keep the parentheses of the LRA release format (False: drop them, as the fixed LRA
-      pipeline does; module docstring).
+      pipeline does).
   """
   _check_load_args(split, source, max_length, data_dir, num_examples, seed, min_length,
                    cache_dir, on_overflow, parens)

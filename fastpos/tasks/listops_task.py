@@ -20,8 +20,8 @@ import os
 import ml_collections
 import numpy as np
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 NUM_CLASSES = 10
 

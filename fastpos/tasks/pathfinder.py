@@ -1,52 +1,16 @@
 """LRA Pathfinder (and Path-X): are the two dots joined by one path? Images read pixel by pixel.
 
 Source: Long Range Arena (Tay et al. 2021, Sec. 3.5), images of Linsley et al. (2018) / Kim et
-al. (2020) (``github.com/drewlinsley/pathfinder``). ``python scripts/download_data.py pathfinder
---data_dir DIR`` unpacks the LRA release archive (``lra_release.gz``, ~7 GB, shared with ListOps
-and Retrieval) into::
+al. (2020). ``python scripts/download_data.py pathfinder --data_dir DIR`` unpacks them from the
+LRA release into ``DIR/lra_release/pathfinder<resolution>/<difficulty folder>/``, each holding
+``metadata/<k>.npy`` (text, one image a line: folder, file name, _, label, ...) and
+``imgs/<i>/sample_<j>.png`` (grayscale, resolution x resolution).
 
-    DIR/lra_release/pathfinder{32,64,128,256}/{curv_baseline,curv_contour_length_9,
-                                              curv_contour_length_14}/
-        metadata/<k>.npy      text, one image a line: "<imgs/i> <sample_j.png> <n> <label> ..."
-        imgs/<i>/sample_<j>.png   grayscale PNGs, resolution x resolution
-
-Difficulty: "easy" = ``curv_baseline``, "intermediate" = ``curv_contour_length_9``, "hard" =
-``curv_contour_length_14`` (LRA's names in ``lra_benchmarks/data/pathfinder.py``). LRA's
-Pathfinder is ``resolution=32, difficulty="hard"`` (1024 tokens, grid 32x32; the defaults) and
-Path-X is ``resolution=128, difficulty="hard"`` (16384 tokens, grid 128x128). Each difficulty
-folder holds ~200K images (commonly reported for pathfinder32; the loader logs the counts).
-
-Reading (as LRA's tfds builder does): the ``.npy`` metadata files are text (despite the name);
-each line is split on whitespace, field 0 is the image's folder, field 1 its file name, field 3
-its label (0 / 1); the other fields are not used. A line with fewer than 4 fields, a label
-other than 0 / 1, a missing image, a PNG that does not decode to ``resolution x resolution``
-or a metadata file that does not end in a newline (a truncated file) is an error naming the
-file and line.
-
-Splits (``split_order="lra"``, default): LRA builds a tfds dataset per difficulty and slices it
-``[:80%]`` / ``[80%:90%]`` / ``[90%:]``; tfds stores examples sorted by the md5 hash of their
-key salted with the split name (``tfds.core.hashing``: md5(salt + key) as a 128-bit integer),
-the key being ``"<field0>_<field1>_<k>"`` with ``k`` the 1-based line number within its
-metadata file, the salt the difficulty name ("hard"); slice bounds are ``round(p * n / 100)``
-(tfds' "closest" rounding) over all ``n`` lines. After slicing LRA drops the empty PNG files
-(the release has at least one, ``pathfinder32/curv_baseline/imgs/0/sample_172.png``). This
-order is reproduced from LRA's builder and tfds' code, not checked against LRA's own shards.
-``split_order="metadata"``: metadata files in numeric order, lines in file order, the same
-80/10/10 bounds (simpler, not LRA's).
-
-Tokens: id = intensity + 1 (vocab 257; no padding: every position is a pixel, mask all True),
-raster order, grid (resolution, resolution) passed on in ``TaskInfo.grid``. PNGs in a mode
-other than 8-bit grayscale "L" are converted with Pillow's ``convert("L")`` (ITU-R 601 luma for
-colour); 16-bit / float images are an error.
-
-Cache: decoding 200K PNGs takes minutes, so all three splits are decoded once and saved as
-``uint8 [n, res, res]`` images + ``uint8`` labels in one ``.npz`` per split under
-``paths.cache_dir(data_dir, "pathfinder")`` (or ``config.task.cache_dir``), named by a hash of
-the resolution, difficulty, split order, ``CACHE_VERSION`` and the metadata files' names, sizes
-and mtimes; writes are atomic. Sizes: ~200 MB per difficulty at 32, ~3.3 GB for Path-X.
-``load_split`` returns int32 ids (what ``base.ArraySource`` holds): 4 bytes a pixel, ~10.5 GB
-for the Path-X train split (160K x 16384) in memory; a uint8 / uint16 ArraySource would cut
-that by 4 / 2.
+LRA's Pathfinder is ``resolution=32, difficulty="hard"`` (the defaults: 1024 tokens, grid
+32x32) and Path-X is ``resolution=128`` (16384 tokens). Tokens: id = intensity + 1 (vocab 257,
+no padding), raster order, the grid passed on in ``TaskInfo.grid``. The 80 / 10 / 10 splits
+reproduce LRA's tfds order (``lra_order``). Decoding ~200K PNGs takes minutes, so all three
+splits are decoded once and cached (``load_split``).
 """
 
 from __future__ import annotations
@@ -63,8 +27,8 @@ import numpy as np
 from absl import logging
 from PIL import Image
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 TASK = "pathfinder"
 SPLITS = base.SPLITS
@@ -114,7 +78,13 @@ def _metadata_files(folder: str) -> list[str]:
 
 
 def read_metadata(folder: str) -> list[Example]:
-  """Every line of ``folder/metadata/*.npy`` (files in numeric order, lines in order)."""
+  """Every line of ``folder/metadata/*.npy`` (files in numeric order, lines in order).
+
+  As LRA's tfds builder reads them: the ``.npy`` files are text despite the name; each line is
+  split on whitespace, field 0 is the image's folder, field 1 its file name, field 3 its label
+  (0 / 1). A line with fewer than 4 fields, another label or a file that does not end in a
+  newline (truncated) is an error naming the file and line.
+  """
   out = []
   for path in _metadata_files(folder):
     with open(path, "rb") as f:
@@ -140,7 +110,14 @@ def read_metadata(folder: str) -> list[Example]:
 
 
 def lra_order(examples: list[Example], difficulty: str) -> list[Example]:
-  """``examples`` in tfds' stored order: ascending md5(difficulty + key) as an integer."""
+  """``examples`` in tfds' stored order: ascending md5(difficulty + key) as an integer.
+
+  LRA builds a tfds dataset per difficulty and slices it ``[:80%]`` / ``[80%:90%]`` /
+  ``[90%:]`` (``split_bounds``); tfds stores examples sorted by the md5 of their key salted
+  with the split name (``tfds.core.hashing``), the key being ``"<field0>_<field1>_<k>"`` with
+  ``k`` the 1-based line number in its metadata file and the salt the difficulty name. This is
+  reproduced from LRA's builder and tfds' code, not checked against LRA's own shards.
+  """
   salt = hashlib.md5(difficulty.encode("utf-8"))
 
   def hkey(ex: Example) -> int:
@@ -200,12 +177,12 @@ def _cache_paths(cache_dir: str, key: dict) -> dict[str, str]:
   return {s: os.path.join(cache_dir, f"{stem}_{s}.npz") for s in SPLITS}
 
 
-
-
 def build_splits(folder: str, resolution: int, difficulty: str, split_order: str,
                  num_threads: int = 8) -> dict[str, dict[str, np.ndarray]]:
   """Reads and decodes every image of ``folder``: split -> {"images" uint8 [n, res, res],
-  "targets" uint8 [n], "num_empty" int64 []} (empty PNG files dropped after slicing)."""
+  "targets" uint8 [n], "num_empty" int64 []}. Empty PNG files are dropped after slicing, as
+  LRA does (the release has at least one: ``pathfinder32/curv_baseline/imgs/0/sample_172.png``).
+  """
   examples = read_metadata(folder)
   if split_order == "lra":
     examples = lra_order(examples, difficulty)
@@ -241,8 +218,12 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
   """One split: ``inputs`` int32 ``[n, resolution**2]`` (intensity + 1, raster order),
   ``mask`` all True, ``targets`` int32 ``[n]``.
 
-  The first call decodes all three splits and caches them (module docstring); later calls
-  read the cached split.
+  The first call decodes all three splits and saves each as uint8 images + labels in one
+  ``.npz`` under ``cache_dir`` (default ``<root>/cache/pathfinder``; ~200 MB per difficulty at
+  32, ~3.3 GB for Path-X), named by a hash of the resolution, difficulty, split order, cache
+  version and the metadata files' names, sizes and dates; writes are atomic. Later calls read
+  the cached split. PNGs in another 8-bit mode are converted with Pillow's ``convert("L")``;
+  16-bit / float images are an error (``decode_png``).
   """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")

@@ -1,39 +1,15 @@
 """LRA Retrieval: does one paper cite the other? Byte-level document pairs of the ACL Anthology
 Network (AAN), read by a dual encoder.
 
-Source: Long Range Arena (Tay et al. 2021, Sec. 3.3 "Byte-level document retrieval"), built on
-the AAN corpus (Radev et al. 2013). The release archive ``lra_release.gz`` holds three TSVs,
-unpacked by ``python scripts/download_data.py lra_retrieval --data_dir DIR`` into::
+Source: Long Range Arena (Tay et al. 2021, Sec. 3.3), built on AAN (Radev et al. 2013).
+``python scripts/download_data.py lra_retrieval --data_dir DIR`` unpacks the release's
+``DIR/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv`` (~147K / 18K / 17K pairs as
+commonly reported; the loader logs the counts); validation is LRA's ``eval`` file, never test.
 
-    DIR/lra_release/tsv_data/new_aan_pairs.train.tsv   train       (~147K pairs)
-    DIR/lra_release/tsv_data/new_aan_pairs.eval.tsv    validation  (~18K pairs)
-    DIR/lra_release/tsv_data/new_aan_pairs.test.tsv    test        (~17K pairs)
-
-(approximate sizes as commonly reported for the release, not verified here: the loader logs
-the exact counts). The archive is ~7 GB and also
-holds ListOps and Pathfinder. Validation is LRA's ``eval`` file, never the test file.
-
-File format (LRA's ``lra_benchmarks/matching/input_pipeline.py``): no header, one pair per line,
-five tab-separated columns ``label, id1, id2, text1, text2``, no quoting (LRA reads them with
-``make_csv_dataset(field_delim='\\t', use_quote_delim=False, header=False)``, the label as a
-float). Here: lines end in ``\\n`` (a trailing ``\\r`` is dropped), the label must be 0 or 1
-(written ``0`` / ``1`` or ``0.0`` / ``1.0``), every line must have exactly five columns; a
-wrong line is an error naming the file and line.
-
-Preprocessing (LRA's ``tokenizer='char'``, ``tfds ByteTextEncoder``): each text is taken as its
-raw bytes, token id = byte + 1 (vocabulary 257, 0 is padding), cut to ``max_length`` bytes
-(LRA: 4000) and zero-padded. A pair with a document longer than ``max_length`` is truncated with
-one counted warning per split, or raises with ``on_overflow="error"`` (almost every AAN paper
-is longer than 4000 bytes: truncation is the task's normal case, as in LRA). Targets: the label
-(1 = the pair is linked by a citation), 2 classes.
-
-Cache: tokenising ~330K documents takes a while (tens of seconds), so each split is saved once as
-an ``.npz`` of ``uint8`` bytes plus lengths (``[n, max_length]``; ~1.2 GB for train at 4000)
-under ``paths.cache_dir(data_dir, "lra_retrieval")`` (or ``config.task.cache_dir``), named by a
-hash of everything that changes it (file path, size and mtime, ``max_length``,
-``num_examples``, ``on_overflow``, ``CACHE_VERSION``), written atomically. ``load_split``
-returns int32 ids (what ``base.ArraySource`` holds): 2 x 4 bytes x 4000 per pair, ~4.7 GB for
-the whole train split in memory.
+As LRA's ``tokenizer='char'``: each text is its raw bytes, id = byte + 1 (vocabulary 257, 0 is
+padding), cut to ``max_length`` bytes (LRA: 4000; almost every paper is longer, so truncation
+is the normal case) and zero-padded. Target: 1 when the pair is linked by a citation. The
+tokenised bytes are cached once per split (``load_split``).
 """
 
 from __future__ import annotations
@@ -47,8 +23,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 TASK = "lra_retrieval"
 SPLITS = base.SPLITS
@@ -119,8 +95,12 @@ def _bad_line(path: str, line_no: int, what: str) -> ValueError:
 def read_tsv(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str, bytes, bytes]]:
   """(line number, label, id1, id2, text1, text2) of every line of an AAN pairs TSV.
 
-  Texts are the raw bytes of their column. Raises FileNotFoundError for a missing file and
-  ValueError naming the file and line for a line without five columns or with a bad label.
+  The format of LRA's ``matching/input_pipeline.py``: no header, one pair per line, five
+  tab-separated columns ``label, id1, id2, text1, text2``, no quoting. Lines end in ``\\n`` (a
+  trailing ``\\r`` is dropped); the label is 0 or 1 (``0`` / ``1`` or ``0.0`` / ``1.0``, as LRA
+  reads it as a float). Texts are the raw bytes of their column. Raises FileNotFoundError for
+  a missing file and ValueError naming the file and line for a line without five columns or
+  with a bad label.
   """
   path = os.fspath(path)
   if not os.path.isfile(path):
@@ -229,7 +209,10 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, max_length: in
     data_dir: the data root (``paths.data_root``); the file is ``tsv_path(data_dir, split)``.
     max_length: bytes kept per document (LRA: 4000).
     num_examples: the first ``num_examples`` pairs of the file (0: all).
-    cache_dir: folder of the tokenised cache ("" / None: ``paths.cache_dir(data_dir, TASK)``).
+    cache_dir: folder of the tokenised cache ("" / None: ``paths.cache_dir(data_dir, TASK)``):
+      tokenising ~330K documents takes tens of seconds, so each split is saved once as uint8
+      bytes + lengths (~1.2 GB for train at 4000) in an ``.npz`` named by a hash of everything
+      that changes it (file path, size and date, the other arguments, ``CACHE_VERSION``).
     on_overflow: a document longer than ``max_length``: "truncate" (one counted warning per
       split) or "error".
   """

@@ -15,8 +15,8 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base
+from fastpos.tasks.info import TaskInfo
 
 
 class SyntheticTask(base.Task):

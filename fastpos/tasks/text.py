@@ -1,33 +1,17 @@
 """LRA Text: byte-level sentiment classification of IMDB movie reviews (task "lra_text").
 
-Source: the Long Range Arena's text task (Tay et al. 2021, Sec. 3.2, "Byte-level Text
-Classification") on the IMDB reviews of Maas et al. (2011), read as the tfds dataset
-``imdb_reviews`` (config ``plain_text``, version 1.0.0) through ``tfds.data_source`` (array
-record, no TensorFlow). Fetch it with::
+Source: the Long Range Arena's text task (Tay et al. 2021, Sec. 3.2) on the IMDB reviews of
+Maas et al. (2011): tfds ``imdb_reviews/plain_text`` 1.0.0 (train 25,000 / test 25,000, 0 =
+neg, 1 = pos), prepared by ``python scripts/download_data.py lra_text --data_dir DIR`` and read
+through ``tfds.data_source`` (no TensorFlow).
 
-    python scripts/download_data.py lra_text --data_dir DIR
-
-which prepares ``DIR/tfds/imdb_reviews/plain_text/1.0.0/`` (``dataset_info.json`` and
-``imdb_reviews-{train,test,unsupervised}.array_record-*``); ``unsupervised`` is not used.
-
-Sizes. tfds train 25,000 / test 25,000 reviews (balanced, 2 classes: 0 = neg, 1 = pos). IMDB
-has no validation split: ``validation_fraction`` (default 0.1) of train is carved off with a
-fixed seed (``validation_seed``), so the splits are train 22,500 / validation 2,500 / test
-25,000. LRA itself validates on the test split (its input pipeline sets ``valid = test``); here
-the test split is never used for model selection. Reviews longer than ``max_length`` bytes are
-counted in the truncation warning of each split.
-
-Preprocessing, as LRA's (``tfds.deprecated.text.ByteTextEncoder``): the review's UTF-8 bytes,
-HTML (``<br />``) and all, one token per byte with id = byte + 1 (vocabulary 257; 0 is
-padding), truncated to ``max_length`` bytes (LRA: 4,000; LRA truncates silently, here one
-warning per split counts the truncated reviews, or ``on_overflow="error"`` raises), then padded
-with 0 to ``max_length``. A truncation may cut a multi-byte character: ``decode`` has an
-``errors`` argument for such rows.
-
-Cache. Reading the 50,000 reviews through tfds (Python deserialisation) takes a while; the
-bytes (uint8 ``[n, max_length]``), the full byte lengths and the labels of each tfds split are
-cached once under ``config.task.cache_dir`` (default ``DIR/cache/lra_text/``), keyed by
-``max_length``, the dataset's files and ``CACHE_VERSION`` (``fastpos.tasks.tfds_source``).
+IMDB has no validation split: ``validation_fraction`` (0.1) of train is held out with a seeded
+permutation (train 22,500 / validation 2,500 / test 25,000); LRA itself validates on test,
+which here never picks a model. As LRA's ``ByteTextEncoder``: the review's UTF-8 bytes, HTML
+and all, id = byte + 1 (vocabulary 257, 0 is padding), truncated to ``max_length`` bytes (LRA:
+4,000; one warning per split counts the truncated reviews, or ``on_overflow="error"`` raises)
+and zero-padded; a cut may split a multi-byte character (``decode``'s ``errors``). The bytes of
+each tfds split are cached once (``fastpos.tasks.tfds_source``).
 """
 
 from __future__ import annotations
@@ -38,8 +22,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, tfds_source
+from fastpos.tasks.info import TaskInfo
 
 TFDS_NAME = "imdb_reviews/plain_text"
 VOCAB_SIZE = 257  # 256 byte values + padding

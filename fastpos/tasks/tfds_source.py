@@ -1,24 +1,18 @@
 """Reading tensorflow-datasets splits without TensorFlow: what the tfds-backed tasks share.
 
-The text task (IMDB, ``fastpos.tasks.text``) and the image tasks (CIFAR-10, MNIST,
-``fastpos.tasks.image``) read their data with ``tfds.data_source``: random access over the
-array_record files that ``python scripts/download_data.py TASK --data_dir DIR`` prepares with
-``tfds.builder(name, data_dir=DIR/tfds).download_and_prepare(file_format="array_record")``.
-TensorFlow is neither needed nor imported. Layout read (tfds's own)::
-
-    DIR/tfds/<dataset>[/<config>]/<version>/dataset_info.json, features.json,
-                                           <dataset>-<split>.array_record-NNNNN-of-NNNNN
+The text and image tasks read the array_record files that ``scripts/download_data.py``
+prepares under ``DIR/tfds/<dataset>[/<config>]/<version>/`` with ``tfds.data_source`` (random
+access; TensorFlow is neither needed nor imported).
 
 - ``prepared_version`` checks that a prepared version is on disk *before* tfds is called, and
-  raises ``fastpos.tasks.paths.missing_data`` (the path and the fetch command) when it is not.
-  tfds is then called with ``download=False`` and the version pinned to the one found, so it
-  never downloads and never asks GCS for metadata (which it does for a version it cannot find).
-- ``cached_split`` turns one tfds split into numpy arrays once (a task's ``build`` function,
-  slow: every example is deserialised in Python) and caches them, keyed by everything that
-  changes the result: the task's parameters, the cache format version and a fingerprint of the
-  dataset's files (relative path, size and mtime of each). Cache writes are atomic.
+  raises ``fastpos.tasks.paths.missing_data`` when it is not; tfds is then called with
+  ``download=False`` and that version pinned, so it never downloads and never asks GCS for
+  metadata (which it does for a version it cannot find).
+- ``cached_split`` turns one tfds split into numpy arrays once (slow: every example is
+  deserialised in Python) and caches them atomically, keyed by the task's parameters, the cache
+  format version and the dataset files' paths, sizes and dates.
 - ``carve_validation``: a validation split carved from train with a fixed seed (the sources
-  have no validation split, and the test split is never used for model selection).
+  have none, and the test split never picks a model).
 """
 
 from __future__ import annotations

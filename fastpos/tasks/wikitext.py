@@ -1,62 +1,20 @@
-"""WikiText-103: word-level language modelling from the raw release files.
+"""WikiText-103: word-level language modelling on the release's tokenised files.
 
-Source: Merity et al. 2017, "Pointer Sentinel Mixture Models" (arXiv:1609.07843), the tokenised
-release ``wikitext-103-v1.zip`` (s3.amazonaws.com/research.metamind.io/wikitext/, the link the
-PermuteFormer paper gives). Fetch it with
-``python scripts/download_data.py wikitext103 --data_dir DIR``; the task reads::
+Source: Merity et al. 2017 (arXiv:1609.07843), ``wikitext-103-v1.zip``, fetched by
+``python scripts/download_data.py wikitext103 --data_dir DIR``; the task reads
+``DIR/wikitext-103/wiki.{train,valid,test}.tokens`` (the words are already tokenised).
 
-    DIR/wikitext-103/wiki.train.tokens   train       (about 1.8M lines, 103M tokens)
-    DIR/wikitext-103/wiki.valid.tokens   validation  (about 3.8k lines, 218k tokens)
-    DIR/wikitext-103/wiki.test.tokens    test        (about 4.4k lines, 246k tokens)
+Each file becomes one token stream, as Transformer-XL's and fairseq's preprocessing make it:
+every line, blank ones included, gives its words and one ``<eos>`` (``_words``). The
+vocabulary comes from the train file only, in a deterministic order (``build_vocabulary``);
+other words become ``<unk>``. Example ``s`` is the stream's ``s``-th segment of
+``segment_length`` tokens with next-token targets, so segment ``s + 1`` continues segment ``s``
+(``segments``); with a Transformer-XL memory the trainer reads the segments as contiguous
+streams (``fastpos.train.data.stream_train_iterator``), else it shuffles them. Perplexity
+counts ``<eos>``, as the papers do.
 
-(Merity et al. count 103,227,021 / 217,646 / 245,569 tokens; not re-measured here: the real
-files were not available where this was written). At ``segment_length = 512`` that is about
-200k train segments (int32 inputs and targets: about 0.4 GB each). The files are already
-tokenised by the dataset's authors: words separated by spaces, rare words replaced by
-``<unk>``, numbers split with ``@,@`` / ``@.@`` / ``@-@``, headings as `` = Title = `` lines,
-blank lines between paragraphs. The release's train vocabulary is 267,735 word types
-(``<unk>`` included), each seen at least 3 times.
-
-Preprocessing, exactly (the word streams are those of Transformer-XL's
-``Vocab.encode_file(add_eos=True)`` and of fairseq's binariser; the id numbering is ours):
-
-- each file is read as UTF-8 text, line by line as Python's text mode splits lines (``\\n``,
-  ``\\r\\n``); EVERY line, blank ones included, gives its words (``str.split()``: any run of
-  Unicode whitespace separates words, nothing else is touched, case is kept) followed by one
-  ``<eos>``; a blank line is a lone ``<eos>``. A last line without a newline still gets its
-  ``<eos>`` (with a warning: the release's files end in a newline, so this hints at a
-  truncated copy). A literal ``<eos>`` word in the text is the same token.
-- the vocabulary comes from the train file only: id 0 = padding (``<pad>``, never in a
-  stream), 1 = ``<unk>``, 2 = ``<eos>``, then every other train word ordered by count
-  (descending), ties by the word (Python string order), so ids are deterministic. The default
-  ``vocab_size = 267_737`` (padding + ``<eos>`` + the release's 267,735 word types) keeps
-  every train word; a smaller ``vocab_size`` keeps the ``vocab_size - 3`` most frequent words
-  and maps the rest to ``<unk>``. ``vocab_size`` must be known without reading the data
-  (``info_from_config``), so a value larger than the train file gives is an error that names
-  the right one.
-- validation / test words that are not in the vocabulary become ``<unk>`` (counted in the log).
-- each split is one token stream ``t_0 .. t_{n-1}`` (lines concatenated in file order). Example
-  ``s`` is the segment of ``L = segment_length`` positions starting at ``s * L``: ``inputs[s, i]
-  = t_{sL+i}``, ``targets[s, i] = t_{sL+i+1}``, for the ``n - 1`` positions that have a next
-  token; the last segment is padded (``inputs = targets = 0``, ``mask = False``). So every token
-  but the first is a target exactly once, and segment ``s + 1`` continues segment ``s``
-  (Transformer-XL's LMOrderedIterator cuts the stream the same way). ``mask`` is True for
-  real, scored positions. Perplexity (``exp`` of the mean cross-entropy over all scored tokens,
-  ``<eos>`` included, as the papers count) comes from the trainer for kind "lm".
-
-With a Transformer-XL memory (``config.model.memory_length > 0``) the trainer reads the segments
-as ``batch_size`` contiguous streams (``fastpos.train.data.stream_train_iterator``); without
-memory, training shuffles the segments like any other examples.
-
-Cache: tokenising is pure Python (about 7 s for a synthetic 50 MB, 9.3M-token, 244k-word
-train file on a loaded 2-core CPU, so roughly 1-2 minutes for the release's ~0.5 GB train
-file), so the vocabulary (``vocab_<key>.json``) and every split's id stream
-(``<split>_<key>.npy``, uint32 for the full vocabulary, uint16 when ``vocab_size <= 65536``)
-are written once under ``config.task.cache_dir`` (default ``DIR/cache/wikitext103``). The key
-hashes the cache version, ``vocab_size`` and the name, size and modification time of each
-file it was built from; writes are atomic (temporary file, then ``os.replace``). A cached load reads
-the stream and cuts it into segments, numpy only: 0.1 s for the 50 MB file above, about 5 s
-for a 105M-token stream (most of it ``base.ArraySource``'s int32 copies).
+Tokenising is pure Python (1-2 minutes for the release's train file), so the vocabulary and
+the id streams are built once and cached (``Corpus``).
 """
 
 from __future__ import annotations
@@ -71,8 +29,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 TASK = "wikitext103"
 FILES = {"train": "wiki.train.tokens", "validation": "wiki.valid.tokens",
@@ -106,7 +64,14 @@ def _chunks(path: str) -> Iterator[list[str]]:
 
 
 def _words(path: str) -> Iterator[list[str]]:
-  """Lists of words with ``<eos>`` after every line (module docstring), chunk by chunk."""
+  """Lists of words with ``<eos>`` after every line, chunk by chunk.
+
+  Lines are split as Python's text mode splits them (``\\n``, ``\\r\\n``); EVERY line, blank
+  ones included, gives its words (``str.split()``: any run of whitespace separates words,
+  case is kept) and one ``<eos>``, so a blank line is a lone ``<eos>``. A last line without a
+  newline still gets its ``<eos>``, with a warning (the release's files end in one). A literal
+  ``<eos>`` in the text is the same token.
+  """
   eos = f" {EOS} "
   lines_seen = 0
   for lines in _chunks(path):
@@ -129,8 +94,6 @@ def _digest(key: dict) -> str:
   return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-
-
 def stream_dtype(vocab_size: int) -> np.dtype:
   """The smallest unsigned dtype that holds ids ``< vocab_size``."""
   return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -143,9 +106,12 @@ def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.nd
   """Reads the train file once: (words by id, counts by id, the train id stream).
 
   Words get provisional ids in order of first appearance while reading; the counts then
-  give the final order (``<unk>`` = 1, ``<eos>`` = 2, the rest by count descending, then by
-  word) and one table lookup renumbers the stream. Words beyond the ``vocab_size - 3`` most
-  frequent map to ``<unk>``.
+  give the final order (``<pad>`` = 0, never in a stream, ``<unk>`` = 1, ``<eos>`` = 2, the rest
+  by count descending, then by word) and one table lookup renumbers the stream. Words beyond
+  the ``vocab_size - 3`` most frequent map to ``<unk>``. ``vocab_size`` is a config field
+  (models are built before data are read), so one larger than the train file gives is an
+  error naming the right value (267,737 for the release: its 267,735 word types, ``<unk>``
+  included, plus ``<eos>`` and padding).
   """
   index: dict[str, int] = {}
   parts = []
@@ -207,10 +173,15 @@ def _encode_file(path: str, vocab: Sequence[str], dtype: np.dtype) -> tuple[np.n
 class Corpus:
   """The vocabulary and the id streams of one data root, built once and cached.
 
+  The cache holds ``vocab_<key>.json`` and each split's ``<split>_<key>.npy`` (uint16 when
+  ``vocab_size <= 65536``, else uint32); the key hashes the cache version, ``vocab_size`` and
+  the name, size and modification time of each file it was built from, and writes are atomic.
+  A cached load is numpy only (about 5 s for a 105M-token stream).
+
   Args:
     data_dir: the data root (``paths.data_root``); files under ``wikitext-103/``.
     cache_dir: where the cache lives ("" / None: ``paths.cache_dir(data_dir, TASK)``).
-    vocab_size: number of ids (module docstring).
+    vocab_size: number of ids (``build_vocabulary``).
   """
 
   def __init__(self, data_dir: str | None, cache_dir: str | None, vocab_size: int):
@@ -297,7 +268,12 @@ class Corpus:
 
 
 def segments(stream: np.ndarray, segment_length: int) -> dict[str, np.ndarray]:
-  """The stream cut into consecutive segments (module docstring).
+  """The stream ``t_0 .. t_{n-1}`` cut into consecutive segments of ``L = segment_length``.
+
+  Segment ``s`` has ``inputs[s, i] = t_{sL+i}`` and ``targets[s, i] = t_{sL+i+1}`` for the
+  ``n - 1`` positions that have a next token; the last segment is padded (0, ``mask`` False).
+  Every token but the first is a target exactly once (Transformer-XL's LMOrderedIterator cuts
+  the stream the same way).
 
   Returns ``inputs``, ``targets`` int32 and ``mask`` bool, each ``[S, segment_length]`` with
   ``S = ceil((n - 1) / segment_length)``.
@@ -318,7 +294,7 @@ def segments(stream: np.ndarray, segment_length: int) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- task
 
 class WikiTextTask(base.Task):
-  """WikiText-103 word-level language modelling (module docstring); metric: perplexity."""
+  """WikiText-103 word-level language modelling; metric: perplexity."""
   task_name = TASK
   metric = "perplexity"
   metric_mode = "min"

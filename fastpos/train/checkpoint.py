@@ -1,29 +1,18 @@
-"""Checkpoints in the workdir (orbax): the last few for resuming, the best one for eval.
-
-Layout::
+"""Checkpoints in the workdir (orbax): the last few for resuming, the best one for eval::
 
   <workdir>/checkpoints/<step>/{state, data, meta}   every checkpoint_every_steps, at each
                                                      evaluation, at the end and on SIGTERM /
-                                                     SIGINT; the last config.keep_checkpoints kept
-  <workdir>/best/<step>/{state, meta}                 the best by the validation metric
+                                                     SIGINT; the last keep_checkpoints kept
+  <workdir>/best/<step>/{state, meta}                the best by the validation metric
 
-``state`` is the ``TrainState`` (step, params, optimizer state, other collections); ``data`` the
-grain iterator position (one JSON file per process); ``meta`` a JSON record: step, the
-training RNG key, the model and task config blocks (a resumed run must match them), the data
-position in examples (``data``: see ``fastpos.train.data``), the training metrics of the
-current log window (so that a resumed run logs the rows of an uninterrupted one) and, in
-best/, the validation metrics. Orbax writes each step into a temporary folder and renames it
-when complete, so a crash mid-save leaves the previous checkpoint as the newest usable one.
-
-A checkpoint that does not load (damaged files) is reported with its path and the reason, and
-the next older one is used; a training run moves the damaged one aside, to
-``<step>.corrupt`` next to it, where orbax no longer sees it (``evaluate`` changes nothing).
-
-Nothing is created by ``Checkpoints(...)``: reading uses read-only managers, and the writing
-ones (which create the folders and delete orbax's leftover temporary folders) come from
-``open_for_writing()``, which the trainer calls once it holds the workdir's lock. Errors of
-the file system while saving (a full disk) become a ``RunError`` naming the folder and the
-reason.
+``state`` is the ``TrainState``; ``data`` the grain iterator position (a JSON file per
+process); ``meta`` a JSON record of the step, the training RNG key, the model and task config
+blocks (a resumed run must match them), the data position in examples, the current log
+window's training metrics (so a resumed run logs what an uninterrupted one would) and, in
+best/, the validation metrics. Orbax saves into a temporary folder and renames it when complete.
+A checkpoint that does not load is reported (path and reason) and the next older one is used;
+a training run moves it aside to ``<step>.corrupt``. ``Checkpoints(...)`` creates nothing: the
+writing managers come from ``open_for_writing()``, called once the workdir's lock is held.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
-from fastpos.models.config import TaskInfo
+from fastpos.tasks.info import TaskInfo
 from fastpos.train.errors import RunError
 from fastpos.train.workdir import os_error_reason
 

@@ -2,21 +2,16 @@
 
 Training: the split is shuffled (a fresh order every epoch, from ``config.seed``), repeated
 forever and cut into global batches; process p of P reads rows ``[p * B/P, (p+1) * B/P)`` of
-every global batch, so the global batch sequence is the same for any number of hosts. The
-iterator's position is part of every checkpoint (``grain.checkpoint.CheckpointSave``).
-
-Evaluation: the split in order, in global batches; the last batch is filled up with copies
-of real examples given ``weight`` 0 (never dropped, never counted).
+every global batch, so the batches are the same for any number of hosts. The iterator's
+position is part of every checkpoint. Evaluation: the split in order; the last batch is filled
+up with copies of real examples given ``weight`` 0.
 
 Stream batching (language models with a Transformer-XL memory, as Transformer-XL's
-LMOrderedIterator): the S consecutive segments of a split are dealt into B = batch size
-contiguous streams of T = ceil(S / B) segments; stream r holds segments r*T .. r*T + T - 1 and
-step t takes segment t of every stream, so row r of step t + 1 continues row r of step t and
-the memory carried from one step to the next holds the text just before. The B*T - S slots past
-the last segment (the tail of the last stream(s), fewer than B) are copies of real segments
-with ``weight`` 0. Each batch carries ``reset`` ``[B]`` bool, True at t = 0 (a stream starts:
-the memory of that row is emptied). Training repeats the T steps in the same order each epoch
-(no shuffling: it would break the streams); evaluation runs them once.
+LMOrderedIterator): the S segments of a split are dealt into B = batch size contiguous streams
+of T = ceil(S / B) segments, and step t takes segment t of every stream, so row r of step t + 1
+continues row r of step t. The B*T - S slots past the last segment are copies with ``weight``
+0; ``reset`` ``[B]`` is True at t = 0 (that row's memory is emptied). Training repeats the T
+steps in the same order each epoch (shuffling would break the streams).
 """
 
 from __future__ import annotations

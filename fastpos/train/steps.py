@@ -2,19 +2,15 @@
 
 ``make_train_step(model, tx, kind, grad_accum_steps)`` returns
 ``train_step(state, batch, rng) -> (state, metrics)`` (the metrics include
-``tokens_per_step``, the batch's real tokens, from which the trainer derives tokens/s); the
-trainer jits it with shardings and a donated state. The step's randomness is
-``fold_in(rng, state.step)``, so a resumed run draws the same dropout masks as an
-uninterrupted one.
+``tokens_per_step``, the batch's real tokens); the trainer jits it with shardings and a donated
+state. Its randomness is ``fold_in(rng, state.step)``, so a resumed run draws the same dropout
+masks as an uninterrupted one.
 
-Memory (``memory=True``: a language model with a Transformer-XL memory, whose ``apply`` takes
-``memory=`` and returns ``(logits, new_memory)``): the train step reads ``state.memory``,
-empties the rows whose ``batch["reset"]`` is True (a stream starts; see
-``fastpos.train.data``), runs the model with it and stores the new memory in the returned
-state. The memory enters the loss as a constant: it is an input, never differentiated, and
-wrapped in ``stop_gradient`` besides (the model also returns it stop-gradient), so no gradient
-flows into earlier segments, as in Transformer-XL. The eval step takes and returns the memory
-explicitly: ``eval_step(state, batch, memory) -> (metrics, memory)``.
+With a Transformer-XL memory (``memory=True``) the train step reads ``state.memory``, empties
+the rows whose ``batch["reset"]`` is True (see ``fastpos.train.data``) and stores the new
+memory in the returned state; the memory is an input, never differentiated, so no gradient
+flows into earlier segments, as in Transformer-XL. The eval step takes and returns it:
+``eval_step(state, batch, memory) -> (metrics, memory)``.
 """
 
 from __future__ import annotations

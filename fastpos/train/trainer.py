@@ -57,7 +57,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from fastpos import tasks
-from fastpos.models.config import TaskInfo
+from fastpos.models import build_model
+from fastpos.tasks.info import TaskInfo
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
@@ -89,7 +90,6 @@ class _Run:
     self.task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
     self.info: TaskInfo = self.task.info
     if model is None:
-      from fastpos.models import build_model  # pylint: disable=import-outside-toplevel
       model = build_model(cfg.model, self.info)  # unknown kernel / scheme names stop here
     self.model = model
     # A Transformer-XL memory carried across batches (DecoderLM with memory_length > 0).

@@ -1,18 +1,16 @@
 """The workdir before a run touches it: is it usable, and is it ours alone.
 
 ``check_usable(path)`` refuses a workdir that is a file or lies under one, and one where no
-file can be created (read-only file system, no permission, full disk): it creates and
-deletes a probe file in the workdir or, when that does not exist yet, in its nearest existing
-parent, so the answer is the file system's own (permission bits alone say nothing to root).
+file can be created: it creates and deletes a probe file there (or in its nearest existing
+parent), so the answer is the file system's own (permission bits say nothing to root).
 
-``WorkdirLock(path)`` keeps a second trainer out of a workdir: ``<workdir>/train.lock`` holds
-the holder's host, pid and start time, and the holder keeps an exclusive ``flock`` on it,
-which the kernel drops when the holder dies. A lock file whose flock is free belongs to a
-process that is gone (a crash): it is taken over with a warning, unless it names a live
-process on this host (a file system where flock does nothing), which counts as held.
+``WorkdirLock(path)`` keeps a second trainer out: ``<workdir>/train.lock`` names the holder
+(host, pid, start time), which keeps an exclusive ``flock`` on it that the kernel drops when
+the holder dies. A lock whose flock is free is taken over with a warning, unless it names a
+live process on this host (a file system where flock does nothing).
 
-``os_error_reason(exc)`` finds the operating system's reason (``No space left on device``)
-in an exception or its causes, including tensorstore's ``[os_error_code='28']`` messages.
+``os_error_reason(exc)`` finds the OS's reason (``No space left on device``) in an exception
+or its causes, tensorstore's ``[os_error_code='28']`` messages included.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from fastpos import tasks
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import image, text, tfds_source
+from fastpos.tasks.info import TaskInfo
 from fastpos.train import train_and_evaluate
 from tests.train.common import tiny_config
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fastpos import tasks
-from fastpos.models.config import TaskInfo
 from fastpos.tasks import listops
 from fastpos.tasks.base import ArraySource
+from fastpos.tasks.info import TaskInfo
 from fastpos.tasks.synthetic import generate
 from fastpos.train import train_and_evaluate
 from tests.train.common import tiny_config
