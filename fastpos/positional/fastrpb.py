@@ -150,7 +150,8 @@ class FastRPB(Scheme):
     (w,) = self._tables(t, None)                                       # [h|1, 2T-1]
     rows = offset_rows(w, ctx.offset, lq)                              # [h|1, Lq, T]
     pos = ctx.offset + jnp.arange(lq)
-    rows = jnp.where(jnp.arange(t)[None, :] <= pos[:, None], rows, jnp.zeros((), rows.dtype))
+    seen = (jnp.arange(t)[None, :] <= pos[:, None])[None]
+    rows = jnp.where(seen, rows, jnp.zeros((), rows.dtype))
     return jnp.einsum("hij,bjhd->bihd", rows, v.astype(rows.dtype)).astype(v.dtype)
 
 
