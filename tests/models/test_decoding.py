@@ -28,8 +28,7 @@ import numpy as np
 import pytest
 
 from fastpos import positional
-from fastpos.models import TaskInfo, build_model, model_config
-from fastpos.models import decoding
+from fastpos.models import TaskInfo, build_model, decoding, model_config
 from fastpos.ops import features as feature_ops
 
 try:  # the compatibility table's module (moving from fastpos.compat)
