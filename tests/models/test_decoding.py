@@ -43,6 +43,11 @@ VARIANTS = {"permuteformer": [{"decay": 0.9}, {}], "spe": [{}, {"kind": "conv"}]
             "lrpe": [{}, {"type": 1, "p": "fourier"}], "t5_bias": [{}, {"bucketed": False}],
             "absolute": [{}, {"kind": "sinusoidal"}]}
 PREFIX_KERNELS = ("favor", "orf")  # full forward's key stabiliser sees future keys (O(eps))
+# dpfp's features are sparse (products of ReLUs), so phi(q).phi(k) can sit far below
+# |phi(q)| |phi(k)|; lrpe's Householder P and rotations of the numerator's features then lose
+# that ratio's digits in any summation order: the full forward's own padded row differs from
+# its unpadded row by ~1e-9 there (elu1 x lrpe: 5e-16).
+TOLERANCES = {("dpfp", "lrpe"): 1e-8}
 
 
 def causal_cells():
@@ -103,9 +108,9 @@ def decode_errors(kernel, scheme, opts):
     outs.append(logits)
   dec = np.asarray(jnp.concatenate(outs, axis=1))
   assert int(cache["index"]) == LENGTH
-  if kernel in PREFIX_KERNELS:
+  if kernel in PREFIX_KERNELS:  # the prefix 0..i: later tokens masked (one compile)
     fwd = jax.jit(functools.partial(_forward, model))
-    ref = np.stack([np.asarray(fwd(params, toks[:, :i + 1], mask[:, :i + 1]))[:, i]
+    ref = np.stack([np.asarray(fwd(params, toks, mask & (jnp.arange(LENGTH) <= i)[None]))[:, i]
                     for i in range(LENGTH)], axis=1)
   else:
     ref = np.asarray(_forward(model, params, toks, mask))
@@ -120,17 +125,17 @@ def decode_errors(kernel, scheme, opts):
 DEFAULT_CELLS = [("softmax", "t5_bias", {}), ("softmax", "transformer_xl", {}),
                  ("elu1", "permuteformer", {"decay": 0.9}), ("favor", "rope", {}),
                  ("sikf", "kernelized_rpe", {}), ("dpfp", "fastrpb", {}),
-                 ("prf", "spe", {"kind": "conv"}), ("nprf", "lrpe", {}),
-                 ("relu", "absolute", {})]
+                 ("prf", "spe", {"kind": "conv"}), ("relu", "absolute", {})]
 
 
 @pytest.mark.parametrize("kernel,scheme,opts", DEFAULT_CELLS,
                          ids=[f"{k}-{s}" for k, s, _ in DEFAULT_CELLS])
 def test_decoding_matches_full_forward(kernel, scheme, opts):
   err, shift = decode_errors(kernel, scheme, opts)
-  assert err < TOL, (kernel, scheme, err)
+  tol = TOLERANCES.get((kernel, scheme), TOL)
+  assert err < tol, (kernel, scheme, err)
   if shift is not None:
-    assert shift < TOL, (kernel, scheme, shift)
+    assert shift < tol, (kernel, scheme, shift)
 
 
 @pytest.mark.slow
@@ -141,7 +146,9 @@ def test_decoding_every_causal_cell():
     worst[(kernel, scheme, tuple(sorted(opts.items())))] = (err, shift)
   for cell, (err, shift) in sorted(worst.items(), key=lambda kv: -kv[1][0]):
     print(f"{cell}: forward {err:.2e}" + ("" if shift is None else f", shift {shift:.2e}"))
-  bad = {c: e for c, e in worst.items() if e[0] >= TOL or (e[1] is not None and e[1] >= TOL)}
+  tol = {c: TOLERANCES.get(c[:2], TOL) for c in worst}
+  bad = {c: e for c, e in worst.items()
+         if e[0] >= tol[c] or (e[1] is not None and e[1] >= tol[c])}
   assert not bad, bad
 
 
