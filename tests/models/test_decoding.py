@@ -2,7 +2,8 @@
 
 For a kernel x scheme cell: a tiny float64 ``DecoderLM`` with perturbed parameters (so the
 zero-initialised position tables matter), a batch whose second row is the first shifted right
-by two LEFT-padding slots; a prompt prefill then one jitted step per token. Checked:
+by two LEFT-padding slots; a prompt prefill, a block of two tokens, then one token per call
+(one jitted step function). Checked:
 
 * the decoded logits equal the full causal forward of the same padded batch at every real
   position (relative error < 1e-9). ``favor`` / ``orf`` add eps after a key stabiliser shared
@@ -36,7 +37,8 @@ try:  # the compatibility table's module (moving from fastpos.compat)
 except ImportError:  # pragma: no cover
   from fastpos import compat
 
-VOCAB, LENGTH, PROMPT, SHIFT = 13, 8, 4, 2
+VOCAB, LENGTH, SHIFT = 13, 8, 2
+BLOCKS = (3, 2, 1, 1, 1)  # tokens per decoding call
 TOL = 1e-9
 # Option variants run in the full matrix besides each scheme's defaults.
 VARIANTS = {"permuteformer": [{"decay": 0.9}, {}], "spe": [{}, {"kind": "conv"}],
@@ -101,11 +103,11 @@ def decode_errors(kernel, scheme, opts):
   params = _params(model, toks, mask)
   step = decoding.step_fn(model)
   cache = model.init_cache(2, LENGTH)
-  logits, cache = step(params, cache, toks[:, :PROMPT], mask[:, :PROMPT])
-  outs = [logits]
-  for i in range(PROMPT, LENGTH):
-    logits, cache = step(params, cache, toks[:, i:i + 1], mask[:, i:i + 1])
+  outs, start = [], 0
+  for size in BLOCKS:  # a prefill, a block of 2 on a non-empty state, then single tokens
+    logits, cache = step(params, cache, toks[:, start:start + size], mask[:, start:start + size])
     outs.append(logits)
+    start += size
   dec = np.asarray(jnp.concatenate(outs, axis=1))
   assert int(cache["index"]) == LENGTH
   if kernel in PREFIX_KERNELS:  # the prefix 0..i: later tokens masked (one compile)
