@@ -179,6 +179,8 @@ class DecoderLM(_Base):
   of per-layer ``[b, M, D]`` states and ``[b, M]`` True for real tokens; ``init_memory`` gives
   an empty one (all masked), used when ``memory`` is None. Returns ``(logits, new_memory)``:
   feed ``new_memory`` to the next segment (it is stop-gradient).
+  ``decode=True``: incremental decoding from the ``cache`` collection (``init_cache``;
+  ``fastpos.models.decoding``); returns the new tokens' logits only.
   """
   tie_embeddings: bool = True
   memory_length: int = 0
