@@ -17,13 +17,8 @@ the same slot and its real tokens stay contiguous (relative schemes then see the
 unpadded row would; an absolute embedding sees the padded slot numbers). The decoded logits
 equal the full causal forward of the same padded batch and mask at every real position.
 
-What each layer keeps (per-token cost in the README's "Decoding" table): softmax a key / value
-cache ``[b, max_length, h, d]``; a linear kernel the state ``sum phi(k) v^T [b, h, m, d]``, the
-normaliser ``[b, h, m]`` and its stabiliser scale, nothing that grows with max_length; FastRPB
-adds a value cache (``W V`` needs every past value); kernelized RPE with a linear kernel caches
-phi(k) and v (a general table reweights every past key at each step).
-Transformer-XL memory: decoding attends to the whole cache, i.e. a memory covering the whole
-context (``memory_length`` is not used while decoding).
+What each layer keeps, and its cost per token: the README's "Decoding" table (softmax: a key /
+value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a value cache).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class TransformerXL(Scheme):
     """Decoding: queries at ``ctx.offset + i``, keys at cache slots 0..Lk-1 (distance
     ``offset + i - j``; later slots are masked by the layer). (b) + (d) as
     ``((q_i + v) W_{k,R}) . R_dist``: O(Lk d_R) per query, no [Lk, h, d] relative keys."""
-    h, d = self.dims.num_heads, self.dims.head_dim
+    d = self.dims.head_dim
     lq, lk = q.shape[1], k.shape[1]
     dtype = jnp.result_type(q, k, self.w_kr)
     dist = (ctx.offset + jnp.arange(lq))[:, None] - jnp.arange(lk)[None, :]        # [Lq, Lk]
@@ -153,7 +153,6 @@ class TransformerXL(Scheme):
     proj = jnp.einsum("bihd,rhd->bihr", qv, self.w_kr.astype(dtype))
     terms_bd = jnp.einsum("bihr,ijr->bhij", proj, r)
     term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))
-    del h
     return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
 
 
