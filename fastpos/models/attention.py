@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import compat, positional
+from fastpos.models import decoding
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import toeplitz
@@ -212,7 +213,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, mask=None, grid=None, memory=None, deterministic: bool = True,
-               reference: bool = False):
+               reference: bool = False, decode=None):
     """Args:
       x: ``[batch, N, D]``.
       mask: ``[batch, N]`` bool, True for real tokens (``[batch, M+N]`` with memory). Boolean
@@ -222,6 +223,8 @@ class Attention(nn.Module):
         over ``[memory, x]``; softmax kernel only.
       deterministic: no feature redraw.
       reference: dense O(N^2) references instead of the fast paths.
+      decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
+        layer's ``cache`` collection (``fastpos.models.decoding``).
     """
     cfg = self.cfg
     b, n, _ = x.shape
@@ -263,6 +266,11 @@ class Attention(nn.Module):
       else:
         schemes.append(positional.build(spec.name, dims[spec.name], spec.option_dict(),
                                         name=f"pos_{spec.name}"))
+    if decode is not None:
+      out = decoding.attention_step(self, q, k, v, key_mask, schemes, decode,
+                                    deterministic=deterministic, reference=reference)
+      return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(
+          out.astype(self.dtype))
     pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
     post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
     mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]

@@ -58,11 +58,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, *, mask=None, grid=None, memory=None, memory_mask=None,
-               train: bool = False, reference: bool = False):
+               train: bool = False, reference: bool = False, decode=None):
     """``x [b, N, D] -> [b, N, D]``; ``mask [b, N]`` True for real tokens (all real when
     None); ``memory [b, M, D]`` (Transformer-XL) is this layer's input of the previous
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
-    Masks are boolean only: any other dtype or shape raises ValueError."""
+    Masks are boolean only: any other dtype or shape raises ValueError. ``decode``: a
+    ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache)."""
     if self.norm not in NORMS:
       raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
@@ -80,6 +81,8 @@ class Block(nn.Module):
       amask = jnp.concatenate([mm, jnp.ones(x.shape[:2], bool) if mask is None else mask],
                               axis=1)
     kw = dict(mask=amask, grid=grid, deterministic=not train, reference=reference)
+    if decode is not None:  # a decoding step (fastpos.models.decoding)
+      kw["decode"] = decode
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
       x = x + drop(attn(self._apply(norm1, x, mask), memory=mem, **kw),

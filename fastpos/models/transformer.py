@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import positional
+from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
 from fastpos.models.blocks import Block
 from fastpos.ops.masks import check_mask
@@ -45,12 +46,14 @@ class Tower(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None):
+  def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None,
+               decode=None):
     """``mask``: ``[b, N]`` bool, True for real tokens. ``memory``: ``(states, memory_mask)``
     with a list of per-layer ``[b, M, D]`` states (each layer's input over the previous
     segments; Transformer-XL) and a bool ``[b, M]`` True where a real token sits, or None.
     Masks of any other dtype or shape raise ValueError. Returns ``(states, new_memory)`` (None
-    without memory)."""
+    without memory). ``decode``: a ``fastpos.models.decoding.Step`` (x holds new tokens at
+    slots ``decode.offset + i``; no memory)."""
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
     if memory is not None:
       states, mmask = memory
@@ -60,7 +63,8 @@ class Tower(nn.Module):
     cfg = self.attention
     grid = cfg.grid
     ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1],
-                             deterministic=not train, reference=reference)
+                             deterministic=not train, reference=reference,
+                             offset=None if decode is None else decode.offset)
     dims = cfg.scheme_dims()
     for spec in cfg.positional:
       if "embed" in spec.cls.hooks:
@@ -83,7 +87,8 @@ class Tower(nn.Module):
       x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
                 dtype=self.dtype, name=f"block_{i}")(
                     x, mask=mask, grid=grid, memory=None if memory is None else states[i],
-                    memory_mask=mmask, train=train, reference=reference)
+                    memory_mask=mmask, train=train, reference=reference,
+                    **({} if decode is None else {"decode": decode}))
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     if memory is None:
@@ -174,9 +179,23 @@ class DecoderLM(_Base):
   of per-layer ``[b, M, D]`` states and ``[b, M]`` True for real tokens; ``init_memory`` gives
   an empty one (all masked), used when ``memory`` is None. Returns ``(logits, new_memory)``:
   feed ``new_memory`` to the next segment (it is stop-gradient).
+  ``decode=True``: incremental decoding from the ``cache`` collection (``init_cache``;
+  ``fastpos.models.decoding``); returns the new tokens' logits only.
   """
   tie_embeddings: bool = True
   memory_length: int = 0
+
+  def init_cache(self, batch_size: int, max_length: int):
+    """An empty decoding state (the ``cache`` collection) for ``batch_size`` rows of at most
+    ``max_length`` tokens (``fastpos.models.decoding``): zeros, shaped without any compute."""
+    if max_length < 1 or max_length > self.attention.max_length:
+      raise ValueError(f"init_cache: max_length must be in [1, {self.attention.max_length}] "
+                       f"(the model's max_length); got {max_length}.")
+    batch = {"inputs": jnp.zeros((batch_size, 1), jnp.int32),
+             "mask": jnp.ones((batch_size, 1), bool)}
+    shapes = jax.eval_shape(
+        lambda: self.init(jax.random.key(0), batch, decode=True, cache_length=max_length))
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
 
   def init_memory(self, batch_size: int):
     states = [jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
@@ -184,7 +203,10 @@ class DecoderLM(_Base):
     return states, jnp.zeros((batch_size, self.memory_length), bool)
 
   @nn.compact
-  def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None):
+  def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None,
+               decode: bool = False, cache_length: int | None = None):
+    if decode:
+      return self._decode(batch, train=train, reference=reference, cache_length=cache_length)
     if self.memory_length and memory is None:
       memory = self.init_memory(batch["inputs"].shape[0])
     if not self.memory_length and memory is not None:
@@ -193,9 +215,32 @@ class DecoderLM(_Base):
     embed = self._embed()
     x = embed(inputs).astype(self.dtype)
     y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
+    logits = self._logits(embed, y)
+    return logits if not self.memory_length else (logits, new_memory)
+
+  def _logits(self, embed, y):
+    """float32 logits (float64 in a float64 model, so tests can hold paths to 1e-9)."""
+    out = jnp.promote_types(self.dtype, jnp.float32)
     if self.tie_embeddings:
-      logits = embed.attend(y.astype(jnp.float32))
+      logits = embed.attend(y.astype(out))
     else:
       logits = nn.Dense(self.vocab_size, dtype=self.dtype, name="lm_head")(y)
-    logits = logits.astype(jnp.float32)
-    return logits if not self.memory_length else (logits, new_memory)
+    return logits.astype(out)
+
+  def _decode(self, batch, *, train, reference, cache_length):
+    """``decode=True``: the batch's L tokens go to the next L slots of the ``cache`` collection
+    (``fastpos.models.decoding``); returns their logits ``[b, L, vocab]`` (no memory)."""
+    if train:
+      raise ValueError("decoding runs with train=False.")
+    inputs, mask = _mask_or_ones(batch, "inputs", "mask")
+    if not self.is_initializing() and not self.has_variable("cache", "index"):
+      raise ValueError("decoding needs a cache: build it with model.init_cache(batch_size, "
+                       "max_length) and apply with {'params': ..., 'cache': cache}, "
+                       "mutable=['cache'].")
+    index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
+    step = decoding.Step(offset=index.value, cache_length=cache_length)
+    embed = self._embed()
+    x = embed(inputs).astype(self.dtype)
+    y, _ = self._tower()(x, mask, train=False, reference=reference, decode=step)
+    index.value = index.value + inputs.shape[1]
+    return self._logits(embed, y)

@@ -19,6 +19,7 @@ from fastpos.positional.base import (
   Scheme,
   center_slice,
   center_slice_2d,
+  offset_rows,
   positions_2d,
 )
 
@@ -88,5 +89,5 @@ def parse_names(positional: str | tuple | list) -> tuple[str, ...]:
 
 
 __all__ = ["Context", "Dims", "KernelInfo", "KVMix", "Scheme", "SCHEMES", "build",
-           "center_slice", "center_slice_2d", "check_options", "get_class", "option_names",
-           "parse_names", "positions_2d"]
+           "center_slice", "center_slice_2d", "check_options", "get_class", "offset_rows",
+           "option_names", "parse_names", "positions_2d"]

@@ -78,7 +78,14 @@ class AbsolutePositional(Scheme):
     return jnp.concatenate([jnp.repeat(rows, w, axis=0), jnp.tile(cols, (h, 1))], axis=-1)
 
   def embed(self, x, ctx: Context):
-    """``x [b, N, D] -> x + p [b, N, D]``."""
+    """``x [b, N, D] -> x + p [b, N, D]`` (decoding: positions ``ctx.offset + i``)."""
+    if ctx.offset is not None:
+      pos = ctx.offset + jnp.arange(x.shape[1])
+      if self.kind == "learned":
+        table = jnp.take(self.table, pos, axis=0, mode="clip")
+      else:
+        table = sinusoid_table(pos, self.dims.embed_dim)
+      return x + table[None].astype(x.dtype)
     return x + self._table(x.shape[1], ctx.grid)[None].astype(x.dtype)
 
 

@@ -96,6 +96,11 @@ class Context:
     length: Lq, the number of queries (sequence length) of this batch.
     memory_length: M, the number of memory keys that precede the Lq queries (Transformer-XL
       decoder); keys are ``[memory, current segment]`` and Lk = M + Lq.
+    offset: None, or a decoding step (``fastpos.models.decoding``): the absolute position of
+      the first of the Lq new tokens (an int32 scalar, traced under jit). ``embed`` and
+      ``features`` then see the new tokens only (queries and keys both at ``offset + i``);
+      ``logits`` and ``output`` see the whole cache as keys / values at slots 0..Lk-1 (slot =
+      position; slots after a query's position are masked by the layer).
   """
   mask: Any = None
   grid: tuple[int, int] | None = None
@@ -104,6 +109,7 @@ class Context:
   deterministic: bool = True
   length: int = 0
   memory_length: int = 0
+  offset: Any = None
 
   def __post_init__(self):
     # Static dtype and shape only: free under jit, and hooks may then trust the mask.
@@ -184,6 +190,14 @@ def center_slice(table, n: int, max_length: int):
         f"sequence length {n} exceeds the maximum length {max_length} the positional tables "
         f"were built for; raise model.max_length.")
   return table[..., max_length - n: max_length + n - 1]
+
+
+def offset_rows(table, offset, num_queries: int):
+  """Decoding: ``[..., Lq, T]`` rows of a ``[..., 2T-1]`` offset table (index j - i + T - 1)
+  for queries at ``offset + i`` (i < Lq, ``offset`` may be traced) and keys at slots 0..T-1."""
+  t = (table.shape[-1] + 1) // 2
+  idx = (jnp.arange(t)[None, :] - (offset + jnp.arange(num_queries))[:, None]) + t - 1
+  return jnp.take(table, jnp.clip(idx, 0, 2 * t - 2), axis=-1)
 
 
 def center_slice_2d(table, grid: Sequence[int], max_grid: Sequence[int]):

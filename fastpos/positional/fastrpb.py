@@ -30,7 +30,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fastpos.ops import toeplitz
-from fastpos.positional.base import Context, KernelInfo, Scheme, center_slice, center_slice_2d
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  Scheme,
+  center_slice,
+  center_slice_2d,
+  offset_rows,
+)
 
 MODES_2D = ("axial", "full")
 
@@ -100,6 +107,8 @@ class FastRPB(Scheme):
 
   def output(self, v, ctx: Context):
     """``W V``: ``v [b, N, h, d] -> [b, N, h, d]`` (padded rows of v must be zero)."""
+    if ctx.offset is not None:
+      return self._output_at(v, ctx)
     b, n, h, d = v.shape
     x = jnp.transpose(v, (0, 2, 1, 3))  # [b, h, N, d]
     tables = self._tables(n, ctx.grid)
@@ -129,6 +138,21 @@ class FastRPB(Scheme):
       else:
         y = toeplitz.fastrpb_2d_matmul(w_rows, w_cols, x, ctx.grid)
     return jnp.transpose(y, (0, 2, 1, 3)).astype(v.dtype)
+
+
+  def _output_at(self, v, ctx: Context):
+    """Decoding: ``sum_{j <= p} w_{j-p} v_j`` for the ``ctx.length`` queries at
+    ``p = ctx.offset + i`` over the value cache ``v [b, T, h, d]`` (slot = position; zero at
+    padding): O(T d) per query. A general table has no fixed-size recurrent form."""
+    if ctx.grid is not None or self.dims.grid is not None:
+      raise ValueError("fastrpb: decoding is 1D only.")
+    t, lq = v.shape[1], ctx.length
+    (w,) = self._tables(t, None)                                       # [h|1, 2T-1]
+    rows = offset_rows(w, ctx.offset, lq)                              # [h|1, Lq, T]
+    pos = ctx.offset + jnp.arange(lq)
+    seen = (jnp.arange(t)[None, :] <= pos[:, None])[None]
+    rows = jnp.where(seen, rows, jnp.zeros((), rows.dtype))
+    return jnp.einsum("hij,bjhd->bihd", rows, v.astype(rows.dtype)).astype(v.dtype)
 
 
 SCHEMES = {"fastrpb": FastRPB}

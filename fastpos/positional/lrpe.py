@@ -369,8 +369,15 @@ def lrpe_apply(x, slot_pos, *, lrpe_type: int, p: str, theta=None, householder_v
 
 def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
   """Integer positions ``([Lq, c], [Lk, c])``, c = 1 (1D: queries at M + i after M memory
-  keys, keys at j) or 2 (2D raster order: (row, column)). Numpy (static)."""
+  keys, keys at j) or 2 (2D raster order: (row, column)). Numpy (static), except in a decoding
+  step (``ctx.offset``): jax arrays ``offset + i`` for queries and keys alike."""
   lq, lk = q.shape[1], k.shape[1]
+  if ctx.offset is not None:  # decoding: the new tokens' queries and keys share positions
+    if two_d or lq != lk:
+      raise ValueError(f"{scheme}: a decoding step is 1D with one key per query; got queries "
+                       f"{q.shape}, keys {k.shape}, grid {ctx.grid}.")
+    pos = (ctx.offset + jnp.arange(lq, dtype=jnp.int32))[:, None]
+    return pos, pos
   memory = lk - lq
   if memory != ctx.memory_length:
     raise ValueError(f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "

@@ -311,6 +311,9 @@ class PermuteFormer(Scheme):
     pos_q, pos_k = lrpe.query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
                                             scheme=SCHEME)
     apply = permute_dense if ctx.reference else permute
+    if ctx.offset is not None:  # decoding: traced positions gather rows of the power table
+      index = jnp.take(jnp.asarray(self._powers[0]), pos_q[:, 0], axis=0, mode="clip")
+      return apply(q, index), apply(k, index)
     index_k = jnp.asarray(self.index(pos_k))
     # Without memory queries and keys share positions: one table constant serves both.
     index_q = index_k if np.array_equal(pos_q, pos_k) else jnp.asarray(self.index(pos_q))

@@ -293,7 +293,8 @@ class SPE(Scheme):
   # -------------------------------------------------------------------------------------------
   # The hook
   # -------------------------------------------------------------------------------------------
-  def _encode(self, x, noise, positions, n_total: int, *, query: bool, reference: bool):
+  def _encode(self, x, noise, positions, n_total: int, *, query: bool, reference: bool,
+              codes=None):
     """``[b, n, h, R]``: R^-1/2 sum_d x_md Qbar_d(pos_m) (gated), for x ``[b, n, h, d]`` at
     ``positions`` (the last n of 0..n_total-1); noise from ``_noise``."""
     dtype = x.dtype
@@ -301,7 +302,9 @@ class SPE(Scheme):
     r = self.num_realizations
     gates = self._gate_weights(dtype)
     x_pos = x if gates is None else x * gates[0][None, None]             # sqrt(1 - b) x
-    if self.kind == "sine" and reference:
+    if codes is not None:  # given by a decoding step
+      out = jnp.einsum("bnhd,nhdr->bnhr", x_pos, codes, precision=_HIGHEST)
+    elif self.kind == "sine" and reference:
       out = self._sine_apply(x_pos, z, positions, query=query)
     else:
       if self.kind == "sine":
@@ -327,6 +330,8 @@ class SPE(Scheme):
     if ctx.grid is not None:
       raise ValueError(f"spe: only 1D sequences are supported; got grid {ctx.grid}.")
     lq, lk = q.shape[1], k.shape[1]
+    if ctx.offset is not None:
+      return self._features_at(q, k, ctx)
     memory = lk - lq
     if memory != ctx.memory_length:
       raise ValueError(f"spe: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
@@ -343,6 +348,28 @@ class SPE(Scheme):
     khat = self._encode(k.astype(dtype), noise, positions, lk, query=False,
                         reference=ctx.reference)
     return qhat.astype(q.dtype), khat.astype(k.dtype)
+
+  def _features_at(self, q, k, ctx: Context):
+    """Decoding: q, k ``[b, L, h, d]`` of the new tokens at positions ``ctx.offset + i``."""
+    if q.shape[1] != k.shape[1]:
+      raise ValueError(f"spe: a decoding step has one key per query; got {q.shape}, {k.shape}.")
+    n = q.shape[1]
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
+    noise = self._noise(dtype)
+    positions = ctx.offset + jnp.arange(n)
+    if self.kind == "sine":
+      codes = {query: self._sine_codes(noise[0], positions, dtype, query=query)
+               for query in (True, False)}
+    else:  # the noise window of positions offset..offset+n-1: samples offset..offset+n+L-2
+      z = jax.lax.dynamic_slice_in_dim(noise[0], ctx.offset, n + self.kernel_size - 1, axis=2)
+      codes = {query: self._conv_codes(z, n, dtype, query=query, reference=False)
+               for query in (True, False)}
+    out = []
+    for x, query in ((q, True), (k, False)):
+      y = self._encode(x.astype(dtype), noise, None, n, query=query, reference=False,
+                       codes=codes[query])
+      out.append(y.astype(x.dtype))
+    return tuple(out)
 
   def offset_kernel(self, n: int, dtype=jnp.float32):
     """``[h, d, 2n-1]``: the (gated) kernel E[Qbar_d(i) Kbar_d(j)] = P~_d(i - j) at index

@@ -65,7 +65,14 @@ import flax.linen as nn
 import numpy as np
 
 from fastpos.ops import toeplitz
-from fastpos.positional.base import Context, KernelInfo, Scheme, center_slice, center_slice_2d
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  Scheme,
+  center_slice,
+  center_slice_2d,
+  offset_rows,
+)
 
 
 def check_options(bucketed, num_buckets, max_distance, share_across_layers=False) -> None:
@@ -190,6 +197,8 @@ class T5Bias(Scheme):
     """``[1, heads, Lq, Lk]``: ``b_{h, bucket(j - (M + i))}``; q ``[b, Lq, h, d]``,
     k ``[b, Lk, h, d]`` with Lk = M + Lq (M = ``ctx.memory_length``)."""
     lq, lk = q.shape[1], k.shape[1]
+    if ctx.offset is not None:  # decoding: queries at offset + i, keys at cache slots 0..Lk-1
+      return offset_rows(self.offset_table(lk, ctx.causal), ctx.offset, lq)[None]
     memory = lk - lq
     if memory != ctx.memory_length:
       raise ValueError(f"t5_bias: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "

@@ -125,6 +125,8 @@ class TransformerXL(Scheme):
       raise ValueError(f"transformer_xl: q {q.shape} and k {k.shape} must be "
                        f"[batch, length, heads={h}, head_dim={d}].")
     lq, lk = q.shape[1], k.shape[1]
+    if ctx.offset is not None:
+      return self._logits_at(q, k, ctx)
     memory = lk - lq
     if memory != ctx.memory_length:
       raise ValueError(f"transformer_xl: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply "
@@ -135,6 +137,22 @@ class TransformerXL(Scheme):
     fn = txl.relative_logits_reference if ctx.reference else txl.relative_logits
     terms_bd = fn(q.astype(dtype), rel_k, pos_bias=self.v.astype(dtype), two_sided=two_sided)
     term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))  # [b, h, Lk]
+    return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
+
+
+  def _logits_at(self, q, k, ctx: Context):
+    """Decoding: queries at ``ctx.offset + i``, keys at cache slots 0..Lk-1 (distance
+    ``offset + i - j``; later slots are masked by the layer). (b) + (d) as
+    ``((q_i + v) W_{k,R}) . R_dist``: O(Lk d_R) per query, no [Lk, h, d] relative keys."""
+    d = self.dims.head_dim
+    lq, lk = q.shape[1], k.shape[1]
+    dtype = jnp.result_type(q, k, self.w_kr)
+    dist = (ctx.offset + jnp.arange(lq))[:, None] - jnp.arange(lk)[None, :]        # [Lq, Lk]
+    r = sinusoids(dist.reshape(-1), self.width, dtype).reshape(lq, lk, self.width)
+    qv = q.astype(dtype) + self.v.astype(dtype)[None, None]
+    proj = jnp.einsum("bihd,rhd->bihr", qv, self.w_kr.astype(dtype))
+    terms_bd = jnp.einsum("bihr,ijr->bhij", proj, r)
+    term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))
     return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
 
 

@@ -15,6 +15,10 @@ counts ``<eos>``, as the papers do.
 
 Tokenising is pure Python (1-2 minutes for the release's train file), so the vocabulary and
 the id streams are built once and cached (``Corpus``).
+
+Sliding-window evaluation (``config.task.eval_stride = S``, 0 < S < L; validation and test):
+window ``w`` starts at ``w * S`` and scores only its last S positions (the first window all),
+so every target is scored once with at least L - S tokens before it (``windows``).
 """
 
 from __future__ import annotations
@@ -291,6 +295,25 @@ def segments(stream: np.ndarray, segment_length: int) -> dict[str, np.ndarray]:
   return out
 
 
+def windows(stream: np.ndarray, segment_length: int, stride: int) -> dict[str, np.ndarray]:
+  """Sliding windows of ``segment_length`` every ``stride`` tokens (module docstring): the
+  arrays of ``segments`` plus ``score`` (bool: the positions this window scores)."""
+  n, length = int(stream.size), segment_length
+  if n < 2:
+    raise ValueError(f"a token stream of {n} token(s) has nothing to predict.")
+  if not 0 < stride <= length:
+    raise ValueError(f"eval_stride must be in (0, segment_length={length}]; got {stride}.")
+  count = 1 + max(0, math.ceil((n - 1 - length) / stride))
+  pos = np.arange(count)[:, None] * stride + np.arange(length)[None, :]   # input positions
+  real = pos < n - 1
+  take = np.minimum(pos, n - 2)
+  out = {"inputs": np.where(real, stream[take], 0).astype(np.int32),
+         "targets": np.where(real, stream[take + 1], 0).astype(np.int32), "mask": real}
+  first = np.arange(count)[:, None] == 0
+  out["score"] = real & (first | (np.arange(length)[None, :] >= length - stride))
+  return out
+
+
 # ----------------------------------------------------------------------------- task
 
 class WikiTextTask(base.Task):
@@ -312,6 +335,9 @@ class WikiTextTask(base.Task):
     # -> <unk>). 267_737 keeps every word of the release; it must not exceed what the train
     # file gives (the error names that number).
     c.vocab_size = RELEASE_VOCAB_SIZE
+    # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+    # every S tokens, each scoring its last S (every token once, >= L - S tokens of context).
+    c.eval_stride = 0
     return c
 
   @classmethod
@@ -321,6 +347,12 @@ class WikiTextTask(base.Task):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"wikitext103: config.task.{name} must be an integer >= {low}; got "
                          f"{value!r}.")
+    stride = cfg.get("eval_stride", 0)
+    if (isinstance(stride, bool) or not isinstance(stride, (int, np.integer))
+        or not 0 <= stride <= cfg.segment_length):
+      raise ValueError(f"wikitext103: config.task.eval_stride must be an integer in [0, "
+                       f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
+                       f"got {stride!r}.")
     return TaskInfo(kind="lm", vocab_size=int(cfg.vocab_size), num_classes=0,
                     max_length=int(cfg.segment_length))
 
@@ -337,7 +369,10 @@ class WikiTextTask(base.Task):
     return self.corpus.stream(_check_split(split))
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
-    return segments(self.token_stream(split), int(self.cfg.segment_length))
+    length, stride = int(self.cfg.segment_length), int(self.cfg.get("eval_stride", 0))
+    if split != "train" and 0 < stride < length:
+      return windows(self.token_stream(split), length, stride)
+    return segments(self.token_stream(split), length)
 
 
 def _check_split(split: str) -> str:

@@ -39,7 +39,8 @@ def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
   Args:
     logits: ``[b, classes]`` (classify / retrieval) or ``[b, N, vocab]`` (lm).
     batch: ``targets`` ``[b]`` or ``[b, N]``, ``weight`` ``[b]`` (0 for padded examples) and,
-      for lm, ``mask`` ``[b, N]`` (the scored tokens).
+      for lm, ``mask`` ``[b, N]`` (the scored tokens; ``score`` when present, e.g. a
+      sliding-window evaluation whose context tokens are real but not scored).
     kind: the task kind.
 
   Returns:
@@ -49,8 +50,8 @@ def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
   logits = logits.astype(jnp.float32)
   targets = batch["targets"]
   weight = batch["weight"].astype(jnp.float32)
-  if kind == "lm":
-    weight = jnp.where(batch["mask"], weight[:, None], 0.0)
+  if kind == "lm":  # "score": the scored tokens of a sliding-window evaluation, else "mask"
+    weight = jnp.where(batch.get("score", batch["mask"]), weight[:, None], 0.0)
   log_z = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   ce = log_z - target_logit

@@ -94,6 +94,10 @@ class _Run:
     self.model = model
     # A Transformer-XL memory carried across batches (DecoderLM with memory_length > 0).
     self.memory = self.info.kind == "lm" and getattr(model, "memory_length", 0) > 0
+    if self.memory and 0 < cfg.task.get("eval_stride", 0) < self.info.max_length:
+      raise ValueError("config.task.eval_stride > 0 (overlapping evaluation windows) cannot "
+                       "carry a Transformer-XL memory across segments; set it to 0 or "
+                       "model.memory_length to 0.")
     self.mesh = sharding_lib.make_mesh(cfg)
     sharding_lib.check_batch_sizes(cfg, self.mesh)
     self.tx = make_optimizer(cfg)
