@@ -42,6 +42,7 @@ ALLOWED = {
     "models": {"models", "compat", "positional", "ops"},
     "tasks": {"tasks"},
     "train": {"train", "models", "compat", "positional", "ops", "tasks"},
+    "bench": {"bench", "train", "models", "compat", "positional", "ops", "tasks"},
 }
 # Single modules a layer may import from outside its allowed layers.
 EXTRA = {"models": {"fastpos.tasks.info"}}
