@@ -358,7 +358,7 @@ def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
   return jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1))
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):
+def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
   """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
 
   The sequence is zero-padded to a multiple of ``chunk`` (zero keys add nothing) and scanned
@@ -370,7 +370,9 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):
   rematerialised in the backward pass (``jax.checkpoint``): the residuals are the carries.
   With ``log_decay`` (``[heads]``, g = log r <= 0) key j weighs r^(i-j) for query i, split as
   r^(i - start) (query side, inside its chunk) times r^(start - j) (the carried state, decayed
-  by r^chunk per chunk): every exponent is <= 0, so nothing overflows.
+  by r^chunk per chunk): every exponent is <= 0, so nothing overflows. ``init``: the carry
+  entering the first chunk (keys before the sequence, weighted r^(-j) for a key at j < 0);
+  zeros when None.
   """
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
@@ -411,7 +413,8 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None):
     ks = ks + jnp.sum(k_in, axis=2)
     return (kv, ks), (jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1)))
 
-  init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
+  if init is None:
+    init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
   _, (num, den) = jax.lax.scan(jax.checkpoint(body), init,
                                (split(phi_q), split(phi_k), split(v)))
   num = jnp.moveaxis(num, 0, 1).reshape(b, g * chunk, h, d)[:, :n]
