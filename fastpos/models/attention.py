@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import compat, positional
+from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
@@ -271,6 +272,10 @@ class Attention(nn.Module):
                                     deterministic=deterministic, reference=reference)
       return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(
           out.astype(self.dtype))
+    split = cp.seq_size() > 1 and not reference  # the sequence is split over devices
+    if split:
+      cp.check(cfg.kernel.name, [p.name for p in cfg.positional], two_d=cfg.grid is not None,
+               seq=cp.seq_size())
     pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
     post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
     mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]
@@ -293,16 +298,17 @@ class Attention(nn.Module):
       out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)
     else:
       out = self._linear(q, k, v, key_mask, grid, post, log_table, log_decay, ctx,
-                         deterministic, reference)
+                         deterministic, reference, split)
 
     for s in schemes:
       if "output" in s.hooks:
-        out = out + s.output(v[:, m_len:], ctx).astype(out.dtype)
+        term = cp.output(s, v, ctx) if split else s.output(v[:, m_len:], ctx)
+        out = out + term.astype(out.dtype)
     out = out.astype(self.dtype)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
   def _linear(self, q, k, v, mask, grid, post, log_table, log_decay, ctx, deterministic,
-              reference):
+              reference, split=False):
     cfg, spec = self.cfg, self.cfg.kernel
     dim = q.shape[-1]
     state = jnp.promote_types(q.dtype, jnp.float32)  # feature maps: float32 at least
@@ -342,7 +348,8 @@ class Attention(nn.Module):
               den_features=den, eps=spec.eps)
     if reference:
       return attn_ops.linear_attention_reference(fq, fk, v, **kw)
-    return attn_ops.linear_attention(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
+    fn = cp.linear_attention if split else attn_ops.linear_attention
+    return fn(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
 
 
 def _sum(terms):

@@ -105,6 +105,14 @@ class FastRPB(Scheme):
     w_cols = self.w if self.shared_axes else self.w_cols
     return (lead(center_slice(w_rows, gh, mh)), lead(center_slice(w_cols, gw, mw)))
 
+  def output_table(self, ctx: Context):
+    """The 1D output hook as a Toeplitz table: ``output(v) = W v`` with ``W[i, j] =
+    w[j - i + N - 1]`` (j <= i when causal), ``[h|1, 2N-1]`` for N = ``ctx.length``. A layer
+    whose sequence is split over devices computes ``W v`` from it block by block
+    (``fastpos.models.context_parallel``)."""
+    (w,) = self._tables(ctx.length, None)
+    return w
+
   def output(self, v, ctx: Context):
     """``W V``: ``v [b, N, h, d] -> [b, N, h, d]`` (padded rows of v must be zero)."""
     if ctx.offset is not None:

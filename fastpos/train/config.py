@@ -60,6 +60,7 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # axis does not; batches are split over "data".
   c.mesh = ml_collections.ConfigDict()
   c.mesh.model = 1  # devices on the model axis (1 = pure data parallelism)
+  c.mesh.seq = 1  # devices each sequence is split over (context parallelism; linear kernels)
   # Parameter sharding rules: ((regex over the "/"-joined parameter path, spec), ...) with
   # spec a tuple of mesh axis names or None per dimension, e.g. ((r"mlp/.*kernel",
   # (None, "model")),). The first matching rule wins; unmatched parameters are replicated.

@@ -9,9 +9,10 @@ with ``jax.make_array_from_process_local_data``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -20,7 +21,10 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fastpos.models import context_parallel
+
 DATA, MODEL = "data", "model"
+SEQ = "seq"  # context parallelism: token arrays split along their sequence dimension
 
 
 def maybe_initialize_distributed() -> None:
@@ -36,13 +40,55 @@ def maybe_initialize_distributed() -> None:
 
 
 def make_mesh(cfg: ml_collections.ConfigDict, devices: list | None = None) -> Mesh:
-  """The ("data", "model") mesh over ``devices`` (default: all devices)."""
+  """The ("data", "model") mesh over ``devices`` (default: all devices); with
+  ``config.mesh.seq`` > 1 the ("data", "seq", "model") mesh, "seq" taking neighbouring
+  devices (its ring passes blocks between them)."""
   devices = list(jax.devices() if devices is None else devices)
   model = cfg.mesh.model
   if model < 1 or len(devices) % model:
     raise ValueError(f"config.mesh.model={model} must be >= 1 and divide the device count "
                      f"{len(devices)}.")
-  return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
+  seq = cfg.mesh.get("seq", 1)
+  if seq == 1:
+    return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
+  if seq < 1 or len(devices) % (seq * model):
+    raise ValueError(f"config.mesh.seq={seq} must be >= 1 and mesh.seq * mesh.model = "
+                     f"{seq * model} must divide the device count {len(devices)}.")
+  return Mesh(np.array(devices).reshape(len(devices) // (seq * model), seq, model),
+              (DATA, SEQ, MODEL))
+
+
+def seq_size(mesh: Mesh) -> int:
+  """Devices on the "seq" axis (1 without one)."""
+  return int(mesh.shape.get(SEQ, 1))
+
+
+def check_seq_split(mesh: Mesh, length: int, model) -> None:
+  """Stops with one clear message when the batches' sequences (``length`` tokens) cannot be
+  split over the "seq" axis, or ``model`` cannot run on a split sequence."""
+  seq = seq_size(mesh)
+  if seq == 1:
+    return
+  if length % seq:
+    raise ValueError(f"config.mesh.seq={seq} must divide the sequence length {length} (the "
+                     f"task's max_length); choose a divisor of it.")
+  cfg = model.attention
+  context_parallel.check(cfg.kernel.name, [p.name for p in cfg.positional],
+                         two_d=cfg.grid is not None, seq=seq)
+
+
+def in_seq_mesh(fn: Callable, mesh: Mesh) -> Callable:
+  """``fn`` traced with ``mesh`` in context when it has a "seq" axis, so that the attention
+  layers run on the split sequence (``fastpos.models.context_parallel``); ``fn`` otherwise."""
+  if seq_size(mesh) == 1:
+    return fn
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return wrapped
 
 
 def check_batch_sizes(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
@@ -65,6 +111,12 @@ def check_batch_sizes(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA))
+
+
+def batch_in_sharding(mesh: Mesh) -> NamedSharding | None:
+  """A jitted step's ``in_shardings`` entry for a batch: None (each field keeps the sharding
+  ``global_batch`` gave it) when token arrays are split over "seq"."""
+  return batch_sharding(mesh) if seq_size(mesh) == 1 else None
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -107,12 +159,15 @@ def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  """This process's rows -> one global array per field, sharded over the data axis."""
+  """This process's rows -> one global array per field, sharded over the data axis (and the
+  token arrays ``[B, N, ...]`` along N over "seq" when the mesh has that axis)."""
   procs = jax.process_count()
+  tokens = NamedSharding(sharding.mesh, P(DATA, SEQ)) if seq_size(sharding.mesh) > 1 else None
 
   def one(x):
     x = np.asarray(x)
+    where = tokens if tokens is not None and x.ndim >= 2 else sharding
     return jax.make_array_from_process_local_data(
-        sharding, x, (x.shape[0] * procs,) + x.shape[1:])
+        where, x, (x.shape[0] * procs,) + x.shape[1:])
 
   return {k: one(v) for k, v in local.items()}

@@ -100,6 +100,7 @@ class _Run:
                        "model.memory_length to 0.")
     self.mesh = sharding_lib.make_mesh(cfg)
     sharding_lib.check_batch_sizes(cfg, self.mesh)
+    sharding_lib.check_seq_split(self.mesh, self.info.max_length, model)
     self.tx = make_optimizer(cfg)
     self.schedule = make_schedule(cfg)
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
@@ -138,13 +139,14 @@ class _Run:
     return jax.jit(self._init, out_shardings=self.state_sharding)(self.init_rng)
 
   def compile_eval(self):
-    step = make_eval_step(self.model, self.info.kind, memory=self.memory)
+    step = sharding_lib.in_seq_mesh(
+        make_eval_step(self.model, self.info.kind, memory=self.memory), self.mesh)
     if self.memory:
       return _SaysCompiling("eval", jax.jit(
           step, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
           out_shardings=(self.replicated, self.batch_sharding)))
     return _SaysCompiling("eval", jax.jit(
-        step, in_shardings=(self.state_sharding, self.batch_sharding),
+        step, in_shardings=(self.state_sharding, sharding_lib.batch_in_sharding(self.mesh)),
         out_shardings=self.replicated))
 
   @functools.cached_property
@@ -493,9 +495,11 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
   cfg = run.cfg
   best_metric = run.task.metric
   train_step = _SaysCompiling("train", jax.jit(
-      make_train_step(run.model, run.tx, run.info.kind, cfg.grad_accum_steps,
-                      memory=run.memory),
-      in_shardings=(run.state_sharding, run.batch_sharding, run.replicated),
+      sharding_lib.in_seq_mesh(make_train_step(run.model, run.tx, run.info.kind,
+                                               cfg.grad_accum_steps, memory=run.memory),
+                               run.mesh),
+      in_shardings=(run.state_sharding, sharding_lib.batch_in_sharding(run.mesh),
+                    run.replicated),
       out_shardings=(run.state_sharding, run.replicated), donate_argnums=0))
   eval_step = run.compile_eval()
   step = int(jax.device_get(state.step))

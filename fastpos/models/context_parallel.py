@@ -1,0 +1,149 @@
+"""Context parallelism in the model: a sequence split over the mesh axis ``seq``.
+
+When the mesh in context (``jax.set_mesh``, which the trainer enters when
+``config.mesh.seq > 1``) has an axis ``seq`` of size P > 1, every ``[b, N, ...]`` activation
+is split over it in P blocks of N / P positions. The model code is unchanged: it runs in
+the global view and the compiler (GSPMD) partitions what acts per token or reduces over the
+sequence (projections, feature maps, whose key stabiliser becomes a max over all blocks,
+positional features by absolute position, norms, MLP; a masked mean pools by summing local
+sums and counts over devices, CLS pooling reads the token on the first block). The layer's
+sequence mixers run in ``shard_map`` over ``seq`` with the algorithms of
+``fastpos.ops.context_parallel`` (state psum, state scan, ring Toeplitz product).
+
+What can run split is decided per hook at configuration time (``problem``): linear kernels
+only (softmax would need ring attention); ``embed`` and post-phi ``features`` hooks (per
+position); ``kv`` tables and decays in 1D; an ``output`` hook whose scheme gives its Toeplitz
+table (``output_table``). Not split: the softmax kernel, ``logits`` hooks (t5_bias,
+transformer_xl), pre-phi features (spe: its noise processes span the sequence), 2D grids.
+A sequence not divisible by P (e.g. a CLS token prepended) is zero-padded inside the mixers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from fastpos import positional
+from fastpos.ops import context_parallel as cp_ops
+from fastpos.ops import features as feature_ops
+
+SEQ = "seq"
+
+
+def seq_size() -> int:
+  """P, the size of the mesh axis ``seq`` in context (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or SEQ not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[SEQ])
+
+
+def _scheme_problem(cls) -> str | None:
+  """Why scheme class ``cls`` cannot run on a split sequence (None when it can), by hook."""
+  for hook in cls.hooks:
+    if hook == "logits":
+      return "its logits hook biases materialised softmax scores"
+    if hook == "features" and cls.feature_stage == "pre_phi":
+      return "its features hook acts before the feature map on processes spanning the sequence"
+    if hook == "output" and not hasattr(cls, "output_table"):
+      return "its output hook is not a Toeplitz product (no output_table)"
+  return None
+
+
+def problem(kernel: str, schemes, *, two_d: bool) -> str | None:
+  """None when a layer with ``kernel`` and scheme names ``schemes`` runs split, else why."""
+  if feature_ops.get_kernel(kernel).is_softmax:
+    return "kernel 'softmax' materialises the N x N scores (ring attention is not built)"
+  if two_d:
+    return "2D grids are not split (set model.use_grid=False to treat the image as a sequence)"
+  for name in schemes:
+    why = _scheme_problem(positional.get_class(name))
+    if why is not None:
+      return f"positional scheme {name!r}: {why}"
+  return None
+
+
+def check(kernel: str, schemes, *, two_d: bool, seq: int) -> None:
+  """Raises ValueError naming what cannot run on a sequence split over ``seq`` devices."""
+  why = problem(kernel, schemes, two_d=two_d)
+  if seq > 1 and why is not None:
+    kernels = [k for k in feature_ops.KERNELS if not feature_ops.get_kernel(k).is_softmax]
+    ok = [s for s in positional.SCHEMES if _scheme_problem(positional.get_class(s)) is None]
+    raise ValueError(
+        f"mesh.seq={seq} splits each sequence over {seq} devices, which this model cannot "
+        f"do: {why}. Split sequences support the kernels {', '.join(kernels)} with the 1D "
+        f"schemes {', '.join(ok)}; use mesh.seq=1 otherwise.")
+
+
+def _pad_seq(x, pad: int, value=0):
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_table(w, pad: int, value):
+  """A ``[..., 2N-1]`` offset table for N + pad positions: the new offsets (which only meet
+  padded positions) get ``value``."""
+  if not pad:
+    return w
+  return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(pad, pad)], constant_values=value)
+
+
+def _split(fn, args: dict, specs: dict, out_spec):
+  return jax.shard_map(fn, in_specs=(specs,), out_specs=out_spec, axis_names={SEQ})(args)
+
+
+def linear_attention(phi_q, phi_k, v, *, mask=None, causal=False, rpe=None, grid=None,
+                     decay=None, den_features=None, chunk_size=None, eps):
+  """``fastpos.ops.attention.linear_attention`` over the sequence split on ``seq`` (global
+  view in and out; ``fastpos.ops.context_parallel.linear_attention`` on each block)."""
+  if grid is not None:
+    raise ValueError("a 2D grid cannot run on a split sequence (mesh.seq > 1).")
+  num = seq_size()
+  n = v.shape[1]
+  pad = -n % num
+  seq = P(None, SEQ)
+  args = {"q": _pad_seq(phi_q, pad), "k": _pad_seq(phi_k, pad), "v": _pad_seq(v, pad)}
+  specs = {"q": seq, "k": seq, "v": seq}
+  if mask is not None or pad:
+    args["mask"] = _pad_seq(jnp.ones(v.shape[:2], bool) if mask is None else mask, pad, False)
+    specs["mask"] = seq
+  if den_features is not None:
+    args["den_q"], args["den_k"] = (_pad_seq(a, pad) for a in den_features)
+    specs.update(den_q=seq, den_k=seq)
+  if rpe is not None:
+    args["rpe"], specs["rpe"] = _pad_table(rpe, pad, 1), P()
+  if decay is not None:
+    args["decay"], specs["decay"] = decay, P()
+
+  def block(a):
+    den = (a["den_q"], a["den_k"]) if "den_q" in a else None
+    return cp_ops.linear_attention(
+        a["q"], a["k"], a["v"], axis_name=SEQ, mask=a.get("mask"), causal=causal,
+        rpe=a.get("rpe"), decay=a.get("decay"), den_features=den, chunk_size=chunk_size,
+        eps=eps)
+
+  return _split(block, args, specs, seq)[:, :n]
+
+
+def output(scheme, v, ctx):
+  """A scheme's ``output`` hook on the split sequence: ``W v`` by the ring Toeplitz product
+  of the scheme's table (``scheme.output_table(ctx)``, ``[h|1, 2N-1]``); v ``[b, N, h, d]``."""
+  table = scheme.output_table(ctx)
+  num = seq_size()
+  n = v.shape[1]
+  pad = -n % num
+
+  def block(a):
+    x = jnp.transpose(a["v"], (0, 2, 1, 3))  # [b, h, n, d]
+    y = cp_ops.toeplitz_matmul(a["w"], x, axis_name=SEQ, causal=ctx.causal)
+    return jnp.transpose(y, (0, 2, 1, 3)).astype(a["v"].dtype)
+
+  args = {"v": _pad_seq(v, pad), "w": _pad_table(table, pad, 0)}
+  return _split(block, args, {"v": P(None, SEQ), "w": P()}, P(None, SEQ))[:, :n]
+
+
+__all__ = ["SEQ", "check", "linear_attention", "output", "problem", "seq_size"]

@@ -1,0 +1,227 @@
+"""A sequence split over devices (mesh axis "seq") gives the unsplit layer, model and train step.
+
+4 simulated CPU devices in one subprocess (the device count is fixed when JAX starts): for
+each case the attention layer or the whole model runs once unsplit and once under a mesh
+(data=1, seq=4), inputs sharded along the sequence, and the subprocess prints the relative
+error of the output and the worst over every parameter gradient (float64 activations and
+parameters, held to 1e-9). Padding is on in every case; the CLS case has N + 1 positions,
+which the layer pads to a multiple of 4. A 3-step training run with mesh.seq=2, mesh.data=2
+is compared with the same run on 1 device. Configuration-time rejections run in process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from fastpos.models import TaskInfo, build_model
+from fastpos.models import context_parallel as cp
+from fastpos.train import sharding as sharding_lib
+from fastpos.train import train_and_evaluate
+from tests.models.test_models import _cfg
+from tests.train.common import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-9
+LINEAR = ("elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
+SCHEMES = ("fastrpb", "kernelized_rpe", "rope", "lrpe", "permuteformer")
+DECAY = {"permuteformer": {"decay": 0.9}}  # the causal cells run PermuteFormer with a decay
+
+# Layer cases: every linear kernel once, each with a scheme (causal for every other one).
+LAYER_CASES = [(f"layer_{k}_{SCHEMES[i % 5]}_{'causal' if i % 2 else 'bidir'}", "layer", k,
+                SCHEMES[i % 5], bool(i % 2), "mean") for i, k in enumerate(LINEAR)]
+# Model cases: (name, "model", kernel, positional, causal, pooling); mean pooling and FastRPB
+# in a model are in the training run.
+MODEL_CASES = [
+    ("classify_sikf_kernelized_rpe_cls", "model", "sikf", "kernelized_rpe", False, "cls"),
+    ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
+]
+TRAIN_OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
+                   "checkpoint_every_steps": 3, "optimizer.eps": 1e-4,
+                   "model.kernel": "sikf", "model.positional": "fastrpb,rope"}
+
+
+def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
+  from fastpos import compat
+  names = pos.split("+")
+  opts = {n: DECAY.get(n, {}) if causal else {} for n in names}
+  try:
+    compat.check(kernel, names, causal=causal, options=opts)
+  except ValueError:
+    return True
+  return False
+
+
+def matrix_cases():
+  """Every linear kernel x scheme, bidirectional (classifier, mean pooling) and causal (LM)."""
+  return [(f"{'lm' if causal else 'classify'}_{k}_{s}", "model", k, s, causal, "mean")
+          for causal in (False, True) for k in LINEAR for s in SCHEMES
+          if not _incompatible(k, s, causal)]
+
+
+def run_cases(cases) -> dict[str, dict[str, float]]:
+  """Runs in the subprocess: {case: {"out": rel err, "grad": worst rel err over leaves}}."""
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from fastpos.models import Attention, attention_config
+  from tests.helpers import rel_err
+  from tests.models.test_models import _batch
+
+  mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
+  results = {}
+  for name, what, kernel, pos, causal, pooling in cases:
+    names = pos.split("+")
+    c = _cfg(kernel=kernel, positional=pos, dtype="float64", pooling=pooling, num_layers=1)
+    if causal:
+      c.positional_options = {n: DECAY[n] for n in names if n in DECAY}
+    n = 16
+    task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
+    batch = _batch(2, n, pad=3)
+    if what == "layer":
+      model = Attention(attention_config(c, task), dtype=jnp.float64)
+      x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
+      inputs = {"x": x, "mask": batch["mask"]}
+      apply = lambda v, b: model.apply(v, b["x"], mask=b["mask"])
+      variables = model.init(jax.random.key(0), x, mask=batch["mask"])
+    else:
+      model = build_model(c, task)
+      inputs = batch
+      apply = lambda v, b: model.apply(v, b)
+      variables = model.init(jax.random.key(0), batch)
+    # float64 parameters, moved off their init so that no table starts at zero.
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    variables = jax.tree.unflatten(tree, [
+        x.astype(jnp.float64) + 0.2 * jax.random.normal(k, x.shape, jnp.float64)
+        for k, x in zip(keys, leaves)])
+
+    def loss(v, b):
+      out = apply(v, b)
+      out = out[0] if isinstance(out, tuple) else out
+      return jnp.sum(jnp.sin(out.astype(jnp.float64))), out
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, out0), g0 = step(variables, inputs)
+    with jax.set_mesh(mesh):
+      split = jax.device_put(inputs, NamedSharding(mesh, P("data", "seq")))
+      (_, out1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables, split)
+    grads = [rel_err(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))]
+    results[name] = {"out": rel_err(out1, out0), "grad": max(grads), "leaves": len(grads)}
+  return results
+
+
+def run_training(out: str) -> dict:
+  """Runs in the subprocess: 3 steps with mesh.seq=2, mesh.data=2; its metrics and params."""
+  r = train_and_evaluate(tiny_config(**TRAIN_OVERRIDES, **{"mesh.seq": 2}), out + "/run")
+  leaves = jax.tree.leaves(r["state"].params)
+  np.savez(out + "/params.npz", *[np.asarray(x) for x in leaves])
+  return {"train": r["train"], "validation": r["validation"]}
+
+
+_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+from tests.models import test_context_parallel as t
+assert jax.device_count() == 4, jax.devices()
+out, names = sys.argv[1], set(sys.argv[2].split(","))
+cases = [c for c in t.LAYER_CASES + t.MODEL_CASES + t.matrix_cases() if c[0] in names]
+result = {"cases": t.run_cases(cases)}
+if "train" in names:
+  result["train"] = t.run_training(out)
+print("RESULT" + json.dumps(result))
+"""
+
+
+def _run(tmp: Path, names) -> dict:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=(
+      "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+      "--xla_llvm_disable_expensive_passes=true"))
+  env.pop("JAX_PLATFORMS", None)
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp), ",".join(names)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=3000)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+  return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("split")
+  return tmp, _run(tmp, [c[0] for c in LAYER_CASES + MODEL_CASES] + ["train"])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in LAYER_CASES + MODEL_CASES])
+def test_split_sequence_equals_unsplit(split_run, case):
+  errs = split_run[1]["cases"][case]
+  assert errs["leaves"] >= 4  # projections and the scheme's parameters all compared
+  assert errs["out"] < TOL and errs["grad"] < TOL, errs
+
+
+def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
+  tmp, result = split_run
+  one = train_and_evaluate(tiny_config(**TRAIN_OVERRIDES), tmp_path / "one")
+  for split in ("train", "validation"):
+    for metric in ("loss", "accuracy"):
+      want = one[split][metric]
+      got = result["train"][split][metric]
+      assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (split, metric, got, want)
+  ref = [np.asarray(x) for x in jax.tree.leaves(one["state"].params)]
+  got = np.load(tmp / "params.npz")
+  assert len(got.files) == len(ref) > 4
+  scale = max(np.max(np.abs(r)) for r in ref)
+  for i, r in enumerate(ref):
+    assert np.max(np.abs(got[f"arr_{i}"] - r)) < 1e-5 * scale, i
+
+
+@pytest.mark.slow
+def test_every_kernel_and_scheme_split_equals_unsplit(tmp_path):
+  cases = matrix_cases()
+  res = _run(tmp_path, [c[0] for c in cases])["cases"]
+  print(json.dumps(res, indent=1))
+  assert len(res) == len(cases) >= 80
+  bad = {k: e for k, e in res.items() if not (e["out"] < TOL and e["grad"] < TOL)}
+  assert not bad, bad
+
+
+@pytest.mark.parametrize("kernel, pos, two_d, match", [
+    ("softmax", "fastrpb", False, "kernel 'softmax' materialises"),
+    ("elu1", "spe", False, "positional scheme 'spe': its features hook acts before"),
+    ("softmax", "t5_bias", False, "kernel 'softmax'"),
+    ("elu1", "fastrpb", True, "2D grids are not split"),
+])
+def test_unsupported_split_is_rejected_naming_it(kernel, pos, two_d, match):
+  with pytest.raises(ValueError, match=match) as e:
+    cp.check(kernel, [pos], two_d=two_d, seq=2)
+  assert "support the kernels elu1, relu" in str(e.value)
+  assert "schemes none, absolute, fastrpb, kernelized_rpe, rope, lrpe, permuteformer;" in str(
+      e.value)
+  cp.check(kernel, [pos], two_d=two_d, seq=1)  # one block: anything goes
+
+
+def test_logits_schemes_are_named():
+  assert "logits hook" in cp.problem("elu1", ["t5_bias"], two_d=False)
+  assert "logits hook" in cp.problem("elu1", ["transformer_xl"], two_d=False)
+  assert cp.problem("nprf", ["kernelized_rpe", "permuteformer"], two_d=False) is None
+
+
+def test_the_trainer_checks_the_split_before_compiling():
+  mesh = AbstractMesh((1, 2), ("data", "seq"))
+  task = TaskInfo("classify", 13, 3, 12)
+  model = build_model(_cfg(kernel="softmax"), task)
+  with pytest.raises(ValueError, match="mesh.seq=2 splits each sequence over 2 devices"):
+    sharding_lib.check_seq_split(mesh, 12, model)
+  with pytest.raises(ValueError, match="mesh.seq=2 must divide the sequence length 13"):
+    sharding_lib.check_seq_split(mesh, 13, build_model(_cfg(kernel="elu1"), task))
+  sharding_lib.check_seq_split(mesh, 12, build_model(_cfg(kernel="elu1"), task))
