@@ -103,20 +103,38 @@ def _ring_perm(num: int):
   return [(i, (i - 1) % num) for i in range(num)]
 
 
+def _block_product(w, s, xq, n: int, num: int, causal: bool):
+  """``T_s x_q``: the diagonal block (s = 0) causal when ``causal``, later blocks (s > 0)
+  zero when ``causal``. ``s`` is traced: the branches are chosen at run time."""
+  def off_diagonal(xq):
+    y = toeplitz.toeplitz_matmul(_block_table(w, s, n, num), xq, remat=False)
+    return jnp.where(s < 0, y, jnp.zeros((), y.dtype)) if causal else y
+
+  if not causal:
+    return off_diagonal(xq)
+  diagonal = lambda xq: toeplitz.toeplitz_matmul(_block_table(w, 0, n, num), xq, causal=True,
+                                                 remat=False)
+  return jax.lax.cond(s == 0, diagonal, off_diagonal, xq)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _ring_toeplitz(w, x, axis_name, causal):
   num, p = _axis(axis_name)
   n = x.shape[-2]
-  y = toeplitz.toeplitz_matmul(_block_table(w, 0, n, num), x, causal=causal, remat=False)
-  xq = x
-  for t in range(1, num):
-    xq = jax.lax.ppermute(xq, axis_name, _ring_perm(num))
-    s = (p + t) % num - p
-    yt = toeplitz.toeplitz_matmul(_block_table(w, s, n, num), xq, remat=False)
-    if causal:
-      yt = jnp.where(s < 0, yt, jnp.zeros((), yt.dtype))
-    y = y + yt
-  return y
+
+  # One loop over all P blocks (the home block at t = 0, no hop before it): unrolled, the
+  # independent block products let the scheduler receive every block first and hold the
+  # whole sequence on each device.
+  def step(t, carry):
+    xq, y = carry
+    xq = jax.lax.cond(t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)),
+                      lambda a: a, xq)
+    return xq, y + _block_product(w, (p + t) % num - p, xq, n, num, causal).astype(y.dtype)
+
+  dtype = jnp.result_type(w, x)
+  y = _varying(jnp.zeros(jnp.broadcast_shapes(w.shape[:-1] + (1, 1), x.shape), dtype),
+               axis_name)
+  return jax.lax.fori_loop(0, num, step, (x, y))[1]
 
 
 def _ring_toeplitz_fwd(w, x, axis_name, causal):
@@ -132,24 +150,17 @@ def _ring_toeplitz_bwd(axis_name, causal, res, dy):
   num, p = _axis(axis_name)
   n = x.shape[-2]
 
-  def block_vjp(s, xq, dy_s, block_causal):
-    ws = _block_table(w, s, n, num)
-    _, vjp = jax.vjp(
-        lambda a, b: toeplitz.toeplitz_matmul(a, b, causal=block_causal, remat=False), ws, xq)
-    return vjp(dy_s)
-
-  dws, dx = block_vjp(0, x, dy, causal)
-  dw = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(w), dws, (num - 1) * n, axis=-1)
-  xq = x
-  for t in range(1, num):
-    xq, dx = jax.lax.ppermute((xq, dx), axis_name, _ring_perm(num))
+  def step(t, carry):
+    xq, dx, dw = carry
+    xq, dx = jax.lax.cond(
+        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, (xq, dx))
     s = (p + t) % num - p
-    dy_s = jnp.where(s < 0, dy, jnp.zeros((), dy.dtype)) if causal else dy
-    dws, dxq = block_vjp(s, xq, dy_s, False)
-    start = (s + num - 1) * n
-    dw = jax.lax.dynamic_update_slice_in_dim(
-        dw, jax.lax.dynamic_slice_in_dim(dw, start, 2 * n - 1, axis=-1) + dws, start, axis=-1)
-    dx = dx + dxq
+    _, vjp = jax.vjp(lambda a, b: _block_product(a, s, b, n, num, causal), w, xq)
+    dws, dxq = vjp(dy)
+    return xq, dx + dxq, dw + dws
+
+  dx0 = jnp.zeros_like(x)  # varying, as x
+  _, dx, dw = jax.lax.fori_loop(0, num, step, (x, dx0, jnp.zeros_like(w)))
   dx = jax.lax.ppermute(dx, axis_name, _ring_perm(num))
   return jax.lax.psum(dw, axis_name), dx
 
