@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     if seqs[0] != 1:
       raise ValueError(f"--seqs={args.seqs!r} must start with 1 (the unsplit reference).")
     for n in lengths:
-      if n % (seqs[-1] * 1):
+      if n % seqs[-1]:
         raise ValueError(f"--lengths: {n} is not divisible by mesh.seq={seqs[-1]}.")
     if args.step < 1 or args.step % seqs[-1]:
       raise ValueError(f"--step={args.step} must be a positive multiple of {seqs[-1]}.")
@@ -185,8 +186,8 @@ def main(argv=None) -> int:
         print(f"{cell} seq={seq}: longest N within {args.budget:g} GiB per device: {longest}",
               flush=True)
 
-  lines = [f"`{prog} {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`")
-           + f" ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+  command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
+  lines = [f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
            f"{jax.__version__}, {time.strftime('%Y-%m-%d')})", "",
            "| cell | N | " + " | ".join(f"seq={s}: temp / total" for s in seqs)
            + f" | total seq={seqs[-1]} / seq=1 |",

@@ -72,6 +72,15 @@ def check_seq_split(mesh: Mesh, length: int, model) -> None:
   if length % seq:
     raise ValueError(f"config.mesh.seq={seq} must divide the sequence length {length} (the "
                      f"task's max_length); choose a divisor of it.")
+  # Each process reads whole sequences (its rows of the batch), so a sequence's blocks must
+  # sit on one process's devices.
+  if isinstance(mesh, Mesh):
+    groups = np.moveaxis(np.vectorize(lambda d: d.process_index)(mesh.devices),
+                         mesh.axis_names.index(SEQ), -1).reshape(-1, seq)
+    if np.any(groups != groups[:, :1]):
+      raise ValueError(f"config.mesh.seq={seq} spans processes: each process must hold all "
+                       f"{seq} devices of a sequence ({jax.local_device_count()} local "
+                       f"device(s) per process); use a mesh.seq that divides it.")
   cfg = model.attention
   context_parallel.check(cfg.kernel.name, [p.name for p in cfg.positional],
                          two_d=cfg.grid is not None, seq=seq)
