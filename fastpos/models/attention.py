@@ -279,8 +279,8 @@ class Attention(nn.Module):
     pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
     post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
     mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]
-    log_table = _sum([m.log_table for m in mixes])
-    log_decay = _sum([m.log_decay for m in mixes])
+    log_table = decoding.sum_terms([m.log_table for m in mixes])
+    log_decay = decoding.sum_terms([m.log_decay for m in mixes])
 
     for s in pre:
       q, k = s.features(q, k, ctx)
@@ -293,7 +293,7 @@ class Attention(nn.Module):
         terms.append(_materialise(log_table, n, grid)[None])
       if log_decay is not None:
         terms.append(_decay_bias(log_decay, n, grid)[None])
-      bias = _sum(terms)
+      bias = decoding.sum_terms(terms)
       fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
       out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)
     else:
@@ -352,11 +352,3 @@ class Attention(nn.Module):
     return fn(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
 
 
-def _sum(terms):
-  terms = [t for t in terms if t is not None]
-  if not terms:
-    return None
-  out = terms[0]
-  for t in terms[1:]:
-    out = out + t
-  return out

@@ -43,7 +43,8 @@ class Step:
   cache_length: int | None = None
 
 
-def _sum(terms):
+def sum_terms(terms):
+  """The sum of the terms that are not None (None when all are)."""
   terms = [t for t in terms if t is not None]
   if not terms:
     return None
@@ -100,14 +101,14 @@ def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: 
   pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
   post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
   kv_schemes = [s for s in schemes if "kv" in s.hooks]
-  log_decay = _sum([s.kv(positional.Context(causal=True, length=1)).log_decay
+  log_decay = sum_terms([s.kv(positional.Context(causal=True, length=1)).log_decay
                     for s in kv_schemes])
   has_table = any(s.kv(positional.Context(causal=True, length=1)).log_table is not None
                   for s in kv_schemes)
   needs_values = any("output" in s.hooks for s in schemes)
 
   def table_rows(length):
-    table = _sum([s.kv(positional.Context(causal=True, length=length)).log_table
+    table = sum_terms([s.kv(positional.Context(causal=True, length=length)).log_table
                   for s in kv_schemes])
     return positional.offset_rows(table, step.offset, n)          # [h, L, T]
 
@@ -132,7 +133,7 @@ def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: 
       dist = jnp.maximum((step.offset + jnp.arange(n))[:, None] - jnp.arange(t)[None, :], 0)
       terms.append((log_decay[:, None, None] * dist[None].astype(log_decay.dtype))[None])
     out = dec_ops.softmax_step(q, keys, values, real_all, offset=step.offset,
-                               bias=_sum(terms), scale=d ** -0.5)
+                               bias=sum_terms(terms), scale=d ** -0.5)
   else:
     out = _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay,
                   table_rows(t) if has_table else None, deterministic, real_all, values)
