@@ -19,7 +19,6 @@ most ``--target`` of the unsplit memory at every length (default 0.5 for P = 4),
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fastpos.bench import report
 from fastpos.models import TaskInfo, build_model
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.config import base_config
@@ -212,12 +212,8 @@ def main(argv=None) -> int:
             f"{args.target:g} x the unsplit step's at every length"]
   table = "\n".join(lines)
   print(table)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "context_parallel.md"), "w", encoding="utf-8") as f:
-      f.write(table + "\n")
-    with open(os.path.join(args.out, "context_parallel.json"), "w", encoding="utf-8") as f:
-      json.dump({"memory": results, "fits": fits, "args": vars(args)}, f, indent=2)
+  report.write(args.out, "context_parallel", table,
+               {"memory": results, "fits": fits, "args": vars(args)})
   return 0 if ok else 1
 
 

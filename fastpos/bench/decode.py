@@ -18,7 +18,6 @@ passes, 1 otherwise, 2 for a bad flag (one line).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from fastpos.bench import report
 from fastpos.models import TaskInfo, build_model, decoding, model_config
 
 CELLS = {"softmax (KV cache)": ("softmax", "none"),
@@ -165,14 +165,10 @@ def main(argv=None) -> int:
                                                          else sys.argv[1:])
   table = markdown(results, lengths, checks, command.strip())
   print(table)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode.md"), "w", encoding="utf-8") as f:
-      f.write(table + "\n")
-    with open(os.path.join(args.out, "decode.json"), "w", encoding="utf-8") as f:
-      json.dump({"results": {k: {str(n): r for n, r in v.items()} for k, v in results.items()},
-                 "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in checks],
-                 "args": vars(args)}, f, indent=2)
+  report.write(args.out, "decode", table, {
+      "results": {k: {str(n): r for n, r in v.items()} for k, v in results.items()},
+      "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in checks],
+      "args": vars(args)})
   return 0 if all(ok for _, ok, _ in checks) else 1
 
 

@@ -212,6 +212,19 @@ class Attention(nn.Module):
   shared: tuple = ()
   dtype: Any = jnp.float32
 
+  def feature_projection(self, spec, dim: int, dtype, deterministic: bool):
+    """The random-feature projection of this layer (None for kernels without one): redrawn
+    from the ``features`` rng when training with ``redraw``, else fixed by the kernel's seed
+    and the layer's path (so decoding steps use the projection the full forward used)."""
+    if not spec.kernel.needs_projection:
+      return None
+    if spec.redraw and not deterministic:
+      key = self.make_rng("features")
+    else:
+      path = "/".join(str(p) for p in self.scope.path)
+      key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
+    return feature_ops.make_projection(spec.name, key, spec.num_features, dim, dtype=dtype)
+
   @nn.compact
   def __call__(self, x, *, mask=None, grid=None, memory=None, deterministic: bool = True,
                reference: bool = False, decode=None):
@@ -319,15 +332,7 @@ class Attention(nn.Module):
       # Zero padded rows before phi: exp of garbage could overflow and poison gradients.
       q = jnp.where(mask[:, :, None, None], q, 0)
       k = jnp.where(mask[:, :, None, None], k, 0)
-    projection = None
-    if spec.kernel.needs_projection:
-      if spec.redraw and not deterministic:
-        key = self.make_rng("features")
-      else:
-        path = "/".join(str(p) for p in self.scope.path)
-        key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
-      projection = feature_ops.make_projection(spec.name, key, spec.num_features, dim,
-                                               dtype=state)
+    projection = self.feature_projection(spec, dim, state, deterministic)
     fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
                                  mask=mask, nu=spec.nu)
     fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,

@@ -24,7 +24,6 @@ value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a value 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any
 
 import jax
@@ -155,14 +154,9 @@ def _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay, log_rows, d
     q, k = q * dim ** -0.25, k * dim ** -0.25
   q = jnp.where(real[:, :, None, None], q, 0)
   k = jnp.where(real[:, :, None, None], k, 0)
-  projection = None
-  if spec.kernel.needs_projection:
-    if spec.redraw and not deterministic:
-      raise ValueError("decoding draws no features: call it with train=False.")
-    path = "/".join(str(p) for p in layer.scope.path)
-    key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
-    projection = feature_ops.make_projection(spec.name, key, spec.num_features, dim,
-                                             dtype=state)
+  if spec.kernel.needs_projection and spec.redraw and not deterministic:
+    raise ValueError("decoding draws no features: call it with train=False.")
+  projection = layer.feature_projection(spec, dim, state, deterministic=True)
   fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
                                mask=real, nu=spec.nu)
   e, s_log, eps_add = dec_ops.key_parts(spec.name, k, projection=projection, nu=spec.nu)

@@ -21,6 +21,7 @@ for float64 inputs); the output is cast back to ``v``'s dtype.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -267,6 +268,18 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   _check_den_features(den_features, phi_q, phi_k)
   if grid is not None and rpe is None:
     raise ValueError("grid is only used together with a 2D rpe table; got rpe=None.")
+  return _mix(phi_q, phi_k, v, mask, causal=causal, rpe=rpe, grid=grid, decay=decay,
+              den_features=den_features, chunk_size=chunk_size, eps=eps, length=n)
+
+
+def _mix(phi_q, phi_k, v, mask, *, causal, rpe, grid, decay, den_features, chunk_size, eps,
+         length, split=None):
+  """The body of ``linear_attention`` after its checks, shared with its context-parallel form.
+
+  ``length`` is the whole sequence's (the rpe table's) length. ``split`` is None on one
+  device, or the device-axis operations of ``fastpos.ops.context_parallel`` (``toeplitz``,
+  ``varying``, ``causal``, ``psum``) when the inputs are this device's block of the sequence.
+  """
   if chunk_size is None:
     chunk_size = causal_chunk_size(phi_k.shape[-1], v.shape[-1])
   if chunk_size < 1:
@@ -274,26 +287,40 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   out_dtype = v.dtype
   dtype = _state_dtype(phi_q, phi_k, v)
   if rpe is not None and decay is not None:
-    rpe = rpe.astype(dtype) * jnp.exp(_decay_table(decay.astype(dtype), n, grid))
+    rpe = rpe.astype(dtype) * jnp.exp(_decay_table(decay.astype(dtype), length, grid))
     decay = None
+  log_decay = None if decay is None else decay.astype(dtype)
+  if rpe is not None:
+    rpe = rpe.astype(dtype)
+    if split is not None:
+      product, zeros = split.toeplitz(rpe, causal), split.varying
+    elif grid is None:
+      product = functools.partial(toeplitz.toeplitz_matmul, rpe, causal=causal, remat=False)
+      zeros = None
+    else:
+      product = lambda x: toeplitz.toeplitz_matmul_2d(rpe, x, grid, causal=causal, remat=False)
+      zeros = None
+  total = (lambda x: x) if split is None else split.psum
 
   def contract(fq, fk, vals):
     fq = fq.astype(dtype)
     fk = _apply_key_mask(fk, mask, dtype)
     vals = vals.astype(dtype)
     if rpe is not None:
-      return _rpe_mix(fq, fk, vals, rpe.astype(dtype), causal, grid)
+      return _rpe_mix(fq, fk, vals, product, zeros)
     if causal:
-      return _causal_chunked(fq, fk, vals, min(chunk_size, n),
-                             None if decay is None else decay.astype(dtype))
-    kv = jnp.einsum("bjhm,bjhd->bhmd", fk, vals)
-    k_sum = jnp.sum(fk, axis=1)  # [b, h, m]
+      chunk = min(chunk_size, fk.shape[1])
+      if split is not None:
+        return split.causal(fq, fk, vals, chunk, log_decay)
+      return _causal_chunked(fq, fk, vals, chunk, log_decay)
+    kv = total(jnp.einsum("bjhm,bjhd->bhmd", fk, vals))
+    k_sum = total(jnp.sum(fk, axis=1))  # [b, h, m]
     return (jnp.einsum("bihm,bhmd->bihd", fq, kv),
             jnp.einsum("bihm,bhm->bih", fq, k_sum))
 
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
-    ones = jnp.ones((b, n, h, 1), dtype)
+    ones = jnp.ones(v.shape[:-1] + (1,), dtype)
     den = contract(den_features[0], den_features[1], ones)[0][..., 0]
   return (num / _guard(den, eps)[..., None]).astype(out_dtype)
 
@@ -321,8 +348,12 @@ def _decay_table(log_decay, n: int, grid):
 _RPE_GROUP_BYTES = 8 * 2 ** 20
 
 
-def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
-  """Luo et al. Eq. 11-13: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m)."""
+def _rpe_mix(phi_q, phi_k, v, product, zeros=None):
+  """Luo et al. Eq. 11-13: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m).
+
+  ``product`` maps channels ``[b, h, n, C]`` to their relative (Toeplitz) product, the same
+  shape; ``zeros``, when given, types the scan's zero carry (the context-parallel caller marks
+  it varying over its device axis)."""
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
   per_feature = b * h * n * (d + 1) * jnp.dtype(v.dtype).itemsize
@@ -340,11 +371,7 @@ def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
   @jax.checkpoint
   def mix(fq, fk):  # [b, h, n, group] each -> num [b, h, n, d], den [b, h, n]
     kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, h, n, group * d)
-    channels = jnp.concatenate([kv, fk], axis=-1)
-    if grid is None:
-      mixed = toeplitz.toeplitz_matmul(rpe, channels, causal=causal, remat=False)
-    else:
-      mixed = toeplitz.toeplitz_matmul_2d(rpe, channels, grid, causal=causal, remat=False)
+    mixed = product(jnp.concatenate([kv, fk], axis=-1))
     num = jnp.einsum("bhig,bhigd->bhid", fq, mixed[..., : group * d].reshape(b, h, n, group, d))
     den = jnp.einsum("bhig,bhig->bhi", fq, mixed[..., group * d:])
     return num, den
@@ -354,6 +381,8 @@ def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, grid):
     return (carry[0] + num, carry[1] + den), None
 
   init = (jnp.zeros((b, h, n, d), v.dtype), jnp.zeros((b, h, n), v.dtype))
+  if zeros is not None:
+    init = zeros(init)
   (num, den), _ = jax.lax.scan(step, init, (split(phi_q), split(phi_k)))
   return jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1))
 

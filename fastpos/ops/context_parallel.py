@@ -22,6 +22,7 @@ and are replicated; queries, keys, values and masks are the device's block ``[b,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -231,35 +232,27 @@ def linear_attention(phi_q, phi_k, v, *, axis_name, mask=None, causal: bool = Fa
   attn._check_rpe(rpe, h, total, None)
   attn._check_decay(decay, h, causal)
   attn._check_den_features(den_features, phi_q, phi_k)
-  if chunk_size is None:
-    chunk_size = attn.causal_chunk_size(phi_k.shape[-1], v.shape[-1])
-  if chunk_size < 1:
-    raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
-  out_dtype = v.dtype
-  dtype = attn._state_dtype(phi_q, phi_k, v)
-  if rpe is not None and decay is not None:
-    rpe = rpe.astype(dtype) * jnp.exp(attn._decay_table(decay.astype(dtype), total, None))
-    decay = None
-  log_decay = None if decay is None else decay.astype(dtype)
+  return attn._mix(phi_q, phi_k, v, mask, causal=causal, rpe=rpe, grid=None, decay=decay,
+                   den_features=den_features, chunk_size=chunk_size, eps=eps, length=total,
+                   split=_Split(axis_name))
 
-  def contract(fq, fk, vals):
-    fq = fq.astype(dtype)
-    fk = attn._apply_key_mask(fk, mask, dtype)
-    vals = vals.astype(dtype)
-    if rpe is not None:
-      return _rpe_mix(fq, fk, vals, rpe.astype(dtype), causal, axis_name)
-    if causal:
-      return _causal(fq, fk, vals, min(chunk_size, n), log_decay, axis_name)
-    kv = jax.lax.psum(jnp.einsum("bjhm,bjhd->bhmd", fk, vals), axis_name)
-    k_sum = jax.lax.psum(jnp.sum(fk, axis=1), axis_name)
-    return (jnp.einsum("bihm,bhmd->bihd", fq, kv),
-            jnp.einsum("bihm,bhm->bih", fq, k_sum))
 
-  num_, den = contract(phi_q, phi_k, v)
-  if den_features is not None:
-    ones = jnp.ones((b, n, h, 1), dtype)
-    den = contract(den_features[0], den_features[1], ones)[0][..., 0]
-  return (num_ / attn._guard(den, eps)[..., None]).astype(out_dtype)
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """The device-axis operations ``fastpos.ops.attention._mix`` uses on a split sequence."""
+  axis_name: str
+
+  def toeplitz(self, rpe, causal: bool):  # the ring product in place of the FFT one
+    return functools.partial(toeplitz_matmul, rpe, axis_name=self.axis_name, causal=causal)
+
+  def varying(self, tree):
+    return _varying(tree, self.axis_name)
+
+  def causal(self, fq, fk, vals, chunk: int, log_decay):
+    return _causal(fq, fk, vals, chunk, log_decay, self.axis_name)
+
+  def psum(self, x):
+    return jax.lax.psum(x, self.axis_name)
 
 
 def _causal(fq, fk, vals, chunk: int, log_decay, axis_name):
@@ -275,38 +268,3 @@ def _causal(fq, fk, vals, chunk: int, log_decay, axis_name):
   scan = functools.partial(exclusive_scan, axis_name=axis_name, log_decay=log_decay, block=n)
   init = (scan(jnp.einsum("bjhm,bjhd->bhmd", k_w, vals)), scan(jnp.sum(k_w, axis=1)))
   return attn._causal_chunked(fq, fk, vals, chunk, log_decay, init=init)
-
-
-def _rpe_mix(phi_q, phi_k, v, rpe, causal: bool, axis_name):
-  """``fastpos.ops.attention._rpe_mix`` with the ring Toeplitz product: the same feature groups
-  (one group's ``[n, group*d + group]`` channels at a time, rematerialised)."""
-  b, n, h, m = phi_k.shape
-  d = v.shape[-1]
-  per_feature = b * h * n * (d + 1) * jnp.dtype(v.dtype).itemsize
-  group = int(max(1, min(m, attn._RPE_GROUP_BYTES // per_feature)))
-  steps = -(-m // group)
-  group = -(-m // steps)
-  pad = steps * group - m
-
-  def split(phi):  # [b, n, h, m] -> [steps, b, h, n, group]
-    phi = jnp.pad(phi, ((0, 0), (0, 0), (0, 0), (0, pad)))
-    return jnp.moveaxis(phi.reshape(b, n, h, steps, group), (3, 2), (0, 2))
-
-  vals = jnp.transpose(v, (0, 2, 1, 3))  # [b, h, n, d]
-
-  @jax.checkpoint
-  def mix(fq, fk):
-    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, h, n, group * d)
-    mixed = toeplitz_matmul(rpe, jnp.concatenate([kv, fk], axis=-1), axis_name=axis_name,
-                            causal=causal)
-    num = jnp.einsum("bhig,bhigd->bhid", fq, mixed[..., : group * d].reshape(b, h, n, group, d))
-    den = jnp.einsum("bhig,bhig->bhi", fq, mixed[..., group * d:])
-    return num, den
-
-  def step(carry, fqk):
-    num, den = mix(*fqk)
-    return (carry[0] + num, carry[1] + den), None
-
-  init = _varying((jnp.zeros((b, h, n, d), v.dtype), jnp.zeros((b, h, n), v.dtype)), axis_name)
-  (num, den), _ = jax.lax.scan(step, init, (split(phi_q), split(phi_k)))
-  return jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1))

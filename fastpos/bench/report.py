@@ -1,0 +1,18 @@
+"""Where a benchmark's results go: its markdown table and its JSON record, side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def write(out_dir: str | None, name: str, table: str, record: dict) -> None:
+  """Writes ``<out_dir>/<name>.md`` (the table) and ``<out_dir>/<name>.json`` (the record);
+  nothing when ``out_dir`` is empty or None."""
+  if not out_dir:
+    return
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as f:
+    f.write(table + "\n")
+  with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=2)
