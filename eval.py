@@ -16,7 +16,7 @@ import os
 
 from absl import flags
 
-from fastpos.train import cli, errors, evaluate, sharding
+from fastpos.train import cli, distributed, errors, evaluate
 
 _CONFIG = flags.DEFINE_string(
     "config", None, "the config the workdir was trained with; default: <workdir>/config.json. "
@@ -25,6 +25,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py")
 _SPLIT = flags.DEFINE_enum("split", "test", ["test", "validation", "train"], "split to score")
 _CHECKPOINT = flags.DEFINE_enum("checkpoint", "best", ["best", "latest"],
                                 "best on validation, or the newest checkpoint")
+_DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
 def main(argv: cli.Argv) -> int:
@@ -41,7 +42,7 @@ def main(argv: cli.Argv) -> int:
           "give the workdir of a run, or its config with --config=configs/<experiment>.py.")
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
-  sharding.maybe_initialize_distributed()  # before anything touches the devices
+  distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   results = evaluate(cfg, workdir, _SPLIT.value, checkpoint=_CHECKPOINT.value)
   print(json.dumps(results, indent=2))
   return errors.EXIT_OK

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from fastpos.train import cli, errors, sharding, train_and_evaluate
+from fastpos.train import cli, distributed, errors, train_and_evaluate
 
 _CONFIG = flags.DEFINE_string(
     "config", None, "experiment config: configs/<experiment>.py[:variant]; override any field "
@@ -25,6 +25,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and 
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "print the resolved config (after the --config.* overrides) and "
     "exit without training")
+_DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
 def main(argv: cli.Argv) -> int:
@@ -35,7 +36,7 @@ def main(argv: cli.Argv) -> int:
     print(cfg, end="", flush=True)
     return errors.EXIT_OK
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
-  sharding.maybe_initialize_distributed()  # before anything touches the devices
+  distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   result = train_and_evaluate(cfg, workdir)
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
     return errors.EXIT_PREEMPTED

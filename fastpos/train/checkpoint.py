@@ -29,8 +29,10 @@ from typing import Any, Callable
 import grain
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from fastpos.tasks.info import TaskInfo
 from fastpos.train.errors import RunError
@@ -135,10 +137,16 @@ class Checkpoints:
   def _open_read_only(self) -> None:
     # Read-only managers create nothing; a folder that does not exist has no checkpoint.
     self.close()
-    if self.latest_dir.is_dir():
+    has_latest, has_best = self.latest_dir.is_dir(), self.best_dir.is_dir()
+    if jax.process_count() > 1:
+      # Process 0's view: another process may look after process 0 has created the folders,
+      # and every process must build the same managers (their constructors synchronize).
+      has_latest, has_best = (bool(x) for x in multihost_utils.broadcast_one_to_all(
+          np.array([has_latest, has_best])))
+    if has_latest:
       self.latest = _manager(self.latest_dir, keep=0, async_save=False,
                              items=("state", "data", "meta"), read_only=True)
-    if self.best_dir.is_dir():
+    if has_best:
       self.best = _manager(self.best_dir, keep=0, async_save=False, items=("state", "meta"),
                            read_only=True)
 

@@ -3,40 +3,47 @@
 The mesh has axes ("data", "model"); ``config.mesh.model`` devices go on the model axis, the
 rest on the data axis. Batches are sharded over "data" (and replicated over "model");
 parameters are replicated unless a rule of ``config.mesh.rules`` shards them. With several
-hosts each process reads its own rows of every global batch and the global array is assembled
-with ``jax.make_array_from_process_local_data``.
+processes (``fastpos.train.distributed``: one per host, or one per accelerator) the mesh spans
+every process's devices, process by process; each process reads its own rows of every global
+batch and the global array is assembled with ``jax.make_array_from_process_local_data``. A
+"seq" axis stays inside one process (``check_seq_split``).
+
+Launch a multi-process run with the same command on every process plus where to meet, e.g. on
+one machine ``scripts/launch_local.sh 2 -- train.py --config=... --workdir=...``, or by hand::
+
+  python train.py --config=... --workdir=DIR --coordinator_address=HOST0:1234 \\
+      --num_processes=2 --process_id=0     # on host 0; --process_id=1 on host 1
+
+(the environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` work too; SLURM, Open MPI and Cloud TPU pods need none of them).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import re
 from typing import Any, Callable
 
 import jax
 import ml_collections
 import numpy as np
-from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastpos.models import context_parallel
+from fastpos.train import distributed
 
 DATA, MODEL = "data", "model"
 SEQ = "seq"  # context parallelism: token arrays split along their sequence dimension
 
 
 def maybe_initialize_distributed() -> None:
-  """Calls ``jax.distributed.initialize()`` when the process was launched as one of several.
-
-  Launch that way by setting ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and
-  ``JAX_PROCESS_ID``), or ``FASTPOS_DISTRIBUTED=1`` on clusters JAX detects itself (SLURM,
-  Cloud TPU, Open MPI). Must run before anything touches the devices.
-  """
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FASTPOS_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
-    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  """Joins the other processes of a multi-process run as ``fastpos.train.distributed``
+  describes, from the environment variables (``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) or a cluster JAX detects (SLURM, Open MPI, Cloud
+  TPU); for programs without the ``--coordinator_address`` flags. Must run before anything
+  touches the devices."""
+  distributed.initialize()
 
 
 def make_mesh(cfg: ml_collections.ConfigDict, devices: list | None = None) -> Mesh:

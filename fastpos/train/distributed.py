@@ -1,0 +1,255 @@
+"""Starting one run as several processes (``jax.distributed``), before anything touches the
+devices.
+
+Where the processes learn of each other, first that is set:
+
+1. the flags ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I`` (every
+   process gets the same address and count, and its own id; process 0 hosts the
+   coordinator at that address);
+2. the environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+   ``JAX_PROCESS_ID`` (what ``scripts/launch_local.sh`` sets), one by one under the flags;
+3. a cluster that JAX detects itself (SLURM, Open MPI, Cloud TPU) with more than one process:
+   ``jax.distributed.initialize()`` reads the rest from it;
+4. else a single process (nothing is initialized).
+
+A partial setting (an address without a process count, an id out of range, an address that is
+not ``host:port``) stops with one message naming the value and the fix, before any compute.
+``--initialization_timeout`` bounds the wait for the other processes at start-up,
+``--heartbeat_timeout`` how long the others take to notice a process that died, and
+``--shutdown_timeout`` how long a process that is done waits for the others at exit. On CPU the
+processes' collectives go over gloo (TCP).
+
+``train.py`` and ``eval.py`` call ``define_flags()`` at import and ``initialize(flags)`` first
+thing in ``main``; other programs may call ``initialize()`` for the environment variables
+and the cluster detection alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Mapping
+
+import jax
+from absl import flags, logging
+
+from fastpos.train.errors import RunError
+
+ADDRESS_ENV, COUNT_ENV, ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+DEFAULT_INITIALIZATION_TIMEOUT_S = 300  # jax's own default
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax's own default
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300  # jax's own default
+
+_LAUNCH = ("start every process with the same --coordinator_address=HOST:PORT (process 0's "
+           "host, a free port) and --num_processes=N, and its own --process_id in 0..N-1 (or "
+           f"set {ADDRESS_ENV}, {COUNT_ENV} and {ID_ENV}; scripts/launch_local.sh does this "
+           "on one machine)")
+
+
+class DistributedError(RunError):
+  """The processes of a run cannot find each other (bad settings or a missing peer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How this process joins the run; ``num_processes`` None: single process or a cluster
+  JAX detects."""
+
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  initialization_timeout_s: int = DEFAULT_INITIALIZATION_TIMEOUT_S
+  heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+  shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S
+  # Where each of address, count and id came from ("--flag" or "$VAR"), for the messages.
+  names: tuple[str, str, str] = ("--coordinator_address", "--num_processes", "--process_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+  """The flag holders ``define_flags`` returns."""
+
+  coordinator_address: flags.FlagHolder
+  num_processes: flags.FlagHolder
+  process_id: flags.FlagHolder
+  initialization_timeout: flags.FlagHolder
+  heartbeat_timeout: flags.FlagHolder
+  shutdown_timeout: flags.FlagHolder
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Flags:
+  """Defines ``--coordinator_address``, ``--num_processes``, ``--process_id``,
+  ``--initialization_timeout`` and ``--heartbeat_timeout`` (a program's module level)."""
+  d = lambda define, *args: define(*args, flag_values=flag_values)
+  return Flags(
+      coordinator_address=d(flags.DEFINE_string, "coordinator_address", None,
+                            f"HOST:PORT of process 0's coordinator, the same for every process "
+                            f"of a multi-process run (default: ${ADDRESS_ENV})"),
+      num_processes=d(flags.DEFINE_integer, "num_processes", None,
+                      f"processes of the run (default: ${COUNT_ENV}; unset: a cluster JAX "
+                      "detects, SLURM / Open MPI / Cloud TPU, else 1)"),
+      process_id=d(flags.DEFINE_integer, "process_id", None,
+                   f"this process's id in 0..num_processes-1 (default: ${ID_ENV})"),
+      initialization_timeout=d(flags.DEFINE_integer, "initialization_timeout",
+                               DEFAULT_INITIALIZATION_TIMEOUT_S,
+                               "seconds to wait at start-up for every process to join"),
+      heartbeat_timeout=d(flags.DEFINE_integer, "heartbeat_timeout",
+                          DEFAULT_HEARTBEAT_TIMEOUT_S,
+                          "seconds after which a silent process counts as dead and the run "
+                          "stops"),
+      shutdown_timeout=d(flags.DEFINE_integer, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S,
+                         "seconds a finished (or failed) process waits for the others at exit"),
+  )
+
+
+def _int_env(environ: Mapping[str, str], name: str) -> int | None:
+  raw = environ.get(name, "").strip()
+  if not raw:
+    return None
+  try:
+    return int(raw)
+  except ValueError:
+    raise DistributedError(f"{name}={raw!r} is not an integer; {_LAUNCH}.") from None
+
+
+def settings(holders: Flags | None = None,
+             environ: Mapping[str, str] | None = None) -> Settings:
+  """The settings from the flags (when defined), each unset one from its environment
+  variable; checked (``check``)."""
+  environ = os.environ if environ is None else environ
+  value = (lambda name: getattr(holders, name).value) if holders is not None else (
+      lambda name: None)
+  fields = (("coordinator_address", ADDRESS_ENV), ("num_processes", COUNT_ENV),
+            ("process_id", ID_ENV))
+  values, names = [], []
+  for field, env in fields:
+    v = value(field)
+    if v is not None and v != "":
+      values.append(v)
+      names.append(f"--{field}")
+    else:
+      raw = environ.get(env, "").strip()
+      values.append(None if not raw else raw if field == "coordinator_address" else
+                    _int_env(environ, env))
+      names.append(env if raw else f"--{field} (or {env})")
+  timeouts = ((value("initialization_timeout"), value("heartbeat_timeout"),
+               value("shutdown_timeout")) if holders is not None else
+              (DEFAULT_INITIALIZATION_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S,
+               DEFAULT_SHUTDOWN_TIMEOUT_S))
+  out = Settings(*values, *timeouts, names=tuple(names))
+  check(out)
+  return out
+
+
+def check(s: Settings) -> None:
+  """Raises DistributedError naming the bad or missing value and the fix."""
+  address_name, count_name, id_name = s.names
+  for name, t in (("--initialization_timeout", s.initialization_timeout_s),
+                  ("--heartbeat_timeout", s.heartbeat_timeout_s),
+                  ("--shutdown_timeout", s.shutdown_timeout_s)):
+    if t < 1:
+      raise DistributedError(f"{name}={t}: give a number of seconds >= 1.")
+  if s.num_processes is None:
+    if s.coordinator_address is not None or s.process_id is not None:
+      given = (f"{address_name}={s.coordinator_address}" if s.coordinator_address is not None
+               else f"{id_name}={s.process_id}")
+      raise DistributedError(f"{given} is set but {count_name} is not; {_LAUNCH}.")
+    return
+  if s.num_processes < 1:
+    raise DistributedError(f"{count_name}={s.num_processes}: the number of processes must be "
+                           ">= 1.")
+  if s.num_processes == 1 and s.coordinator_address is None:
+    if s.process_id not in (None, 0):
+      raise DistributedError(f"{id_name}={s.process_id} is out of range for "
+                             f"{count_name}=1; the only process is 0.")
+    return
+  if s.coordinator_address is None:
+    raise DistributedError(f"{count_name}={s.num_processes} is set but {address_name} is not; "
+                           f"{_LAUNCH}.")
+  if s.process_id is None:
+    raise DistributedError(f"{count_name}={s.num_processes} is set but {id_name} is not; "
+                           f"{_LAUNCH}.")
+  if not 0 <= s.process_id < s.num_processes:
+    raise DistributedError(f"{id_name}={s.process_id} is out of range for {count_name}="
+                           f"{s.num_processes}; give each process its own id in 0.."
+                           f"{s.num_processes - 1}.")
+  _check_address(s.coordinator_address, address_name)
+
+
+def _check_address(address: str, name: str) -> None:
+  host, sep, port = address.rpartition(":")
+  host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:1234
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise DistributedError(f"{name}={address!r} is not HOST:PORT (e.g. 10.0.0.1:1234 or "
+                           "localhost:1234, a port in 1..65535); give process 0's host and a "
+                           "free port.")
+  try:
+    socket.getaddrinfo(host, int(port))
+  except (socket.gaierror, UnicodeError) as e:
+    raise DistributedError(f"{name}={address!r}: host {host!r} is unknown ({e}); give process "
+                           "0's host name or IP address.") from None
+
+
+def detected_cluster() -> str | None:
+  """The name of a multi-process cluster JAX detects itself (SLURM, Open MPI, Cloud TPU) that
+  this process is part of, else None. A cluster of one process (an interactive SLURM job)
+  counts as none: the run stays a plain single process."""
+  # jax keeps its cluster detectors private; the same ones ``jax.distributed.initialize()``
+  # with no arguments uses (opt-in methods such as mpi4py excluded, as it excludes them).
+  try:
+    from jax._src import clusters  # pylint: disable=import-outside-toplevel
+    envs = [e for e in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+            if not e.opt_in_only_method and e.__name__ != "K8sCluster"]
+  except (ImportError, AttributeError) as e:
+    logging.warning("jax's cluster detection is not available (%s): running as one process "
+                    "unless --num_processes says otherwise.", e)
+    return None
+  for env in envs:
+    try:
+      if env.is_env_present() and env.get_process_count() > 1:
+        return env.__name__
+    except Exception as e:  # pylint: disable=broad-except  # a half-set cluster environment
+      logging.warning("cluster detection %s failed (%s); ignoring it.", env.__name__, e)
+  return None
+
+
+def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None = None) -> None:
+  """Joins the run's other processes (module docstring); a single process does nothing.
+  Must run before anything touches the devices."""
+  s = settings(holders, environ)
+  if jax.distributed.is_initialized():
+    return
+  cluster = None
+  if s.num_processes is None:
+    cluster = detected_cluster()
+    if cluster is None:
+      return
+  elif s.num_processes == 1 and s.coordinator_address is None:
+    return
+  # CPU collectives across processes need an implementation (jax's default is gloo; an
+  # explicit "none" would make every cross-process step fail).
+  if jax.config.jax_cpu_collectives_implementation is None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  what = (f"{cluster} cluster" if cluster else
+          f"process {s.process_id} of {s.num_processes}, coordinator {s.coordinator_address}")
+  logging.info("jax.distributed: joining (%s; waiting up to %d s for the others)", what,
+               s.initialization_timeout_s)
+  try:
+    if cluster:
+      jax.distributed.initialize(initialization_timeout=s.initialization_timeout_s,
+                                 heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+                                 shutdown_timeout_seconds=s.shutdown_timeout_s)
+    else:
+      jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
+                                 initialization_timeout=s.initialization_timeout_s,
+                                 heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+                                 shutdown_timeout_seconds=s.shutdown_timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError: deadline, refused
+    text = " ".join(str(e).split())
+    raise DistributedError(
+        f"{what}: the processes did not all join within --initialization_timeout="
+        f"{s.initialization_timeout_s} s ({text[:300]}). Start all of them with the same "
+        "coordinator address and process count (process 0 first or together), each with its "
+        "own process id, and check that the coordinator's port is free and reachable.") from None
+  logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
