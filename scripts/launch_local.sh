@@ -69,6 +69,7 @@ if [[ -z $port ]]; then
 fi
 
 pids=()
+set -m  # each process in its own process group: signals reach its children too
 for ((i = 0; i < n; i++)); do
   (
     export JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_NUM_PROCESSES="$n" JAX_PROCESS_ID="$i"
@@ -82,13 +83,14 @@ for ((i = 0; i < n; i++)); do
   ) &
   pids+=($!)
 done
+set +m
 echo "launch_local: $n processes (coordinator localhost:$port), logs in $log_dir/process_<i>.log" >&2
 tail -n +1 -F "$log_dir/process_0.log" 2>/dev/null &
 tail_pid=$!
 
-signal_all() {  # signal_all SIG: to every process still running
+signal_all() {  # signal_all SIG: to every process still running (and its children)
   for pid in "${pids[@]}"; do
-    kill -s "$1" "$pid" 2>/dev/null
+    kill -s "$1" -- "-$pid" 2>/dev/null
   done
 }
 running() {
@@ -109,9 +111,9 @@ done_=()
 remaining=$n
 while ((remaining > 0)); do
   finished=""
-  wait -n -p finished "${live[@]}"
+  wait -n -p finished "${live[@]}" 2>/dev/null  # (bash's "Killed: <job source>" notices)
   status=$?
-  [[ -z $finished ]] && continue  # a trapped signal interrupted the wait
+  [[ -z ${finished:-} ]] && continue  # a trapped signal interrupted the wait
   remaining=$((remaining - 1))
   live=()
   for ((j = 0; j < n; j++)); do
@@ -123,12 +125,13 @@ while ((remaining > 0)); do
     code=$status
     if [[ -z $forwarded ]]; then
       failed=$i
-      echo "launch_local: process $i exited with code $status; stopping the others" \
-        "(log: $log_dir/process_$i.log)" >&2
+      how="exited with code $status"
+      ((status > 128)) && how="was killed by signal $(kill -l $((status - 128))) (exit code $status)"
+      echo "launch_local: process $i $how; stopping the others (log: $log_dir/process_$i.log)" >&2
       signal_all TERM
       (
         sleep "$grace"
-        for pid in "${pids[@]}"; do kill -s KILL "$pid" 2>/dev/null; done
+        for pid in "${pids[@]}"; do kill -s KILL -- "-$pid" 2>/dev/null; done
       ) >/dev/null 2>&1 &
       killer=$!
     fi
@@ -140,6 +143,8 @@ wait "$tail_pid" 2>/dev/null
 if [[ -n $failed ]]; then
   echo "launch_local: process $failed failed (code $code); last lines of its log:" >&2
   tail -n 5 "$log_dir/process_$failed.log" >&2
+  echo "launch_local: stopped: process $failed failed with code $code (its log:" \
+    "$log_dir/process_$failed.log)" >&2
 fi
 running && signal_all KILL
 exit "$code"
