@@ -29,12 +29,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
+import threading
 from typing import Mapping
 
 import jax
 from absl import flags, logging
 
-from fastpos.train.errors import RunError
+from fastpos.train.errors import EXIT_BAD_INPUT, RunError
 
 ADDRESS_ENV, COUNT_ENV, ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEFAULT_INITIALIZATION_TIMEOUT_S = 300  # jax's own default
@@ -214,6 +216,14 @@ def detected_cluster() -> str | None:
   return None
 
 
+def _stop(message: str) -> None:
+  """Ends the process at once with ``message`` (the main thread is blocked in jax)."""
+  prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "fastpos"
+  sys.stdout.flush()
+  print(f"{prog}: {message}", file=sys.stderr, flush=True)
+  os._exit(EXIT_BAD_INPUT)
+
+
 def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None = None) -> None:
   """Joins the run's other processes (module docstring); a single process does nothing.
   Must run before anything touches the devices."""
@@ -235,21 +245,30 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
           f"process {s.process_id} of {s.num_processes}, coordinator {s.coordinator_address}")
   logging.info("jax.distributed: joining (%s; waiting up to %d s for the others)", what,
                s.initialization_timeout_s)
+  # jax aborts the process (a C++ fatal error and a dump of every thread) when the others do
+  # not join in time; this says why in one line, first.
+  message = (f"{what}: the processes did not all join within --initialization_timeout="
+             f"{s.initialization_timeout_s} s. Start all {s.num_processes or 'of the'} "
+             "processes with the same coordinator address and process count, each with its "
+             "own process id (0 hosts the coordinator), and check that the address is "
+             "reachable and its port free.")
+  watchdog = threading.Timer(s.initialization_timeout_s, _stop, (message,))
+  watchdog.daemon = True
+  watchdog.start()
   try:
     if cluster:
-      jax.distributed.initialize(initialization_timeout=s.initialization_timeout_s,
+      jax.distributed.initialize(initialization_timeout=s.initialization_timeout_s + 5,
                                  heartbeat_timeout_seconds=s.heartbeat_timeout_s,
                                  shutdown_timeout_seconds=s.shutdown_timeout_s)
     else:
       jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
-                                 initialization_timeout=s.initialization_timeout_s,
+                                 initialization_timeout=s.initialization_timeout_s + 5,
                                  heartbeat_timeout_seconds=s.heartbeat_timeout_s,
                                  shutdown_timeout_seconds=s.shutdown_timeout_s)
-  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError: deadline, refused
-    text = " ".join(str(e).split())
-    raise DistributedError(
-        f"{what}: the processes did not all join within --initialization_timeout="
-        f"{s.initialization_timeout_s} s ({text[:300]}). Start all of them with the same "
-        "coordinator address and process count (process 0 first or together), each with its "
-        "own process id, and check that the coordinator's port is free and reachable.") from None
+  except Exception as e:  # pylint: disable=broad-except  # e.g. the port is taken
+    text = " ".join(str(e).split())[:300]
+    raise DistributedError(f"{what}: jax.distributed.initialize failed ({text}); check the "
+                           "coordinator address and that its port is free.") from None
+  finally:
+    watchdog.cancel()
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
