@@ -34,7 +34,7 @@ log_dir=""
 while [[ $# -gt 0 && $1 != "--" ]]; do
   case $1 in
     --log_dir=*) log_dir=${1#--log_dir=} ;;
-    *) echo "$0: unknown option $1; options: --log_dir=DIR, then -- and the command." >&2
+    *) echo "$0: unknown option $1; options: --log_dir=DIR, then -- and the command (e.g. $0 2 -- train.py --config=...)." >&2
        exit 2 ;;
   esac
   shift
