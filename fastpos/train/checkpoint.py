@@ -31,7 +31,7 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 from jax.experimental import multihost_utils
 
 from fastpos.tasks.info import TaskInfo
@@ -76,11 +76,19 @@ def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, 
   handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   if "data" in items:
     handlers["data"] = grain.checkpoint.CheckpointHandler()
+  if jax.process_count() > 1:
+    # Orbax's barriers over the distributed service rather than device collectives: the
+    # async savers wait at them in background threads, and collectives that two threads issue
+    # in different orders on different processes deadlock.
+    flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
       save_interval_steps=0 if read_only else 1,
       enable_async_checkpointing=async_save and not read_only,
-      cleanup_tmp_directories=not read_only)
+      cleanup_tmp_directories=not read_only,
+      # The two managers' barriers apart (their names carry no folder).
+      multiprocessing_options=ocp.options.MultiprocessingOptions(
+          barrier_sync_key_prefix=directory.name))
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 

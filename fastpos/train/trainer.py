@@ -337,14 +337,23 @@ def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
           "num_examples": num_examples}
 
 
+def _saved_process_count(data_dir: Path) -> int | None:
+  """How many processes saved a checkpoint's data iterator (grain writes one
+  ``process_<i>-of-<n>.json`` each), or None when it cannot tell."""
+  counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json")
+            for name in (p.name for p in data_dir.glob("process_*-of-*.json"))}
+  return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else None
+
+
 def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
   """(training iterator, whether to restore its position from the checkpoint, start example,
   start step) for resuming from a checkpoint's ``meta``.
 
-  Same batch size: the iterator of the checkpointed run, at its position. Another batch size:
-  a new iterator that starts at the example where the checkpointed run stopped. Another
-  training split size (or batch size with stream batches, whose layout depends on it) cannot
-  carry the position over: RunError naming both values.
+  Same batch size and process count: the iterator of the checkpointed run, at its position.
+  Another batch size or process count: a new iterator that starts at the example where the
+  checkpointed run stopped. Another training split size (or batch size or process count with
+  stream batches, whose layout depends on them) cannot carry the position over: RunError
+  naming both values.
   """
   data = meta.get("data")
   if data is None:  # written before positions were kept in examples: batches of this size
@@ -355,16 +364,24 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
         f"{where}/{meta['step']} was trained on a training split of {data['num_examples']} "
         f"examples; it now has {n}: the data position cannot carry over. Use the data the run "
         "started with, or a new --workdir.")
-  if data["batch_size"] == batch:
+  # The iterator's saved position is per process: it carries over to the same processes.
+  procs = jax.process_count()
+  saved_procs = _saved_process_count(where / str(meta["step"]) / "data") or procs
+  if data["batch_size"] == batch and saved_procs == procs:
     return run.train_iterator(source, data["start"]), True, data["start"], data["start_step"]
   if run.memory:
     raise RunError(
-        f"{where}/{meta['step']} was trained with config.batch_size={data['batch_size']}; now "
-        f"{batch}. Stream batches (a Transformer-XL memory) keep their layout: resume with "
-        f"--config.batch_size={data['batch_size']}, or use a new --workdir.")
-  logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
-                  "training data (step %d).", data["batch_size"], batch, data["examples"],
-                  meta["step"])
+        f"{where}/{meta['step']} was trained with config.batch_size={data['batch_size']} on "
+        f"{saved_procs} process(es); now {batch} on {procs}. Stream batches (a Transformer-XL "
+        f"memory) keep their layout: resume with --config.batch_size={data['batch_size']} on "
+        f"{saved_procs} process(es), or use a new --workdir.")
+  if data["batch_size"] != batch:
+    logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
+                    "training data (step %d).", data["batch_size"], batch, data["examples"],
+                    meta["step"])
+  else:
+    logging.info("%d process(es) now, %d when saved: resuming at example %d of the training "
+                 "data (step %d).", procs, saved_procs, data["examples"], meta["step"])
   return run.train_iterator(source, data["examples"]), False, data["examples"], meta["step"]
 
 
