@@ -76,7 +76,7 @@ def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, 
   handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   if "data" in items:
     handlers["data"] = grain.checkpoint.CheckpointHandler()
-  if jax.process_count() > 1:
+  if jax.process_count() > 1 and "experimental_orbax_use_distributed_barrier" in flags.FLAGS:
     # Orbax's barriers over the distributed service rather than device collectives: the
     # async savers wait at them in background threads, and collectives that two threads issue
     # in different orders on different processes deadlock.

@@ -151,11 +151,26 @@ def test_two_process_checkpoint_resumes_on_other_layouts_and_evaluates(runs):
 
 @pytest.mark.slow
 def test_restarting_both_processes_resumes_exactly(runs):
+  # Started by hand with the flags (the launcher uses the environment variables).
   workdir = runs["root"] / "restart_two"
   shutil.copytree(runs["two_proc"], workdir)
-  shutil.rmtree(workdir / "launch_logs")
-  _resume_rows(runs, "restart_two", _start_launch(2, 2, *ARGS, f"--workdir={workdir}"),
-               "2-process restart")
+  address = f"--coordinator_address=localhost:{_free_port()}"
+  procs = [_start("train.py", 2, *ARGS, f"--workdir={workdir}", address, "--num_processes=2",
+                  f"--process_id={i}") for i in (0, 1)]
+  try:
+    assert "resumed from" in _finish(procs[1], "process 1 of the restart")
+    _resume_rows(runs, "restart_two", procs[0], "process 0 of the restart")
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
 
 
 def _children(pid: int) -> dict[int, int]:
@@ -239,18 +254,29 @@ def test_partial_or_bad_settings_name_the_value(environ, needles):
     assert needle in str(e.value)
 
 
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "0",
+         "SLURM_LOCALID": "0"}
+
+
+def test_clusters_of_several_processes_are_detected(monkeypatch):
+  for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+               "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.detected_cluster() is None
+  for name, value in SLURM.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv("SLURM_NTASKS", "1")  # an interactive job: stays one plain process
+  assert distributed.detected_cluster() is None
+  monkeypatch.setenv("SLURM_NTASKS", "2")
+  assert distributed.detected_cluster() == "SlurmCluster"
+
+
 def test_complete_settings_and_single_process():
   s = distributed.settings(environ={"JAX_COORDINATOR_ADDRESS": "localhost:1234",
                                     "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
   assert (s.coordinator_address, s.num_processes, s.process_id) == ("localhost:1234", 2, 1)
   assert distributed.settings(environ={}).num_processes is None
   assert distributed.settings(environ={"JAX_NUM_PROCESSES": "1"}).num_processes == 1
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return s.getsockname()[1]
 
 
 def test_bad_flags_stop_before_compute_and_a_missing_peer_in_bounded_time(tmp_path):
