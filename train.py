@@ -4,7 +4,10 @@ Any config field can be overridden on the command line, e.g. ``--config.model.ke
 --config.num_train_steps=2000``; options of a positional scheme one at a time, e.g.
 ``--config.model.positional_options.fastrpb.per_head=True``. The run resumes from the newest
 checkpoint in ``--workdir``. ``--print_config`` prints the config with the overrides applied
-and exits (no ``--workdir`` needed, nothing is written).
+and exits (no ``--workdir`` needed, nothing is written). One run as several processes (hosts,
+or one per accelerator): the same command on each with ``--coordinator_address=HOST:PORT
+--num_processes=N --process_id=I``, or ``scripts/launch_local.sh N -- train.py ...`` on one
+machine (README, "Launching on many hosts").
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer

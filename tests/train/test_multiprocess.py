@@ -14,6 +14,7 @@ stopped at step 4 and resumed to 6 follows the uninterrupted run's schedule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,12 +66,21 @@ def _start(script: str, devices: int, *args: str) -> subprocess.Popen:
                           start_new_session=True)
 
 
+def _kill(proc: subprocess.Popen) -> str:
+  """Kills ``proc`` and, for the launcher, its processes (each leads its own group)."""
+  for pid in _children(proc.pid, all_children=True).values():
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(pid, signal.SIGKILL)
+  with contextlib.suppress(ProcessLookupError):
+    os.killpg(proc.pid, signal.SIGKILL)
+  return proc.communicate()[0]
+
+
 def _finish(proc: subprocess.Popen, what: str, code: int = 0) -> str:
   try:
     out, _ = proc.communicate(timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
+    out = _kill(proc)
     pytest.fail(f"{what} still running after {TIMEOUT_S} s:\n{out[-4000:]}")
   assert proc.returncode == code, f"{what}: exit {proc.returncode}\n{out[-4000:]}"
   return out
@@ -163,8 +173,7 @@ def test_restarting_both_processes_resumes_exactly(runs):
   finally:
     for proc in procs:
       if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _kill(proc)
 
 
 def _free_port() -> int:
@@ -173,11 +182,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _children(pid: int) -> dict[int, int]:
-  """{JAX_PROCESS_ID: pid} of the launcher's processes."""
+def _children(pid: int, all_children: bool = False) -> dict[int, int]:
+  """{JAX_PROCESS_ID: pid} of the launcher's processes ({pid: pid} of every child of ``pid``
+  with ``all_children``)."""
   out = {}
   for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
                               text=True).stdout.split():
+    if all_children:
+      out[int(child)] = int(child)
+      continue
     try:
       environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -215,8 +228,7 @@ def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
     took = time.time() - killed
   finally:
     if launch.poll() is None:
-      os.killpg(launch.pid, signal.SIGKILL)
-      launch.communicate()
+      _kill(launch)
   assert launch.returncode == 128 + signal.SIGKILL, out[-4000:]
   assert "process 1 was killed by signal KILL" in out
   assert "stopped: process 1 failed with code 137" in out
