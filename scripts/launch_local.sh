@@ -72,6 +72,7 @@ pids=()
 set -m  # each process in its own process group: signals reach its children too
 for ((i = 0; i < n; i++)); do
   (
+    trap - TERM INT
     export JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_NUM_PROCESSES="$n" JAX_PROCESS_ID="$i"
     if [[ -n ${DEVICES_PER_PROCESS:-} ]]; then
       export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$DEVICES_PER_PROCESS"

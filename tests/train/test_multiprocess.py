@@ -318,10 +318,11 @@ def test_bad_flags_stop_before_compute_and_a_missing_peer_in_bounded_time(tmp_pa
 
 
 def test_launcher_stops_the_rest_when_one_fails_and_forwards_signals(tmp_path):
-  # Process 1 fails at once; the others would run for 100 s.
+  # Process 1 fails after 2 s (the others have set their trap by then); the others would run
+  # for 100 s.
   script = ('trap "echo got $0; exit 75" TERM; echo "$JAX_PROCESS_ID/$JAX_NUM_PROCESSES '
-            '$JAX_COORDINATOR_ADDRESS $XLA_FLAGS"; [ "$JAX_PROCESS_ID" = 1 ] && exit 3; '
-            'sleep 100 & wait')
+            '$JAX_COORDINATOR_ADDRESS $XLA_FLAGS"; [ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && '
+            'exit 3; sleep 100 & wait')
   start = time.time()
   failed = subprocess.run([LAUNCH, "3", f"--log_dir={tmp_path / 'a'}", "--", "bash", "-c",
                            script, "TERM"], env=_env(DEVICES_PER_PROCESS="3"),
@@ -337,13 +338,13 @@ def test_launcher_stops_the_rest_when_one_fails_and_forwards_signals(tmp_path):
   assert "got TERM" in logs["process_0.log"] and "got TERM" in logs["process_2.log"]
   # SIGTERM to the launcher reaches every process; their code (75: saved) is the launcher's.
   launch = subprocess.Popen([LAUNCH, "2", f"--log_dir={tmp_path / 'b'}", "--", "bash", "-c",
-                             script.replace('[ "$JAX_PROCESS_ID" = 1 ] && exit 3; ', ""),
+                             script.replace('[ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && exit 3; ', ""),
                              "TERM"], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-  deadline = time.time() + 30
-  while time.time() < deadline and len(list((tmp_path / "b").glob("*.log"))) < 2:
+  deadline = time.time() + 30  # until both have set their trap (and said so)
+  while time.time() < deadline and sum(
+      bool(p.read_text()) for p in (tmp_path / "b").glob("*.log")) < 2:
     time.sleep(0.1)
-  time.sleep(0.5)
   launch.send_signal(signal.SIGTERM)
   launch.communicate(timeout=30)
   assert launch.returncode == 75
