@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -34,6 +35,7 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from absl import app, flags, logging
 
+from fastpos.train import config as config_lib
 from fastpos.train import errors
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
@@ -127,7 +129,30 @@ def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_tuples(values))
 
 
-def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
+@contextlib.contextmanager
+def _package_importable(path: str):
+  """While loading a config file that sits in a package (``configs/__init__.py``), the folder
+  above the package is first on ``sys.path``, so that ``from configs import common`` works
+  from any current folder; a same-named package loaded from elsewhere is dropped first."""
+  folder = Path(path).resolve().parent
+  if not (folder / "__init__.py").is_file():
+    yield
+    return
+  loaded = sys.modules.get(folder.name)
+  if loaded is not None and Path(getattr(loaded, "__file__", None) or "").parent != folder:
+    for key in [k for k in sys.modules if k == folder.name or k.startswith(folder.name + ".")]:
+      del sys.modules[key]
+  root = str(folder.parent)
+  sys.path.insert(0, root)
+  try:
+    yield
+  finally:
+    sys.path.remove(root)  # the first occurrence: the one inserted here
+
+
+def load_module(path: str, spec: str | None = None):
+  """The module of config file ``path`` (executed; its package importable)."""
+  spec = spec or path
   name = "fastpos_config_" + re.sub(r"\W", "_", Path(path).stem)
   module_spec = importlib.util.spec_from_file_location(name, path)
   if module_spec is None or module_spec.loader is None:
@@ -135,10 +160,16 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
                       "or a config.json.")
   module = importlib.util.module_from_spec(module_spec)
   try:
-    module_spec.loader.exec_module(module)
+    with _package_importable(path):
+      module_spec.loader.exec_module(module)
   except SyntaxError as e:
     raise ConfigError(f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix "
                       "the config file.") from None
+  return module
+
+
+def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
+  module = load_module(path, spec)
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
     raise ConfigError(f"--config={spec}: {path} defines no get_config(arg=None); a config "
@@ -150,7 +181,10 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a "
                       "ConfigDict.")
-  return cfg
+  try:
+    return config_lib.complete_task(cfg)  # the task's default fields the file leaves unset
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"--config={spec}: {e}") from None
 
 
 def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
