@@ -7,6 +7,8 @@
   Options of a positional scheme can be set one at a time,
   ``--config.model.positional_options.fastrpb.per_head=True``: the scheme's block is created
   when missing and each option is checked against the scheme's own options and their types.
+- ``list_configs(folder)``: every config file with its first docstring line and its
+  arguments (``train.py --list_configs``).
 - ``run(main, prog)``: runs ``main`` under absl. A failure that is the user's (a bad config,
   flag, data file or workdir: ``RunError`` and the errors listed in ``user_exit_code``) prints
   one line, ``<prog>: <message>``, to stderr and exits with its code from
@@ -185,6 +187,27 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
     return config_lib.complete_task(cfg)  # the task's default fields the file leaves unset
   except (ValueError, TypeError) as e:
     raise ConfigError(f"--config={spec}: {e}") from None
+
+
+def list_configs(folder: str | os.PathLike) -> str:
+  """Every config file in ``folder`` (those defining ``get_config``) with the first sentence
+  of its docstring and its arguments: ``name=default`` (``ARGS``) and the valid values
+  (``CHOICES``)."""
+  lines = []
+  for path in sorted(Path(folder).glob("*.py")):
+    module = load_module(str(path))
+    if not callable(getattr(module, "get_config", None)):
+      continue  # configs/common.py and the package's __init__.py
+    paragraph = (module.__doc__ or "(no docstring)").strip().split("\n\n")[0]
+    shown_path = os.path.relpath(path)  # relative to the current folder when below it
+    shown_path = Path(path if shown_path.startswith("..") else shown_path).as_posix()
+    lines.append(f"{shown_path}: {' '.join(paragraph.split())}")
+    choices = getattr(module, "CHOICES", {})
+    for name, default in getattr(module, "ARGS", {}).items():
+      shown = str(default).lower() if isinstance(default, bool) else str(default)
+      valid = f"one of: {' '.join(map(str, choices[name]))}" if name in choices else ""
+      lines.append(f"    {name + '=' + shown:<22}{valid}".rstrip())
+  return "\n".join(lines) + "\n"
 
 
 def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True

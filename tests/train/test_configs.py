@@ -135,3 +135,16 @@ def test_configs_import_no_fastpos_and_load_from_any_folder(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "positional: absolute+fastrpb" in proc.stdout and "max_length: 128" in proc.stdout
   assert "on_overflow: truncate" in proc.stdout  # a field of the task class, filled in
+  proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--list_configs"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert f"{CONFIG_DIR / 'fastrpb_table1.py'}: FastRPB Table 1" in proc.stdout
+
+
+def test_list_configs_shows_every_file_and_its_arguments():
+  out = cli.list_configs(CONFIG_DIR)
+  listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
+  assert [Path(p).name for p in listed] == [p.name for p in CONFIGS]  # not common.py
+  assert "first command" in out  # listops_generated.py's first docstring sentence
+  assert "    task=text             one of: listops text retrieval image\n" in out
+  assert "    tiny=false\n" in out

@@ -254,7 +254,10 @@ def trained(tmp_path_factory):
               "--config.checkpoint_every_steps=2", "--config.log_every_steps=1",
               data_dir=data_dir)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert "done at step 2" in proc.stderr
+  # The trainer's last line: the metric beside the baseline, tokens/s and the outputs.
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "synthetic: step 2; validation accuracy " in last, last
+  assert "majority-class baseline " in last and " tokens/s; workdir " in last
   return workdir, data_dir
 
 
