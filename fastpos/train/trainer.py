@@ -59,6 +59,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
+from fastpos.train import config as config_lib
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
@@ -80,7 +81,8 @@ class _Run:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path,
                model: nn.Module | None):
-    cfg = config.copy_and_resolve_references()
+    # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
+    cfg = config_lib.complete_task(config.copy_and_resolve_references())
     for name in ("num_train_steps", "log_every_steps", "eval_every_steps",
                  "checkpoint_every_steps", "keep_checkpoints"):
       if cfg[name] < 1:

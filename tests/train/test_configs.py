@@ -148,3 +148,13 @@ def test_list_configs_shows_every_file_and_its_arguments():
   assert "first command" in out  # listops_generated.py's first docstring sentence
   assert "    task=text             one of: listops text retrieval image\n" in out
   assert "    tiny=false\n" in out
+
+
+def test_the_trainer_completes_a_config_built_in_python(tmp_path):
+  from configs import listops_generated  # pylint: disable=import-outside-toplevel
+  from fastpos.train import trainer  # pylint: disable=import-outside-toplevel
+  cfg = listops_generated.get_config("tiny")  # config.task: the fields the file sets
+  assert "num_train" in cfg.task and "seed" not in cfg.task
+  run = trainer._Run(cfg, tmp_path, None)  # pylint: disable=protected-access
+  assert run.cfg.task.to_dict() == cli.load_config(
+      f"{CONFIG_DIR / 'listops_generated.py'}:tiny").task.to_dict()
