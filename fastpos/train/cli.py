@@ -96,9 +96,18 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
   return path, arg
 
 
+def _is_config_file(path: Path) -> bool:
+  """A config file defines get_config (not configs/common.py or the package's __init__.py)."""
+  try:
+    return "def get_config(" in path.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError):
+    return False
+
+
 def _missing_file(path: str, spec: str) -> ConfigError:
   folder = Path(path).parent if str(Path(path).parent) not in ("", ".") else Path("configs")
-  candidates = sorted(p.as_posix() for p in folder.glob("*.py")) if folder.is_dir() else []
+  candidates = sorted(p.as_posix() for p in folder.glob("*.py") if _is_config_file(p)
+                      ) if folder.is_dir() else []
   close = difflib.get_close_matches(path, candidates, n=3, cutoff=0.75)
   hint = (f"did you mean {' or '.join(close)}?" if close else
           f"the configs are {', '.join(candidates[:20])}." if candidates else
@@ -194,10 +203,8 @@ def list_configs(folder: str | os.PathLike) -> str:
   of its docstring and its arguments: ``name=default`` (``ARGS``) and the valid values
   (``CHOICES``)."""
   lines = []
-  for path in sorted(Path(folder).glob("*.py")):
+  for path in sorted(p for p in Path(folder).glob("*.py") if _is_config_file(p)):
     module = load_module(str(path))
-    if not callable(getattr(module, "get_config", None)):
-      continue  # configs/common.py and the package's __init__.py
     paragraph = (module.__doc__ or "(no docstring)").strip().split("\n\n")[0]
     shown_path = os.path.relpath(path)  # relative to the current folder when below it
     shown_path = Path(path if shown_path.startswith("..") else shown_path).as_posix()

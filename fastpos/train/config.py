@@ -4,7 +4,8 @@ task block.
 The experiment files (``configs/*.py``) build on ``configs/common.py``, which restates
 ``base_config`` without importing fastpos (tests/train/test_configs.py checks the two are
 equal) and leaves ``config.task`` holding only the fields the file sets; ``complete_task``
-adds the task's other fields from its class when train.py loads the file. The config alone
+adds the task's other fields from its class when train.py loads the file (and again in the
+trainer, for a config built in Python). The config alone
 defines a run; only ``--workdir`` is outside it.
 """
 
