@@ -5,8 +5,8 @@ The experiment files (``configs/*.py``) build on ``configs/common.py``, which re
 ``base_config`` without importing fastpos (tests/train/test_configs.py checks the two are
 equal) and leaves ``config.task`` holding only the fields the file sets; ``complete_task``
 adds the task's other fields from its class when train.py loads the file (and again in the
-trainer, for a config built in Python). The config alone
-defines a run; only ``--workdir`` is outside it.
+trainer, for a config built in Python). The config alone defines a run; only ``--workdir`` is
+outside it.
 """
 
 from __future__ import annotations
