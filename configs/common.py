@@ -57,7 +57,7 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # activations: "float32" or "bfloat16" (params stay float32)
   c.model.tie_embeddings = True  # lm only: output projection = input embedding transposed
   c.model.memory_length = 0  # lm only: Transformer-XL memory M (the transformer_xl scheme)
-  c.model.chunk_size = 64  # causal linear attention chunk
+  c.model.chunk_size = 0  # causal linear attention chunk; 0 picks it from the shape
   # Image tasks: True gives the positional schemes the image grid (2D positions); False treats
   # the image as its raster sequence (1D schemes, e.g. SPE, or "w/o 2D rel. pos.").
   c.model.use_grid = True
