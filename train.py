@@ -4,10 +4,12 @@ Any config field can be overridden on the command line, e.g. ``--config.model.ke
 --config.num_train_steps=2000``; options of a positional scheme one at a time, e.g.
 ``--config.model.positional_options.fastrpb.per_head=True``. The run resumes from the newest
 checkpoint in ``--workdir``. ``--print_config`` prints the config with the overrides applied
-and exits (no ``--workdir`` needed, nothing is written). One run as several processes (hosts,
-or one per accelerator): the same command on each with ``--coordinator_address=HOST:PORT
---num_processes=N --process_id=I``, or ``scripts/launch_local.sh N -- train.py ...`` on one
-machine (README, "Launching on many hosts").
+and exits (no ``--workdir`` needed, nothing is written); ``--list_configs`` prints every
+``configs/*.py`` with its first docstring sentence and its arguments (``:name=value``).
+One run as several processes (hosts, or one per accelerator): the same command on each with
+``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``, or
+``scripts/launch_local.sh N -- train.py ...`` on one machine (README, "Launching on many
+hosts").
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
@@ -17,7 +19,9 @@ again to continue); 1 an unexpected error (a bug: its traceback is printed).
 
 from __future__ import annotations
 
-from absl import flags, logging
+from pathlib import Path
+
+from absl import flags
 
 from fastpos.train import cli, distributed, errors, train_and_evaluate
 
@@ -28,10 +32,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and 
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "print the resolved config (after the --config.* overrides) and "
     "exit without training")
+_LIST_CONFIGS = flags.DEFINE_bool(
+    "list_configs", False, "print every configs/*.py with its first docstring sentence and "
+    "its arguments (--config=configs/<file>.py:<name>=<value>,...) and exit")
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
 def main(argv: cli.Argv) -> int:
+  if _LIST_CONFIGS.value:
+    cli.no_extra_args(argv)
+    print(cli.list_configs(Path(__file__).resolve().parent / "configs"), end="", flush=True)
+    return errors.EXIT_OK
   spec = cli.require("config", _CONFIG.value, "--config=configs/listops_generated.py")
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
@@ -43,8 +54,7 @@ def main(argv: cli.Argv) -> int:
   result = train_and_evaluate(cfg, workdir)
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
     return errors.EXIT_PREEMPTED
-  logging.info("done at step %d; best %s", result["step"], result["best"])
-  return errors.EXIT_OK
+  return errors.EXIT_OK  # the trainer's last line summarised the run
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ml_collections
 
-from fastpos.train.config import base_config, parse_arg
+from configs import common
+
+ARGS = dict(tiny=False)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  a = parse_arg(arg, tiny=False)
-  c = base_config("synthetic")
+  a = common.parse_arg(arg, **ARGS)
+  c = common.base_config("synthetic")
   c.model.update(num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, dropout_rate=0.0)
   c.batch_size = 32
   c.num_train_steps = 300

@@ -12,7 +12,7 @@ table with a block each.
 
 Rows and columns. By default the table's row and column of a run are its config's
 ``experiment.row`` / ``experiment.col`` (the paper's labels, e.g. "Linear, SIKF" / "FastRPB",
-recorded by the papers' experiment files, fastpos/train/experiments.py) when every run has
+recorded by the papers' table configs, e.g. configs/fastrpb_table1.py) when every run has
 them, else ``model.kernel`` / ``model.positional``; ``--rows`` / ``--cols`` pick any config
 field. Blocks: one per paper table (``paper.table``; LRPE Table 4's columns are tasks, so its
 sweeps, one per task, share a block), else one per task (``task.name``), and one per value of
@@ -32,7 +32,7 @@ papers do. Rows and columns come in the sweep's grid order (sweep.json), then in
 order (``paper.results``), then sorted.
 
 Paper numbers: the convention is the run's config (so config.json alone carries it), as
-fastpos/train/experiments.py ``set_paper`` writes it; any config may set the fields itself:
+configs/common.py ``set_paper`` writes it; any config may set the fields itself:
 
   config.experiment.row = "Linear, SIKF"            # the run's row label in the paper table
   config.experiment.col = "FastRPB"                 # and its column label

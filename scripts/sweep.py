@@ -1,6 +1,6 @@
 """Runs a grid of config overrides: every combination trains, then is scored on the test split.
 
-  scripts/sweep.sh --config=configs/listops_sweep.py --sweep_dir=workdirs/listops_sweep \\
+  scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep \\
       arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/lg \\
       model.kernel=elu1,sikf model.positional=absolute,absolute+fastrpb seed=0,1
@@ -8,10 +8,10 @@
 Each grid argument is ``key=v1,v2,...`` with ``key`` a config field (as in ``--config.key=v``
 of train.py) or ``arg.<name>``, a field of the config file's argument (``get_config(arg)``:
 ``arg.kernel=dpfp,sikf`` runs ``--config=x.py:kernel=dpfp`` and ``--config=x.py:kernel=sikf``,
-merged with the argument given in ``--config``, e.g. ``:tiny``); the papers' experiment files
-(fastpos/train/experiments.py) pick a table's row and column this way. When a value itself
-holds a comma (``model.positional=absolute,fastrpb``; ``absolute+fastrpb`` also works),
-separate the values with ``|`` instead (quote it for the shell; a single value holding
+merged with the argument given in ``--config``, e.g. ``:tiny``); the papers' table configs
+pick a table's cell this way (configs/fastrpb_table1.py: ``arg.task=text arg.kernel=dpfp,sikf``).
+When a value itself holds a comma (``model.positional=absolute,fastrpb``; ``absolute+fastrpb``
+also works), separate the values with ``|`` instead (quote it for the shell; a single value holding
 commas ends with ``|``: ``'model.positional=absolute,fastrpb|'``). Every combination (the
 Cartesian product, in the order given) gets its own workdir ``SWEEP_DIR/<name>``, its name
 built from the overrides: ``model.kernel=elu1__model.positional=absolute+fastrpb__seed=0``

@@ -6,7 +6,7 @@
 #   scripts/sweep.sh --config=configs/X.py[:arg] --sweep_dir=DIR [--mode=sequential|gpus|print]
 #       [--gpus=0,1] [--dry_run] model.kernel=elu1,sikf \
 #       model.positional=absolute,absolute+fastrpb seed=0,1
-#   scripts/sweep.sh --config=configs/lra_text_fastrpb.py --sweep_dir=DIR \
+#   scripts/sweep.sh --config=configs/fastrpb_table1.py:task=text --sweep_dir=DIR \
 #       arg.kernel=sikf,dpfp arg.pos=none,fastrpb seed=0,1      # arg.*: the config's argument
 #
 # The interpreter: $PYTHON, else the repository's .venv, else python3.

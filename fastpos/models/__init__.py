@@ -56,11 +56,15 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
     raise ValueError("model.max_length is 0 and the task gives no max_length.")
   if pooling == "cls" and task.kind != "lm":
     max_length += 1
+  chunk_size = cfg.get("chunk_size", 0)
+  if not isinstance(chunk_size, int) or chunk_size < 0:
+    raise ValueError(f"model.chunk_size must be an int >= 0 (0 picks it from the shape); "
+                     f"got {chunk_size!r}.")
   return AttentionConfig(
       num_heads=cfg.num_heads, head_dim=head_dim, embed_dim=cfg.embed_dim, kernel=kernel,
       positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
       max_length=max_length, grid=grid,
-      causal=task.kind == "lm", chunk_size=cfg.get("chunk_size", 64))
+      causal=task.kind == "lm", chunk_size=chunk_size or None)
 
 
 def build_model(cfg, task: TaskInfo):

@@ -139,7 +139,7 @@ class AttentionConfig:
   max_length: int = 512
   grid: tuple[int, int] | None = None
   causal: bool = False
-  chunk_size: int = 64
+  chunk_size: int | None = None  # None: chosen by shape (ops.attention.causal_chunk_size)
 
   def __post_init__(self):
     names = [p.name for p in self.positional]

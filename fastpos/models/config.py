@@ -39,7 +39,9 @@ def model_config() -> ml_collections.ConfigDict:
   c.dtype = "float32"  # activations: "float32" or "bfloat16" (params stay float32)
   c.tie_embeddings = True  # lm only: output projection = input embedding transposed
   c.memory_length = 0  # lm only: Transformer-XL memory M (needs the transformer_xl scheme)
-  c.chunk_size = 64  # causal linear attention chunk
+  # Causal linear attention chunk; 0 picks it from the feature and value sizes
+  # (fastpos.ops.attention.causal_chunk_size: 64, or 32 for large feature maps).
+  c.chunk_size = 0
   # Image tasks: True gives the positional schemes the task's grid (2D positions); False
   # treats the image as its raster sequence (1D schemes, e.g. SPE, or PermuteFormer's
   # "w/o 2D rel. pos." ablation).

@@ -7,6 +7,8 @@
   Options of a positional scheme can be set one at a time,
   ``--config.model.positional_options.fastrpb.per_head=True``: the scheme's block is created
   when missing and each option is checked against the scheme's own options and their types.
+- ``list_configs(folder)``: every config file with its first docstring line and its
+  arguments (``train.py --list_configs``).
 - ``run(main, prog)``: runs ``main`` under absl. A failure that is the user's (a bad config,
   flag, data file or workdir: ``RunError`` and the errors listed in ``user_exit_code``) prints
   one line, ``<prog>: <message>``, to stderr and exits with its code from
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -34,6 +37,7 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from absl import app, flags, logging
 
+from fastpos.train import config as config_lib
 from fastpos.train import errors
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
@@ -92,9 +96,18 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
   return path, arg
 
 
+def _is_config_file(path: Path) -> bool:
+  """A config file defines get_config (not configs/common.py or the package's __init__.py)."""
+  try:
+    return "def get_config(" in path.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError):
+    return False
+
+
 def _missing_file(path: str, spec: str) -> ConfigError:
   folder = Path(path).parent if str(Path(path).parent) not in ("", ".") else Path("configs")
-  candidates = sorted(p.as_posix() for p in folder.glob("*.py")) if folder.is_dir() else []
+  candidates = sorted(p.as_posix() for p in folder.glob("*.py") if _is_config_file(p)
+                      ) if folder.is_dir() else []
   close = difflib.get_close_matches(path, candidates, n=3, cutoff=0.75)
   hint = (f"did you mean {' or '.join(close)}?" if close else
           f"the configs are {', '.join(candidates[:20])}." if candidates else
@@ -127,7 +140,30 @@ def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_tuples(values))
 
 
-def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
+@contextlib.contextmanager
+def _package_importable(path: str):
+  """While loading a config file that sits in a package (``configs/__init__.py``), the folder
+  above the package is first on ``sys.path``, so that ``from configs import common`` works
+  from any current folder; a same-named package loaded from elsewhere is dropped first."""
+  folder = Path(path).resolve().parent
+  if not (folder / "__init__.py").is_file():
+    yield
+    return
+  loaded = sys.modules.get(folder.name)
+  if loaded is not None and Path(getattr(loaded, "__file__", None) or "").parent != folder:
+    for key in [k for k in sys.modules if k == folder.name or k.startswith(folder.name + ".")]:
+      del sys.modules[key]
+  root = str(folder.parent)
+  sys.path.insert(0, root)
+  try:
+    yield
+  finally:
+    sys.path.remove(root)  # the first occurrence: the one inserted here
+
+
+def load_module(path: str, spec: str | None = None):
+  """The module of config file ``path`` (executed; its package importable)."""
+  spec = spec or path
   name = "fastpos_config_" + re.sub(r"\W", "_", Path(path).stem)
   module_spec = importlib.util.spec_from_file_location(name, path)
   if module_spec is None or module_spec.loader is None:
@@ -135,10 +171,16 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
                       "or a config.json.")
   module = importlib.util.module_from_spec(module_spec)
   try:
-    module_spec.loader.exec_module(module)
+    with _package_importable(path):
+      module_spec.loader.exec_module(module)
   except SyntaxError as e:
     raise ConfigError(f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix "
                       "the config file.") from None
+  return module
+
+
+def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
+  module = load_module(path, spec)
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
     raise ConfigError(f"--config={spec}: {path} defines no get_config(arg=None); a config "
@@ -150,7 +192,29 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a "
                       "ConfigDict.")
-  return cfg
+  try:
+    return config_lib.complete_task(cfg)  # the task's default fields the file leaves unset
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"--config={spec}: {e}") from None
+
+
+def list_configs(folder: str | os.PathLike) -> str:
+  """Every config file in ``folder`` (those defining ``get_config``) with the first sentence
+  of its docstring and its arguments: ``name=default`` (``ARGS``) and the valid values
+  (``CHOICES``)."""
+  lines = []
+  for path in sorted(p for p in Path(folder).glob("*.py") if _is_config_file(p)):
+    module = load_module(str(path))
+    paragraph = (module.__doc__ or "(no docstring)").strip().split("\n\n")[0]
+    shown_path = os.path.relpath(path)  # relative to the current folder when below it
+    shown_path = Path(path if shown_path.startswith("..") else shown_path).as_posix()
+    lines.append(f"{shown_path}: {' '.join(paragraph.split())}")
+    choices = getattr(module, "CHOICES", {})
+    for name, default in getattr(module, "ARGS", {}).items():
+      shown = str(default).lower() if isinstance(default, bool) else str(default)
+      valid = f"one of: {' '.join(map(str, choices[name]))}" if name in choices else ""
+      lines.append(f"    {name + '=' + shown:<22}{valid}".rstrip())
+  return "\n".join(lines) + "\n"
 
 
 def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True

@@ -1,8 +1,12 @@
-"""The trainer's base config: every field commented; experiment files change a few lines.
+"""The trainer's base config (every field commented) and the completion of a config file's
+task block.
 
-An experiment file (``configs/<task>_<model>.py``) defines ``get_config(arg=None)``; ``arg`` is
-what follows the colon in ``--config=configs/x.py:tiny`` and selects a named variant
-(``parse_arg``). The config alone defines a run; only ``--workdir`` is outside it.
+The experiment files (``configs/*.py``) build on ``configs/common.py``, which restates
+``base_config`` without importing fastpos (tests/train/test_configs.py checks the two are
+equal) and leaves ``config.task`` holding only the fields the file sets; ``complete_task``
+adds the task's other fields from its class when train.py loads the file (and again in the
+trainer, for a config built in Python). The config alone defines a run; only ``--workdir`` is
+outside it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import ml_collections
 
 from fastpos.models.config import model_config
-from fastpos.tasks import task_config
+from fastpos.tasks import get_task_class, task_config
 
 
 def base_config(task: str) -> ml_collections.ConfigDict:
@@ -73,25 +77,24 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   return c
 
 
-def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
-  """Parses a ``get_config`` argument ``"tiny"`` / ``"tiny,kernel=elu1"`` into fields.
+def complete_task(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``cfg`` with ``config.task`` completed from the task's ``default_config()``: the fields the
+  config sets keep their values, the others get the task's defaults (in place; idempotent).
 
-  Bare words set a boolean field to True; ``key=value`` pairs take the type of the default.
-  Every key must be one of ``defaults`` (a typo fails instead of being ignored).
+  Raises:
+    ValueError: no ``config.task.name``, an unknown task, or a field the task does not have
+      (naming the valid fields).
   """
-  out = ml_collections.ConfigDict(dict(defaults))
-  for part in filter(None, (arg or "").split(",")):
-    key, eq, value = part.partition("=")
-    key = key.strip()
-    if key not in defaults:
-      raise ValueError(f"unknown config argument {key!r}; valid: {', '.join(defaults)}.")
-    default = defaults[key]
-    if not eq:
-      if not isinstance(default, bool):
-        raise ValueError(f"config argument {key!r} needs a value ({key}=...).")
-      out[key] = True
-    elif isinstance(default, bool):
-      out[key] = value.strip().lower() in ("1", "true", "yes")
-    else:
-      out[key] = type(default)(value.strip())
-  return out
+  name = cfg.task.get("name") if "task" in cfg else None
+  if not name:
+    raise ValueError("the config has no config.task.name; set it to one of the tasks (e.g. "
+                     "base_config('listops') in configs/common.py).")
+  block = get_task_class(name).default_config()  # raises naming the valid tasks
+  unknown = sorted(set(cfg.task.keys()) - set(block.keys()))
+  if unknown:
+    raise ValueError(f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
+                     f"fields: {', '.join(sorted(block.keys()))}.")
+  block.update(cfg.task)
+  with cfg.unlocked():
+    cfg.task = block
+  return cfg

@@ -59,6 +59,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
+from fastpos.train import config as config_lib
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
@@ -80,7 +81,8 @@ class _Run:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path,
                model: nn.Module | None):
-    cfg = config.copy_and_resolve_references()
+    # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
+    cfg = config_lib.complete_task(config.copy_and_resolve_references())
     for name in ("num_train_steps", "log_every_steps", "eval_every_steps",
                  "checkpoint_every_steps", "keep_checkpoints"):
       if cfg[name] < 1:
@@ -491,6 +493,9 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
                            train_src, data_start, data_start_step, best_value)
       ckpts.wait()  # a failed background save raises here
+    if not result["stopped_early"] and jax.process_index() == 0:
+      logging.info("%s", summary_line(run.workdir, run.task, run.info, result, train_src,
+                                      val_src))
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
@@ -504,6 +509,48 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
     log_file.close()
     lock.release()
+
+
+def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src,
+                 val_src) -> str:
+  """The run's last line: the validation metric (and the test one when eval.py scored this
+  workdir) beside the accuracy of always answering the training split's majority class, the
+  mean training tokens/s and where the outputs are."""
+  metric = task.metric
+
+  def shown(value: float) -> str:
+    return f"{100 * value:.2f}%" if metric in ("accuracy", "f1") else f"{value:.4g}"
+
+  parts = [f"{task.task_name}: step {result['step']}"]
+  val = result.get("validation", {})
+  if metric in val:
+    best = result.get("best", {})
+    at = (f" (best {shown(best[metric])} at step {best['step']})"
+          if best.get(metric) is not None and best.get("step") != result["step"] else "")
+    parts.append(f"validation {metric} {shown(val[metric])}{at}")
+  test_file = workdir / "results_test.json"
+  if test_file.is_file():  # eval.py scored this workdir before (a finished run resumed)
+    test = json.loads(test_file.read_text())
+    if metric in test:
+      parts.append(f"test {metric} {shown(test[metric])} (step {test.get('step')})")
+  train_y, val_y = (getattr(src, "arrays", {}).get("targets") for src in (train_src, val_src))
+  if (info.kind != "lm" and train_y is not None and val_y is not None and train_y.ndim == 1
+      and len(train_y) and len(val_y)):
+    majority = int(np.bincount(train_y).argmax())  # always answering training's majority
+    parts.append(f"majority-class baseline {100 * np.mean(val_y == majority):.2f}% "
+                 f"(always {majority})")
+  rates = []
+  with contextlib.suppress(OSError):
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+      row = json.loads(line)
+      if row.get("split") == "train" and "tokens_per_second" in row:
+        rates.append(row["tokens_per_second"])
+  if rates:
+    parts.append(f"{np.mean(rates):,.0f} tokens/s")
+  parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json; test: python "
+               f"eval.py --workdir={workdir} --split=test; plots: python "
+               f"scripts/plot_positional.py {workdir}")
+  return "; ".join(parts)
 
 
 def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_iter,

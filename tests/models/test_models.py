@@ -59,6 +59,7 @@ def _init(model, batch, seed=0):
     (dict(pooling="max"), "unknown pooling 'max'"),
     (dict(dtype="float16"), "unknown dtype 'float16'"),
     (dict(kernel_options={"num_feature": 3}), "unknown kernel option 'num_feature'"),
+    (dict(chunk_size=-1), r"model\.chunk_size must be an int >= 0 .*got -1"),
 ])
 def test_bad_config_names_the_value_and_choices(bad, match):
   c = _cfg()
@@ -230,3 +231,4 @@ def test_transformer_xl_memory_reproduces_the_full_sequence(norm):
   out2, _ = mem_model.apply(v, second, memory=memory)
   assert rel_err(np.asarray(out1), full[:, :seg]) < 1e-9
   assert rel_err(np.asarray(out2), full[:, seg:]) < 1e-9
+

@@ -1,0 +1,38 @@
+"""The trainer's last line: validation (and test) metric beside the majority-class baseline,
+tokens/s and where the run's outputs are."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+
+from fastpos.tasks.base import ArraySource
+from fastpos.tasks.info import TaskInfo
+from fastpos.train.trainer import summary_line
+
+
+def _src(targets):
+  targets = np.asarray(targets)
+  return ArraySource({"inputs": np.ones((len(targets), 4)), "targets": targets})
+
+
+def test_summary_line(tmp_path):
+  task = types.SimpleNamespace(task_name="listops", metric="accuracy")
+  info = TaskInfo(kind="classify", vocab_size=20, num_classes=10, max_length=4)
+  rows = [{"step": 50, "split": "train", "tokens_per_second": 1000.0},
+          {"step": 100, "split": "train", "tokens_per_second": 3000.0},
+          {"step": 100, "split": "validation", "accuracy": 0.5}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  result = {"step": 100, "validation": {"accuracy": 0.375, "loss": 1.0},
+            "best": {"step": 50, "accuracy": 0.4}}
+  # training's majority is 3 (3 of 5); it is 1 of 4 validation examples
+  line = summary_line(tmp_path, task, info, result, _src([3, 3, 3, 1, 2]), _src([3, 1, 1, 2]))
+  assert line.startswith("listops: step 100; validation accuracy 37.50% (best 40.00% at step "
+                         "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
+                         f"workdir {tmp_path}: metrics.jsonl")
+  assert "test accuracy" not in line and f"plot_positional.py {tmp_path}" in line
+  (tmp_path / "results_test.json").write_text(json.dumps({"accuracy": 0.41, "step": 50}))
+  assert "; test accuracy 41.00% (step 50);" in summary_line(
+      tmp_path, task, info, result, _src([3]), _src([3]))
