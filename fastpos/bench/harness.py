@@ -227,28 +227,45 @@ def machine() -> dict:
   }
 
 
-def _plot(table: bm.Table, path: str) -> bool:
+def plot_table(table: bm.Table, path: str, subtitle: str):
+  """Writes the table's panels (log-log, one line per row, every line its own colour, ticks
+  at the measured N) to ``path``; returns the figure (closed), or None without matplotlib."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from fastpos import plots
   except ImportError:
-    return False
-  fig, axes = plt.subplots(1, len(table.panels), figsize=(6 * len(table.panels), 4.5),
+    return None
+  fig, axes = plt.subplots(1, len(table.panels), figsize=(6 * len(table.panels), 4.8),
                            squeeze=False)
   for ax, panel in zip(axes[0], table.panels):
-    for label, pts in panel.series.items():
-      if pts:
-        ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    series = {label: pts for label, pts in panel.series.items() if pts}
+    for (label, pts), color in zip(series.items(), plots.distinct_colors(len(series))):
+      ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
+                label=label)
+    if series:
+      plots.ticks_at(ax.xaxis, [p[0] for pts in series.values() for p in pts])
+      ax.tick_params(axis="x", labelrotation=45)
     ax.set_title(panel.title, fontsize=9)
     ax.set_xlabel(panel.xlabel)
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, ncol=1 + len(series) // 12)
+  fig.suptitle(f"{table.title}\n{subtitle}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
-  return True
+  return fig
+
+
+def plot_subtitle(mode: str, args) -> str:
+  """What a benchmark figure's numbers depend on: batch, dtype and the machine."""
+  from fastpos import plots
+
+  batch = args.train_batch if mode == "train_step" else 1
+  return f"batch {batch}, {args.dtype}; {plots.machine()}"
 
 
 def write_outputs(mode: str, tables: list[bm.Table], targets: list[bm.Target], meta: dict,
@@ -262,7 +279,7 @@ def write_outputs(mode: str, tables: list[bm.Table], targets: list[bm.Target], m
                  {"mode": mode, "table": t.name, "title": t.title, "meta": meta,
                   "header": t.header, "rows": t.rows, "notes": t.notes, "data": t.data,
                   "targets": [vars(x) | {"verdict": x.verdict} for x in targets]})
-    if t.panels and _plot(t, stem + ".png"):
+    if t.panels and plot_table(t, stem + ".png", plot_subtitle(mode, args)):
       plotted.append(stem + ".png")
   if tables and not plotted and any(t.panels for t in tables):
     print(f"[{mode}] matplotlib is not installed in this environment: no PNG plots written "
