@@ -45,6 +45,8 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from fastpos.plots import distinct_colors, integer_ticks, layer_name  # noqa: E402
+
 SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")
 DEFAULT_PIXEL = (12, 10)
 
@@ -186,13 +188,14 @@ def plot_1d(entries: list[dict], key: str, title: str, ylabel: str, path: Path,
   for ax, e in zip(axes, entries):
     t = _heads(e["arrays"][key], 1)
     x = offsets(t.shape[-1])
-    for i, row in enumerate(t):
-      ax.plot(x, row, lw=1, label=f"head {i}" if len(t) > 1 else None)
+    for i, (row, color) in enumerate(zip(t, distinct_colors(len(t)))):
+      ax.plot(x, row, lw=1, color=color, label=f"head {i + 1}" if len(t) > 1 else None)
     ax.axhline(0, color="0.7", lw=0.5)
-    ax.set(title=f"{e['layer']}", xlabel="relative distance j - i (key - query)",
+    ax.set(title=layer_name(e["layer"]), xlabel="relative distance j - i (key - query)",
            ylabel=ylabel)
+    integer_ticks(ax.xaxis)
     if len(t) > 1:
-      ax.legend(fontsize=7)
+      ax.legend(fontsize=7, ncol=1 + len(t) // 9)
   _title(fig, title)
   _save(fig, path, written)
 
@@ -201,11 +204,14 @@ def _image(fig, ax, img, title, extent=None, xlabel="column", ylabel="row"):
   lim = float(np.max(np.abs(img))) or 1.0
   im = ax.imshow(img, cmap="RdBu_r", vmin=-lim, vmax=lim, extent=extent, origin="upper")
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+  integer_ticks(ax.xaxis, ax.yaxis)  # pixels and offsets
   fig.colorbar(im, ax=ax, shrink=0.8)
 
 
 def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
-                    pixel: tuple[int, int], out: Path, written: list[Path]) -> None:
+                    pixel: tuple[int, int], out: Path, written: list[Path],
+                    about: str = "") -> None:
+  """``about``: the run the weights come from (a second title line)."""
   h, w = grid
   mode = options.get("mode_2d", "axial")
   per_head = bool(options.get("per_head", False))
@@ -216,7 +222,7 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
     if mode == "full":
       t = a["w"] if per_head else a["w"][None]
       for i, th in enumerate(t):
-        tag = f"{e['layer']}" + (f" head {i}" if per_head else "")
+        tag = layer_name(e["layer"]) + (f", head {i + 1}" if per_head else "")
         slices.append((tag, pixel_bias_2d(th, grid, pixel)))
         tables.append((tag, "full", th))
     else:
@@ -224,7 +230,7 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
       cols = a["w"] if shared_axes else a["w_cols"]
       rows, cols = (rows, cols) if per_head else (rows[None], cols[None])
       for i, (rh, ch) in enumerate(zip(rows, cols)):
-        tag = f"{e['layer']}" + (f" head {i}" if per_head else "")
+        tag = layer_name(e["layer"]) + (f", head {i + 1}" if per_head else "")
         slices.append((tag, pixel_bias_2d(None, grid, pixel, rows=rh, cols=ch)))
         tables.append((tag, "axial", (rh, ch)))
   fig, axes = _panels(len(slices), width=4.0, height=3.6)
@@ -232,7 +238,7 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
     _image(fig, ax, img, tag)
     ax.plot([pixel[1]], [pixel[0]], "k+", ms=10)
   _title(fig, f"FastRPB 2D ({mode}): bias W2d[p, q] seen by pixel p = {pixel} over key "
-               f"pixels q, grid {h}x{w}")
+               f"pixels q, grid {h}x{w}" + (f"\n{about}" if about else ""))
   _save(fig, out / f"fastrpb_2d_pixel_{pixel[0]}_{pixel[1]}.png", written)
 
   fig, axes = _panels(len(tables), width=4.0, height=3.2)
@@ -241,41 +247,66 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
       _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
              xlabel="column offset", ylabel="row offset")
     else:
-      ax.plot(offsets(len(t[0])), t[0], label="rows (vertical offset)")
-      ax.plot(offsets(len(t[1])), t[1], label="columns (horizontal offset)")
+      rows_color, cols_color = distinct_colors(2)
+      ax.plot(offsets(len(t[0])), t[0], color=rows_color, label="rows (vertical offset)")
+      ax.plot(offsets(len(t[1])), t[1], color=cols_color, label="columns (horizontal offset)")
       ax.set(title=tag, xlabel="offset (key - query)", ylabel="w")
+      integer_ticks(ax.xaxis)
       ax.legend(fontsize=7)
-  _title(fig, f"FastRPB 2D tables ({mode})")
+  _title(fig, f"FastRPB 2D weight tables ({mode}) against the key - query offset"
+         + (f"\n{about}" if about else ""))
   _save(fig, out / "fastrpb_2d_tables.png", written)
 
 
 def plot_kernelized_rpe_2d(entries: list[dict], grid: tuple[int, int], out: Path,
-                           written: list[Path]) -> None:
+                           written: list[Path], about: str = "") -> None:
   h, w = grid
-  images = [(f"{e['layer']} head {i}", t) for e in entries for i, t in enumerate(e["arrays"]["b"])]
+  images = [(f"{layer_name(e['layer'])}, head {i + 1}", t) for e in entries
+            for i, t in enumerate(e["arrays"]["b"])]
   fig, axes = _panels(len(images), width=4.0, height=3.2)
   for ax, (tag, t) in zip(axes, images):
     _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
            xlabel="column offset (key - query)", ylabel="row offset")
-  _title(fig, "Kernelized RPE table b (Luo et al.; keys weighted by exp(b))")
+  _title(fig, "Kernelized RPE 2D table b against the key - query offset (Luo et al.; keys "
+         "weighted by exp(b))" + (f"\n{about}" if about else ""))
   _save(fig, out / "kernelized_rpe.png", written)
 
 
-def plot_lrpe(entries: list[dict], out: Path, written: list[Path]) -> None:
+def plot_lrpe(entries: list[dict], out: Path, written: list[Path], about: str = "") -> None:
   entries = [e for e in entries if "theta" in e["arrays"]]
   if not entries:
     return
   fig, axes = _panels(len(entries))
   for ax, e in zip(axes, entries):
     t = _heads(e["arrays"]["theta"], 1)
-    for i, row in enumerate(t):
+    for i, (row, color) in enumerate(zip(t, distinct_colors(len(t)))):
       ax.semilogy(np.arange(len(row)), np.abs(row) + 1e-12, lw=1, marker=".", ms=3,
-                  label=f"head {i}" if len(t) > 1 else None)
-    ax.set(title=e["layer"], xlabel="angle index k", ylabel="|theta_k| (rad per position)")
+                  color=color, label=f"head {i + 1}" if len(t) > 1 else None)
+    ax.set(title=layer_name(e["layer"]), xlabel="angle index k",
+           ylabel="|theta_k| (rad per position)")
+    integer_ticks(ax.xaxis)
     if len(t) > 1:
-      ax.legend(fontsize=7)
-  _title(fig, "LRPE learned angles theta")
+      ax.legend(fontsize=7, ncol=1 + len(t) // 9)
+  _title(fig, "LRPE learned angles theta_k, per layer" + (f"\n{about}" if about else ""))
   _save(fig, out / "lrpe_theta.png", written)
+
+
+def run_description(meta: dict) -> str:
+  """``task lra_text, kernel sikf, positional absolute+fastrpb, 4 layers (best checkpoint,
+  step 5000)``: what a figure's weights come from, from the checkpoint's config."""
+  config = meta.get("config", {})
+  model = config.get("model", {})
+  parts = [f"task {config.get('task', {}).get('name', '?')}"]
+  if "kernel" in model:
+    parts.append(f"kernel {model['kernel']}")
+  if "positional" in model:
+    positional = model["positional"]
+    if isinstance(positional, (list, tuple)):
+      positional = "+".join(positional)
+    parts.append(f"positional {positional}")
+  if "num_layers" in model:
+    parts.append(f"{model['num_layers']} layers")
+  return f"{', '.join(parts)} ({meta.get('which', '?')} checkpoint, step {meta.get('step', '?')})"
 
 
 def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
@@ -291,22 +322,23 @@ def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
   out.mkdir(parents=True, exist_ok=True)
   written: list[Path] = []
   by = {s: [e for e in found if e["scheme"] == s] for s in SCHEMES}
-  step = f"{meta['which']} checkpoint, step {meta['step']}"
+  about = run_description(meta)
   if by["fastrpb"]:
     if grid is None:
-      plot_1d(by["fastrpb"], "w", f"FastRPB 1D weights w_(j-i)\n{workdir.name} ({step})",
-              "w", out / "fastrpb_1d.png", written)
+      plot_1d(by["fastrpb"], "w", f"FastRPB 1D weights w_(j-i) against the key - query "
+              f"offset\n{about}", "w", out / "fastrpb_1d.png", written)
     else:
       plot_fastrpb_2d(by["fastrpb"], grid, options.get("fastrpb", {}),
-                      pixel or default_pixel(grid), out, written)
+                      pixel or default_pixel(grid), out, written, about)
   if by["kernelized_rpe"]:
     if grid is None:
-      plot_1d(by["kernelized_rpe"], "b", f"Kernelized RPE b_(j-i), keys weighted by exp(b)\n"
-              f"{workdir.name} ({step})", "b", out / "kernelized_rpe.png", written)
+      plot_1d(by["kernelized_rpe"], "b", f"Kernelized RPE b_(j-i) against the key - query "
+              f"offset (keys weighted by exp(b))\n{about}", "b", out / "kernelized_rpe.png",
+              written)
     else:
-      plot_kernelized_rpe_2d(by["kernelized_rpe"], grid, out, written)
+      plot_kernelized_rpe_2d(by["kernelized_rpe"], grid, out, written, about)
   if by["lrpe"]:
-    plot_lrpe(by["lrpe"], out, written)
+    plot_lrpe(by["lrpe"], out, written, about)
   return written
 
 

@@ -1,4 +1,7 @@
-"""Where a benchmark's results go: its markdown table and its JSON record, side by side."""
+"""Where a benchmark's results go: its markdown table and its JSON record, side by side.
+
+Every benchmark of ``fastpos.bench`` (``scripts/benchmark.py --mode=...``) writes through
+``write``; values JSON cannot hold (numpy scalars, dataclasses) are written as their text."""
 
 from __future__ import annotations
 
@@ -15,4 +18,4 @@ def write(out_dir: str | None, name: str, table: str, record: dict) -> None:
   with open(os.path.join(out_dir, f"{name}.md"), "w", encoding="utf-8") as f:
     f.write(table + "\n")
   with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=2)
+    json.dump(record, f, indent=2, default=str)

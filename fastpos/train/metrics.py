@@ -6,7 +6,8 @@ add across steps, micro-batches and devices, and ``summarize`` divides at the en
 
 ``MetricWriter`` writes one JSON line per record to ``metrics.jsonl``, the same scalars (with
 steps/s and tokens/s for training rows) to a TensorBoard event file under ``tensorboard/`` and
-a progress line to the log. Only process 0 writes. A resumed run first drops the records past
+a progress line to the log; the resolved config goes to TensorBoard once, as text and
+hyperparameters. Only process 0 writes. A resumed run first drops the records past
 the step it resumes from (written after that checkpoint by the run that stopped), in both
 files, so that its logs are those of an uninterrupted run.
 """
@@ -144,6 +145,11 @@ class MetricWriter:
     self._jsonl.flush()
     scalars = {**extra, **values}
     self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in scalars.items()})
+
+  def config(self, config: Mapping[str, Any], text: str, metrics: list[str]) -> None:
+    """The resolved config to TensorBoard (text and hyperparameters), at a run's start."""
+    if self.active:
+      self._tb.config(config, text, metrics)
 
   def start_timer(self, step: int) -> None:
     self._last_time, self._last_step = time.time(), step

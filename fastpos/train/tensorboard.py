@@ -1,207 +1,120 @@
-"""TensorBoard scalar event files written without TensorFlow.
+"""TensorBoard logs of a workdir, written with tensorboardX and read with TensorBoard's own
+``EventAccumulator``.
 
-An event file is a TFRecord stream of ``Event`` protocol buffers. Only scalars are needed, so
-the three messages are encoded by hand (field numbers from TensorFlow's event.proto and
-summary.proto):
+``EventWriter`` writes under ``<workdir>/tensorboard/``: the scalars of ``metrics.jsonl``, and
+once, at the start of a run from step 0, the resolved config as text (``config``) and its flat
+fields as hyperparameters (the HParams dashboard, with the validation metrics as its metrics).
 
-  Event    { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
-  Summary  { repeated Value value = 1; }
-  Value    { string tag = 1; float simple_value = 2; }
+A resumed run starts a new event file that opens with a purge marker at ``resume_step + 1``
+(``SummaryWriter(purge_step=...)``): TensorBoard drops the events of earlier files at that step
+and later (written after the checkpoint by the run that stopped), so every step shows once. A
+run that starts again from step 0 deletes the earlier files (none of it would be shown) and
+writes the config again; a resumed run does not rewrite it. An evaluation adds its results in
+a file of its own, purging nothing.
 
-Each record is framed as ``uint64 length, uint32 masked_crc32c(length), data,
-uint32 masked_crc32c(data)`` (little endian), with CRC-32C (Castagnoli) masked as in TFRecord.
-``read_scalars`` parses the files back (and checks every CRC) for tests and scripts.
-
-A workdir has one event file: a resumed run appends to the newest one, after dropping the
-events past the step it resumes from (so TensorBoard shows each step once).
+Files are named ``events.out.tfevents.<seconds>.<host>.<n>`` with ``n`` the number of files
+already there, so that the name order TensorBoard reads them in is the order they were written
+in, also for two runs started within one second.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import struct
-import time
+import re
 from pathlib import Path
+from typing import Any, Mapping
 
-_CRC_TABLE = []
-for _i in range(256):
-  _c = _i
-  for _ in range(8):
-    _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-  _CRC_TABLE.append(_c)
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
 
-
-def crc32c(data: bytes) -> int:
-  """CRC-32C (Castagnoli), as TFRecord uses; crc32c(b"123456789") == 0xE3069283."""
-  crc = 0xFFFFFFFF
-  for byte in data:
-    crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
+EVENT_GLOB = "events.out.tfevents.*"
 
 
-def masked_crc32c(data: bytes) -> int:
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(value: int) -> bytes:
-  value &= (1 << 64) - 1  # int64 as protobuf encodes it (two's complement)
-  out = bytearray()
-  while True:
-    byte = value & 0x7F
-    value >>= 7
-    if value:
-      out.append(byte | 0x80)
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+  """{"model.num_layers": 1, ...}: nested dicts flattened with dots; values the HParams
+  dashboard cannot show (lists, None) as their text."""
+  out = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      out.update(flat_config(value, name + "."))
+    elif isinstance(value, (bool, int, float, str)):
+      out[name] = value
     else:
-      out.append(byte)
-      return bytes(out)
-
-
-def _field_bytes(number: int, payload: bytes) -> bytes:
-  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _event(wall_time: float, step: int, *, file_version: str | None = None,
-           scalars: dict[str, float] | None = None) -> bytes:
-  out = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3 | 0) + _varint(step)
-  if file_version is not None:
-    out += _field_bytes(3, file_version.encode())
-  if scalars:
-    summary = b"".join(
-        _field_bytes(1, _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5) +
-                     struct.pack("<f", float(value)))
-        for tag, value in scalars.items())
-    out += _field_bytes(5, summary)
+      out[name] = str(value)
   return out
-
-
-def _record(data: bytes) -> bytes:
-  header = struct.pack("<Q", len(data))
-  return (header + struct.pack("<I", masked_crc32c(header)) + data +
-          struct.pack("<I", masked_crc32c(data)))
-
-
-def _records(data: bytes) -> list[tuple[bytes, bytes]]:
-  """(raw record, payload) of every complete record; stops at a torn or damaged one."""
-  out, pos = [], 0
-  while pos + 12 <= len(data):
-    header = data[pos:pos + 8]
-    (length,) = struct.unpack("<Q", header)
-    (crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
-    end = pos + 16 + length
-    if crc != masked_crc32c(header) or end > len(data):
-      break
-    payload = data[pos + 12:pos + 12 + length]
-    (crc,) = struct.unpack("<I", data[pos + 12 + length:end])
-    if crc != masked_crc32c(payload):
-      break
-    out.append((data[pos:end], payload))
-    pos = end
-  return out
-
-
-def _event_step(payload: bytes) -> int:
-  for number, value in _fields(payload):
-    if number == 2:
-      return value
-  return 0
 
 
 class EventWriter:
-  """Appends scalar summaries to the ``events.out.tfevents.*`` file of ``logdir``.
+  """Scalars, and the config once, to TensorBoard event files under ``logdir``.
 
-  A new file is started when there is none; with ``resume_step`` set, the newest existing file
-  is kept without its events past that step (rewritten to a temporary file renamed over it,
-  which also drops a record cut off by a crash) and appended to.
+  Args:
+    logdir: the folder (created if missing).
+    resume_step: the step a training run starts from (0: from scratch); what earlier files
+      hold past it is purged. None: add to what is there (an evaluation's results).
   """
 
   def __init__(self, logdir: str | os.PathLike, resume_step: int | None = None):
-    Path(logdir).mkdir(parents=True, exist_ok=True)
-    existing = sorted(Path(logdir).glob("events.out.tfevents.*"),
-                      key=lambda p: (p.stat().st_mtime, p.name))
-    existing = [p for p in existing if not p.name.endswith(".tmp")]
-    if resume_step is not None and existing:
-      self.path = existing[-1]
-      data = self.path.read_bytes()
-      records = _records(data)
-      kept = b"".join(raw for raw, payload in records if _event_step(payload) <= resume_step)
-      if len(kept) != len(data):
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_bytes(kept)
-        tmp.replace(self.path)
-      self._file = open(self.path, "ab")
-      return
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-    self.path = Path(logdir) / name
-    self._file = open(self.path, "ab")
-    self._file.write(_record(_event(time.time(), 0, file_version="brain.Event:2")))
-    self._file.flush()
+    self.logdir = Path(logdir)
+    self.logdir.mkdir(parents=True, exist_ok=True)
+    self.from_scratch = resume_step == 0
+    if self.from_scratch:  # nothing earlier attempts wrote survives (TensorBoard's purge
+      for path in self.logdir.glob(EVENT_GLOB):  # would keep their text and hparams)
+        path.unlink()
+    existing = list(self.logdir.glob(EVENT_GLOB))
+    purge_step = None
+    if existing and resume_step:  # drop what was written past resume_step
+      purge_step = resume_step + 1
+    self._writer = SummaryWriter(str(self.logdir), purge_step=purge_step, flush_secs=10,
+                                 filename_suffix=f".{len(existing):06d}")
+    self._writer.file_writer.flush()  # the file (and its purge marker) exists from now on
 
-  def scalars(self, step: int, values: dict[str, float]) -> None:
-    self._file.write(_record(_event(time.time(), step, scalars=values)))
-    self._file.flush()
+  def config(self, config: Mapping[str, Any], text: str, metrics: list[str]) -> None:
+    """The config as text and as hyperparameters, at step 0, by a run from scratch; nothing
+    otherwise (a resumed run keeps the first run's). ``metrics``: scalar tags the HParams
+    dashboard shows per run."""
+    if not self.from_scratch:
+      return
+    self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
+    experiment, start, end = hparams_summaries(flat_config(config), dict.fromkeys(metrics, 0.0))
+    for summary in (experiment, start, end):
+      self._writer.file_writer.add_summary(summary, global_step=0)
+    self._writer.file_writer.flush()
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    for tag, value in values.items():
+      self._writer.add_scalar(tag, float(value), global_step=step)
+    self._writer.file_writer.flush()
 
   def close(self) -> None:
-    self._file.close()
+    self._writer.close()
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-  shift = value = 0
-  while True:
-    byte = buf[pos]
-    pos += 1
-    value |= (byte & 0x7F) << shift
-    shift += 7
-    if not byte & 0x80:
-      return value, pos
+def _accumulator(logdir: str | os.PathLike):
+  from tensorboard.backend.event_processing import event_accumulator  # only readers need it
+
+  if not Path(logdir).is_dir() or not list(Path(logdir).glob(EVENT_GLOB)):
+    raise FileNotFoundError(f"no TensorBoard event files ({EVENT_GLOB}) in {logdir}.")
+  acc = event_accumulator.EventAccumulator(
+      str(logdir), size_guidance={event_accumulator.SCALARS: 0,
+                                  event_accumulator.TENSORS: 0})
+  return acc.Reload()
 
 
-def _fields(buf: bytes):
-  pos = 0
-  while pos < len(buf):
-    key, pos = _read_varint(buf, pos)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value, pos = _read_varint(buf, pos)
-    elif wire == 1:
-      value, pos = buf[pos:pos + 8], pos + 8
-    elif wire == 5:
-      value, pos = buf[pos:pos + 4], pos + 4
-    elif wire == 2:
-      size, pos = _read_varint(buf, pos)
-      value, pos = buf[pos:pos + size], pos + size
-    else:
-      raise ValueError(f"unsupported protobuf wire type {wire}")
-    yield number, value
+def read_scalars(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """(step, tag, value) of every scalar TensorBoard shows for ``logdir`` (purges applied),
+  in step order per tag."""
+  acc = _accumulator(logdir)
+  return [(e.step, tag, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
 
 
-def read_scalars(path: str | os.PathLike) -> list[tuple[int, str, float]]:
-  """(step, tag, value) for every scalar in an event file, checking each record's CRCs."""
-  data = Path(path).read_bytes()
-  out, pos = [], 0
-  while pos < len(data):
-    header = data[pos:pos + 8]
-    (length,) = struct.unpack("<Q", header)
-    (crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
-    if crc != masked_crc32c(header):
-      raise ValueError(f"{path}: bad length CRC at byte {pos}")
-    payload = data[pos + 12:pos + 12 + length]
-    (crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
-    if crc != masked_crc32c(payload):
-      raise ValueError(f"{path}: bad data CRC at byte {pos}")
-    pos += 16 + length
-    step = 0
-    for number, value in _fields(payload):
-      if number == 2:
-        step = value
-      elif number == 5:
-        for _, v in _fields(value):
-          tag, simple = "", None
-          for n2, v2 in _fields(v):
-            if n2 == 1:
-              tag = v2.decode()
-            elif n2 == 2:
-              (simple,) = struct.unpack("<f", v2)
-          out.append((step, tag, simple))
+def read_text(logdir: str | os.PathLike, tag: str = "config") -> list[tuple[int, str]]:
+  """(step, text) of every text summary ``tag`` (the config: one, at step 0)."""
+  acc = _accumulator(logdir)
+  if f"{tag}/text_summary" not in acc.Tags()["tensors"]:
+    return []
+  out = []
+  for e in acc.Tensors(f"{tag}/text_summary"):
+    text = e.tensor_proto.string_val[0].decode()
+    out.append((e.step, re.sub(r"^```\n|\n```$", "", text)))
   return out

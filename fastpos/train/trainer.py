@@ -74,6 +74,7 @@ from fastpos.train.checkpoint import (
 from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
 from fastpos.train.steps import make_eval_step, make_train_step
+from fastpos.train.tensorboard import EventWriter
 
 
 class _Run:
@@ -489,6 +490,8 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       state = run.init_state()
     step = int(jax.device_get(state.step))
     writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
+    writer.config(cfg.to_dict(), cfg.to_json_best_effort(indent=2),
+                  [f"validation/{m}" for m in ("loss", run.task.metric)])
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
                            train_src, data_start, data_start_step, best_value)
@@ -700,6 +703,10 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
   results = {"split": split, "step": int(meta["step"]), "checkpoint": which,
              "task": run.cfg.task.name, **out}
   _write_json(run.workdir / f"results_{split}.json", results)
+  if jax.process_index() == 0:  # the same numbers in TensorBoard, at the checkpoint's step
+    tb = EventWriter(run.workdir / "tensorboard")
+    tb.scalars(results["step"], {f"{split}/{k}": v for k, v in out.items()})
+    tb.close()
   logging.info("%s on %s (checkpoint %s, step %d): %s", run.cfg.task.name, split, which,
                results["step"], " ".join(f"{k}={v:.4g}" for k, v in out.items()))
   return results

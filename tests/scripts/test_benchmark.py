@@ -1,5 +1,6 @@
-"""Smoke test of scripts/benchmark.py: every mode runs at tiny sizes and writes its outputs;
-a run without --out leaves the committed tables in benchmarks/ untouched.
+"""Smoke test of scripts/benchmark.py and its harness (fastpos.bench.harness): every speed mode
+runs at tiny sizes and writes its outputs; a run without --out leaves the committed tables in
+benchmarks/ untouched; the CLI hands decode / context_parallel to their modules.
 
 No timing is asserted (timing lives in the benchmark, never in tests); the test checks that
 each mode produces its tables, JSON files with numbers in them, a README section and a
@@ -11,16 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "scripts")
-sys.path.insert(0, SCRIPTS)
+from fastpos.bench import harness
+from fastpos.bench import models as bench_models
 
-import benchmark  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One length for ops, two for the layer sweep, three cells, one model besides the baseline:
 # the smallest run that still goes through every code path of each mode.
@@ -51,26 +52,28 @@ def test_mode_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
   # (printed) and the committed tables stay as they are. The committed folder is stood in for
   # by a copy, so a regression cannot touch the real one; the real one is checked too.
   if mode == "ops":
-    real = _snapshot(benchmark.COMMITTED)
+    real = _snapshot(harness.COMMITTED)
     assert "README.md" in real
     committed = tmp_path / "committed"
-    shutil.copytree(benchmark.COMMITTED, committed)
-    monkeypatch.setattr(benchmark, "COMMITTED", str(committed))
+    shutil.copytree(harness.COMMITTED, committed)
+    monkeypatch.setattr(harness, "COMMITTED", str(committed))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.mkdir(tmp_path / "tmp")
-    assert benchmark.main([mode, "--smoke"] + MODES[mode]) == 0
-    assert _snapshot(committed) == real and _snapshot(benchmark.COMMITTED) == real
+    assert harness.main(["--mode", mode, "--smoke"] + MODES[mode]) == 0
+    assert _snapshot(committed) == real and _snapshot(harness.COMMITTED) == real
     (name,) = os.listdir(tmp_path / "tmp")
     out_dir = str(tmp_path / "tmp" / name)
   else:
     out_dir = str(tmp_path)
-    assert benchmark.main([mode, "--smoke", "--out", out_dir] + MODES[mode]) == 0
+    assert harness.main(["--mode", mode, "--smoke", "--out", out_dir] + MODES[mode]) == 0
   printed = capsys.readouterr().out
-  platform = benchmark.jax.devices()[0].platform
+  platform = harness.jax.devices()[0].platform
   assert f"output under {os.path.join(out_dir, platform)}" in printed
   for name in TABLES[mode]:
     with open(os.path.join(out_dir, platform, f"{mode}_{name}.json")) as f:
       doc = json.load(f)
+    with open(os.path.join(out_dir, platform, f"{mode}_{name}.md")) as f:
+      assert f.read().startswith(f"#### {doc['title']}\n\n| ")
     assert doc["rows"], f"{mode}/{name}: empty table"
     assert doc["targets"], f"{mode}/{name}: no targets"
     times = [r["time_s"] for r in _results(doc["data"])]
@@ -85,29 +88,30 @@ def test_mode_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
 
 
 def test_committed_tables_only_on_request(monkeypatch, capsys):
-  monkeypatch.setattr(benchmark, "COMMITTED", "/nonexistent/benchmarks")
-  assert benchmark.parse_args(["ops"]).out == ""  # main() makes a temporary folder
-  assert benchmark.parse_args(["ops", "--update_committed"]).out == "/nonexistent/benchmarks"
+  monkeypatch.setattr(harness, "COMMITTED", "/nonexistent/benchmarks")
+  assert harness.parse_args(["--mode=ops"]).out == ""  # main() makes a temporary folder
+  args = harness.parse_args(["--mode=ops", "--update_committed"])
+  assert args.out == "/nonexistent/benchmarks"
   # Smoke numbers never go into the committed tables, however asked for.
   for flags in (["--update_committed"], ["--out", "/nonexistent/benchmarks"]):
     with pytest.raises(SystemExit) as e:
-      benchmark.parse_args(["ops", "--smoke", *flags])
+      harness.parse_args(["--mode=ops", "--smoke", *flags])
     assert e.value.code == 2
     assert "do not go into the committed tables" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_message_before_any_compute(capsys):
-  assert benchmark.main(["ops", "--smoke", "--lengths", "1,x"]) == 2
+  assert harness.main(["--mode=ops", "--smoke", "--lengths", "1,x"]) == 2
   assert capsys.readouterr().err == ("benchmark: --lengths must be comma-separated integers "
                                      ">= 2; got '1,x'.\n")
-  assert benchmark.main(["train_step", "--smoke", "--train-rows", "Nope"]) == 2
+  assert harness.main(["--mode=train_step", "--smoke", "--train-rows", "Nope"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("benchmark: --train-rows: unknown rows ['Nope']; valid: 'all', 'core'")
 
 
 def test_bad_cell_is_refused():
-  args = benchmark.resolve(benchmark.parse_args(["layer", "--smoke", "--cells", "elu1:t5_bias"]))
-  import bench_models
+  args = harness.resolve(harness.parse_args(["--mode=layer", "--smoke", "--cells",
+                                              "elu1:t5_bias"]))
   with pytest.raises(ValueError, match="not compatible"):
     bench_models.all_cells(args.cells)
 
@@ -120,3 +124,21 @@ def _results(tree):
       return
     for v in tree.values():
       yield from _results(v)
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_cli_needs_a_mode_and_hands_flags_to_it():
+  run = _cli()
+  assert run.returncode == 2 and "give --mode, one of ops, layer, train_step, all, decode, " \
+      "context_parallel." in run.stderr and "Traceback" not in run.stderr
+  run = _cli("--mode=decode", "--lengths=1024,x")  # decode's own flag, checked by decode
+  assert run.returncode == 2
+  assert run.stderr.startswith("fastpos.bench.decode: ") and "Traceback" not in run.stderr
+  run = _cli("--mode=context_parallel", "--cells=nope")
+  assert run.returncode == 2 and "unknown cell 'nope'" in run.stderr
+  run = _cli("--mode=speed")
+  assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr

@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-import bench_measure as bm
+from fastpos.bench import measure as bm
 from fastpos.ops import attention, toeplitz
 
 HEADS, DIM = 8, 64

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-import bench_measure as bm
-from bench_ops import exponent_lengths
 from fastpos import compat, positional
+from fastpos.bench import measure as bm
+from fastpos.bench.ops import exponent_lengths
 from fastpos.models import (
   Attention,
   AttentionConfig,
