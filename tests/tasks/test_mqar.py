@@ -142,7 +142,8 @@ def test_softmax_fastrpb_learns_mqar_4_pairs(tmp_path):
   assert acc > 0.9, acc
 
 
-def test_copy_learns_fast(tmp_path):
+@pytest.mark.slow
+def test_copy_learns(tmp_path):
   """The copy variant: 7 tokens, a marker, the 7 again (chance 1/16); ~20 s on a CPU."""
   acc = _learned(tmp_path, "pos=rope,variant=copy,seq_len=16,steps=300")
   assert acc > 0.9, acc
