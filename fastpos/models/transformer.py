@@ -174,7 +174,15 @@ class DualEncoder(_Base):
 class DecoderLM(_Base):
   """Causal decoder LM: ``[b, L]`` ids -> ``[b, L, vocab]`` next-token logits.
 
-  ``tie_embeddings``: the output projection is the input embedding transposed.
+  ``tie_embeddings``: the output projection is the input embedding transposed, times a learned
+  scalar ``logit_scale`` initialised to ``1 / embed_dim``. The final states are layer-normalised
+  (norm sqrt(D)) and the embedding rows have unit-variance entries (norm sqrt(D)), so a logit is
+  ``cos * D * scale``. Unscaled, the input token's own row, which the residual path keeps
+  (cos ~0.7 after a layer), gets a logit of ~0.7 D: a first loss of hundreds of nats at width
+  512. A fixed ``D ** -0.5`` (T5, Flax lm1b) still leaves it at ~0.7 sqrt(D); ``1 / D`` makes
+  every logit O(1) and the first loss ~ln(vocab) at every width, and the scale is learned (one
+  scalar, no weight decay) so that it grows as fast as the model needs. Untied, the head's
+  LeCun init gives logits of std ~1 (first loss ~ln(vocab) + 0.5).
   ``memory_length`` M > 0 (Transformer-XL): ``memory`` is ``(states, memory_mask)``, a list
   of per-layer ``[b, M, D]`` states and ``[b, M]`` True for real tokens; ``init_memory`` gives
   an empty one (all masked), used when ``memory`` is None. Returns ``(logits, new_memory)``:
@@ -219,10 +227,13 @@ class DecoderLM(_Base):
     return logits if not self.memory_length else (logits, new_memory)
 
   def _logits(self, embed, y):
-    """float32 logits (float64 in a float64 model, so tests can hold paths to 1e-9)."""
+    """float32 logits (float64 in a float64 model, so tests can hold paths to 1e-9); the one
+    output projection of the full forward and of decoding."""
     out = jnp.promote_types(self.dtype, jnp.float32)
     if self.tie_embeddings:
-      logits = embed.attend(y.astype(out))
+      scale = self.param("logit_scale", nn.initializers.constant(1 / self.attention.embed_dim),
+                         (), jnp.float32)
+      logits = embed.attend(y.astype(out)) * scale.astype(out)
     else:
       logits = nn.Dense(self.vocab_size, dtype=self.dtype, name="lm_head")(y)
     return logits.astype(out)

@@ -27,6 +27,7 @@ TASK_MODULES = {
     "wikitext103": "fastpos.tasks.wikitext:WikiTextTask",
     "lra_retrieval": "fastpos.tasks.retrieval:RetrievalTask",
     "pathfinder": "fastpos.tasks.pathfinder:PathfinderTask",
+    "mqar": "fastpos.tasks.mqar:MqarTask",
 }
 
 

@@ -40,7 +40,8 @@ def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
     logits: ``[b, classes]`` (classify / retrieval) or ``[b, N, vocab]`` (lm).
     batch: ``targets`` ``[b]`` or ``[b, N]``, ``weight`` ``[b]`` (0 for padded examples) and,
       for lm, ``mask`` ``[b, N]`` (the scored tokens; ``score`` when present, e.g. a
-      sliding-window evaluation whose context tokens are real but not scored).
+      sliding-window evaluation whose context tokens are real but not scored, or the answer
+      tokens of a recall task, ``fastpos.tasks.mqar``, whose accuracy is then on answers only).
     kind: the task kind.
 
   Returns:
