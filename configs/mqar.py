@@ -8,21 +8,25 @@ Arguments (comma-separated after a colon): ``tiny`` (a seconds-long smoke run),
 ``steps=<S>`` (train S steps, evaluate once at the end); e.g.
 ``--config=configs/mqar.py:kernel=elu1,pos=rope,seq_len=256``.
 Hardware: a shared 2-core CPU; the sweep in results/mqar.md gives each run's time.
-Expected: softmax attention reaches answer accuracy near 1.0 with 8 pairs at seq_len 64
-(chance 1/32); results/mqar.md has every kernel x scheme.
+Expected (measured, default 4 pairs, 600 steps): softmax with FastRPB or kernelized RPE answers
+1.000 at seq_len 64, the linear kernels 0.30-0.57 (chance 1/8, or 1/4 knowing which values
+are in the context); results/mqar.md has every kernel x scheme.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from fastpos.train.config import base_config, parse_arg
+from configs import common
+
+ARGS = dict(tiny=False, kernel="softmax", pos="none", seq_len=64, pairs=4, variant="mqar",
+            steps=0, vocab=19)
+CHOICES = dict(variant=("mqar", "copy"))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  a = parse_arg(arg, tiny=False, kernel="softmax", pos="none", seq_len=64, pairs=4,
-                variant="mqar", steps=0, vocab=19)
-  c = base_config("mqar")
+  a = common.parse_arg(arg, choices=CHOICES, **ARGS)
+  c = common.base_config("mqar")
   # vocab 19: 8 keys and 8 values (chance 1/8 on answers; 1/pairs knowing the context's values)
   c.task.update(variant=a.variant, vocab_size=a.vocab, seq_len=a.seq_len, num_pairs=a.pairs,
                 num_train=10_000, num_validation=500, num_test=500)
