@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from fastpos.ops.masks import check_mask
 
@@ -216,3 +217,43 @@ def positions_2d(grid: Sequence[int]):
   h, w = tuple(grid)
   idx = jnp.arange(h * w, dtype=jnp.int32)
   return idx // w, idx % w
+
+
+def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
+  """Integer positions ``([Lq, c], [Lk, c])``, c = 1 (1D: queries at M + i after M memory
+  keys, keys at j) or 2 (2D raster order: (row, column)). Numpy (static), except in a decoding
+  step (``ctx.offset``): jax arrays ``offset + i`` for queries and keys alike."""
+  lq, lk = q.shape[1], k.shape[1]
+  if ctx.offset is not None:  # decoding: the new tokens' queries and keys share positions
+    if two_d or lq != lk:
+      raise ValueError(f"{scheme}: a decoding step is 1D with one key per query; got queries "
+                       f"{q.shape}, keys {k.shape}, grid {ctx.grid}.")
+    pos = (ctx.offset + jnp.arange(lq, dtype=jnp.int32))[:, None]
+    return pos, pos
+  memory = lk - lq
+  if memory != ctx.memory_length:
+    raise ValueError(f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+                     f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+  if ctx.grid is None:
+    if two_d:
+      raise ValueError(f"{scheme}: built for a 2D grid but called without one.")
+    return (memory + np.arange(lq))[:, None], np.arange(lk)[:, None]
+  if not two_d:
+    raise ValueError(f"{scheme}: called with a grid but built for 1D (dims.grid is None).")
+  if memory:
+    raise ValueError(f"{scheme}: memory (M = {memory}) is only defined for 1D sequences; got "
+                     f"grid {ctx.grid}.")
+  h, w = (int(g) for g in ctx.grid)
+  if h * w != lq:
+    raise ValueError(f"{scheme}: grid {tuple(ctx.grid)} does not cover length {lq}.")
+  idx = np.arange(lq)
+  pos = np.stack([idx // w, idx % w], axis=-1)
+  return pos, pos
+
+
+
+def check_base(base, scheme: str) -> None:
+  """The angle ladder's base of ``lrpe`` / ``rope``: a finite number > 0."""
+  if isinstance(base, (bool, np.bool_)) or not isinstance(
+      base, (int, float, np.integer, np.floating)) or not (np.isfinite(base) and base > 0):
+    raise ValueError(f"{scheme}: base must be a finite number > 0 (RoPE: 10000); got {base!r}.")

@@ -91,14 +91,29 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.ops.rotations import (
+  P_CHOICES,
+  check_feature_dim,
+  dft_parts,
+  group_sizes,
+  interleave_index,
+  inverse_frequencies,
+  is_complex,
+  permutation_cycles,
+  transform_qk,
+)
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  Scheme,
+  check_base,
+  query_key_positions,
+)
 
 TYPES = (1, 2, 3)
-P_CHOICES = ("identity", "householder", "permutation", "random_permutation", "fourier")
 DEFAULT_TYPE = 2
 DEFAULT_P = "householder"
 
@@ -115,12 +130,6 @@ def _is_int(x) -> bool:
 
 def _is_bool(x) -> bool:
   return isinstance(x, (bool, np.bool_))
-
-
-def check_base(base, scheme: str = "lrpe") -> None:
-  if _is_bool(base) or not isinstance(base, (int, float, np.integer, np.floating)) or not (
-      np.isfinite(base) and base > 0):
-    raise ValueError(f"{scheme}: base must be a finite number > 0 (RoPE: 10000); got {base!r}.")
 
 
 def check_options(lrpe_type=DEFAULT_TYPE, p=DEFAULT_P, learnable_theta=None, learnable_p=None,
@@ -144,97 +153,14 @@ def check_options(lrpe_type=DEFAULT_TYPE, p=DEFAULT_P, learnable_theta=None, lea
                      f"parameters); got p={p!r}.")
   if not _is_bool(per_head):
     raise ValueError(f"lrpe: per_head must be True or False; got {per_head!r}.")
-  check_base(base)
+  check_base(base, "lrpe")
   if not _is_int(seed) or seed < 0:
     raise ValueError(f"lrpe: seed must be an integer >= 0; got {seed!r}.")
-
-
-def is_complex(lrpe_type: int, p: str) -> bool:
-  """Whether ``M_s = Lambda^(s) P`` is complex (then features are realised as [Re, Im])."""
-  return lrpe_type == 1 or p == "fourier"
-
-
-def num_slots(lrpe_type: int, f: int) -> int:
-  """Angle / position slots: type 1 one per feature, type 2 one per pair, type 3 features."""
-  return f // 2 if lrpe_type == 2 else f
-
-
-def group_sizes(n: int, two_d: bool) -> tuple[int, ...]:
-  """Slots per axis: (n,) in 1D; (ceil(n/2) rows, floor(n/2) columns) in 2D."""
-  return (n - n // 2, n // 2) if two_d else (n,)
-
-
-def check_feature_dim(lrpe_type: int, f: int, two_d: bool, scheme: str = "lrpe") -> None:
-  """Each axis needs a slot that can move, else it carries no position: an angle (type 1:
-  one feature; type 2: a pair) or a permutation of >= 2 features (type 3). Needs f >= 1 / 2
-  (type 1, 1D / 2D), f >= 2 / 4 (types 2, 3)."""
-  per_axis = 1 if lrpe_type == 1 else 2
-  need = per_axis * (2 if two_d else 1)
-  if f < need:
-    where = "2D (rows and columns each need their own features)" if two_d else "1D"
-    raise ValueError(f"{scheme}: type {lrpe_type} needs a feature dim >= {need} in {where}; "
-                     f"got feature dim {f}.")
-
-
-def slot_axes(n: int, two_d: bool) -> np.ndarray:
-  """``[n]`` which position coordinate each slot follows (0: sequence / row, 1: column)."""
-  sizes = group_sizes(n, two_d)
-  return np.concatenate([np.full(s, a, np.int32) for a, s in enumerate(sizes)])
-
-
-def inverse_frequencies(lrpe_type: int, f: int, *, two_d: bool, base: float) -> np.ndarray:
-  """``[n]`` float64 initial angles alpha (App. D.1, as RoPE).
-
-  1D: ``base^(-2k/f)``, k = 0..n-1 (type 2: n = floor(f/2); type 1: n = f, the paper's code).
-  2D: each axis group of g slots gets its own ladder ``base^(-2k/w)``, k < g, w = its width in
-  features (2g for type 2, g for type 1)."""
-  n = num_slots(lrpe_type, f)
-  if not two_d:
-    return float(base) ** (-2.0 * np.arange(n) / f)
-  width = 2 if lrpe_type == 2 else 1
-  return np.concatenate([float(base) ** (-2.0 * np.arange(g) / (width * g))
-                         for g in group_sizes(n, two_d)])
 
 
 # ---------------------------------------------------------------------------------------------
 # Fixed matrices (numpy, static)
 # ---------------------------------------------------------------------------------------------
-def interleave_index(f: int) -> np.ndarray:
-  """Eq. 74 as an index: ``(P x)_j = x_{idx[j]}``, idx[2k] = k, idx[2k+1] = ceil(f/2) + k."""
-  idx = np.empty(f, np.int32)
-  idx[0::2] = np.arange((f + 1) // 2)
-  idx[1::2] = (f + 1) // 2 + np.arange(f // 2)
-  return idx
-
-
-def dft_parts(f: int) -> tuple[np.ndarray, np.ndarray]:
-  """(Re, Im) of the unitary DFT ``exp(-2 pi i jk / f) / sqrt(f)``, each ``[f, f]`` float64."""
-  jk = np.outer(np.arange(f), np.arange(f)) % f  # reduce first: exact angles for large f
-  ang = 2.0 * np.pi * jk / f
-  return np.cos(ang) / np.sqrt(f), -np.sin(ang) / np.sqrt(f)
-
-
-def permutation_cycles(perm: np.ndarray) -> tuple[np.ndarray, ...]:
-  """Cycle tables of a permutation ``[f]`` so that ``pi^s(j) = flat[start_j + (offset_j + s)
-  mod length_j]`` for any s >= 0 (``pi(j) = perm[j]``): (flat, start, offset, length)."""
-  f = len(perm)
-  flat, start, offset, length = (np.zeros(f, np.int32) for _ in range(4))
-  seen = np.zeros(f, bool)
-  pos = 0
-  for j in range(f):
-    if seen[j]:
-      continue
-    cycle, e = [], j
-    while not seen[e]:
-      seen[e] = True
-      cycle.append(e)
-      e = int(perm[e])
-    for c, e in enumerate(cycle):
-      flat[pos + c], start[e], offset[e], length[e] = e, pos, c, len(cycle)
-    pos += len(cycle)
-  return flat, start, offset, length
-
-
 @functools.lru_cache(maxsize=128)
 def fixed_arrays(lrpe_type: int, p: str, f: int, heads: int, seed: int, two_d: bool,
                  fixed_householder: bool) -> dict[str, Any]:
@@ -268,145 +194,6 @@ def fixed_arrays(lrpe_type: int, p: str, f: int, heads: int, seed: int, two_d: b
       tables.append(permutation_cycles(np.concatenate(parts)))
     out["cycles"] = tuple(np.stack([t[i] for t in tables]) for i in range(4))
   return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The transform, pure jax: realise(Lambda^(s) P x)
-# ---------------------------------------------------------------------------------------------
-def apply_p(x, p: str, *, householder_v=None, p_index=None, dft=None):
-  """``P x`` over the last axis: x ``[batch, N, heads, f]`` -> (re, im or None).
-
-  householder_v / p_index: ``[1 or heads, f]``; dft: (Re, Im) ``[f, f]``."""
-  if p == "identity":
-    return x, None
-  if p == "householder":
-    v = householder_v.astype(x.dtype)
-    v = v / jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))   # v / |v|: Eq. 73
-    v = v[None, None]                                           # [1, 1, h|1, f]
-    return x - 2.0 * jnp.sum(x * v, axis=-1, keepdims=True) * v, None
-  if p in ("permutation", "random_permutation"):
-    idx = jnp.broadcast_to(jnp.asarray(p_index)[None, None], x.shape)
-    return jnp.take_along_axis(x, idx, axis=-1), None
-  if p == "fourier":
-    hi = jax.lax.Precision.HIGHEST  # a basis change: no TF32 / bf16 passes on GPU / TPU
-    re = jnp.einsum("bnhj,kj->bnhk", x, jnp.asarray(dft[0], x.dtype), precision=hi)
-    im = jnp.einsum("bnhj,kj->bnhk", x, jnp.asarray(dft[1], x.dtype), precision=hi)
-    return re, im
-  raise ValueError(f"lrpe: unknown p {p!r}; valid choices: {', '.join(P_CHOICES)}.")
-
-
-def rotate_pairs(x, angles):
-  """Type 2's ``Lambda^(s)`` (Eq. 23): rotates (x_{2k}, x_{2k+1}) by ``angles_k``.
-
-  x ``[batch, N, heads, f]``, angles ``[N, heads or 1, floor(f/2)]``; an odd f leaves the last
-  feature as it is (the identity block)."""
-  b, n, h, f = x.shape
-  npairs = angles.shape[-1]
-  pairs = x[..., :2 * npairs].reshape(b, n, h, npairs, 2)
-  x0, x1 = pairs[..., 0], pairs[..., 1]
-  cos, sin = jnp.cos(angles)[None], jnp.sin(angles)[None]    # [1, N, h|1, npairs]
-  y = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-  y = y.reshape(b, n, h, 2 * npairs)
-  if 2 * npairs < f:
-    y = jnp.concatenate([y, x[..., 2 * npairs:]], axis=-1)
-  return y
-
-
-def phase(re, im, angles):
-  """Type 1's ``Lambda^(s)`` (Eq. 22): z_k -> z_k exp(i angles_k) on z = re + i im (im None:
-  real z). re, im ``[batch, N, heads, f]``, angles ``[N, heads or 1, f]``."""
-  cos, sin = jnp.cos(angles)[None], jnp.sin(angles)[None]
-  if im is None:
-    return re * cos, re * sin
-  return re * cos - im * sin, re * sin + im * cos
-
-
-def permute_powers(x, slot_pos, cycles):
-  """Type 3's ``Lambda^(s)`` (Eq. 24): ``y_j = x_{pi^(s_j)(j)}``.
-
-  x ``[batch, N, heads, f]``, slot_pos ``[N, f]`` int (the power of each feature: its row or
-  column in 2D), cycles: ``permutation_cycles`` tables ``[1 or heads, f]``."""
-  flat, start, offset, length = (jnp.asarray(c) for c in cycles)
-  s = jnp.asarray(slot_pos)[:, None, :]                          # [N, 1, f]
-  where = start[None] + (offset[None] + s) % length[None]        # [N, h|1, f]
-  idx = jnp.take_along_axis(jnp.broadcast_to(flat[None], where.shape), where, axis=-1)
-  idx = jnp.broadcast_to(idx[None], x.shape)
-  return jnp.take_along_axis(x, idx, axis=-1)
-
-
-def lrpe_apply(x, slot_pos, *, lrpe_type: int, p: str, theta=None, householder_v=None,
-               p_index=None, dft=None, cycles=None):
-  """``realise(M_s x)`` with ``M_s = Lambda^(s) P`` (App. D.1, Eq. 75).
-
-  Args:
-    x: ``[batch, N, heads, f]``.
-    slot_pos: ``[N, n_slots]`` integer position of each slot (``slot_axes``).
-    theta: ``[1 or heads, n_slots]`` angles (types 1, 2).
-    householder_v, p_index, dft, cycles: P's and type 3's arrays (see ``apply_p``,
-      ``permute_powers``).
-
-  Returns:
-    ``[batch, N, heads, f]`` (real M_s) or ``[batch, N, heads, 2f]`` = [Re, Im] (complex).
-  """
-  dtype = x.dtype
-  compute = jnp.promote_types(dtype, jnp.float32)  # angles s * alpha need float32 at least
-  re, im = apply_p(x.astype(compute), p, householder_v=householder_v, p_index=p_index,
-                   dft=dft)
-  if lrpe_type in (1, 2):
-    pos = jnp.asarray(slot_pos).astype(compute)[:, None, :]       # [N, 1, n]
-    angles = pos * theta.astype(compute)[None]                     # [N, h|1, n]
-    if lrpe_type == 1:
-      re, im = phase(re, im, angles)
-    else:
-      re = rotate_pairs(re, angles)
-      im = None if im is None else rotate_pairs(im, angles)
-  else:
-    re = permute_powers(re, slot_pos, cycles)
-    im = None if im is None else permute_powers(im, slot_pos, cycles)
-  out = re if im is None else jnp.concatenate([re, im], axis=-1)
-  return out.astype(dtype)
-
-
-def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
-  """Integer positions ``([Lq, c], [Lk, c])``, c = 1 (1D: queries at M + i after M memory
-  keys, keys at j) or 2 (2D raster order: (row, column)). Numpy (static), except in a decoding
-  step (``ctx.offset``): jax arrays ``offset + i`` for queries and keys alike."""
-  lq, lk = q.shape[1], k.shape[1]
-  if ctx.offset is not None:  # decoding: the new tokens' queries and keys share positions
-    if two_d or lq != lk:
-      raise ValueError(f"{scheme}: a decoding step is 1D with one key per query; got queries "
-                       f"{q.shape}, keys {k.shape}, grid {ctx.grid}.")
-    pos = (ctx.offset + jnp.arange(lq, dtype=jnp.int32))[:, None]
-    return pos, pos
-  memory = lk - lq
-  if memory != ctx.memory_length:
-    raise ValueError(f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
-                     f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
-  if ctx.grid is None:
-    if two_d:
-      raise ValueError(f"{scheme}: built for a 2D grid but called without one.")
-    return (memory + np.arange(lq))[:, None], np.arange(lk)[:, None]
-  if not two_d:
-    raise ValueError(f"{scheme}: called with a grid but built for 1D (dims.grid is None).")
-  if memory:
-    raise ValueError(f"{scheme}: memory (M = {memory}) is only defined for 1D sequences; got "
-                     f"grid {ctx.grid}.")
-  h, w = (int(g) for g in ctx.grid)
-  if h * w != lq:
-    raise ValueError(f"{scheme}: grid {tuple(ctx.grid)} does not cover length {lq}.")
-  idx = np.arange(lq)
-  pos = np.stack([idx // w, idx % w], axis=-1)
-  return pos, pos
-
-
-def apply_to_qk(q, k, ctx: Context, *, lrpe_type: int, p: str, two_d: bool, scheme: str,
-                **arrays):
-  """The features hook shared by ``lrpe`` and ``rope``: (M_i q_i, M_j k_j) at each position."""
-  n_slots = num_slots(lrpe_type, q.shape[-1])
-  axes = slot_axes(n_slots, two_d)
-  pos_q, pos_k = query_key_positions(q, k, ctx, two_d=two_d, scheme=scheme)
-  run = functools.partial(lrpe_apply, lrpe_type=lrpe_type, p=p, **arrays)
-  return run(q, pos_q[:, axes]), run(k, pos_k[:, axes])
 
 
 def _resolve(learnable, default: bool) -> bool:
@@ -458,7 +245,7 @@ class LRPE(Scheme):
     check_options(self.type, self.p, self.learnable_theta, self.learnable_p, self.per_head,
                   self.base, self.seed)
     f, two_d = self.dims.feature_dim, self.dims.grid is not None
-    check_feature_dim(self.type, f, two_d)
+    check_feature_dim(self.type, f, two_d, "lrpe")
     heads = self.dims.num_heads if self.per_head else 1
     if self.type in (1, 2):
       ladder = inverse_frequencies(self.type, f, two_d=two_d, base=self.base)
@@ -493,8 +280,10 @@ class LRPE(Scheme):
       if x.ndim != 4 or x.shape[-1] != f or x.shape[2] != h:
         raise ValueError(f"lrpe: {name} must be [batch, length, {h}, {f}] (heads, "
                          f"dims.feature_dim); got {x.shape}.")
-    return apply_to_qk(q, k, ctx, lrpe_type=self.type, p=self.p,
-                       two_d=self.dims.grid is not None, scheme="lrpe", **self._arrays())
+    two_d = self.dims.grid is not None
+    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=two_d, scheme="lrpe")
+    return transform_qk(q, k, pos_q, pos_k, lrpe_type=self.type, p=self.p, two_d=two_d,
+                        **self._arrays())
 
 
 SCHEMES = {"lrpe": LRPE}

@@ -75,8 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional import lrpe
-from fastpos.positional.base import Context, KernelInfo, KVMix, Scheme
+from fastpos.positional.base import Context, KernelInfo, KVMix, Scheme, query_key_positions
 
 SCHEME = "permuteformer"
 
@@ -308,8 +307,8 @@ class PermuteFormer(Scheme):
                          f"build the model for the larger grid (TaskInfo.grid).")
     if not self.permute:  # "w/o P_pi": positions enter only through the decay (kv)
       return q, k
-    pos_q, pos_k = lrpe.query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
-                                            scheme=SCHEME)
+    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
+                                       scheme=SCHEME)
     apply = permute_dense if ctx.reference else permute
     if ctx.offset is not None:  # decoding: traced positions gather rows of the power table
       index = jnp.take(jnp.asarray(self._powers[0]), pos_q[:, 0], axis=0, mode="clip")
