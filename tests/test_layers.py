@@ -1,15 +1,15 @@
 """Each layer of fastpos imports only downward. The allowed graph, top to bottom::
 
-  train --> models --> compat --> positional --> ops
+  train --> models --> positional --> ops
     |         :
     v         :  fastpos.tasks.info only (TaskInfo, which imports nothing)
   tasks <.....'
 
   layer        where                   may import (besides itself)
   train        fastpos/train/          every layer
-  models       fastpos/models/         compat, positional, ops; fastpos.tasks.info
-  compat       fastpos/compat.py       positional, ops
-  positional   fastpos/positional/     ops
+  models       fastpos/models/         positional, ops; fastpos.tasks.info
+  positional   fastpos/positional/     ops (the scheme registry and the kernel x scheme table,
+                                       positional.compatibility, included)
   ops          fastpos/ops/            nothing of fastpos
   tasks        fastpos/tasks/          nothing of fastpos
 
@@ -38,11 +38,10 @@ PACKAGE = ROOT / "fastpos"
 ALLOWED = {
     "ops": {"ops"},
     "positional": {"positional", "ops"},
-    "compat": {"compat", "positional", "ops"},
-    "models": {"models", "compat", "positional", "ops"},
+    "models": {"models", "positional", "ops"},
     "tasks": {"tasks"},
-    "train": {"train", "models", "compat", "positional", "ops", "tasks"},
-    "bench": {"bench", "train", "models", "compat", "positional", "ops", "tasks"},
+    "train": {"train", "models", "positional", "ops", "tasks"},
+    "bench": {"bench", "train", "models", "positional", "ops", "tasks"},
 }
 # Single modules a layer may import from outside its allowed layers.
 EXTRA = {"models": {"fastpos.tasks.info"}}

@@ -152,8 +152,9 @@ class Scheme(nn.Module):
                     options: dict) -> str | None:
     """None when the scheme works with this kernel / setting, else the reason it does not.
 
-    The generic checks (causal, 1D, 2D support) are made by ``fastpos.compat``; override this
-    for kernel-specific rules (e.g. a logits bias needs the softmax kernel)."""
+    The generic checks (causal, 1D, 2D support) are made by
+    ``fastpos.positional.compatibility``; override this for kernel-specific rules (e.g. a
+    logits bias needs the softmax kernel)."""
     return None
 
   @classmethod

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos import compat, positional
+from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo, spe
+from fastpos.positional import Context, Dims, KernelInfo, compatibility, spe
 from tests.helpers import rel_err
 
 B, H, D = 2, 2, 3
@@ -403,8 +403,8 @@ def test_compatible_with_every_kernel_1d_only(causal):
     for name in ("softmax",) + FEATURE_MAPS:
       assert cls.compatibility(KernelInfo(name), causal=causal, two_d=False,
                                options=options) is None
-      assert compat.problem(name, "spe", causal=causal, options=options) is None
-      assert "no 2D form" in compat.problem(name, "spe", causal=causal, two_d=True,
+      assert compatibility.problem(name, "spe", causal=causal, options=options) is None
+      assert "no 2D form" in compatibility.problem(name, "spe", causal=causal, two_d=True,
                                             options=options)
 
 
