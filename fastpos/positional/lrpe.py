@@ -105,57 +105,14 @@ from fastpos.ops.rotations import (
   permutation_cycles,
   transform_qk,
 )
-from fastpos.positional.base import (
-  Context,
-  KernelInfo,
-  Scheme,
-  check_base,
-  query_key_positions,
-)
+from fastpos.positional.base import Context, Option, Scheme, query_key_positions
 
-TYPES = (1, 2, 3)
+TYPES = {1: "unitary, complex", 2: "orthogonal rotations", 3: "permutation"}
 DEFAULT_TYPE = 2
 DEFAULT_P = "householder"
 
 # Sub-streams of ``seed`` (numpy SeedSequence entropy [seed, stream]).
 _STREAM_HOUSEHOLDER, _STREAM_P_PERMUTATION, _STREAM_LAMBDA_PERMUTATION = 0, 1, 2
-
-
-# ---------------------------------------------------------------------------------------------
-# Options
-# ---------------------------------------------------------------------------------------------
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_bool(x) -> bool:
-  return isinstance(x, (bool, np.bool_))
-
-
-def check_options(lrpe_type=DEFAULT_TYPE, p=DEFAULT_P, learnable_theta=None, learnable_p=None,
-                  per_head=False, base=10000.0, seed=0) -> None:
-  """Raises ValueError naming the bad option and its valid values."""
-  if not _is_int(lrpe_type) or lrpe_type not in TYPES:
-    raise ValueError(f"lrpe: unknown type {lrpe_type!r}; valid choices: 1 (unitary, complex), "
-                     f"2 (orthogonal rotations), 3 (permutation).")
-  if p not in P_CHOICES:
-    raise ValueError(f"lrpe: unknown p {p!r}; valid choices: {', '.join(P_CHOICES)}.")
-  if learnable_theta is not None and not _is_bool(learnable_theta):
-    raise ValueError(f"lrpe: learnable_theta must be None, True or False; got "
-                     f"{learnable_theta!r}.")
-  if learnable_theta and lrpe_type == 3:
-    raise ValueError("lrpe: learnable_theta=True needs type 1 or 2; type 3 (permutation) has no "
-                     "angles (leave learnable_theta at None).")
-  if learnable_p is not None and not _is_bool(learnable_p):
-    raise ValueError(f"lrpe: learnable_p must be None, True or False; got {learnable_p!r}.")
-  if learnable_p and p != "householder":
-    raise ValueError(f"lrpe: learnable_p=True needs p='householder' (the only P with "
-                     f"parameters); got p={p!r}.")
-  if not _is_bool(per_head):
-    raise ValueError(f"lrpe: per_head must be True or False; got {per_head!r}.")
-  check_base(base, "lrpe")
-  if not _is_int(seed) or seed < 0:
-    raise ValueError(f"lrpe: seed must be an integer >= 0; got {seed!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,17 +161,22 @@ def _resolve(learnable, default: bool) -> bool:
 # The scheme
 # ---------------------------------------------------------------------------------------------
 class LRPE(Scheme):
-  """Options: ``type`` in ``TYPES``, ``p`` in ``P_CHOICES``, ``learnable_theta`` /
-  ``learnable_p`` (None: the paper's choice for the type / P), ``per_head``, ``base`` (the
-  angles' init ladder), ``seed`` (fixed random permutations / householder vector)."""
+  """Options: ``option_spec``."""
 
-  type: int = DEFAULT_TYPE
-  p: str = DEFAULT_P
-  learnable_theta: bool | None = None
-  learnable_p: bool | None = None
-  per_head: bool = False
-  base: float = 10000.0
-  seed: int = 0
+  option_spec = {
+      "type": Option(DEFAULT_TYPE, "Lambda^(s): 1 phases (Eq. 22), 2 rotations (Eq. 23), 3 "
+                     "permutation powers (Eq. 24)", type="int", choices=TYPES),
+      "p": Option(DEFAULT_P, "the fixed unitary P (App. D.1)", type="str", choices=P_CHOICES),
+      "learnable_theta": Option(None, "learn the angles (None: yes for types 1 and 2)",
+                                type="bool", none_ok=True),
+      "learnable_p": Option(None, "learn householder's v (None: yes)", type="bool",
+                            none_ok=True),
+      "per_head": Option(False, "one parameter set per head (else one per layer)", type="bool"),
+      "base": Option(10000.0, "the angles' init ladder base^(-2k/f)", type="number", low=0,
+                     low_open=True, note="RoPE: 10000"),
+      "seed": Option(0, "draws the fixed permutations / householder vector", type="int",
+                     low=0),
+  }
 
   scheme_name = "lrpe"
   hooks = ("features",)
@@ -222,28 +184,22 @@ class LRPE(Scheme):
   keeps_nonnegative = False
   supports_2d = True
 
-  @classmethod
-  def _check(cls, options: dict) -> None:
-    check_options(options.get("type", DEFAULT_TYPE), options.get("p", DEFAULT_P),
-                  options.get("learnable_theta"), options.get("learnable_p"),
-                  options.get("per_head", False), options.get("base", 10000.0),
-                  options.get("seed", 0))
+  # compatibility: the base's (a per-position unitary map: any kernel, causal or not, 1D, 2D).
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    cls._check(options)
-    return None  # a per-position unitary map: any kernel, causal or not, 1D or 2D
+  def check_relations(cls, options: dict) -> None:
+    if options["learnable_theta"] and options["type"] == 3:
+      raise ValueError("lrpe: learnable_theta=True needs type 1 or 2; type 3 (permutation) has "
+                       "no angles (leave learnable_theta at None).")
+    if options["learnable_p"] and options["p"] != "householder":
+      raise ValueError(f"lrpe: learnable_p=True needs p='householder' (the only P with "
+                       f"parameters); got p={options['p']!r}.")
 
   @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:
-    cls._check(options)
-    complex_ = is_complex(options.get("type", DEFAULT_TYPE), options.get("p", DEFAULT_P))
-    return 2 * dim if complex_ else dim
+    return 2 * dim if is_complex(options["type"], options["p"]) else dim
 
   def setup(self):
-    check_options(self.type, self.p, self.learnable_theta, self.learnable_p, self.per_head,
-                  self.base, self.seed)
     f, two_d = self.dims.feature_dim, self.dims.grid is not None
     check_feature_dim(self.type, f, two_d, "lrpe")
     heads = self.dims.num_heads if self.per_head else 1

@@ -75,7 +75,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional.base import Context, KernelInfo, KVMix, Scheme, query_key_positions
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  KVMix,
+  Option,
+  Scheme,
+  query_key_positions,
+)
 
 SCHEME = "permuteformer"
 
@@ -83,31 +90,24 @@ SCHEME = "permuteformer"
 # ---------------------------------------------------------------------------------------------
 # Options
 # ---------------------------------------------------------------------------------------------
-def _is_real(x) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
-      x, (bool, np.bool_))
+PAPER_DECAY = "paper"  # the ``decay`` option value that asks for ``paper_decays(num_heads)``
+_RATE = Option(1.0, "", type="number", low=0, low_open=True, high=1)
 
 
-def check_decay(decay, num_heads: int = 1) -> tuple[float, ...]:
-  """``decay`` (a number or a sequence of per-head numbers, each in (0, 1], or ``"paper"``:
-  ``paper_decays(num_heads)``) -> floats."""
-  if isinstance(decay, str) and decay == PAPER_DECAY:
+def _valid_decay(decay) -> bool:
+  if isinstance(decay, str):
+    return decay == PAPER_DECAY
+  values = tuple(decay) if isinstance(decay, (tuple, list, np.ndarray)) else (decay,)
+  return bool(values) and all(_RATE.is_valid(r) for r in values)
+
+
+def decays(decay, num_heads: int = 1) -> tuple[float, ...]:
+  """A valid ``decay`` option (a number, per-head numbers or ``"paper"``) -> per-head floats
+  (one value, or ``num_heads`` values)."""
+  if isinstance(decay, str):
     return paper_decays(num_heads)
   values = tuple(decay) if isinstance(decay, (tuple, list, np.ndarray)) else (decay,)
-  if not values or not all(_is_real(r) and np.isfinite(r) and 0.0 < r <= 1.0 for r in values):
-    raise ValueError(f"{SCHEME}: decay must be a number r in (0, 1], a non-empty sequence of "
-                     f"per-head r in (0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's "
-                     f"per-head ladder); got {decay!r}.")
   return tuple(float(r) for r in values)
-
-
-def check_seed(seed) -> int:
-  if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)) or seed < 0:
-    raise ValueError(f"{SCHEME}: seed must be an integer >= 0; got {seed!r}.")
-  return int(seed)
-
-
-PAPER_DECAY = "paper"  # the ``decay`` option value that asks for ``paper_decays(num_heads)``
 
 
 def paper_decays(num_heads: int) -> tuple[float, ...]:
@@ -222,13 +222,17 @@ def permute_dense(x, index):
 # The scheme
 # ---------------------------------------------------------------------------------------------
 class PermuteFormer(Scheme):
-  """Options: ``decay`` (r in (0, 1], one or per head; 1.0), ``seed`` (the permutations; 0),
-  ``permute`` (True; False keeps only the decay r^(i-j): the paper's "w/o P_pi" ablation,
-  Table 4)."""
+  """Options: ``option_spec``."""
 
-  decay: float | tuple[float, ...] = 1.0
-  seed: int = 0
-  permute: bool = True
+  option_spec = {
+      "decay": Option(1.0, "r of the causal decay r^(i-j) (Eq. 10), one or per head",
+                      check=_valid_decay, annotation="float | tuple[float, ...]",
+                      valid=f"a number r in (0, 1], a non-empty sequence of per-head r in "
+                      f"(0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's per-head ladder)"),
+      "seed": Option(0, "draws the permutations", type="int", low=0),
+      "permute": Option(True, "False keeps only the decay r^(i-j): the paper's \"w/o P_pi\" "
+                        "ablation (Table 4)", type="bool"),
+  }
 
   scheme_name = SCHEME
   hooks = ("features", "kv")
@@ -241,15 +245,10 @@ class PermuteFormer(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    decays = check_decay(options.get("decay", 1.0))
-    check_seed(options.get("seed", 0))
-    if not isinstance(options.get("permute", True), (bool, np.bool_)):
-      raise ValueError(f"{SCHEME}: permute must be True or False; got "
-                       f"{options.get('permute')!r}.")
     if not kernel.is_softmax and not kernel.nonnegative:
       return (f"PermuteFormer needs non-negative features (its Property 3); {kernel.name!r} "
               f"has signed features, so the linear-attention denominator can vanish")
-    if not causal and min(decays) < 1.0:
+    if not causal and min(decays(options["decay"])) < 1.0:
       return (f"decay r = {options.get('decay')!r} < 1 needs a causal model: the paper sets "
               f"r = 1 for bidirectional models (Eq. 10), since r^(i-j) is unbounded for keys "
               f"after the query (Property 2)")
@@ -257,8 +256,7 @@ class PermuteFormer(Scheme):
 
   def setup(self):
     h, f = self.dims.num_heads, self.dims.feature_dim
-    self._decays = check_decay(self.decay, h)
-    check_seed(self.seed)
+    self._decays = decays(self.decay, h)
     if len(self._decays) not in (1, h):
       raise ValueError(f"{SCHEME}: decay has {len(self._decays)} values; give one r or one per "
                        f"head ({h}).")

@@ -27,13 +27,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fastpos.ops.rotations import check_feature_dim, inverse_frequencies, transform_qk
-from fastpos.positional.base import Context, KernelInfo, Scheme, check_base, query_key_positions
+from fastpos.positional.base import Context, Option, Scheme, query_key_positions
 
 
 class RoPE(Scheme):
-  """Options: ``base`` (10000, the angle ladder)."""
+  """Options: ``option_spec``."""
 
-  base: float = 10000.0
+  option_spec = {"base": Option(10000.0, "the angle ladder base^(-2k/f)", type="number", low=0,
+                                low_open=True, note="RoPE: 10000")}
 
   scheme_name = "rope"
   hooks = ("features",)
@@ -41,14 +42,7 @@ class RoPE(Scheme):
   keeps_nonnegative = False
   supports_2d = True
 
-  @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    check_base(options.get("base", 10000.0), "rope")
-    return None
-
   def setup(self):
-    check_base(self.base, "rope")
     check_feature_dim(2, self.dims.feature_dim, self.dims.grid is not None, "rope")
 
   def features(self, q, k, ctx: Context):

@@ -101,43 +101,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("sine", "conv")
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def check_options(kind="sine", num_realizations=64, num_sines=10, kernel_size=128, gated=True,
-                  seed=0, share_across_layers=False) -> None:
-  """Raises ValueError naming the bad option and its valid values."""
-  if not isinstance(kind, str) or kind not in KINDS:
-    raise ValueError(f"spe: kind must be one of {', '.join(KINDS)}; got {kind!r}.")
-  if not _is_int(num_realizations) or num_realizations < 1:
-    raise ValueError(f"spe: num_realizations must be an integer >= 1 (the authors' LRA "
-                     f"setting: 64); got {num_realizations!r}.")
-  if not _is_int(num_sines) or num_sines < 1:
-    raise ValueError(f"spe: num_sines must be an integer >= 1 (default 10); got "
-                     f"{num_sines!r}.")
-  if not _is_int(kernel_size) or kernel_size < 1:
-    raise ValueError(f"spe: kernel_size must be an integer >= 1 (default 128); got "
-                     f"{kernel_size!r}.")
-  if not isinstance(gated, (bool, np.bool_)):
-    raise ValueError(f"spe: gated must be True or False; got {gated!r}.")
-  if not _is_int(seed):
-    raise ValueError(f"spe: seed must be an integer; got {seed!r}.")
-  if not isinstance(share_across_layers, (bool, np.bool_)):
-    raise ValueError(f"spe: share_across_layers must be True or False; got "
-                     f"{share_across_layers!r}.")
-
-
-def _options(options: dict) -> dict:
-  names = ("kind", "num_realizations", "num_sines", "kernel_size", "gated", "seed",
-           "share_across_layers")
-  return {k: options[k] for k in names if k in options}
 
 
 def _const_init(value: float):
@@ -161,16 +128,22 @@ def _uniform_init(high: float):
 
 
 class SPE(Scheme):
-  """Options: ``kind``, ``num_realizations``, ``num_sines`` (sine), ``kernel_size`` (conv),
-  ``gated``, ``seed``, ``share_across_layers`` (see the module docstring)."""
+  """Options: ``option_spec`` (see the module docstring)."""
 
-  kind: str = "sine"
-  num_realizations: int = 64
-  num_sines: int = 10
-  kernel_size: int = 128
-  gated: bool = True
-  seed: int = 0
-  share_across_layers: bool = False
+  option_spec = {
+      "kind": Option("sine", "sineSPE (periodic) or convSPE (a learned filter)", type="str",
+                     choices=KINDS),
+      "num_realizations": Option(64, "R, the features per head (the output size)", type="int",
+                                 low=1, note="the authors' LRA setting: 64"),
+      "num_sines": Option(10, "sine: sinusoids per feature", type="int", low=1,
+                          note="default 10"),
+      "kernel_size": Option(128, "conv: the filter length", type="int", low=1,
+                            note="default 128"),
+      "gated": Option(True, "mix in a position-free part by a learned gate", type="bool"),
+      "seed": Option(0, "the fixed noise draw (per seed and layer path)", type="int"),
+      "share_across_layers": Option(False, "one set of parameters and noise for the model",
+                                    type="bool"),
+  }
 
   scheme_name = "spe"
   hooks = ("features",)
@@ -180,21 +153,11 @@ class SPE(Scheme):
   supports_2d = False
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    check_options(**_options(options))
-    return None
-
-  @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:
     """R = ``num_realizations``: qhat, khat are ``[b, L, h, R]`` whatever the input size."""
-    opts = _options(options)
-    check_options(**opts)
-    return int(opts.get("num_realizations", 64))
+    return int(options["num_realizations"])
 
   def setup(self):
-    check_options(self.kind, self.num_realizations, self.num_sines, self.kernel_size,
-                  self.gated, self.seed, self.share_across_layers)
     h, d = self.dims.num_heads, self.dims.head_dim
     if self.kind == "sine":
       k = self.num_sines

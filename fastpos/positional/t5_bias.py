@@ -68,31 +68,12 @@ from fastpos.ops import toeplitz
 from fastpos.positional.base import (
   Context,
   KernelInfo,
+  Option,
   Scheme,
   center_slice,
   center_slice_2d,
   offset_rows,
 )
-
-
-def check_options(bucketed, num_buckets, max_distance, share_across_layers=False) -> None:
-  """Raises ValueError naming the bad option and its valid values."""
-  if not isinstance(bucketed, (bool, np.bool_)):
-    raise ValueError(f"t5_bias: bucketed must be True or False; got {bucketed!r}.")
-  if not isinstance(share_across_layers, (bool, np.bool_)):
-    raise ValueError(f"t5_bias: share_across_layers must be True or False; got "
-                     f"{share_across_layers!r}.")
-  if not bucketed:
-    return  # num_buckets / max_distance are not used
-  if (isinstance(num_buckets, bool) or not isinstance(num_buckets, (int, np.integer))
-      or num_buckets < 4 or num_buckets % 2):
-    raise ValueError(f"t5_bias: num_buckets must be an even integer >= 4 (T5: 32); got "
-                     f"{num_buckets!r}.")
-  if (isinstance(max_distance, bool) or not isinstance(max_distance, (int, np.integer))
-      or max_distance <= num_buckets // 2):
-    raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
-                     f"{num_buckets // 2} (T5: 128), the end of the exact buckets; got "
-                     f"{max_distance!r}.")
 
 
 def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
@@ -135,13 +116,16 @@ def _t5_init(key, shape, dtype=None):
 
 
 class T5Bias(Scheme):
-  """Options: ``bucketed`` (T5's log buckets, else one scalar per offset), ``num_buckets``,
-  ``max_distance`` (bucketed only), ``share_across_layers`` (one table for the model)."""
+  """Options: ``option_spec``."""
 
-  bucketed: bool = True
-  num_buckets: int = 32
-  max_distance: int = 128
-  share_across_layers: bool = False
+  option_spec = {
+      "bucketed": Option(True, "T5's log buckets (else one scalar per offset)", type="bool"),
+      "num_buckets": Option(32, "bucketed: B, split by sign when bidirectional", type="int",
+                            low=4, even=True, note="T5: 32"),
+      "max_distance": Option(128, "bucketed: distances >= it share the last bucket",
+                             type="int", low=1, note="T5: 128"),
+      "share_across_layers": Option(False, "one table for the whole model", type="bool"),
+  }
 
   scheme_name = "t5_bias"
   hooks = ("logits",)
@@ -150,16 +134,20 @@ class T5Bias(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    check_options(options.get("bucketed", True), options.get("num_buckets", 32),
-                  options.get("max_distance", 128), options.get("share_across_layers", False))
     if not kernel.is_softmax:
       return (f"t5_bias adds a bias to the softmax logits, which the linear kernel "
               f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
               f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)")
     return None
 
+  @classmethod
+  def check_relations(cls, options: dict) -> None:
+    if options["bucketed"] and options["max_distance"] <= options["num_buckets"] // 2:
+      raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
+                       f"{options['num_buckets'] // 2} (T5: 128), the end of the exact buckets; "
+                       f"got {options['max_distance']!r}.")
+
   def setup(self):
-    check_options(self.bucketed, self.num_buckets, self.max_distance, self.share_across_layers)
     h, grid = self.dims.num_heads, self.dims.grid
     if self.bucketed:
       shape = (h, self.num_buckets) if grid is None else (h, self.num_buckets, self.num_buckets)

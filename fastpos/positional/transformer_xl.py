@@ -47,19 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.ops import transformer_xl as txl
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.positional.base import Context, KernelInfo, Option, Scheme
 
 INIT_STD = 0.02  # the paper's code: init_std for weights and for r_w_bias / r_r_bias
-
-
-def check_rel_dim(rel_dim) -> None:
-  """Raises ValueError unless ``rel_dim`` is None or a positive even integer."""
-  if rel_dim is None:
-    return
-  if (isinstance(rel_dim, bool) or not isinstance(rel_dim, (int, np.integer)) or rel_dim < 2
-      or rel_dim % 2):
-    raise ValueError(f"transformer_xl: rel_dim must be None (use dims.embed_dim) or a positive "
-                     f"even integer (half sines, half cosines); got {rel_dim!r}.")
 
 
 def sinusoids(distances, dim: int, dtype=jnp.float32):
@@ -72,9 +62,12 @@ def sinusoids(distances, dim: int, dtype=jnp.float32):
 
 
 class TransformerXL(Scheme):
-  """Options: ``rel_dim`` (width of the sinusoids R; None: ``dims.embed_dim``)."""
+  """Options: ``option_spec``."""
 
-  rel_dim: int | None = None
+  option_spec = {"rel_dim": Option(
+      None, "width d_R of the sinusoids R (None: dims.embed_dim)", type="int", none_ok=True,
+      even=True, low=2, valid="None (use dims.embed_dim) or a positive even integer (half "
+      "sines, half cosines)")}
 
   scheme_name = "transformer_xl"
   hooks = ("logits",)
@@ -83,7 +76,6 @@ class TransformerXL(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    check_rel_dim(options.get("rel_dim"))
     if not kernel.is_softmax:
       return (f"transformer_xl adds relative terms to the softmax logits, which the linear "
               f"kernel {kernel.name!r} never forms; use the softmax kernel")
@@ -95,7 +87,6 @@ class TransformerXL(Scheme):
     return self.dims.embed_dim if self.rel_dim is None else self.rel_dim
 
   def setup(self):
-    check_rel_dim(self.rel_dim)
     if self.rel_dim is None and (self.dims.embed_dim < 2 or self.dims.embed_dim % 2):
       raise ValueError(f"transformer_xl: the sinusoid width defaults to dims.embed_dim = "
                        f"{self.dims.embed_dim}, which is not a positive even integer; set "

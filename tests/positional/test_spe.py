@@ -344,8 +344,8 @@ def test_noise_is_a_fixed_draw_per_seed_and_path(kind):
 # (5) Errors
 # ---------------------------------------------------------------------------------------------
 BAD_OPTIONS = [
-    ({"kind": "cosine"}, "kind must be one of sine, conv; got 'cosine'"),
-    ({"kind": None}, "kind must be one of sine, conv"),
+    ({"kind": "cosine"}, "spe: unknown kind 'cosine'; valid choices: sine, conv"),
+    ({"kind": None}, "spe: unknown kind None; valid choices: sine, conv"),
     ({"num_realizations": 0}, "num_realizations must be an integer >= 1"),
     ({"num_realizations": 8.0}, "num_realizations must be an integer >= 1"),
     ({"num_realizations": True}, "num_realizations must be an integer >= 1"),
