@@ -90,7 +90,8 @@ class _Run:
     self.task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
     self.info: TaskInfo = self.task.info
     if model is None:
-      model = build_model(cfg.model, self.info)  # unknown kernel / scheme names stop here
+      # Bad kernel / scheme names or options and incompatible pairs stop here.
+      model = build_model(cfg.model, self.info)
     self.model = model
     # A Transformer-XL memory carried across batches (DecoderLM with memory_length > 0).
     self.memory = self.info.kind == "lm" and getattr(model, "memory_length", 0) > 0
