@@ -337,7 +337,7 @@ class Attention(nn.Module):
     fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
                                  mask=mask, nu=spec.nu)
     fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,
-                                 mask=mask, nu=spec.nu)
+                                 mask=mask, nu=spec.nu, causal=cfg.causal)
     den = None
     for s in post:
       if s.keeps_nonnegative:
