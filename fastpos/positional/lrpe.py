@@ -3,86 +3,22 @@
 Qin et al., "Linearized Relative Positional Encoding" (TMLR 2023). A query at position s and
 a key at position t score
 
-    f_rel(q_s, k_t) = q_s^H W_{t-s} k_t = (M_s q_s)^H (M_t k_t)                      (Eq. 13)
+    f_rel(q_s, k_t) = q_s^H W_{t-s} k_t = (M_s q_s)^H (M_t k_t),   M_s = Lambda^(s) P   (Eq. 13, 75)
 
-which stays decomposable (linear attention only needs per-position features) iff the
-positional matrices satisfy ``W_{t-s} = W_s^H W_t`` (Eq. 14; W_0 = I, every W_s unitary). The
-paper's solutions all have the form ``W_s = P^H Lambda^(s) P`` with a fixed unitary ``P`` and a
-unitary family ``Lambda^(s)`` (Sec. 3.2.1, Eq. 22-24):
+with a fixed unitary P (option ``p``: identity, householder (Eq. 73), permutation (Eq. 74),
+random_permutation, fourier) and a unitary family Lambda^(s) (option ``type``): 1 phases
+``exp(i s alpha_k)`` (Eq. 22, complex), 2 rotations of feature pairs by ``s alpha_k`` (Eq. 23),
+3 the s-th power of a fixed random permutation (Eq. 24). The math is ``fastpos.ops.rotations``.
+Complex transforms are realised as real features ``[Re, Im]`` (last dim 2f): their dot product
+is ``Re(q^H W_{t-s} k)``, still relative. The angles start at RoPE's ``base^(-2k/f)`` and are
+learned by default; ``type=2, p="identity"`` with fixed angles is ``rope``.
 
-* ``type=1`` (unitary, Eq. 22): ``Lambda^(s) = diag(exp(i s alpha_1), ..., exp(i s alpha_f))``,
-  complex, one angle per feature;
-* ``type=2`` (orthogonal, Eq. 23): block-diagonal 2x2 rotations
-  ``[[cos s a_k, -sin s a_k], [sin s a_k, cos s a_k]]`` on the feature pairs (2k, 2k+1)
-  (interleaved, as the paper's pseudocode, App. D.2); an odd feature dim leaves the last
-  feature unrotated (the identity block ``B^(s) = I_q`` of Eq. 23 with q = 1);
-* ``type=3`` (permutation, Eq. 24): ``Lambda^(s) = (I)_{pi^s}``, the s-th power of a fixed
-  random permutation pi (drawn from ``seed``; redrawn while it is the identity):
-  ``(Lambda^(s) x)_j = x_{pi^s(j)}``. Powers are taken on pi's cycles, so there is no length
-  limit and no ``[N, f]`` table.
-
-``P`` (option ``p``; App. D.1 "Choice of matrices"):
-
-* ``"identity"``;
-* ``"householder"``: ``P = I - 2 v v^T / (v^T v)`` (Eq. 73), v ~ N(0, 1) per the paper. The
-  paper's runs kept v fixed; here v is a learned parameter by default (``learnable_p=None`` ->
-  True), ``learnable_p=False`` draws a fixed v from ``seed`` (the paper's setting);
-* ``"permutation"``: the fixed interleave of Eq. 74 (0-indexed, as the paper's code):
-  ``(P x)_{2k} = x_k``, ``(P x)_{2k+1} = x_{ceil(f/2)+k}`` (pairs feature k with feature
-  ceil(f/2)+k, i.e. a half-split RoPE layout);
-* ``"random_permutation"``: a fixed random permutation drawn from ``seed`` (an extra choice,
-  not in the paper's list);
-* ``"fourier"``: the unitary DFT ``P_{jk} = exp(-2 pi i jk / f) / sqrt(f)`` (the paper's code:
-  ``fft(x, norm="ortho")``), applied as two real ``[f, f]`` matmuls (cos and -sin parts).
-
-The features hook applies ``M_s = Lambda^(s) P`` (App. D.1, Eq. 75: ``W_s^H W_t = P^H
-(Lambda^(s))^H Lambda^(t) P = M_s^H M_t``, so the leading ``P^H`` of ``W_s = P^H M_s`` never
-changes a score and is dropped): q_s -> M_s q_s, k_t -> M_t k_t.
-
-Complex features in real arithmetic (type 1, or the complex ``fourier`` P). For real q, k and
-any unitary M_s with ``M_s^H M_t = W_{t-s}``:
-
-    (M_s q)^H (M_t k) = q^T M_s^H M_t k = q^T W_{t-s} k,
-    Re(a^H b) = Re(a) . Re(b) + Im(a) . Im(b)        for complex vectors a, b,
-
-so with the real features ``q_hat_s = [Re(M_s q), Im(M_s q)]`` (``[..., 2f]``, real parts
-first) the plain dot product the attention kernels form is
-
-    q_hat_s . k_hat_t = Re((M_s q)^H (M_t k)) = q^T Re(W_{t-s}) k,
-
-a real bilinear form that depends on t - s only: a relative score, computed from per-position
-features, so linear attention stays linear. ``feature_out_dim`` is then 2f. Real types with a
-real P (types 2, 3 with identity / householder / (random_)permutation) keep f features and
-score ``q^T W_{t-s} k`` exactly. Note: with a *real* P, type 1's ``Re(W_r) = P^T diag(cos r a)
-P`` is even in r (the score cannot tell a key r before from r after the query; in a causal
-model only r <= 0 occurs, so nothing is lost there); the fourier P breaks that symmetry. The
-softmax scale stays 1 / sqrt(head_dim).
-
-Parameters and init (App. D.1): ``theta`` (the alphas) ``[1 or heads, n]`` with n = f (type 1)
-or floor(f/2) (type 2), initialised as in RoPE (Su et al.) ``alpha_k = base^(-2k/f)``,
-k = 0..n-1, base = 10000 (type 1's run down to base^-2, as in the paper's code), and learned
-(``learnable_theta=None`` -> True for types 1 and 2, as the paper; False keeps them fixed:
-type 2 + identity + fixed is RoPE, see ``rope.py``). Type 3 has no angles.
-``householder_v`` ``[1 or heads, f]`` ~ N(0, 1) (learned householder only). One set per layer
-shared by every head, as the paper's code (``per_head=True``: one per head).
-
-Acts on whatever arrives with the feature dim last: q, k ``[batch, length, heads, f]`` with
-f = head_dim for softmax and f = m (the feature map's size) for linear kernels (post_phi);
-parameters are sized from ``dims.feature_dim``.
-
-2D (axial; not in the paper): the angle slots (type 1: features, type 2: feature pairs,
-type 3: features) are split in two groups, the first ceil(n/2) follow the row index and the
-rest the column index: ``Lambda^(r,c) = blockdiag(Lambda_row^(r), Lambda_col^(c))``. Each block
-satisfies the 1D identity, so ``W_a^H W_b = W_{b-a}`` for 2D offsets b - a. Each group's angles
-start from its own ladder ``base^(-2k/w)`` (w = the group's width in features); type 3 uses a
-block-diagonal permutation (one random permutation within each group). Feature dims: type 1
-needs f >= 1 (1D) / 2 (2D), types 2 and 3 f >= 2 / 4 (else an axis would carry no position).
-
-Positions are 0..N-1 (keys) and M..M+Lq-1 (queries after M memory keys,
-``ctx.memory_length``); raster order on a grid. Angles are computed in float32 at least and
-the result cast back to the input dtype. Supports causal (a per-position transform cannot
-leak), 1D and 2D, and every kernel: post_phi with ``keeps_nonnegative = False`` (the layer
-keeps the untransformed phi features for the linear-attention denominator).
+Shapes: q ``[batch, Lq, heads, f]``, k ``[batch, Lk, heads, f]`` (f = head_dim for softmax, the
+feature size m for linear kernels: post_phi) -> the same, or last dim 2f (complex). Queries
+sit at M..M+Lq-1 after M memory keys. 2D (axial, not in the paper): the first half of the
+angle slots follows the row, the rest the column. Causal, 1D and 2D, every kernel
+(``keeps_nonnegative = False``: the denominator keeps the untransformed features). Options:
+``LRPE.option_spec``.
 """
 
 from __future__ import annotations

@@ -1,60 +1,20 @@
 """``t5_bias``: a learned per-head scalar added to the logits by relative offset (logits hook).
 
-Raffel et al. 2020 ("Exploring the Limits of Transfer Learning with a Unified Text-to-Text
-Transformer", T5), Sec. 2.1: a simplified relative position embedding in which each
-"embedding" is a learned scalar added to the attention logit, one per head and per bucket of
-relative offsets:
+Raffel et al. 2020 (T5), Sec. 2.1:
 
     logits_{h,i,j} = q_i . k_j / sqrt(d) + b_{h, bucket(j - i)}
 
-``bucket`` (T5's ``_relative_position_bucket``; ``relative_position_bucket`` below), with the
-offset ``j - i`` (key minus query position) and ``n = i - j``:
+``bucket`` is T5's ``_relative_position_bucket`` (``relative_position_bucket`` below): exact
+buckets for small offsets, log-spaced ones up to ``max_distance``, split by sign unless
+causal. ``bucketed=False``: one scalar per offset instead (lengths up to ``dims.max_length``).
+2D (raster order): per 2D offset, or a joint table of (row bucket, column bucket).
 
-* bidirectional (encoder, non-causal): half the buckets for keys at or before the query
-  (``n >= 0``), the other half (offset by ``num_buckets // 2``) for keys after it; ``n = |n|``;
-* causal (decoder): every bucket for ``n >= 0``; future keys (``n < 0``) fall in bucket 0 and
-  are masked by the layer;
-* within a side of ``B`` buckets, ``max_exact = B // 2`` exact buckets ``n < max_exact``, then
-  ``max_exact + floor(log(n / max_exact) / log(max_distance / max_exact) * (B - max_exact))``
-  capped at ``B - 1``: log-spaced up to ``max_distance``, beyond which all share the last.
-
-The buckets depend on the (static) lengths only; they are computed in numpy float64 at trace
-time (T5 used float32; for the default sizes the two agree at every distance, checked up to
-300), and the table is gathered by offset into a ``[heads, 2K-1]`` Toeplitz table and
-materialised with ``fastpos.ops.toeplitz.dense_toeplitz``.
-
-Options:
-
-* ``bucketed=True`` (T5): parameters ``[heads, num_buckets]`` (``num_buckets`` even, >= 4;
-  ``max_distance > num_buckets // 2``, T5 defaults 32 and 128). Any length works (distant
-  offsets share the last bucket); ``dims.max_length`` is not a limit.
-* ``bucketed=False``: one learned scalar per offset, ``[heads, 2*max_length-1]`` indexed by
-  ``j - i + max_length - 1`` (the layout of ``fastpos.ops.toeplitz``), sliced to the batch
-  with ``center_slice`` (lengths up to ``max_length``).
-* 2D grids (raster order): ``bucketed=False``: one scalar per 2D offset
-  ``[heads, 2H-1, 2W-1]`` by (row offset, column offset), sliced with ``center_slice_2d``,
-  materialised with ``dense_toeplitz_2d``. ``bucketed=True``: each axis is bucketed as in 1D
-  and the pair of buckets indexes a joint table ``[heads, num_buckets, num_buckets]``
-  (row bucket, column bucket). Causal in raster order sees keys in earlier rows at any column,
-  so the column axis is always bucketed bidirectionally and the row axis causally (a key in an
-  earlier row has row offset < 0).
-
-``share_across_layers=True`` makes the model build one table for all layers, as T5 does
-(its position biases are computed once and shared by every layer); default False (one per
-layer).
-
-Memory (Transformer-XL style, ``ctx.memory_length = M``, 1D only): keys are
-``[memory, segment]`` with query i at position ``M + i``; the bias is rows ``M..M+Lq-1`` of the
-``[M+Lq, M+Lq]`` matrix (per-offset mode needs ``M + Lq <= max_length``).
-
-Init as T5X / flaxformer (``flax.linen.linear.default_embed_init``): normal with variance
-1 / fan-in, the fan-in being the number of entries per head (``num_buckets`` for the T5 table,
-so std ``num_buckets ** -0.5``; ``2*max_length-1``, ``(2H-1)(2W-1)`` or ``num_buckets**2``
-for the other tables).
-
-Supports causal, 1D and 2D. Softmax only: ``logits`` returns ``[1, heads, Lq, Lk]``
-added to the scaled logits. With a linear kernel use ``kernelized_rpe``, its linear-attention
-counterpart (``exp(b_{j-i})`` inside numerator and denominator by FFT; Luo et al. 2021).
+Shapes: ``logits(q, k, ctx)`` returns ``[1, heads, Lq, Lk]`` added to the scaled logits;
+parameters ``[heads, num_buckets]`` (T5), ``[heads, 2N-1]`` or ``[heads, 2H-1, 2W-1]`` (per
+offset), init normal with variance 1 / (entries per head), as T5X. With M memory keys the
+queries sit at M..M+Lq-1. Causal, 1D and 2D; softmax only (with a linear kernel use
+``kernelized_rpe``). Options: ``T5Bias.option_spec`` (``share_across_layers``: one table for
+the model, as T5).
 """
 
 from __future__ import annotations
