@@ -178,3 +178,15 @@ def test_models_import_only_the_task_info_of_tasks():
   assert [m for m in modules if m.startswith("fastpos.tasks")] == [
       "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.info"]
   assert not [m for m in modules if m.startswith("fastpos.train")]
+
+
+def test_schemes_import_no_sibling_scheme():
+  # Shared math lives below the schemes (fastpos.ops, e.g. ops.rotations, or positional.base):
+  # a scheme module imports no other scheme module, nor the registry above it.
+  from fastpos import positional
+  allowed = {"fastpos.positional.base"}
+  for module in positional.SCHEME_MODULES:
+    path = PACKAGE / "positional" / f"{module}.py"
+    bad = [(line, t) for line, t in fastpos_imports(path)
+           if t.startswith("fastpos.positional") and t not in allowed]
+    assert bad == [], f"{path.relative_to(ROOT)} imports {bad}; may import {sorted(allowed)}"
