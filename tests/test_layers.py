@@ -1,15 +1,15 @@
 """Each layer of fastpos imports only downward. The allowed graph, top to bottom::
 
-  train --> models --> compat --> positional --> ops
+  train --> models --> positional --> ops
     |         :
     v         :  fastpos.tasks.info only (TaskInfo, which imports nothing)
   tasks <.....'
 
   layer        where                   may import (besides itself)
   train        fastpos/train/          every layer
-  models       fastpos/models/         compat, positional, ops; fastpos.tasks.info
-  compat       fastpos/compat.py       positional, ops
-  positional   fastpos/positional/     ops
+  models       fastpos/models/         positional, ops; fastpos.tasks.info
+  positional   fastpos/positional/     ops (the scheme registry and the kernel x scheme table,
+                                       positional.compatibility, included)
   ops          fastpos/ops/            nothing of fastpos
   tasks        fastpos/tasks/          nothing of fastpos
   bench        fastpos/bench/          every layer, plots
@@ -40,11 +40,10 @@ PACKAGE = ROOT / "fastpos"
 ALLOWED = {
     "ops": {"ops"},
     "positional": {"positional", "ops"},
-    "compat": {"compat", "positional", "ops"},
-    "models": {"models", "compat", "positional", "ops"},
+    "models": {"models", "positional", "ops"},
     "tasks": {"tasks"},
-    "train": {"train", "models", "compat", "positional", "ops", "tasks"},
-    "bench": {"bench", "train", "models", "compat", "positional", "ops", "tasks", "plots"},
+    "train": {"train", "models", "positional", "ops", "tasks"},
+    "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots"},
     "plots": {"plots"},
 }
 # Single modules a layer may import from outside its allowed layers.
@@ -182,3 +181,15 @@ def test_models_import_only_the_task_info_of_tasks():
   assert [m for m in modules if m.startswith("fastpos.tasks")] == [
       "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.info"]
   assert not [m for m in modules if m.startswith("fastpos.train")]
+
+
+def test_schemes_import_no_sibling_scheme():
+  # Shared math lives below the schemes (fastpos.ops, e.g. ops.rotations, or positional.base):
+  # a scheme module imports no other scheme module, nor the registry above it.
+  from fastpos import positional
+  allowed = {"fastpos.positional.base"}
+  for module in positional.SCHEME_MODULES:
+    path = PACKAGE / "positional" / f"{module}.py"
+    bad = [(line, t) for line, t in fastpos_imports(path)
+           if t.startswith("fastpos.positional") and t not in allowed]
+    assert bad == [], f"{path.relative_to(ROOT)} imports {bad}; may import {sorted(allowed)}"

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from fastpos import compat, positional
+from fastpos import positional
 from fastpos.bench import measure as bm
 from fastpos.bench.ops import exponent_lengths
 from fastpos.models import (
@@ -41,6 +41,7 @@ from fastpos.models import (
   build_model,
   model_config,
 )
+from fastpos.positional import compatibility
 
 HEADS, DIM = 8, 64
 
@@ -142,8 +143,9 @@ def all_cells(selection: str) -> tuple[list[Cell], list[str]]:
   if embed_only:
     notes.append(f"Embedding-only schemes ({', '.join(embed_only)}) act before the layer: "
                  "the layer with them is the layer with 'none'.")
-  cells = [Cell(k, s) for s in positional.SCHEMES if s not in embed_only for k in compat.KERNELS
-           if compat.problem(k, s, causal=False, two_d=False) is None]
+  cells = [Cell(k, s) for s in positional.SCHEMES if s not in embed_only
+           for k in compatibility.KERNELS
+           if compatibility.problem(k, s, causal=False, two_d=False) is None]
   if selection == "each":
     chosen = [c for c in cells if c.scheme == "none" or c.kernel in ("softmax", "elu1")]
     notes.append(f"{len(chosen)} of the {len(cells)} compatible cells: every kernel with "
@@ -255,7 +257,8 @@ def _cells_table(per_cell, cells, cell_notes, args) -> bm.Table:
   header = (["kernel", "scheme", f"ms N={n0}", "x softmax"] + [f"mem N={n}" for n in mem_n]
             + ["mem exponent"])
   note_lines = [
-      f"Every compatible kernel x scheme cell (1D, bidirectional; `python -m fastpos.compat`), "
+      "Every compatible kernel x scheme cell (1D, bidirectional; "
+      "`python -m fastpos.positional.compatibility`), "
       f"attention layer forward+backward at N={n0}, batch 1, {HEADS} heads x {DIM}, "
       f"{args.dtype}, random maps m = {args.num_features}; 'x softmax' against softmax "
       f"through jax.nn.dot_product_attention at the same N. Memory compiled at N = "
@@ -355,8 +358,8 @@ def train_models(num_features: int) -> list[Model]:
   for s in positional.SCHEMES:
     if s in known or set(positional.SCHEMES[s].hooks) <= {"embed"}:
       continue
-    kernel = "elu1" if compat.problem("elu1", s) is None else "softmax"
-    if compat.problem(kernel, s) is None:
+    kernel = "elu1" if compatibility.problem("elu1", s) is None else "softmax"
+    if compatibility.problem(kernel, s) is None:
       rows.append(Model(f"{'Linear ELU+1' if kernel == 'elu1' else 'Transformer'} + {s}",
                         kernel, s, core=False))
   return rows

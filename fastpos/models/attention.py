@@ -34,13 +34,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fastpos import compat, positional
+from fastpos import positional
 from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import toeplitz
 from fastpos.ops.masks import check_mask
+from fastpos.positional import compatibility
 
 _OPTIONS = feature_ops.OPTION_DEFAULTS
 
@@ -100,7 +101,7 @@ class KernelSpec:
     return self.kernel.is_softmax
 
   def info(self) -> positional.KernelInfo:
-    return compat.kernel_info(self.name)
+    return compatibility.kernel_info(self.name)
 
   def feature_dim(self, dim: int) -> int:
     return feature_ops.feature_dim(self.name, dim, num_features=self.num_features, nu=self.nu)
@@ -143,7 +144,7 @@ class AttentionConfig:
 
   def __post_init__(self):
     names = [p.name for p in self.positional]
-    compat.check(self.kernel.name, names, causal=self.causal, two_d=self.grid is not None,
+    compatibility.check(self.kernel.name, names, causal=self.causal, two_d=self.grid is not None,
                  options={p.name: p.option_dict() for p in self.positional})
 
   def scheme_dims(self) -> dict[str, positional.Dims]:
@@ -336,7 +337,7 @@ class Attention(nn.Module):
     fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
                                  mask=mask, nu=spec.nu)
     fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,
-                                 mask=mask, nu=spec.nu)
+                                 mask=mask, nu=spec.nu, causal=cfg.causal)
     den = None
     for s in post:
       if s.keeps_nonnegative:

@@ -18,7 +18,7 @@ def model_config() -> ml_collections.ConfigDict:
       dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0))
   # Positional schemes, comma-separated, applied in this order at their hooks
   # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
-  # fastpos.compat` prints which kernels each works with.
+  # fastpos.positional.compatibility` prints which kernels each works with.
   c.positional = "none"
   # Per-scheme options, by scheme name: {scheme: {option: value}}; a scheme's options are
   # the fields of its class in fastpos.positional (unset ones keep the class defaults). In a

@@ -14,12 +14,10 @@ slot (``real`` False marks padding, which contributes nothing). Three forms:
   fixed-size state; caches phi(k_j) and v_j (not their [m, d] outer product): O(T (m + d)).
 
 Stabilised feature maps (``sikf``, ``favor``, ``orf``) scale every key's features by one shared
-exp(-c); the full forward takes c over all keys, a decoding step only knows the past ones.
-``key_parts`` splits phi(k_j) = e_j exp(s_j - c) + eps_add (s_j the token's own max), and the
-steps keep each query's c at the max over the keys it sees, rescaling the state when it grows
-(as online softmax does). For ``sikf`` c cancels, so a step equals the full forward; ``favor``
-/ ``orf`` add eps after the scaling, so their full forward depends on c (hence on future keys)
-by O(eps): a step equals the full forward of the prefix it has seen.
+exp(-c); in a causal layer c is the first real key's max (``features._stabilizer``), which
+every query sees. ``key_parts`` splits phi(k_j) = e_j exp(s_j - c) + eps_add (s_j the token's
+own max), and the steps take c from the first real key they see and keep it, so a step equals
+the full causal forward.
 """
 
 from __future__ import annotations
@@ -68,13 +66,15 @@ def _pos_weights(log_decay, exponents, dtype):
 
 
 def _prefix_scale(s, real, prev, seen):
-  """Per query i: c_i = max(prev if seen, s_j of real j <= i) ``[b, L, h]`` (0 where no key
-  has been seen; every weight is then 0 anyway), and whether any was seen ``[b, L, 1]``."""
-  s = jnp.where(real[:, :, None], s, -jnp.inf)
-  c = jax.lax.cummax(s, axis=1)
-  c = jnp.maximum(c, jnp.where(seen[:, None, None], prev[:, None, :], -jnp.inf))
-  any_ = jnp.isfinite(c)
-  return jnp.where(any_, c, 0.0), any_
+  """Per query i: c_i = the first real key's s (``prev`` if one was seen before this block,
+  else s_j of the block's first real j <= i) ``[b, L, h]`` (0 where no key has been seen;
+  every weight is then 0 anyway), and whether any was seen ``[b, L, h]``."""
+  first = jnp.argmax(real, axis=1)                                  # [b]
+  s_first = jnp.take_along_axis(s, first[:, None, None], axis=1)    # [b, 1, h]
+  here = jnp.cumsum(real.astype(jnp.int32), axis=1) > 0             # [b, L]
+  c = jnp.where(seen[:, None, None], prev[:, None, :], jnp.where(here[:, :, None], s_first, 0.0))
+  any_ = jnp.broadcast_to((seen[:, None] | here)[:, :, None], c.shape)
+  return c, any_
 
 
 def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-6):
@@ -103,7 +103,7 @@ def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-
   ct = jnp.transpose(c, (0, 2, 1))                                 # [b, h, L]
   st = jnp.transpose(key["s"].astype(dtype), (0, 2, 1))
   # Intra-block weight of key j for query i: exp(s_j - c_i) r^(i-j); old state: exp(c_old -
-  # c_i) r^(i+1). Every exponent is <= 0.
+  # c_i) r^(i+1) (c_old = c_i once a key was seen).
   lw = st[:, :, None, :] - ct[:, :, :, None]
   w_b = jnp.where(vis, 1.0, 0.0)
   if log_decay is not None:
@@ -188,8 +188,8 @@ def linear_cached_step(cache, fq, dq, *, log_rows, log_decay=None, offset=0,
   j = jnp.arange(t)
   vis = (j[None, :] <= pos[:, None])[None, None] & cache["real"][:, None, None, :]  # [b,1,L,T]
   st = jnp.transpose(cache["s"].astype(dtype), (0, 2, 1))           # [b, h, T]
-  c = jnp.max(jnp.where(vis, st[:, :, None, :], -jnp.inf), axis=-1)  # [b, h, L]
-  c = jnp.where(jnp.isfinite(c), c, 0.0)
+  first = jnp.argmax(cache["real"], axis=1)                          # the first real slot
+  c = jnp.take_along_axis(st, first[:, None, None], axis=-1)         # [b, h, 1]: every query
   rows = log_rows.astype(dtype)[None]
   if log_decay is not None:
     rows = rows + log_decay.astype(dtype)[None, :, None, None] * jnp.maximum(

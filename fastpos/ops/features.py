@@ -19,7 +19,8 @@ Conventions:
     the projection is float64; the result stays in that compute dtype (bf16 in, float32 out):
     exp-features under- and overflow bf16 and are summed over the whole sequence.
   * ``sikf`` and ``favor`` subtract a stabilising max that cancels between the numerator and the
-    denominator of attention (see ``_stabilizer``); the other maps are plain formulas.
+    denominator of attention (see ``_stabilizer``; causal keys take the first real key's, so no
+    output depends on a later key); the other maps are plain formulas.
   * ``get_kernel(name)`` is the registry: one ``Kernel`` record per kernel (``softmax``
     included) with its map, projection, softmax scaling, sign, output size and options.
     ``feature_map`` / ``make_projection`` / ``feature_dim`` / ``needs_projection`` /
@@ -111,35 +112,44 @@ def relu(x, *, eps: float = 1e-6):
   return jax.nn.relu(_upcast(x)) + eps
 
 
-def _stabilizer(z, *, is_query: bool, mask):
+def _stabilizer(z, *, is_query: bool, mask, causal: bool = False):
   """The max that ``sikf`` / ``favor`` subtract from their exponent ``z`` ``[b, l, h, m]``.
 
   Queries: per token, over features -> ``[b, l, h, 1]``. It scales phi(q_i) by a positive
   constant, which cancels between numerator and denominator of query i's attention.
-  Keys: ONE max per (batch, head), over the length and features of the real (mask True) keys
-  -> ``[b, 1, h, 1]``. It scales every phi(k_j) by the same constant, which cancels too.
+  Keys: ONE value per (batch, head) -> ``[b, 1, h, 1]``. It scales every phi(k_j) by the same
+  constant, which cancels in the exponential part (``favor``'s eps, added after the scaling,
+  is relative to it):
+
+  * not causal: the max over the length and features of the real (mask True) keys, so no
+    feature exceeds 1;
+  * causal: the max over the features of the FIRST real key, which every real query sees.
+    A max over all keys would make phi(k_j), and so query i's output, depend on keys after
+    i: through favor's eps by O(eps), through rounding and underflow for both maps. The
+    price: a later key whose max exceeds the first key's by more than ~88 (float32) gives an
+    infinite feature (a NaN loss, not a silent leak).
 
   Both sit behind stop_gradient. The scale cancels in attention, so treating it as a constant
   leaves the gradient of attention exact; and it makes phi(k_i) depend, for autodiff, on k_i
-  alone. Without it the gradient of phi(k_i) would also flow to whichever token holds the key
-  max, often a future one, and a causal model would see gradients from future tokens (zero only
-  in exact arithmetic). With it, d phi(k_i) / d k_j = 0 exactly for j != i. The forward value
-  of phi(k_i) still carries the shared scale set by all keys, future ones included: it cancels
-  in causal attention too, but a future key far above the past ones (~88 in float32) can
-  underflow the past features to 0.
+  alone, so d phi(k_i) / d k_j = 0 exactly for j != i.
   """
   if is_query:
     m = jnp.max(z, axis=-1, keepdims=True)
+  elif causal:
+    top = jnp.max(z, axis=-1)                                      # [b, l, h]
+    first = (jnp.zeros(top.shape[:1], jnp.int32) if mask is None
+             else jnp.argmax(jnp.asarray(mask, bool), axis=1))     # [b] the first real key
+    m = jnp.take_along_axis(top, first[:, None, None], axis=1)[..., None]  # [b, 1, h, 1]
   else:
     if mask is not None:
       z = jnp.where(jnp.asarray(mask, bool)[:, :, None, None], z, -jnp.inf)
     m = jnp.max(z, axis=(1, 3), keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # a (batch, head) with no real key
+  m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))  # a (batch, head) with no real key
   return jax.lax.stop_gradient(m)
 
 
-@functools.partial(jax.jit, static_argnames="is_query")
-def sikf(x, *, is_query: bool, mask=None):
+@functools.partial(jax.jit, static_argnames=("is_query", "causal"))
+def sikf(x, *, is_query: bool, mask=None, causal: bool = False):
   """Shift-invariant kernel function phi(x) = exp(x) (FastRPB Sec. 3.1), stabilised.
 
   sim(q, k) = sum_l exp(q_l + k_l), so adding a constant to all q or to all k scales every
@@ -153,6 +163,8 @@ def sikf(x, *, is_query: bool, mask=None):
   Args:
     x: ``[batch, length, heads, dim]``.
     is_query: per-token stabiliser (queries) or one per (batch, head) (keys).
+    causal: keys only: the stabiliser is the first real key's (``_stabilizer``), so no
+      feature depends on a later key.
     mask: optional ``[batch, length]`` bool, True = real token; padded keys are left out of the
       key max. Their features are still computed (and may overflow if the padded values exceed
       the real ones by ~88 in float32); the attention op zeros them.
@@ -164,7 +176,7 @@ def sikf(x, *, is_query: bool, mask=None):
   _check_x(x)
   _check_mask(mask, x)
   x = _upcast(x)
-  return jnp.exp(x - _stabilizer(x, is_query=is_query, mask=mask))
+  return jnp.exp(x - _stabilizer(x, is_query=is_query, mask=mask, causal=causal))
 
 
 @functools.partial(jax.jit, static_argnames="nu")
@@ -244,12 +256,14 @@ def prf(x, projection):
   return jnp.exp(z) / math.sqrt(z.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("is_query", "eps"))
-def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6):
+@functools.partial(jax.jit, static_argnames=("is_query", "eps", "causal"))
+def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6,
+          causal: bool = False):
   """Performer FAVOR+: PRF (Luo Eq. 5) with the Performer stabiliser, plus eps.
 
   phi(x) = exp(w_i.x - |x|^2/2 - c) / sqrt(m) + eps, c from ``_stabilizer`` (per token for
-  queries, one per (batch, head) over real keys for keys), which cancels in attention; eps keeps
+  queries; one per (batch, head) for keys: over the real keys, or the first real key's when
+  ``causal``), which cancels in attention; eps keeps
   the denominator away from zero. With eps = 0 the attention weights equal those of ``prf``.
   x ``[b, l, h, d]``, projection ``[m, d]`` or ``[h, m, d]``, mask ``[b, l]`` -> ``[b, l, h, m]``.
   """
@@ -257,7 +271,7 @@ def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6):
   _check_projection(projection, x, "favor")
   _check_mask(mask, x)
   z = _prf_exponent(x, projection)
-  z = z - _stabilizer(z, is_query=is_query, mask=mask)
+  z = z - _stabilizer(z, is_query=is_query, mask=mask, causal=causal)
   return jnp.exp(z) / math.sqrt(z.shape[-1]) + eps
 
 
@@ -302,8 +316,8 @@ class Kernel:
 
   Attributes:
     name: the config name (``model.kernel``).
-    phi: ``phi(x, projection, is_query, mask, nu) -> [b, l, h, m]``, the feature map; None for
-      ``softmax``, which is computed from materialised scores instead.
+    phi: ``phi(x, projection, is_query, mask, nu, causal) -> [b, l, h, m]``, the feature map;
+      None for ``softmax``, which is computed from materialised scores instead.
     projection: how the random projection is drawn (``gaussian_projection`` or
       ``orthogonal_projection``, called as ``(key, num_features, dim, dtype=)``); None for the
       deterministic maps.
@@ -349,28 +363,32 @@ _RANDOM_OPTIONS = ("num_features", "eps", "redraw", "seed")
 # (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one.
 _REGISTRY = {k.name: k for k in (
     Kernel("softmax", phi=None, out_dim=_same, options=()),
-    Kernel("elu1", phi=lambda x, w, is_query, mask, nu: elu1(x), out_dim=_same,
+    Kernel("elu1", phi=lambda x, w, is_query, mask, nu, causal: elu1(x), out_dim=_same,
            options=("eps",)),
-    Kernel("relu", phi=lambda x, w, is_query, mask, nu: relu(x), out_dim=_same,
+    Kernel("relu", phi=lambda x, w, is_query, mask, nu, causal: relu(x), out_dim=_same,
            options=("eps",)),
-    Kernel("sikf", phi=lambda x, w, is_query, mask, nu: sikf(x, is_query=is_query, mask=mask),
+    Kernel("sikf",
+           phi=lambda x, w, is_query, mask, nu, causal: sikf(x, is_query=is_query, mask=mask,
+                                                             causal=causal),
            out_dim=_same, options=("eps",)),
-    Kernel("dpfp", phi=lambda x, w, is_query, mask, nu: dpfp(x, nu=nu),
+    Kernel("dpfp", phi=lambda x, w, is_query, mask, nu, causal: dpfp(x, nu=nu),
            out_dim=lambda dim, num_features, nu: 2 * dim * nu, options=("nu", "eps")),
     Kernel("favor",
-           phi=lambda x, w, is_query, mask, nu: favor(x, w, is_query=is_query, mask=mask),
+           phi=lambda x, w, is_query, mask, nu, causal: favor(x, w, is_query=is_query, mask=mask,
+                                                             causal=causal),
            out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=gaussian_projection,
            estimates_softmax=True),
-    Kernel("prf", phi=lambda x, w, is_query, mask, nu: prf(x, w), out_dim=_per_feature,
+    Kernel("prf", phi=lambda x, w, is_query, mask, nu, causal: prf(x, w), out_dim=_per_feature,
            options=_RANDOM_OPTIONS, projection=gaussian_projection, estimates_softmax=True),
-    Kernel("trf", phi=lambda x, w, is_query, mask, nu: trf(x, w),
+    Kernel("trf", phi=lambda x, w, is_query, mask, nu, causal: trf(x, w),
            out_dim=lambda dim, num_features, nu: 2 * num_features, options=_RANDOM_OPTIONS,
            projection=gaussian_projection, estimates_softmax=True, nonnegative=False),
     # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
-    Kernel("nprf", phi=lambda x, w, is_query, mask, nu: nprf(x, w), out_dim=_per_feature,
+    Kernel("nprf", phi=lambda x, w, is_query, mask, nu, causal: nprf(x, w), out_dim=_per_feature,
            options=_RANDOM_OPTIONS, projection=gaussian_projection),
     Kernel("orf",
-           phi=lambda x, w, is_query, mask, nu: favor(x, w, is_query=is_query, mask=mask),
+           phi=lambda x, w, is_query, mask, nu, causal: favor(x, w, is_query=is_query, mask=mask,
+                                                             causal=causal),
            out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=orthogonal_projection,
            estimates_softmax=True),
 )}
@@ -392,12 +410,13 @@ def _feature_kernel(name: str) -> Kernel:
 
 
 def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=None,
-                nu: int = 1):
+                nu: int = 1, causal: bool = False):
   """Applies the feature map ``name`` (one of ``FEATURE_MAPS``) to ``x [b, l, h, d]``.
 
   ``projection`` is required by the random maps (build it with ``make_projection``) and refused
-  by the deterministic ones; ``is_query`` and ``mask`` matter for the stabilised maps
-  (``sikf``, ``favor``, ``orf``); ``nu`` for ``dpfp``. Returns ``[b, l, h, feature_dim(...)]``.
+  by the deterministic ones; ``is_query``, ``mask`` and ``causal`` (keys of a causal layer:
+  a stabiliser no later key changes) matter for the stabilised maps (``sikf``, ``favor``,
+  ``orf``); ``nu`` for ``dpfp``. Returns ``[b, l, h, feature_dim(...)]``.
   """
   kernel = _feature_kernel(name)
   _check_x(x)
@@ -406,7 +425,7 @@ def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=N
   elif projection is not None:
     raise ValueError(f"feature map {name!r} is deterministic and takes no projection; got one "
                      f"of shape {jnp.shape(projection)}.")
-  return kernel.phi(x, projection, is_query, mask, nu)
+  return kernel.phi(x, projection, is_query, mask, nu, causal)
 
 
 def make_projection(name: str, key, num_features: int, dim: int, *, dtype=jnp.float32):

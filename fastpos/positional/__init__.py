@@ -6,7 +6,6 @@ scheme with ``build(name, dims, options)``, which checks the option names first.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
 from typing import Mapping
@@ -16,6 +15,7 @@ from fastpos.positional.base import (
   Dims,
   KernelInfo,
   KVMix,
+  Option,
   Scheme,
   center_slice,
   center_slice_2d,
@@ -50,18 +50,14 @@ def get_class(name: str) -> type[Scheme]:
 
 
 def option_names(name: str) -> tuple[str, ...]:
-  """The options (dataclass fields) scheme ``name`` accepts."""
-  skip = {"dims", "parent", "name"}
-  return tuple(f.name for f in dataclasses.fields(get_class(name)) if f.name not in skip)
+  """The options scheme ``name`` accepts (its ``option_spec``)."""
+  return tuple(get_class(name).option_spec)
 
 
 def check_options(name: str, options: Mapping) -> None:
-  valid = option_names(name)
-  for key in options:
-    if key not in valid:
-      raise ValueError(
-          f"unknown option {key!r} for positional scheme {name!r}; valid options: "
-          f"{', '.join(valid) or '(none)'}.")
+  """Raises ValueError for an option name scheme ``name`` does not have (values are checked by
+  ``Scheme.resolve_options`` when the scheme is used)."""
+  get_class(name).check_option_names(options)
 
 
 def build(scheme: str, dims: Dims, options: Mapping | None = None, **module_kwargs) -> Scheme:
@@ -88,6 +84,6 @@ def parse_names(positional: str | tuple | list) -> tuple[str, ...]:
   return tuple(n for n in names if n != "none")
 
 
-__all__ = ["Context", "Dims", "KernelInfo", "KVMix", "Scheme", "SCHEMES", "build",
+__all__ = ["Context", "Dims", "KernelInfo", "KVMix", "Option", "Scheme", "SCHEMES", "build",
            "center_slice", "center_slice_2d", "check_options", "get_class", "offset_rows",
            "option_names", "parse_names", "positions_2d"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("learned", "sinusoidal")
 
@@ -34,26 +34,16 @@ def sinusoid_table(positions, dim: int, *, base: float = 10000.0):
 
 
 class AbsolutePositional(Scheme):
-  """Absolute embeddings. Options: ``kind`` in ``KINDS``."""
+  """Absolute embeddings (options: ``option_spec``)."""
 
-  kind: str = "learned"
+  option_spec = {"kind": Option("learned", "a learned table or fixed sinusoids", type="str",
+                                choices=KINDS)}
 
   scheme_name = "absolute"
   hooks = ("embed",)
   supports_2d = True
 
-  @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    kind = options.get("kind", "learned")
-    if kind not in KINDS:
-      raise ValueError(f"absolute: unknown kind {kind!r}; valid choices: {', '.join(KINDS)}.")
-    return None
-
   def setup(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"absolute: unknown kind {self.kind!r}; valid choices: "
-                       f"{', '.join(KINDS)}.")
     if self.kind == "learned":
       shape = ((self.dims.max_length, self.dims.embed_dim) if self.dims.grid is None
                else (*self.dims.grid, self.dims.embed_dim))

@@ -27,10 +27,13 @@ length with ``center_slice`` / ``center_slice_2d``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+import functools
+import math
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from fastpos.ops.masks import check_mask
 
@@ -131,12 +134,128 @@ class KVMix:
   log_decay: Any = None
 
 
+# ---------------------------------------------------------------------------------------------
+# Options: one declarative spec per scheme, one validator.
+# ---------------------------------------------------------------------------------------------
+OPTION_TYPES = ("bool", "int", "number", "str", "any")
+_ANNOTATIONS = {"bool": "bool", "int": "int", "number": "float", "str": "str", "any": "Any"}
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+  return (isinstance(x, (int, float, np.integer, np.floating))
+          and not isinstance(x, (bool, np.bool_)) and math.isfinite(x))
+
+
+_TYPE_CHECKS = {"bool": lambda x: isinstance(x, (bool, np.bool_)), "int": _is_int,
+                "number": _is_number, "str": lambda x: isinstance(x, str),
+                "any": lambda x: True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One option of a scheme: its type, default, valid values and meaning.
+
+  Attributes:
+    default: the value when the option is not given.
+    doc: what the option does (one line).
+    type: one of ``OPTION_TYPES`` ("number": a finite int or float; "any": only ``check``).
+    choices: the valid values, or a mapping value -> short description.
+    low, high: a range (inclusive unless ``low_open`` / ``high_open``).
+    even: the integer must be even.
+    none_ok: None is valid too (it means the documented default behaviour).
+    check: a predicate for values a type and range cannot say (e.g. a number or a sequence).
+    valid: the valid values in words, where the generated description does not say enough.
+    note: appended to the error in parentheses (e.g. the paper's value).
+    annotation: the field's type annotation (derived from ``type`` unless given).
+  """
+  default: Any
+  doc: str
+  type: str = "any"
+  choices: tuple | Mapping | None = None
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  even: bool = False
+  none_ok: bool = False
+  check: Callable[[Any], bool] | None = None
+  valid: str = ""
+  note: str = ""
+  annotation: str = ""
+
+  def __post_init__(self):
+    if self.type not in OPTION_TYPES:
+      raise ValueError(f"Option type {self.type!r}; valid choices: {', '.join(OPTION_TYPES)}.")
+
+  @property
+  def field_annotation(self) -> str:
+    base = self.annotation or _ANNOTATIONS[self.type]
+    return f"{base} | None" if self.none_ok and "None" not in base else base
+
+  def describe(self) -> str:
+    """The valid values in words (the error message's "must be ...")."""
+    if self.choices is not None:
+      return "one of " + self.choice_list()
+    if self.valid:
+      return self.valid
+    words = {"bool": "True or False", "int": "an even integer" if self.even else "an integer",
+             "number": "a finite number", "str": "a string", "any": "a valid value"}[self.type]
+    if self.low is not None:
+      words += f" {'>' if self.low_open else '>='} {self.low:g}"
+    if self.high is not None:
+      words += f"{' and' if self.low is not None else ''} {'<' if self.high_open else '<='} "
+      words += f"{self.high:g}"
+    if self.none_ok:
+      words = "None, True or False" if self.type == "bool" else f"None or {words}"
+    return words
+
+  def choice_list(self) -> str:
+    if isinstance(self.choices, Mapping):
+      return ", ".join(f"{v!r} ({d})" if isinstance(v, str) else f"{v} ({d})"
+                       for v, d in self.choices.items())
+    return ", ".join(str(c) for c in self.choices)
+
+  def is_valid(self, value) -> bool:
+    if value is None and self.none_ok:
+      return True
+    if not _TYPE_CHECKS[self.type](value):
+      return False
+    if self.choices is not None:
+      return any(value == c and type(value) is type(c) for c in self.choices)
+    if self.even and value % 2:
+      return False
+    if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+      return False
+    if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+      return False
+    return self.check is None or bool(self.check(value))
+
+  def error(self, scheme: str, name: str, value) -> str:
+    """The message for a bad ``value``: the scheme, the option, the value, the valid values."""
+    if self.choices is not None:
+      return f"{scheme}: unknown {name} {value!r}; valid choices: {self.choice_list()}."
+    note = f" ({self.note})" if self.note else ""
+    return f"{scheme}: {name} must be {self.describe()}{note}; got {value!r}."
+
+
 class Scheme(nn.Module):
-  """Base class of positional schemes. Subclasses set the class attributes below, add their
-  options as dataclass fields with defaults, create parameters in ``setup()`` from ``dims``,
-  and implement the methods of the hooks they list in ``hooks``."""
+  """Base class of positional schemes. Subclasses set the class attributes below, declare their
+  options in ``option_spec`` (name -> ``Option``), create parameters in ``setup()`` from
+  ``dims``, and implement the methods of the hooks they list in ``hooks``.
+
+  Each option of ``option_spec`` becomes a dataclass field with its default, and
+  ``resolve_options`` is the one validator: it runs before every ``compatibility``,
+  ``feature_out_dim`` (which then see every option, defaults filled in) and ``setup`` of every
+  scheme, so no scheme checks its options itself. Rules between options go in
+  ``check_relations``."""
 
   dims: Dims
+
+  option_spec: ClassVar[Mapping[str, Option]] = {}
 
   scheme_name: ClassVar[str] = ""  # the registry name (linen reserves `name`)
   hooks: ClassVar[tuple[str, ...]] = ()
@@ -146,19 +265,76 @@ class Scheme(nn.Module):
   supports_1d: ClassVar[bool] = True
   supports_2d: ClassVar[bool] = False
 
+  def __init_subclass__(cls, **kwargs):
+    spec = cls.__dict__.get("option_spec", {})
+    if spec:  # the spec's options become dataclass fields (linen makes the class a dataclass)
+      annotations = dict(cls.__dict__.get("__annotations__", {}))
+      for name, option in spec.items():
+        if name in annotations:
+          raise TypeError(f"{cls.__name__}: option {name!r} is declared in option_spec; drop "
+                          f"its field.")
+        annotations[name] = option.field_annotation
+        setattr(cls, name, option.default)
+      cls.__annotations__ = annotations
+    for name, wrap in (("compatibility", _validating_compatibility),
+                       ("feature_out_dim", _validating_out_dim)):
+      if name in cls.__dict__:
+        setattr(cls, name, classmethod(wrap(cls.__dict__[name].__func__)))
+    if "setup" in cls.__dict__:
+      cls.setup = _validating_setup(cls.__dict__["setup"])
+    super().__init_subclass__(**kwargs)
+
+  @classmethod
+  def check_option_names(cls, options: Mapping) -> None:
+    valid = tuple(cls.option_spec)
+    for key in options:
+      if key not in valid:
+        raise ValueError(
+            f"unknown option {key!r} for positional scheme {cls.scheme_name!r}; valid options: "
+            f"{', '.join(valid) or '(none)'}.")
+
+  @classmethod
+  def resolve_options(cls, options: Mapping | None = None) -> dict:
+    """Every option's value (``options`` over the defaults), validated against ``option_spec``
+    and ``check_relations``; raises ValueError naming the scheme, the option, the bad value and
+    the valid ones."""
+    options = dict(options or {})
+    cls.check_option_names(options)
+    resolved = {name: options.get(name, o.default) for name, o in cls.option_spec.items()}
+    for name, option in cls.option_spec.items():
+      if not option.is_valid(resolved[name]):
+        raise ValueError(option.error(cls.scheme_name, name, resolved[name]))
+    cls.check_relations(resolved)
+    return resolved
+
+  @classmethod
+  def check_relations(cls, options: dict) -> None:
+    """Rules between options (each valid on its own); raises ValueError. ``options``: all."""
+
+  def option_values(self) -> dict:
+    """This module's options (its fields of ``option_spec``)."""
+    return {name: getattr(self, name) for name in self.option_spec}
+
+  def setup(self):
+    """Schemes without parameters need no setup; their options are still validated."""
+    type(self).resolve_options(self.option_values())
+
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
     """None when the scheme works with this kernel / setting, else the reason it does not.
 
-    The generic checks (causal, 1D, 2D support) are made by ``fastpos.compat``; override this
-    for kernel-specific rules (e.g. a logits bias needs the softmax kernel)."""
+    The generic checks (causal, 1D, 2D support) are made by
+    ``fastpos.positional.compatibility``; override this for kernel-specific rules (e.g. a
+    logits bias needs the softmax kernel)."""
+    cls.resolve_options(options)
     return None
 
   @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:
     """Last dim of q, k after ``features`` given ``dim`` before it (identity unless the scheme
     changes it, e.g. a complex rotation realised as [Re, Im] doubles it)."""
+    cls.resolve_options(options)
     return dim
 
   # Hooks (implement the ones listed in ``hooks``).
@@ -176,6 +352,28 @@ class Scheme(nn.Module):
 
   def output(self, v, ctx: Context):
     raise NotImplementedError(f"{type(self).__name__} has no output hook.")
+
+
+def _validating_compatibility(method):
+  @functools.wraps(method)
+  def wrapper(cls, kernel, *, causal: bool, two_d: bool, options: Mapping | None = None):
+    return method(cls, kernel, causal=causal, two_d=two_d, options=cls.resolve_options(options))
+  return wrapper
+
+
+def _validating_out_dim(method):
+  @functools.wraps(method)
+  def wrapper(cls, dim: int, options: Mapping | None = None):
+    return method(cls, dim, cls.resolve_options(options))
+  return wrapper
+
+
+def _validating_setup(setup):
+  @functools.wraps(setup)
+  def wrapper(self):
+    type(self).resolve_options(self.option_values())
+    return setup(self)
+  return wrapper
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,3 +414,37 @@ def positions_2d(grid: Sequence[int]):
   h, w = tuple(grid)
   idx = jnp.arange(h * w, dtype=jnp.int32)
   return idx // w, idx % w
+
+
+def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
+  """Integer positions ``([Lq, c], [Lk, c])``, c = 1 (1D: queries at M + i after M memory
+  keys, keys at j) or 2 (2D raster order: (row, column)). Numpy (static), except in a decoding
+  step (``ctx.offset``): jax arrays ``offset + i`` for queries and keys alike."""
+  lq, lk = q.shape[1], k.shape[1]
+  if ctx.offset is not None:  # decoding: the new tokens' queries and keys share positions
+    if two_d or lq != lk:
+      raise ValueError(f"{scheme}: a decoding step is 1D with one key per query; got queries "
+                       f"{q.shape}, keys {k.shape}, grid {ctx.grid}.")
+    pos = (ctx.offset + jnp.arange(lq, dtype=jnp.int32))[:, None]
+    return pos, pos
+  memory = lk - lq
+  if memory != ctx.memory_length:
+    raise ValueError(f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+                     f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+  if ctx.grid is None:
+    if two_d:
+      raise ValueError(f"{scheme}: built for a 2D grid but called without one.")
+    return (memory + np.arange(lq))[:, None], np.arange(lk)[:, None]
+  if not two_d:
+    raise ValueError(f"{scheme}: called with a grid but built for 1D (dims.grid is None).")
+  if memory:
+    raise ValueError(f"{scheme}: memory (M = {memory}) is only defined for 1D sequences; got "
+                     f"grid {ctx.grid}.")
+  h, w = (int(g) for g in ctx.grid)
+  if h * w != lq:
+    raise ValueError(f"{scheme}: grid {tuple(ctx.grid)} does not cover length {lq}.")
+  idx = np.arange(lq)
+  pos = np.stack([idx // w, idx % w], axis=-1)
+  return pos, pos
+
+

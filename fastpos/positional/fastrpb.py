@@ -33,6 +33,7 @@ from fastpos.ops import toeplitz
 from fastpos.positional.base import (
   Context,
   KernelInfo,
+  Option,
   Scheme,
   center_slice,
   center_slice_2d,
@@ -43,12 +44,16 @@ MODES_2D = ("axial", "full")
 
 
 class FastRPB(Scheme):
-  """Options: ``per_head`` (one table per head), ``mode_2d`` in ``MODES_2D``,
-  ``shared_axes`` (axial 2D: one table for rows and columns)."""
+  """Options: ``option_spec``."""
 
-  per_head: bool = False
-  mode_2d: str = "axial"
-  shared_axes: bool = False
+  option_spec = {
+      "per_head": Option(False, "one table per head (else one shared by the heads)",
+                         type="bool"),
+      "mode_2d": Option("axial", "2D: the paper's row + column tables, or one full 2D table",
+                        type="str", choices=MODES_2D),
+      "shared_axes": Option(False, "axial 2D: one table for rows and columns (square grids)",
+                            type="bool"),
+  }
 
   scheme_name = "fastrpb"
   hooks = ("output",)
@@ -57,11 +62,7 @@ class FastRPB(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    mode = options.get("mode_2d", "axial")
-    if mode not in MODES_2D:
-      raise ValueError(f"fastrpb: unknown mode_2d {mode!r}; valid choices: "
-                       f"{', '.join(MODES_2D)}.")
-    if two_d and causal and mode == "axial":
+    if two_d and causal and options["mode_2d"] == "axial":
       return ("the paper's axial 2D bias (vertical + horizontal tables) is not causal in "
               "raster order; use positional_options.fastrpb.mode_2d='full'")
     return None
@@ -75,7 +76,7 @@ class FastRPB(Scheme):
     h, w = self.dims.grid
     if self.mode_2d == "full":
       self.w = self.param("w", zeros, lead + (2 * h - 1, 2 * w - 1))
-    elif self.mode_2d == "axial":
+    else:  # axial
       if self.shared_axes:
         if h != w:
           raise ValueError(f"fastrpb: shared_axes needs a square grid; got {self.dims.grid}.")
@@ -83,9 +84,6 @@ class FastRPB(Scheme):
       else:
         self.w_rows = self.param("w_rows", zeros, lead + (2 * h - 1,))
         self.w_cols = self.param("w_cols", zeros, lead + (2 * w - 1,))
-    else:
-      raise ValueError(f"fastrpb: unknown mode_2d {self.mode_2d!r}; valid choices: "
-                       f"{', '.join(MODES_2D)}.")
 
   def _tables(self, n: int, grid):
     """The batch's tables, each ``[h|1, ...]`` so they broadcast over ``[b, h, N, d]``."""

@@ -30,6 +30,7 @@ from fastpos.positional.base import (
   Context,
   KernelInfo,
   KVMix,
+  Option,
   Scheme,
   center_slice,
   center_slice_2d,
@@ -37,9 +38,10 @@ from fastpos.positional.base import (
 
 
 class KernelizedRPE(Scheme):
-  """Options: ``share_across_layers`` (one table for the whole model)."""
+  """Options: ``option_spec``."""
 
-  share_across_layers: bool = False
+  option_spec = {"share_across_layers": Option(False, "one table for the whole model",
+                                               type="bool")}
 
   scheme_name = "kernelized_rpe"
   hooks = ("kv",)

@@ -1,69 +1,22 @@
 """``permuteformer``: a position-aware permutation of the features, with a causal decay r.
 
-Chen, "PermuteFormer: Efficient Relative Position Encoding for Long Sequences" (EMNLP 2021),
-Sec. 3.3-3.5. With a fixed random permutation pi of the m features of a head and its
-permutation matrix ``P_pi`` (``(P_pi)_{ab} = 1`` iff pi(a) = b, so ``(P_pi x)_a = x_{pi(a)}``,
-the paper's footnote 2), the similarity of query i and key j is (Eq. 11, with Eq. 10's
-``R = Q = I, P = r^-1 P_pi``)
+Chen, "PermuteFormer: Efficient Relative Position Encoding for Long Sequences" (EMNLP 2021).
+With a fixed random permutation pi per head and its matrix ``P_pi`` (``(P_pi x)_a =
+x_{pi(a)}``), query i and key j score (Eq. 11)
 
     sim(q_i, k_j) = (r^i P_pi^i phi(q_i))^T (r^-j P_pi^j phi(k_j))
-                  = r^(i-j) phi(q_i)^T P_pi^(j-i) phi(k_j)                  (P_pi orthogonal)
+                  = r^(i-j) phi(q_i)^T P_pi^(j-i) phi(k_j)
 
-a function of the offset j - i only (Property 1), non-negative for non-negative phi
-(Property 3: a permutation maps R^m_+ to R^m_+). The features hook applies ``P_pi^i`` to the
-features of position i, queries and keys alike, as a gather with the index table of pi^i
-(Eq. 12-13: ``P_pi^i = P_{pi^i}``): ``y_a = x_{pi^i(a)}``. The table ``[max_length, heads, m]``
-is computed once in numpy (by doubling: ``pi^(s+i) = pi^s o pi^i``) and embedded as a
-constant; no ``[N, m, m]`` matrix is formed (``ctx.reference`` applies the
-dense one-hot matrices instead, for tests). Integer size: int16 when m < 2^15 (the table of
-N = 4096, 8 heads, m = 256 is 16 MiB), else int32.
+a function of j - i only, non-negative for non-negative phi. The features hook applies
+``P_pi^i`` as a gather with a precomputed table of pi^i; the decay r^(i-j) comes from the
+``kv`` hook (``log r`` per head; r < 1 needs a causal model, Eq. 10). 2D (Eq. 14): one
+permutation moves the first half of the features by the row, another the rest by the column.
 
-The decay r (Eq. 10: "r = 1 for bidirectional models and 0 < r < 1 for unidirectional
-models"): ``r^i`` and ``r^-j`` are not applied to the features (``r^-j`` overflows for long
-sequences); ``kv`` returns ``log r`` per head and the attention layer applies ``r^(i-j)``
-stably per chunk (linear kernels) or as the logits bias ``(i-j) log r`` (softmax). With r = 1
-for every head ``kv`` returns an empty ``KVMix()``. r < 1 in a bidirectional model is
-rejected (``compatibility``): there r^(i-j) grows without bound for keys after the query,
-breaking Property 2 (bounded), which is why the paper fixes r = 1 there; a symmetric
-r^|i-j| is not in the paper and cannot be factored into per-position features.
-
-2D (Sec. 3.5, Eq. 14): ``(P_x^{x_i} P_y^{y_i} phi(q_i))^T (P_x^{x_j} P_y^{y_j} phi(k_j))`` with two
-commuting permutations (x: column, y: row). Following the paper's words ("we permute some elements
-of the query / key feature according to a pixel's horizontal position, while others according to its
-vertical position"), pi_row permutes the first ceil(m/2) features only and pi_col the other
-floor(m/2): permutations of disjoint sets commute, so ``P^(r,c) = P_row^r P_col^c`` and
-``(P^(r,c))^T P^(r',c') = P_row^(r'-r) P_col^(c'-c)``: the score depends on the (row, column) offset
-only. (Powers of a single permutation would also commute, but then the score would depend on a
-combination of the two offsets, and rows and columns would share one period.) The two halves get
-independent random permutations; m >= 4 is needed (each half >= 2 features to move). A causal 2D
-model's decay is r^(raster distance) = r^(W dr + dc), still relative.
-
-Options and init (nothing is learned; there are no parameters, as in the paper, which treats
-pi and r as hyper-parameters):
-
-* ``seed`` (0): numpy ``default_rng(seed)`` draws one permutation per head (2D: one pair per
-  head) at setup time; a draw equal to the identity, or (while enough permutations exist) to an
-  earlier head's, is redrawn, so heads differ (Sec. 3.3: "we choose different permutations for
-  different attention heads"). Every layer with the same seed gets the same permutations (as
-  the authors' code, one fixed seed in every layer), so the scheme is shareable across layers.
-* ``decay`` (1.0): r in (0, 1], one value for every head or a sequence of ``num_heads`` values
-  (the paper's language-model runs use per-head r in [0.88, 0.99], Sec. 4.2.1;
-  ``paper_decays(h)`` gives the ladder of the authors' released code, ``sigmoid(2 + 3 k / h)``,
-  k = 0..h-1, which spans that range; ``decay="paper"`` selects it for any number of heads).
-
-Period: pi^i repeats with pi's order (the lcm of its cycle lengths), so offsets that differ by
-a multiple of the order are not told apart within a head; across heads the range is the lcm
-of their orders (Sec. 3.3).
-
-Positions: 0..N-1 (raster order on a grid); with M memory keys (``ctx.memory_length``) the
-queries sit at M..M+Lq-1. Positions >= ``dims.max_length`` (or a grid beyond ``dims.grid``)
-raise a ValueError. Shapes: q ``[batch, Lq, heads, f]``, k ``[batch, Lk, heads, f]``, f =
-``dims.feature_dim`` (m for linear kernels, head_dim for softmax; post_phi).
-
-Supports causal, 1D and 2D. Kernels: softmax (the permutation acts on q, k: the logit
-``q_i^T P^(j-i) k_j`` is relative, and any decay becomes ``(i-j) log r``) and every linear
-kernel with non-negative features (``KernelInfo.nonnegative``); ``trf``'s signed features are
-rejected (Property 3: with signed features the shared, permuted denominator can vanish).
+Shapes: q ``[batch, Lq, heads, f]``, k ``[batch, Lk, heads, f]`` (f = head_dim for softmax, m
+for linear kernels: post_phi) -> the same. Positions must be < ``dims.max_length`` (2D: within
+``dims.grid``). Causal, 1D and 2D; softmax and every linear kernel with non-negative features
+(``trf`` is refused: Property 3). No parameters. Options: ``PermuteFormer.option_spec``
+(``decay="paper"``: the authors' per-head ladder ``paper_decays``).
 """
 
 from __future__ import annotations
@@ -75,8 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional import lrpe
-from fastpos.positional.base import Context, KernelInfo, KVMix, Scheme
+from fastpos.positional.base import (
+  Context,
+  KernelInfo,
+  KVMix,
+  Option,
+  Scheme,
+  query_key_positions,
+)
 
 SCHEME = "permuteformer"
 
@@ -84,31 +43,24 @@ SCHEME = "permuteformer"
 # ---------------------------------------------------------------------------------------------
 # Options
 # ---------------------------------------------------------------------------------------------
-def _is_real(x) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
-      x, (bool, np.bool_))
+PAPER_DECAY = "paper"  # the ``decay`` option value that asks for ``paper_decays(num_heads)``
+_RATE = Option(1.0, "", type="number", low=0, low_open=True, high=1)
 
 
-def check_decay(decay, num_heads: int = 1) -> tuple[float, ...]:
-  """``decay`` (a number or a sequence of per-head numbers, each in (0, 1], or ``"paper"``:
-  ``paper_decays(num_heads)``) -> floats."""
-  if isinstance(decay, str) and decay == PAPER_DECAY:
+def _valid_decay(decay) -> bool:
+  if isinstance(decay, str):
+    return decay == PAPER_DECAY
+  values = tuple(decay) if isinstance(decay, (tuple, list, np.ndarray)) else (decay,)
+  return bool(values) and all(_RATE.is_valid(r) for r in values)
+
+
+def decays(decay, num_heads: int = 1) -> tuple[float, ...]:
+  """A valid ``decay`` option (a number, per-head numbers or ``"paper"``) -> per-head floats
+  (one value, or ``num_heads`` values)."""
+  if isinstance(decay, str):
     return paper_decays(num_heads)
   values = tuple(decay) if isinstance(decay, (tuple, list, np.ndarray)) else (decay,)
-  if not values or not all(_is_real(r) and np.isfinite(r) and 0.0 < r <= 1.0 for r in values):
-    raise ValueError(f"{SCHEME}: decay must be a number r in (0, 1], a non-empty sequence of "
-                     f"per-head r in (0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's "
-                     f"per-head ladder); got {decay!r}.")
   return tuple(float(r) for r in values)
-
-
-def check_seed(seed) -> int:
-  if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)) or seed < 0:
-    raise ValueError(f"{SCHEME}: seed must be an integer >= 0; got {seed!r}.")
-  return int(seed)
-
-
-PAPER_DECAY = "paper"  # the ``decay`` option value that asks for ``paper_decays(num_heads)``
 
 
 def paper_decays(num_heads: int) -> tuple[float, ...]:
@@ -223,13 +175,17 @@ def permute_dense(x, index):
 # The scheme
 # ---------------------------------------------------------------------------------------------
 class PermuteFormer(Scheme):
-  """Options: ``decay`` (r in (0, 1], one or per head; 1.0), ``seed`` (the permutations; 0),
-  ``permute`` (True; False keeps only the decay r^(i-j): the paper's "w/o P_pi" ablation,
-  Table 4)."""
+  """Options: ``option_spec``."""
 
-  decay: float | tuple[float, ...] = 1.0
-  seed: int = 0
-  permute: bool = True
+  option_spec = {
+      "decay": Option(1.0, "r of the causal decay r^(i-j) (Eq. 10), one or per head",
+                      check=_valid_decay, annotation="float | tuple[float, ...]",
+                      valid=f"a number r in (0, 1], a non-empty sequence of per-head r in "
+                      f"(0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's per-head ladder)"),
+      "seed": Option(0, "draws the permutations", type="int", low=0),
+      "permute": Option(True, "False keeps only the decay r^(i-j): the paper's \"w/o P_pi\" "
+                        "ablation (Table 4)", type="bool"),
+  }
 
   scheme_name = SCHEME
   hooks = ("features", "kv")
@@ -242,15 +198,10 @@ class PermuteFormer(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    decays = check_decay(options.get("decay", 1.0))
-    check_seed(options.get("seed", 0))
-    if not isinstance(options.get("permute", True), (bool, np.bool_)):
-      raise ValueError(f"{SCHEME}: permute must be True or False; got "
-                       f"{options.get('permute')!r}.")
     if not kernel.is_softmax and not kernel.nonnegative:
       return (f"PermuteFormer needs non-negative features (its Property 3); {kernel.name!r} "
               f"has signed features, so the linear-attention denominator can vanish")
-    if not causal and min(decays) < 1.0:
+    if not causal and min(decays(options["decay"])) < 1.0:
       return (f"decay r = {options.get('decay')!r} < 1 needs a causal model: the paper sets "
               f"r = 1 for bidirectional models (Eq. 10), since r^(i-j) is unbounded for keys "
               f"after the query (Property 2)")
@@ -258,8 +209,7 @@ class PermuteFormer(Scheme):
 
   def setup(self):
     h, f = self.dims.num_heads, self.dims.feature_dim
-    self._decays = check_decay(self.decay, h)
-    check_seed(self.seed)
+    self._decays = decays(self.decay, h)
     if len(self._decays) not in (1, h):
       raise ValueError(f"{SCHEME}: decay has {len(self._decays)} values; give one r or one per "
                        f"head ({h}).")
@@ -308,8 +258,8 @@ class PermuteFormer(Scheme):
                          f"build the model for the larger grid (TaskInfo.grid).")
     if not self.permute:  # "w/o P_pi": positions enter only through the decay (kv)
       return q, k
-    pos_q, pos_k = lrpe.query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
-                                            scheme=SCHEME)
+    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
+                                       scheme=SCHEME)
     apply = permute_dense if ctx.reference else permute
     if ctx.offset is not None:  # decoding: traced positions gather rows of the power table
       index = jnp.take(jnp.asarray(self._powers[0]), pos_q[:, 0], axis=0, mode="clip")

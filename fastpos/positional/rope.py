@@ -10,7 +10,7 @@ angles ``theta_k = base^(-2k/f)``, k = 0..floor(f/2)-1, base = 10000:
     (R_s q)^T (R_t k) = q^T R_{t-s} k                                     (Eq. 14)
 
 on interleaved feature pairs (2k, 2k+1); an odd f leaves the last feature unrotated. The
-computation is ``fastpos.positional.lrpe``'s (``apply_to_qk`` with type 2, P = identity and
+computation is ``fastpos.ops.rotations``' (``transform_qk`` with type 2, P = identity and
 constant angles), so ``rope`` equals ``lrpe(type=2, p="identity", learnable_theta=False)``
 bit for bit.
 
@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fastpos.positional import lrpe
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.ops.rotations import check_feature_dim, inverse_frequencies, transform_qk
+from fastpos.positional.base import Context, Option, Scheme, query_key_positions
 
 
 class RoPE(Scheme):
-  """Options: ``base`` (10000, the angle ladder)."""
+  """Options: ``option_spec``."""
 
-  base: float = 10000.0
+  option_spec = {"base": Option(10000.0, "the angle ladder base^(-2k/f)", type="number", low=0,
+                                low_open=True, note="RoPE: 10000")}
 
   scheme_name = "rope"
   hooks = ("features",)
@@ -41,15 +42,8 @@ class RoPE(Scheme):
   keeps_nonnegative = False
   supports_2d = True
 
-  @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    lrpe.check_base(options.get("base", 10000.0), "rope")
-    return None
-
   def setup(self):
-    lrpe.check_base(self.base, "rope")
-    lrpe.check_feature_dim(2, self.dims.feature_dim, self.dims.grid is not None, "rope")
+    check_feature_dim(2, self.dims.feature_dim, self.dims.grid is not None, "rope")
 
   def features(self, q, k, ctx: Context):
     """q ``[b, Lq, h, f]``, k ``[b, Lk, h, f]`` -> rotated, same shapes."""
@@ -59,9 +53,10 @@ class RoPE(Scheme):
         raise ValueError(f"rope: {name} must be [batch, length, heads, {f}] "
                          f"(dims.feature_dim); got {x.shape}.")
     two_d = self.dims.grid is not None
-    theta = lrpe.inverse_frequencies(2, f, two_d=two_d, base=self.base)[None]  # [1, f // 2]
-    return lrpe.apply_to_qk(q, k, ctx, lrpe_type=2, p="identity", two_d=two_d,
-                            scheme="rope", theta=jnp.asarray(theta))
+    theta = inverse_frequencies(2, f, two_d=two_d, base=self.base)[None]  # [1, f // 2]
+    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=two_d, scheme="rope")
+    return transform_qk(q, k, pos_q, pos_k, lrpe_type=2, p="identity", two_d=two_d,
+                        theta=jnp.asarray(theta))
 
 
 SCHEMES = {"rope": RoPE}

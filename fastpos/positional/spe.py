@@ -1,94 +1,27 @@
 """``spe``: Stochastic Positional Encoding, sineSPE and convSPE, gated (features, pre_phi).
 
 Liutkus et al., "Relative Positional Encoding for Transformers with Linear Complexity" (ICML
-2021); FastRPB Eq. (8) and Table 1 use it as a
-baseline. The formulation below is derived here
-and pinned by tests (``tests/positional/test_spe.py``).
+2021); the target is FastRPB Eq. (8), one stationary kernel P_d per feature dimension d:
 
-**Target.** Relative attention with one stationary kernel per feature dimension d:
+    A_mn = sum_d q_md k_nd P_d(m - n)
 
-    A_mn = sum_d q_md k_nd P_d(m - n)                    (FastRPB Eq. (8), before 1/sqrt(D))
+Two zero-mean Gaussian processes with ``E[Qbar_d(m) Kbar_d(n)] = P_d(m - n)``, drawn R times,
+give per-position features whose dot product estimates it (variance ~ 1/R):
 
-**Construction.** For each head h and dimension d, two zero-mean Gaussian processes
-``Qbar_d(m)``, ``Kbar_d(n)`` with cross-covariance ``E[Qbar_d(m) Kbar_d(n)] = P_d(m - n)``,
-independent across d, are drawn R times (R = ``num_realizations``). With
+    qhat_m = R^(-1/2) sum_d q_md Qbar_d(m, :),    khat_n = R^(-1/2) sum_d k_nd Kbar_d(n, :)
 
-    qhat_m = R^(-1/2) sum_d q_md Qbar_d(m, :)    [R],   khat_n = R^(-1/2) sum_d k_nd Kbar_d(n, :)
+* ``kind="sine"``: ``P_d(delta) = sum_k lambda_kd^2 cos(2 pi f_kd delta + theta_kd)``, K =
+  ``num_sines`` learned sinusoids per (head, d).
+* ``kind="conv"``: ``Qbar``, ``Kbar`` are white noise filtered by two learned filters of length
+  ``kernel_size``: ``P_d(delta) = sum_t phi^q_d(t) phi^k_d(t + delta)``.
+* ``gated``: ``(1 - b_d) P_d(delta) + b_d`` with a learned gate b_d (position-free part).
 
-``E[qhat_m . khat_n] = sum_d q_md k_nd P_d(m - n)`` exactly (the cross terms d != d' vanish by
-independence), and the estimate's variance falls as 1/R. The features hook returns
-``qhat [b, Lq, h, R]`` and ``khat [b, Lk, h, R]``: the last dim becomes R
-(``feature_out_dim``). The layer then applies its kernel (softmax with scale 1/sqrt(head_dim),
-or a feature map phi) to qhat, khat. The authors' code scales Qbar, Kbar by (R D)^(-1/4), i.e.
-puts the 1/sqrt(D) inside SPE; here the layer's softmax scale supplies it. (The layer scales
-q, k by ``dim ** -0.25`` before the random-feature maps with dim the size it sees, which after
-SPE is R, not D.)
+The noise is one fixed draw per ``seed`` and layer path (the authors redraw it per call).
 
-* **sineSPE** (``kind="sine"``): K = ``num_sines`` sinusoids per (h, d),
-
-      P_d(delta) = sum_k lambda_kd^2 cos(2 pi f_kd delta + theta_kd).
-
-  With noise ``Z_d [2K, R]`` ~ N(0, 1) and ``Omega(m, theta) = [lambda_k cos(2 pi f_k m +
-  theta_k), lambda_k sin(2 pi f_k m + theta_k)]_k`` ``[2K]``: ``Qbar_d(m) = Omega(m, theta_d)
-  Z_d``, ``Kbar_d(n) = Omega(n, 0) Z_d``; since cos(a + t) cos b + sin(a + t) sin b =
-  cos(a - b + t) the cross-covariance is P_d(m - n). ``Qbar [Lk, h, d, R]`` is materialised
-  once per call (batch-independent) and contracted with q over d. Parameters ``[h, d, K]``:
-  ``frequencies`` (raw; f = sigmoid(raw) / 2 in (0, 1/2), init N(-4, 1), f ~ 0.01: slow, long-range
-  sinusoids, as the authors' init), ``phases`` theta (init 0: P_d starts symmetric, positive
-  definite with P_d(0) = 1; the authors draw N(0, 1)), ``gains`` (raw; lambda = softplus(raw),
-  init softplus^-1(K^(-1/2)) so that sum_k lambda_k^2 = 1 and |P_d| <= 1; the authors draw
-  random gains and scale the noise by (2K)^(-1/2) instead).
-* **convSPE** (``kind="conv"``): white noise ``z_d(t, :)`` ~ N(0, 1) filtered by two learned
-  filters of length L = ``kernel_size`` per (h, d):
-
-      Qbar_d(m) = sum_{t<L} phi^q_d(t) z_d(m + t),    Kbar_d(n) = sum_{t<L} phi^k_d(t) z_d(n + t),
-      P_d(delta) = sum_t phi^q_d(t) phi^k_d(t + delta)       (zero for |delta| >= L).
-
-  A depthwise ``VALID`` convolution of noise of length Lk + L - 1 (no border: every output
-  sees L real samples, so P is exactly stationary). Where the filter window sits (here at
-  m..m+L-1; "centred" or not) only shifts both processes alike and does not change P.
-  Parameters ``filter_q``, ``filter_k`` ``[h, d, L]``, init U(0, 2 / sqrt(L)) so that
-  P_d(0) ~ 1 (the authors: U(0, sqrt(2 / L)), P_d(0) ~ 1/2). ``Qbar`` is materialised,
-  O(Lk h d R) memory per call (as in the authors' code; batch-independent).
-* **Gating** (``gated=True``, default as in the authors' code): a position-free part is
-  mixed in, ``Qbar_d <- sqrt(1 - b_d) Qbar_d + sqrt(b_d) eps_d``, the same for Kbar, with
-  ``eps_d [R]`` ~ N(0, 1) shared by every position, query and key, so that the kernel becomes
-  ``(1 - b_d) P_d(delta) + b_d``: b_d -> 1 recovers position-free attention. ``gate [h, d]``
-  (raw; b = sigmoid(raw), init 0: b = 1/2; the authors draw N(0, 1)).
-
-**Noise.** One fixed draw: key ``fold_in(key(seed), crc32(module path))``, so evaluation is
-deterministic and two layers with the same seed still get different noise (a layer shared
-with ``share_across_layers`` gets one draw). The authors' PyTorch code draws fresh noise at
-every forward call (training and evaluation alike); their JAX LRA code derives the key from
-the sum of the queries, i.e. a new draw per batch and layer. A fixed draw turns SPE into a
-deterministic (random-feature-like) map and lets the model fit that draw; this is a
-simplification, not the paper's training procedure. The noise is drawn in float32 (the same
-draw for float32 and float64 runs) and the codes are computed in ``promote(q.dtype,
-float32)``, cast back to q's dtype; the noise covers positions ``0..max_length-1`` once, so a
-shorter sequence sees a prefix of the same draw (its codes are the first rows of a longer
-one's). sineSPE has no length limit; convSPE needs Lk <= ``dims.max_length``.
-
-**Causal.** qhat_m depends on q_m alone and khat_n on k_n alone (Qbar, Kbar are data-free), so
-the layer's causal mask (softmax) or prefix sums (linear) keep attention causal. For convSPE,
-Qbar(m) mixes noise samples m..m+L-1 but no other position's data; noise carries no
-information about the sequence, so nothing leaks. Supports causal: yes. 1D: yes. 2D: no
-(sineSPE is 1D in the paper; convSPE's 2D form, a 2D filter on 2D noise, is left out).
-Memory keys (Transformer-XL, ``ctx.memory_length = M``): keys at positions 0..M+Lq-1, queries
-at M..M+Lq-1.
-
-**Compatibility.** Every kernel (softmax and all feature maps): SPE acts before phi
-(``feature_stage = "pre_phi"``), and phi sees ordinary (signed) vectors of size R. Options:
-``kind`` ("sine" | "conv"), ``num_realizations`` R (64, the authors' LRA setting),
-``num_sines`` K (10, their JAX default), ``kernel_size`` L (128, their LRA convSPE
-``k128``), ``gated`` (True), ``seed`` (0), ``share_across_layers`` (False; their LRA runs
-share one SPE module across layers). With ``ctx.reference`` sineSPE folds Omega into q, k
-before contracting with the noise (another order of the same sums) and convSPE gathers the
-noise windows instead of convolving (dense references of the fast paths). Memory: the codes
-are ``[Lk, h, d, R]`` per call (0.5 GB in float32 for Lk = 4096, h = 8, d = R = 64), as in the
-authors' code.
-
-Equation numbers: the SPE paper's equation numbers
-are not cited here; the formulas above are derived and each is pinned by a test.
+Shapes: q ``[batch, Lq, heads, d]``, k ``[batch, Lk, heads, d]`` -> qhat, khat ``[batch, L,
+heads, R]`` (R = ``num_realizations``, ``feature_out_dim``); acts before phi (pre_phi), so
+every kernel works. Causal (features are per position), 1D only; convSPE needs Lk <=
+``dims.max_length``. Options: ``SPE.option_spec``.
 """
 
 from __future__ import annotations
@@ -101,43 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fastpos.positional.base import Context, KernelInfo, Scheme
+from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("sine", "conv")
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def check_options(kind="sine", num_realizations=64, num_sines=10, kernel_size=128, gated=True,
-                  seed=0, share_across_layers=False) -> None:
-  """Raises ValueError naming the bad option and its valid values."""
-  if not isinstance(kind, str) or kind not in KINDS:
-    raise ValueError(f"spe: kind must be one of {', '.join(KINDS)}; got {kind!r}.")
-  if not _is_int(num_realizations) or num_realizations < 1:
-    raise ValueError(f"spe: num_realizations must be an integer >= 1 (the authors' LRA "
-                     f"setting: 64); got {num_realizations!r}.")
-  if not _is_int(num_sines) or num_sines < 1:
-    raise ValueError(f"spe: num_sines must be an integer >= 1 (default 10); got "
-                     f"{num_sines!r}.")
-  if not _is_int(kernel_size) or kernel_size < 1:
-    raise ValueError(f"spe: kernel_size must be an integer >= 1 (default 128); got "
-                     f"{kernel_size!r}.")
-  if not isinstance(gated, (bool, np.bool_)):
-    raise ValueError(f"spe: gated must be True or False; got {gated!r}.")
-  if not _is_int(seed):
-    raise ValueError(f"spe: seed must be an integer; got {seed!r}.")
-  if not isinstance(share_across_layers, (bool, np.bool_)):
-    raise ValueError(f"spe: share_across_layers must be True or False; got "
-                     f"{share_across_layers!r}.")
-
-
-def _options(options: dict) -> dict:
-  names = ("kind", "num_realizations", "num_sines", "kernel_size", "gated", "seed",
-           "share_across_layers")
-  return {k: options[k] for k in names if k in options}
 
 
 def _const_init(value: float):
@@ -161,16 +61,22 @@ def _uniform_init(high: float):
 
 
 class SPE(Scheme):
-  """Options: ``kind``, ``num_realizations``, ``num_sines`` (sine), ``kernel_size`` (conv),
-  ``gated``, ``seed``, ``share_across_layers`` (see the module docstring)."""
+  """Options: ``option_spec`` (see the module docstring)."""
 
-  kind: str = "sine"
-  num_realizations: int = 64
-  num_sines: int = 10
-  kernel_size: int = 128
-  gated: bool = True
-  seed: int = 0
-  share_across_layers: bool = False
+  option_spec = {
+      "kind": Option("sine", "sineSPE (periodic) or convSPE (a learned filter)", type="str",
+                     choices=KINDS),
+      "num_realizations": Option(64, "R, the features per head (the output size)", type="int",
+                                 low=1, note="the authors' LRA setting: 64"),
+      "num_sines": Option(10, "sine: sinusoids per feature", type="int", low=1,
+                          note="default 10"),
+      "kernel_size": Option(128, "conv: the filter length", type="int", low=1,
+                            note="default 128"),
+      "gated": Option(True, "mix in a position-free part by a learned gate", type="bool"),
+      "seed": Option(0, "the fixed noise draw (per seed and layer path)", type="int"),
+      "share_across_layers": Option(False, "one set of parameters and noise for the model",
+                                    type="bool"),
+  }
 
   scheme_name = "spe"
   hooks = ("features",)
@@ -180,21 +86,11 @@ class SPE(Scheme):
   supports_2d = False
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
-    check_options(**_options(options))
-    return None
-
-  @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:
     """R = ``num_realizations``: qhat, khat are ``[b, L, h, R]`` whatever the input size."""
-    opts = _options(options)
-    check_options(**opts)
-    return int(opts.get("num_realizations", 64))
+    return int(options["num_realizations"])
 
   def setup(self):
-    check_options(self.kind, self.num_realizations, self.num_sines, self.kernel_size,
-                  self.gated, self.seed, self.share_across_layers)
     h, d = self.dims.num_heads, self.dims.head_dim
     if self.kind == "sine":
       k = self.num_sines

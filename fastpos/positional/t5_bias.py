@@ -1,60 +1,20 @@
 """``t5_bias``: a learned per-head scalar added to the logits by relative offset (logits hook).
 
-Raffel et al. 2020 ("Exploring the Limits of Transfer Learning with a Unified Text-to-Text
-Transformer", T5), Sec. 2.1: a simplified relative position embedding in which each
-"embedding" is a learned scalar added to the attention logit, one per head and per bucket of
-relative offsets:
+Raffel et al. 2020 (T5), Sec. 2.1:
 
     logits_{h,i,j} = q_i . k_j / sqrt(d) + b_{h, bucket(j - i)}
 
-``bucket`` (T5's ``_relative_position_bucket``; ``relative_position_bucket`` below), with the
-offset ``j - i`` (key minus query position) and ``n = i - j``:
+``bucket`` is T5's ``_relative_position_bucket`` (``relative_position_bucket`` below): exact
+buckets for small offsets, log-spaced ones up to ``max_distance``, split by sign unless
+causal. ``bucketed=False``: one scalar per offset instead (lengths up to ``dims.max_length``).
+2D (raster order): per 2D offset, or a joint table of (row bucket, column bucket).
 
-* bidirectional (encoder, non-causal): half the buckets for keys at or before the query
-  (``n >= 0``), the other half (offset by ``num_buckets // 2``) for keys after it; ``n = |n|``;
-* causal (decoder): every bucket for ``n >= 0``; future keys (``n < 0``) fall in bucket 0 and
-  are masked by the layer;
-* within a side of ``B`` buckets, ``max_exact = B // 2`` exact buckets ``n < max_exact``, then
-  ``max_exact + floor(log(n / max_exact) / log(max_distance / max_exact) * (B - max_exact))``
-  capped at ``B - 1``: log-spaced up to ``max_distance``, beyond which all share the last.
-
-The buckets depend on the (static) lengths only; they are computed in numpy float64 at trace
-time (T5 used float32; for the default sizes the two agree at every distance, checked up to
-300), and the table is gathered by offset into a ``[heads, 2K-1]`` Toeplitz table and
-materialised with ``fastpos.ops.toeplitz.dense_toeplitz``.
-
-Options:
-
-* ``bucketed=True`` (T5): parameters ``[heads, num_buckets]`` (``num_buckets`` even, >= 4;
-  ``max_distance > num_buckets // 2``, T5 defaults 32 and 128). Any length works (distant
-  offsets share the last bucket); ``dims.max_length`` is not a limit.
-* ``bucketed=False``: one learned scalar per offset, ``[heads, 2*max_length-1]`` indexed by
-  ``j - i + max_length - 1`` (the layout of ``fastpos.ops.toeplitz``), sliced to the batch
-  with ``center_slice`` (lengths up to ``max_length``).
-* 2D grids (raster order): ``bucketed=False``: one scalar per 2D offset
-  ``[heads, 2H-1, 2W-1]`` by (row offset, column offset), sliced with ``center_slice_2d``,
-  materialised with ``dense_toeplitz_2d``. ``bucketed=True``: each axis is bucketed as in 1D
-  and the pair of buckets indexes a joint table ``[heads, num_buckets, num_buckets]``
-  (row bucket, column bucket). Causal in raster order sees keys in earlier rows at any column,
-  so the column axis is always bucketed bidirectionally and the row axis causally (a key in an
-  earlier row has row offset < 0).
-
-``share_across_layers=True`` makes the model build one table for all layers, as T5 does
-(its position biases are computed once and shared by every layer); default False (one per
-layer).
-
-Memory (Transformer-XL style, ``ctx.memory_length = M``, 1D only): keys are
-``[memory, segment]`` with query i at position ``M + i``; the bias is rows ``M..M+Lq-1`` of the
-``[M+Lq, M+Lq]`` matrix (per-offset mode needs ``M + Lq <= max_length``).
-
-Init as T5X / flaxformer (``flax.linen.linear.default_embed_init``): normal with variance
-1 / fan-in, the fan-in being the number of entries per head (``num_buckets`` for the T5 table,
-so std ``num_buckets ** -0.5``; ``2*max_length-1``, ``(2H-1)(2W-1)`` or ``num_buckets**2``
-for the other tables).
-
-Supports causal, 1D and 2D. Softmax only: ``logits`` returns ``[1, heads, Lq, Lk]``
-added to the scaled logits. With a linear kernel use ``kernelized_rpe``, its linear-attention
-counterpart (``exp(b_{j-i})`` inside numerator and denominator by FFT; Luo et al. 2021).
+Shapes: ``logits(q, k, ctx)`` returns ``[1, heads, Lq, Lk]`` added to the scaled logits;
+parameters ``[heads, num_buckets]`` (T5), ``[heads, 2N-1]`` or ``[heads, 2H-1, 2W-1]`` (per
+offset), init normal with variance 1 / (entries per head), as T5X. With M memory keys the
+queries sit at M..M+Lq-1. Causal, 1D and 2D; softmax only (with a linear kernel use
+``kernelized_rpe``). Options: ``T5Bias.option_spec`` (``share_across_layers``: one table for
+the model, as T5).
 """
 
 from __future__ import annotations
@@ -68,31 +28,12 @@ from fastpos.ops import toeplitz
 from fastpos.positional.base import (
   Context,
   KernelInfo,
+  Option,
   Scheme,
   center_slice,
   center_slice_2d,
   offset_rows,
 )
-
-
-def check_options(bucketed, num_buckets, max_distance, share_across_layers=False) -> None:
-  """Raises ValueError naming the bad option and its valid values."""
-  if not isinstance(bucketed, (bool, np.bool_)):
-    raise ValueError(f"t5_bias: bucketed must be True or False; got {bucketed!r}.")
-  if not isinstance(share_across_layers, (bool, np.bool_)):
-    raise ValueError(f"t5_bias: share_across_layers must be True or False; got "
-                     f"{share_across_layers!r}.")
-  if not bucketed:
-    return  # num_buckets / max_distance are not used
-  if (isinstance(num_buckets, bool) or not isinstance(num_buckets, (int, np.integer))
-      or num_buckets < 4 or num_buckets % 2):
-    raise ValueError(f"t5_bias: num_buckets must be an even integer >= 4 (T5: 32); got "
-                     f"{num_buckets!r}.")
-  if (isinstance(max_distance, bool) or not isinstance(max_distance, (int, np.integer))
-      or max_distance <= num_buckets // 2):
-    raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
-                     f"{num_buckets // 2} (T5: 128), the end of the exact buckets; got "
-                     f"{max_distance!r}.")
 
 
 def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
@@ -135,13 +76,16 @@ def _t5_init(key, shape, dtype=None):
 
 
 class T5Bias(Scheme):
-  """Options: ``bucketed`` (T5's log buckets, else one scalar per offset), ``num_buckets``,
-  ``max_distance`` (bucketed only), ``share_across_layers`` (one table for the model)."""
+  """Options: ``option_spec``."""
 
-  bucketed: bool = True
-  num_buckets: int = 32
-  max_distance: int = 128
-  share_across_layers: bool = False
+  option_spec = {
+      "bucketed": Option(True, "T5's log buckets (else one scalar per offset)", type="bool"),
+      "num_buckets": Option(32, "bucketed: B, split by sign when bidirectional", type="int",
+                            low=4, even=True, note="T5: 32"),
+      "max_distance": Option(128, "bucketed: distances >= it share the last bucket",
+                             type="int", low=1, note="T5: 128"),
+      "share_across_layers": Option(False, "one table for the whole model", type="bool"),
+  }
 
   scheme_name = "t5_bias"
   hooks = ("logits",)
@@ -150,16 +94,20 @@ class T5Bias(Scheme):
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
                     options: dict) -> str | None:
-    check_options(options.get("bucketed", True), options.get("num_buckets", 32),
-                  options.get("max_distance", 128), options.get("share_across_layers", False))
     if not kernel.is_softmax:
       return (f"t5_bias adds a bias to the softmax logits, which the linear kernel "
               f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
               f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)")
     return None
 
+  @classmethod
+  def check_relations(cls, options: dict) -> None:
+    if options["bucketed"] and options["max_distance"] <= options["num_buckets"] // 2:
+      raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
+                       f"{options['num_buckets'] // 2} (T5: 128), the end of the exact buckets; "
+                       f"got {options['max_distance']!r}.")
+
   def setup(self):
-    check_options(self.bucketed, self.num_buckets, self.max_distance, self.share_across_layers)
     h, grid = self.dims.num_heads, self.dims.grid
     if self.bucketed:
       shape = (h, self.num_buckets) if grid is None else (h, self.num_buckets, self.num_buckets)

@@ -60,15 +60,6 @@ def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: i
   return iter(ds.to_iter_dataset(_read_options(cfg)))
 
 
-def data_position(cfg: ml_collections.ConfigDict, num_examples: int, start: int,
-                  step_in_run: int, *, stream: bool) -> dict:
-  """What a checkpoint records of the training data: the examples read so far
-  (``start`` + batches * batch size), the batch size and the split's size."""
-  return {"examples": int(start + step_in_run * cfg.batch_size), "start": int(start),
-          "batch_size": int(cfg.batch_size), "num_examples": int(num_examples),
-          "stream": bool(stream)}
-
-
 def num_eval_batches(n: int, global_batch: int, limit: int = 0) -> int:
   """Batches that cover ``n`` examples (at most ``limit`` when ``limit`` > 0)."""
   total = math.ceil(n / global_batch)

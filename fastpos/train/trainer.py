@@ -93,7 +93,8 @@ class _Run:
     self.task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
     self.info: TaskInfo = self.task.info
     if model is None:
-      model = build_model(cfg.model, self.info)  # unknown kernel / scheme names stop here
+      # Bad kernel / scheme names or options and incompatible pairs stop here.
+      model = build_model(cfg.model, self.info)
     self.model = model
     # A Transformer-XL memory carried across batches (DecoderLM with memory_length > 0).
     self.memory = self.info.kind == "lm" and getattr(model, "memory_length", 0) > 0
@@ -109,7 +110,7 @@ class _Run:
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
     self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
     self.replicated = sharding_lib.replicated(self.mesh)
-    # Traces the model once (no compilation): shape and compatibility errors surface here.
+    # Traces the model once (no compilation): shape errors surface here, before compiling.
     abstract = jax.eval_shape(self._init, self.init_rng)
     self.state_sharding = sharding_lib.tree_shardings(abstract, self.mesh, cfg.mesh.rules)
     # The memory has the batch's rows: split over "data" like a batch, whatever the rules say.

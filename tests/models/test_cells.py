@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos import compat, positional
+from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
+from fastpos.positional import compatibility
 from tests.helpers import assert_causal_jacobian, rel_err
 
 B, N, D, H = 2, 11, 16, 2
@@ -52,12 +53,12 @@ def _variants(scheme):
 
 
 def _cells():
-  for kernel in compat.KERNELS:
+  for kernel in compatibility.KERNELS:
     for scheme in positional.SCHEMES:
       for causal, two_d in itertools.product((False, True), (False, True)):
         for i, opts in enumerate(_variants(scheme)):
           setting = dict(causal=causal, two_d=two_d)
-          ok = compat.problem(kernel, scheme, options=opts, **setting) is None
+          ok = compatibility.problem(kernel, scheme, options=opts, **setting) is None
           yield kernel, (scheme,), (opts,), causal, two_d, ok, i
 
 
@@ -173,7 +174,7 @@ for _schemes in COMBOS:
     for _kernel in ("softmax", "elu1", "favor"):
       for _causal in (False, True):
         _opts = tuple({} for _ in _schemes)
-        if all(compat.problem(_kernel, s, causal=_causal) is None for s in _schemes):
+        if all(compatibility.problem(_kernel, s, causal=_causal) is None for s in _schemes):
           COMBO_CELLS.append((_kernel, _schemes, _opts, _causal, False, True, 0))
 
 
@@ -250,7 +251,7 @@ def test_incompatible_cells_raise_at_configuration(cell):
 def test_every_scheme_has_a_compatible_cell_and_the_table_prints(capsys):
   for scheme in positional.SCHEMES:
     assert any(c[1] == (scheme,) for c in COMPATIBLE), scheme
-  compat.main()
+  compatibility.main()
   out = capsys.readouterr().out
   assert "| softmax |" in out and "fastrpb" in out
 

@@ -50,11 +50,11 @@ TRAIN_OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
 
 
 def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
-  from fastpos import compat
+  from fastpos.positional import compatibility
   names = pos.split("+")
   opts = {n: DECAY.get(n, {}) if causal else {} for n in names}
   try:
-    compat.check(kernel, names, causal=causal, options=opts)
+    compatibility.check(kernel, names, causal=causal, options=opts)
   except ValueError:
     return True
   return False

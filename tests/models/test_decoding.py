@@ -31,11 +31,7 @@ import pytest
 from fastpos import positional
 from fastpos.models import TaskInfo, build_model, decoding, model_config
 from fastpos.ops import features as feature_ops
-
-try:  # the compatibility table's module (moving from fastpos.compat)
-  from fastpos.positional import compatibility as compat
-except ImportError:  # pragma: no cover
-  from fastpos import compat
+from fastpos.positional import compatibility
 
 VOCAB, LENGTH, SHIFT = 13, 8, 2
 BLOCKS = (3, 2, 1, 1, 1)  # tokens per decoding call
@@ -57,7 +53,7 @@ def causal_cells():
   cells = []
   for kernel in feature_ops.KERNELS:
     for scheme in positional.SCHEMES:
-      if compat.problem(kernel, scheme, causal=True, two_d=False) is None:
+      if compatibility.problem(kernel, scheme, causal=True, two_d=False) is None:
         for opts in VARIANTS.get(scheme, [{}]):
           cells.append((kernel, scheme, opts))
   return cells

@@ -201,10 +201,10 @@ def test_redrawn_features_need_an_rng_and_change_per_key():
   assert not np.allclose(outs[0], outs[1])
 
 
-def test_nprf_recipe_is_nprf_kernel_with_kernelized_rpe():
-  from fastpos.positional import nprf
-  cfg = nprf.apply(_cfg(), num_features=8, share_across_layers=True)
-  assert (cfg.kernel, cfg.positional) == ("nprf", "kernelized_rpe")
+def test_nprf_kernel_with_shared_kernelized_rpe():
+  # Luo et al.'s recipe is a kernel x scheme cell (a config row), not a scheme of its own.
+  cfg = _cfg(kernel="nprf", positional="kernelized_rpe",
+             positional_options={"kernelized_rpe": {"share_across_layers": True}})
   model = build_model(cfg, TaskInfo("lm", V, 0, 8))
   batch = _batch(1, 8)
   v = model.init(jax.random.key(0), batch)

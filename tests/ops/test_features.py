@@ -422,3 +422,61 @@ def test_bad_input():
   _raises(lambda: F.feature_dim("favor", D), "num_features")
   _raises(lambda: F.gaussian_projection(_key(), 0, D), "num_features", "0")
   _raises(lambda: F.orthogonal_projection(_key(), M, -2), "dim", "-2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Causality through the attention layer (every kernel of the registry)
+# ---------------------------------------------------------------------------------------------
+def _causal_layer(kernel: str):
+  """(out(dk, dv) -> [n, D], n): a causal Attention layer (rope, float64) whose key and value
+  projections get ``dk`` / ``dv`` ``[1, n, h, d]`` added, so outputs are functions of k, v."""
+  import flax.linen as nn
+
+  from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
+
+  n, width, heads = 9, 16, 2
+  cfg = AttentionConfig(num_heads=heads, head_dim=width // heads, embed_dim=width,
+                        kernel=KernelSpec(kernel, num_features=16),
+                        positional=(PositionalSpec.make("rope", {}),), max_length=n,
+                        causal=True, chunk_size=4)
+  layer = Attention(cfg, dtype=jnp.float64)
+  x = jax.random.normal(jax.random.key(1), (1, n, width), jnp.float64)
+  params = layer.init(jax.random.key(0), x)
+
+  def out(dk, dv):
+    def add(next_fun, args, kwargs, context):
+      y = next_fun(*args, **kwargs)
+      if context.method_name == "__call__" and context.module.name in ("key", "value"):
+        y = y + (dk if context.module.name == "key" else dv)
+      return y
+    with nn.intercept_methods(add):
+      return layer.apply(params, x)[0]
+
+  return jax.jit(out), n, (1, n, heads, width // heads)
+
+
+@pytest.mark.parametrize("kernel", F.KERNELS)
+def test_causal_outputs_never_depend_on_later_keys_or_values(kernel):
+  """For every kernel, causal: d out_i / d k_j = d out_i / d v_j = 0 for j > i, by autodiff
+  and as the true derivative: any change of the keys and values after i leaves out_i
+  bit for bit (a stabiliser taken over all keys would shift it)."""
+  out, n, shape = _causal_layer(kernel)
+  zero = jnp.zeros(shape, jnp.float64)
+  jk, jv = jax.jacrev(out, argnums=(0, 1))(zero, zero)        # [n, D, 1, n, h, d] each
+  for jac in (jk, jv):
+    jac = np.abs(np.asarray(jac)).reshape(n, -1, n, shape[2] * shape[3]).max(axis=(1, 3))
+    assert np.all(jac[np.triu_indices(n, 1)] == 0.0), jac      # [i, j]: j > i is exactly 0
+    assert jac.max() > 0
+  base = np.asarray(out(zero, zero))
+  rng = np.random.default_rng(0)
+  later_changed = False
+  for t in range(n - 1):
+    for scale in (0.5, 3.0):
+      later = (np.arange(n) > t)[None, :, None, None]
+      dk = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
+      dv = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
+      moved = np.asarray(out(dk, dv))
+      assert np.array_equal(moved[:t + 1], base[:t + 1]), (
+          kernel, t, scale, np.abs(moved[:t + 1] - base[:t + 1]).max())
+      later_changed |= not np.array_equal(moved[t + 1:], base[t + 1:])
+  assert later_changed  # the perturbations reach the outputs that may see them

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos import compat
 from fastpos.models import config as model_config
 from fastpos.models.attention import KernelSpec
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as F
+from fastpos.positional import compatibility
 from tests.ops import test_features
 
 B, L, H, D, M = 2, 5, 3, 4, 6
@@ -31,7 +31,7 @@ def test_every_kernel_has_a_dense_check():
   # the one kernel without a map is softmax, checked densely below.
   assert sorted(test_features._NUMPY) == sorted(F.FEATURE_MAPS)
   assert [n for n in F.KERNELS if F.get_kernel(n).is_softmax] == ["softmax"]
-  assert F.KERNELS == ("softmax",) + F.FEATURE_MAPS == compat.KERNELS
+  assert F.KERNELS == ("softmax",) + F.FEATURE_MAPS == compatibility.KERNELS
 
 
 def test_softmax_matches_dense_numpy():
@@ -50,7 +50,7 @@ def test_softmax_matches_dense_numpy():
 def test_entry_facts_hold(name):
   entry = F.get_kernel(name)
   assert entry.name == name and set(entry.options) <= set(F.OPTION_DEFAULTS)
-  assert compat.kernel_info(name).nonnegative == entry.nonnegative
+  assert compatibility.kernel_info(name).nonnegative == entry.nonnegative
   w = F.make_projection(name, jax.random.PRNGKey(0), M, D, dtype=jnp.float64)
   assert (w is not None) == entry.needs_projection == F.needs_projection(name)
   # The random kernels, and only they, read num_features, redraw and seed.
@@ -114,7 +114,7 @@ def test_option_defaults_are_shared():
 
 def test_unknown_kernel_and_option_name_the_choices():
   for call in (lambda: F.get_kernel("elu2"), lambda: KernelSpec("elu2"),
-               lambda: compat.kernel_info("elu2")):
+               lambda: compatibility.kernel_info("elu2")):
     with pytest.raises(ValueError) as info:
       call()
     assert "'elu2'" in str(info.value) and ", ".join(F.KERNELS) in str(info.value)

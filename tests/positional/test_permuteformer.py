@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from fastpos import compat, positional
-from fastpos.positional import Context, Dims, KernelInfo, KVMix, permuteformer
+from fastpos import positional
+from fastpos.positional import Context, Dims, KernelInfo, KVMix, compatibility, permuteformer
 from tests.helpers import rel_err
 
 HEADS, F = 3, 8
@@ -236,7 +236,7 @@ def test_without_permutation_only_the_decay_remains():
   pq, _ = _features(DIMS_1D_CAUSAL, q, k, Context(causal=True, length=6), (("decay", 0.9),))
   assert np.abs(pq - q).max() > 1e-3
   with pytest.raises(ValueError, match="permute must be True or False"):
-    compat.problem("relu", "permuteformer", causal=True, options={"permute": "no"})
+    compatibility.problem("relu", "permuteformer", causal=True, options={"permute": "no"})
 
 
 def test_paper_decay_ladder():
@@ -250,7 +250,7 @@ def test_paper_decay_ladder():
   assert rel_err(mix.log_decay, np.log(permuteformer.paper_decays(HEADS))) < TOL
   named = _bound(DIMS_1D_CAUSAL, (("decay", "paper"),)).kv(Context(causal=True, length=3))
   assert rel_err(named.log_decay, mix.log_decay) < TOL  # "paper" = the ladder for any heads
-  assert "Eq. 10" in compat.problem("relu", "permuteformer", causal=False,
+  assert "Eq. 10" in compatibility.problem("relu", "permuteformer", causal=False,
                                     options={"decay": "paper"})
 
 
@@ -272,29 +272,32 @@ def test_compatibility():
   for kernel in ("softmax", "relu", "elu1", "favor", "dpfp"):
     for causal in (False, True):
       for two_d in (False, True):
-        assert compat.problem(kernel, "permuteformer", causal=causal, two_d=two_d) is None
-  assert "non-negative" in compat.problem("trf", "permuteformer", causal=True)
+        assert compatibility.problem(kernel, "permuteformer", causal=causal, two_d=two_d) is None
+  assert "non-negative" in compatibility.problem("trf", "permuteformer", causal=True)
   # r < 1: causal only (Eq. 10: r = 1 for bidirectional models).
   for kernel in ("softmax", "relu"):
-    why = compat.problem(kernel, "permuteformer", causal=False, options={"decay": 0.9})
+    why = compatibility.problem(kernel, "permuteformer", causal=False, options={"decay": 0.9})
     assert isinstance(why, str) and "Eq. 10" in why
-    why = compat.problem(kernel, "permuteformer", causal=False, options={"decay": (1.0, 0.9)})
+    why = compatibility.problem(kernel, "permuteformer", causal=False,
+                                options={"decay": (1.0, 0.9)})
     assert isinstance(why, str)
-    assert compat.problem(kernel, "permuteformer", causal=True, options={"decay": 0.9}) is None
-  assert compat.problem("relu", "permuteformer", causal=False, options={"decay": 1.0}) is None
+    assert compatibility.problem(kernel, "permuteformer", causal=True,
+                                 options={"decay": 0.9}) is None
+  assert compatibility.problem("relu", "permuteformer", causal=False,
+                               options={"decay": 1.0}) is None
 
 
 @pytest.mark.parametrize("decay", [0.0, -0.5, 1.5, float("nan"), True, "0.9", (), (0.9, 2.0)])
 def test_bad_decay_raises(decay):
   with pytest.raises(ValueError, match=re.escape("(0, 1]")):
-    compat.problem("relu", "permuteformer", causal=True, options={"decay": decay})
+    compatibility.problem("relu", "permuteformer", causal=True, options={"decay": decay})
   with pytest.raises(ValueError, match=re.escape("(0, 1]")):
     _bound(DIMS_1D_CAUSAL, (("decay", decay),)).kv(Context(causal=True, length=3))
 
 
 def test_bad_options_raise():
   with pytest.raises(ValueError, match="seed"):
-    compat.problem("relu", "permuteformer", options={"seed": -1})
+    compatibility.problem("relu", "permuteformer", options={"seed": -1})
   with pytest.raises(ValueError, match="unknown option"):
     positional.build("permuteformer", DIMS_1D, {"r": 0.9})
   with pytest.raises(ValueError, match="bidirectional"):

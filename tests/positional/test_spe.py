@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos import compat, positional
+from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo, spe
+from fastpos.positional import Context, Dims, KernelInfo, compatibility, spe
 from tests.helpers import rel_err
 
 B, H, D = 2, 2, 3
@@ -344,8 +344,8 @@ def test_noise_is_a_fixed_draw_per_seed_and_path(kind):
 # (5) Errors
 # ---------------------------------------------------------------------------------------------
 BAD_OPTIONS = [
-    ({"kind": "cosine"}, "kind must be one of sine, conv; got 'cosine'"),
-    ({"kind": None}, "kind must be one of sine, conv"),
+    ({"kind": "cosine"}, "spe: unknown kind 'cosine'; valid choices: sine, conv"),
+    ({"kind": None}, "spe: unknown kind None; valid choices: sine, conv"),
     ({"num_realizations": 0}, "num_realizations must be an integer >= 1"),
     ({"num_realizations": 8.0}, "num_realizations must be an integer >= 1"),
     ({"num_realizations": True}, "num_realizations must be an integer >= 1"),
@@ -403,8 +403,8 @@ def test_compatible_with_every_kernel_1d_only(causal):
     for name in ("softmax",) + FEATURE_MAPS:
       assert cls.compatibility(KernelInfo(name), causal=causal, two_d=False,
                                options=options) is None
-      assert compat.problem(name, "spe", causal=causal, options=options) is None
-      assert "no 2D form" in compat.problem(name, "spe", causal=causal, two_d=True,
+      assert compatibility.problem(name, "spe", causal=causal, options=options) is None
+      assert "no 2D form" in compatibility.problem(name, "spe", causal=causal, two_d=True,
                                             options=options)
 
 

@@ -2,8 +2,8 @@
 
 ``problem(kernel, scheme, ...)`` returns None for a compatible pair, else the reason;
 ``check(...)`` raises a ValueError naming the pair and the compatible choices, at
-configuration time (before any parameter or compile). ``python -m fastpos.compat`` prints the
-whole kernel x scheme table.
+configuration time (before any parameter or compile). ``python -m
+fastpos.positional.compatibility`` prints the whole kernel x scheme table.
 
 Generic rules live here (a logits bias needs materialised scores, i.e. the softmax kernel;
 causal / 1D / 2D support is declared by each scheme); kernel-specific rules live in each
