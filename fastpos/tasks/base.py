@@ -85,8 +85,10 @@ class Task(abc.ABC):
     metric: the validation metric that picks the best checkpoint (a key of the evaluation
       metrics: "accuracy", "loss" or "perplexity").
     metric_mode: "max" or "min" for ``metric``.
+    generated: True when the task makes its data itself (nothing to download).
   """
   task_name: ClassVar[str]
+  generated: ClassVar[bool] = False
   metric: ClassVar[str] = "accuracy"
   metric_mode: ClassVar[str] = "max"
 

@@ -38,6 +38,7 @@ PAD, BLANK, MARKER, FIRST = 0, 1, 2, 3
 
 class MqarTask(base.Task):
   """Multi-query associative recall or copying (see the module docstring)."""
+  generated = True
   task_name = "mqar"
   metric = "accuracy"
   metric_mode = "max"

@@ -21,6 +21,7 @@ from fastpos.tasks.info import TaskInfo
 
 class SyntheticTask(base.Task):
   """The generated "majority" task (see the module docstring)."""
+  generated = True
   task_name = "synthetic"
   metric = "accuracy"
   metric_mode = "max"
