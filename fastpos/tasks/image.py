@@ -129,8 +129,6 @@ class ImageTask(base.Task):
   """An image classified from its pixel sequence; subclasses set ``spec`` and ``task_name``.
   Accuracy picks the best checkpoint."""
   spec: ClassVar[ImageSpec]
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

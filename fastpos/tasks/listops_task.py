@@ -34,8 +34,6 @@ def _listops():
 class ListOpsTask(base.Task):
   """LRA ListOps (Tay et al. 2021, Sec. 3.1; Nangia & Bowman 2018): classify the value 0..9."""
   task_name = "listops"
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

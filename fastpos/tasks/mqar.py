@@ -40,8 +40,6 @@ class MqarTask(base.Task):
   """Multi-query associative recall or copying (see the module docstring)."""
   generated = True
   task_name = "mqar"
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

@@ -276,8 +276,6 @@ def _load_cache(path: str, key: dict, resolution: int) -> dict[str, np.ndarray]:
 class PathfinderTask(base.Task):
   """LRA Pathfinder / Path-X: 2-class classification of a grayscale image as a pixel sequence."""
   task_name = TASK
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

@@ -272,8 +272,6 @@ def _load_cache(path: str, key: dict) -> dict[str, np.ndarray]:
 class RetrievalTask(base.Task):
   """LRA Retrieval (AAN): 2-class classification of a pair of byte-level documents."""
   task_name = TASK
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

@@ -23,8 +23,6 @@ class SyntheticTask(base.Task):
   """The generated "majority" task (see the module docstring)."""
   generated = True
   task_name = "synthetic"
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:

@@ -121,8 +121,6 @@ def to_ids(data: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class TextTask(base.Task):
   """LRA byte-level text classification on IMDB (module docstring): 2 classes, accuracy."""
   task_name = "lra_text"
-  metric = "accuracy"
-  metric_mode = "max"
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:
