@@ -140,7 +140,6 @@ def _resume_rows(runs, name: str, proc: subprocess.Popen, what: str) -> None:
   _assert_rows_close(got, _rows(runs["reference"]), keys)
 
 
-@pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_other_layouts_and_evaluates(runs):
   procs = {}
   for devices in (1, 2, 4):
@@ -159,7 +158,6 @@ def test_two_process_checkpoint_resumes_on_other_layouts_and_evaluates(runs):
     assert results[name] == pytest.approx(own[name], rel=1e-5, abs=1e-6), name
 
 
-@pytest.mark.slow
 def test_restarting_both_processes_resumes_exactly(runs):
   # Started by hand with the flags (the launcher uses the environment variables).
   workdir = runs["root"] / "restart_two"
