@@ -58,11 +58,15 @@ def machine() -> str:
   import jax  # only benchmark figures need it
 
   dev = jax.devices()[0]
+  return f"{dev.platform}: {dev.device_kind} ({cpu_name()}, {os.cpu_count()} cores)"
+
+
+def cpu_name() -> str:
+  """The host processor's model name (/proc/cpuinfo; else what ``platform`` reports)."""
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
       names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = names[0] if names else cpu
+    return names[0] if names else cpu
   except OSError:
-    pass
-  return f"{dev.platform}: {dev.device_kind} ({cpu}, {os.cpu_count()} cores)"
+    return cpu

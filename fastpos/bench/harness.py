@@ -207,14 +207,9 @@ def resolve(args) -> argparse.Namespace:
 # Where and how results are written
 # ---------------------------------------------------------------------------------------------
 def machine() -> dict:
+  from fastpos.plots import cpu_name
   dev = jax.devices()[0]
-  cpu = py_platform.processor() or py_platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-    cpu = names[0] if names else cpu
-  except OSError:
-    pass
+  cpu = cpu_name()
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
   import flax
   import jaxlib
