@@ -230,12 +230,13 @@ class TextCorpus(wt.Corpus):
     return {**self._vocab_key(), "split": split}
 
   def _build_vocabulary(self) -> tuple[list[str], np.ndarray, np.ndarray]:
-    return wt.vocabulary_from_words(_word_chunks(self.part("train")), self.vocab_size,
-                                    f"the train split of {TASK} ({len(self.files)} file(s))")
+    source = f"the train split of config.task.paths ({len(self.files)} file(s))"
+    return wt.vocabulary_from_words(_word_chunks(self.part("train")), self.vocab_size, source)
 
   def _encode_split(self, split: str) -> tuple[np.ndarray, int]:
     return wt.encode_words(_word_chunks(self.part(split)), self.vocabulary(),
-                           wt.stream_dtype(self.vocab_size), f"the {split} split of {TASK}")
+                           wt.stream_dtype(self.vocab_size),
+                           f"the {split} split of config.task.paths")
 
 
 # ------------------------------------------------------------------------------ task
@@ -288,7 +289,8 @@ class TextLmTask(base.Task):
     return self._files
 
   def split_text(self, split: str) -> bytes:
-    """The UTF-8 bytes of ``split`` (whole lines; empty for test when test_fraction = 0)."""
+    """The UTF-8 bytes of ``split`` (whole lines); an empty split (test when test_fraction is
+    0, or a text with too few lines) raises a ValueError naming the fraction to change."""
     split = _check_split(split)
     if self._text is None:
       self._text = read_text(self.files())
