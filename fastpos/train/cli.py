@@ -252,6 +252,7 @@ def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
     for item in overrides:
       key, raw, negated = (tuple(item) + (False,))[:3]
       apply_override(cfg, key, raw, negated=negated)
+  config_lib.validate(cfg)  # every value against its declared range, before anything is built
   if lock:
     cfg.lock()
   return cfg

@@ -84,10 +84,7 @@ class _Run:
                model: nn.Module | None):
     # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
     cfg = config_lib.complete_task(config.copy_and_resolve_references())
-    for name in ("num_train_steps", "log_every_steps", "eval_every_steps",
-                 "checkpoint_every_steps", "keep_checkpoints"):
-      if cfg[name] < 1:
-        raise ValueError(f"config.{name} must be >= 1; got {cfg[name]}.")
+    config_lib.validate(cfg)  # each value against its declared range (fastpos.config_schema)
     self.cfg = cfg
     self.workdir = Path(workdir)
     self.task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
