@@ -38,7 +38,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from fastpos.train import config as config_lib
-from fastpos.train import errors
+from fastpos.train import config_record, errors
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
 _OVERRIDE = re.compile(r"^--?(no)?config\.([A-Za-z0-9_.]+)(?:=(.*))?$", re.DOTALL)
@@ -126,7 +126,8 @@ def _tuples(value: Any) -> Any:
 
 
 def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``)."""
+  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``), with the
+  changes its resumes recorded beside it (``config_changes.jsonl``) applied."""
   try:
     with open(path, encoding="utf-8") as f:
       values = json.load(f)
@@ -137,6 +138,8 @@ def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
   if not isinstance(values, dict):
     raise ConfigError(f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
                       "(an object of fields).")
+  if Path(path).name == config_record.CONFIG_NAME:  # a run's: with the changes of its resumes
+    values = config_record.apply_changes(values, config_record.read_changes(Path(path).parent))
   return ml_collections.ConfigDict(_tuples(values))
 
 

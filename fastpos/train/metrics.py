@@ -151,6 +151,11 @@ class MetricWriter:
     if self.active:
       self._tb.config(config, text, metrics)
 
+  def text(self, tag: str, step: int, text: str) -> None:
+    """A text summary to TensorBoard (a recorded config change)."""
+    if self.active:
+      self._tb.text(tag, step, text)
+
   def start_timer(self, step: int) -> None:
     self._last_time, self._last_step = time.time(), step
 

@@ -10,7 +10,8 @@ A resumed run starts a new event file that opens with a purge marker at ``resume
 and later (written after the checkpoint by the run that stopped), so every step shows once. A
 run that starts again from step 0 deletes the earlier files (none of it would be shown) and
 writes the config again; a resumed run does not rewrite it. An evaluation adds its results in
-a file of its own, purging nothing.
+a file of its own, purging nothing. A resume that changes the config adds the changes as text
+(``config_changes``) at the first step run with them.
 
 Files are named ``events.out.tfevents.<seconds>.<host>.<n>`` with ``n`` the number of files
 already there, so that the name order TensorBoard reads them in is the order they were written
@@ -79,6 +80,11 @@ class EventWriter:
     experiment, start, end = hparams_summaries(flat_config(config), dict.fromkeys(metrics, 0.0))
     for summary in (experiment, start, end):
       self._writer.file_writer.add_summary(summary, global_step=0)
+    self._writer.file_writer.flush()
+
+  def text(self, tag: str, step: int, text: str) -> None:
+    """A text summary ``tag`` at ``step`` (e.g. the config changes of a resume)."""
+    self._writer.add_text(tag, f"```\n{text}\n```", global_step=step)
     self._writer.file_writer.flush()
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:

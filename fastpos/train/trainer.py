@@ -60,6 +60,7 @@ from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
 from fastpos.train import config as config_lib
+from fastpos.train import config_record
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
@@ -407,7 +408,8 @@ def _sum_window(window: list[dict]) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *,
-                       model: nn.Module | None = None) -> dict[str, Any]:
+                       model: nn.Module | None = None,
+                       allow_config_change: bool = False) -> dict[str, Any]:
   """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint that loads.
 
   Args:
@@ -416,6 +418,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       ``train.log`` and the lock ``train.lock`` go here.
     model: a linen module to train instead of ``build_model(config.model, task.info)``
       (tests use this to inject a throwaway model).
+    allow_config_change: a resume may change fields that change the run's results (seeds,
+      optimizer, schedule, task, model); each change is recorded in ``config_changes.jsonl``
+      (``fastpos.train.config_record``). Without it such a resume is refused.
 
   Returns:
     {"step", "train": last logged training metrics, "validation": last validation metrics,
@@ -427,14 +432,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       step and the last good checkpoint, which is left intact).
     WorkdirLockedError: another trainer holds the workdir (named in the message).
     RunError: the workdir cannot be used (a file, read-only, full disk), no checkpoint in
-      it loads, or the training data changed size.
+      it loads, the training data changed size, or a resume changes the run's results
+      without ``allow_config_change`` (naming each changed field).
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
   """
   with metrics_lib.quiet_library_logs():
-    return _train_and_evaluate(config, workdir, model)
+    return _train_and_evaluate(config, workdir, model, allow_config_change)
 
 
-def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str, Any]:
   run = _Run(config, workdir, model)
   cfg = run.cfg
   train_src = run.task.source("train")  # missing data stops here, before anything is made
@@ -445,6 +451,9 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
   writer = None
   log_file = contextlib.ExitStack()
   try:
+    # A resume of another config is refused before anything is restored or written.
+    changes = (config_record.check_resume(run.workdir, cfg, allow=allow_config_change)
+               if ckpts.latest_step() is not None else [])
     best_metric, best_value = run.task.metric, None
     position = {}
 
@@ -479,7 +488,7 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
     log_file.enter_context(_log_file(run.workdir / "train.log"))
     if resumed:
       logging.info("%s", resumed)
-    _write_json(run.workdir / "config.json", cfg.to_json_best_effort(indent=2))
+    _record_config(run, cfg, meta["step"] if restored is not None else None, changes)
     logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d "
                  "devices (mesh %s), %d process(es)", cfg.task.name, len(train_src),
                  len(val_src), run.num_params, jax.device_count(), dict(run.mesh.shape),
@@ -490,6 +499,9 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
     writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
     writer.config(cfg.to_dict(), cfg.to_json_best_effort(indent=2),
                   [f"validation/{m}" for m in ("loss", run.task.metric)])
+    if changes and restored is not None:  # the change's entry, in TensorBoard too
+      writer.text("config_changes", step + 1, "\n".join(
+          f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes))
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
                            train_src, data_start, data_start_step, best_value)
@@ -510,6 +522,22 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
     log_file.close()
     lock.release()
+
+
+def _record_config(run: _Run, cfg, resumed_step: int | None, changes) -> None:
+  """config.json for a run from scratch (a stale change record goes); a resume keeps it and
+  appends its changes to config_changes.jsonl (process 0 writes)."""
+  if jax.process_index() != 0:
+    return
+  config_json = run.workdir / config_record.CONFIG_NAME
+  if resumed_step is None or not config_json.is_file():
+    (run.workdir / config_record.CHANGES_NAME).unlink(missing_ok=True)
+    _write_json(config_json, cfg.to_json_best_effort(indent=2))
+    return
+  if changes:
+    config_record.record(run.workdir, resumed_step, changes)
+    logging.warning("resumed with a changed config (recorded in %s): %s",
+                    config_record.CHANGES_NAME, "; ".join(map(str, changes)))
 
 
 def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src,
@@ -548,6 +576,10 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
         rates.append(row["tokens_per_second"])
   if rates:
     parts.append(f"{np.mean(rates):,.0f} tokens/s")
+  with contextlib.suppress(RunError):
+    changed = config_record.describe(config_record.read_changes(workdir))
+    if changed:
+      parts.append(changed)
   parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json; test: python "
                f"eval.py --workdir={workdir} --split=test; plots: python "
                f"scripts/plot_positional.py {workdir}")
