@@ -283,10 +283,12 @@ def error(path: str, decl: Field, value: Any) -> str:
 def check(cfg: Mapping) -> None:
   """Raises ConfigValueError for the first field of ``cfg`` (a ConfigDict or nested dict,
   task block complete) that is undeclared or outside its declaration."""
-  task = cfg["task"]["name"] if "task" in cfg and "name" in cfg["task"] else None
-  name_decl = _TASK_NAME
-  if not name_decl.is_valid(task):
-    raise ConfigValueError(error("task.name", name_decl, task))
+  block = cfg["task"] if "task" in cfg else {}
+  if not hasattr(block, "keys"):
+    raise ConfigValueError(error("task", FIELDS["task"], block))
+  task = block["name"] if "name" in block else None
+  if not _TASK_NAME.is_valid(task):
+    raise ConfigValueError(error("task.name", _TASK_NAME, task))
   for path, value in leaves(cfg):
     decl = field(path, task)
     if decl is None:
@@ -312,7 +314,8 @@ def _undeclared(path: str, task: str | None) -> str:
 def is_trajectory(path: str, cfg: Mapping) -> bool:
   """Whether a change of field ``path`` changes the results of a run with config ``cfg``
   (undeclared fields and positional-scheme options: yes)."""
-  task = cfg["task"]["name"] if "task" in cfg and "name" in cfg["task"] else None
+  block = cfg["task"] if "task" in cfg else {}
+  task = block["name"] if hasattr(block, "keys") and "name" in block else None
   decl = field(path, task)
   if decl is None:
     return not _under_free_block(path)
