@@ -612,11 +612,7 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
 
   def stop_nonfinite(what: str, at: int):
     ckpts.wait()
-    where = (f"The last good checkpoint is step {last_good} in {ckpts.latest_dir} "
-             "(left intact)" if last_good is not None else "No checkpoint had been saved yet")
-    raise NonFiniteLossError(
-        f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
-        "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
+    raise NonFiniteLossError(_nonfinite_message(run, ckpts, what, at, last_good, first_step))
 
   with _StopOnSignal() as signals, run.precision():
     while step < cfg.num_train_steps:
@@ -682,6 +678,30 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
   result["best"] = {"step": ckpts.best_step(), best_metric: best_value}
   result["state"] = state
   return result
+
+
+def _nonfinite_message(run: _Run, ckpts: Checkpoints, what: str, at: int,
+                       last_good: int | None, first_step: int) -> str:
+  """Why a run stopped on a NaN / Inf: the first step after a restore blames the checkpoint;
+  otherwise the newest saved checkpoint whose digests verify is named as the last good one."""
+  if ckpts.restored is not None and at == first_step + 1:
+    path, verified = ckpts.restored
+    how = ("its digests verify, so it is as it was saved: was a setting changed on resume?"
+           if verified else "it was written without digests, so it is unverified")
+    return (f"{what} became NaN/Inf at step {at}, the first step after restoring {path}; "
+            f"training stopped. Suspect that checkpoint, not the learning rate ({how}). Move "
+            "it aside to resume from the one before it, or use a new --workdir.")
+  good, skipped = (ckpts.newest_verified(run.abstract_state, last_good)
+                   if last_good is not None else (None, []))
+  if good is not None:
+    where = f"The last good checkpoint is step {good} in {ckpts.latest_dir} (verified, left intact)"
+  else:
+    where = ("No checkpoint had been saved yet" if last_good is None
+             else f"No checkpoint in {ckpts.latest_dir} verifies")
+  if skipped:
+    where += f"; newer ones do not verify: {'; '.join(skipped)}"
+  return (f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
+          "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str = "test", *,
