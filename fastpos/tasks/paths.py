@@ -94,6 +94,19 @@ def _blocked(path: str | os.PathLike) -> str:
   return ""
 
 
+def not_a_folder(path: str | os.PathLike) -> str:
+  """Why ``path`` cannot be (or become) a folder: it or a folder above it is a file or a
+  symlink loop ("" when it can)."""
+  try:
+    if os.path.exists(path) and not os.path.isdir(path):
+      return f"{os.fspath(path)} is a file, not a folder"
+    os.stat(path)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      return f"{os.fspath(path)} is a symlink loop"
+  return _blocked(path)
+
+
 def require(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
             what: str = "") -> str:
   """``path`` if it exists, else raises ``missing_data``."""
