@@ -512,8 +512,10 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
-    raise RunError(f"{reason} in {run.workdir}: free space or use another --workdir "
-                   f"({getattr(e, 'filename', None) or 'writing logs'} failed).") from None
+    where = getattr(e, "filename", None) or (f"{run.workdir} (metrics.jsonl, config.json, "
+                                             "config_changes.jsonl, tensorboard/, train.log)")
+    raise RunError(f"{reason}: writing {where} failed; free space there or use another "
+                   "--workdir.") from None
   finally:
     ckpts.close()
     if writer is not None:

@@ -102,3 +102,19 @@ def test_launch_local_checks_its_arguments(tmp_path, env, needle):
                         text=True, timeout=60)
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr
   assert not (tmp_path / "launch_logs").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
+  from fastpos.train import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+
+  writer = metrics_lib.MetricWriter(tmp_path, total_steps=2, resume_step=0)
+  writer._jsonl.close()  # pylint: disable=protected-access
+  writer._jsonl = open("/dev/full", "a")  # pylint: disable=protected-access  (writes: ENOSPC)
+  with pytest.raises(OSError) as info:
+    writer.write(1, "train", {"loss": 1.0})
+  writer.close()
+  assert info.value.filename == str(tmp_path / "metrics.jsonl")
+  assert cli.message(info.value) == (
+      f"No space left on device: '{tmp_path / 'metrics.jsonl'}'; the disk is full: free space "
+      "there or use a --workdir on another disk.")
