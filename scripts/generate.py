@@ -31,6 +31,7 @@ from fastpos import config_schema  # noqa: E402
 from fastpos.train import cli, errors, sharding  # noqa: E402
 from fastpos.train import metrics as metrics_lib  # noqa: E402
 from fastpos.train import trainer as trainer_lib  # noqa: E402
+from fastpos.train import workdir as workdir_lib  # noqa: E402
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
 _CONFIG = flags.DEFINE_string(
@@ -190,7 +191,8 @@ def main(argv: cli.Argv) -> int:
   check_flags(_NUM_TOKENS.value, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
               _TOLERANCE.value, _SEED.value)
   if not os.path.isdir(workdir):
-    what = "is a file" if os.path.exists(workdir) else "does not exist"
+    what = ("is a symlink loop" if workdir_lib.is_symlink_loop(workdir) else
+            "is a file" if os.path.exists(workdir) else "does not exist")
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
   spec = _CONFIG.value or os.path.join(workdir, "config.json")
   if not _CONFIG.value and not os.path.isfile(spec):

@@ -13,7 +13,10 @@ Nothing is created in the workdir before every check has passed (config, model, 
 the data of every split the run reads, a workdir that can be written); then the trainer takes
 the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
 then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` and ``train.log``
-(process 0's log, appended to on resume). Each step says when it is being compiled and how long
+(process 0's log, appended to on resume). ``config.json`` is written by a run from scratch and
+never by a resume: a resume whose config changes the run's results is refused before anything
+is restored unless allowed, and its changes go to ``config_changes.jsonl``
+(``fastpos.train.config_record``). Each step says when it is being compiled and how long
 that took.
 
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported

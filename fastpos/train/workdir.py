@@ -52,8 +52,8 @@ def check_usable(path: str | os.PathLike) -> None:
   path = Path(path).absolute()
   probe_dir = path
   while not probe_dir.exists():
-    if _is_loop(probe_dir):
-      while _is_loop(probe_dir.parent):
+    if is_symlink_loop(probe_dir):
+      while is_symlink_loop(probe_dir.parent):
         probe_dir = probe_dir.parent
       raise RunError(f"--workdir={path}: {probe_dir} is a symlink loop (its links point at "
                      "each other); remove it or use another --workdir.")
@@ -75,7 +75,8 @@ def check_usable(path: str | os.PathLike) -> None:
                    "another --workdir.") from None
 
 
-def _is_loop(path: Path) -> bool:
+def is_symlink_loop(path: str | os.PathLike) -> bool:
+  """Whether resolving ``path`` runs in circles (os.stat's ELOOP)."""
   try:
     os.stat(path)
   except OSError as e:
