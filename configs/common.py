@@ -11,6 +11,10 @@ overrides. ``tests/train/test_configs.py`` checks that ``base_config`` here, com
 A config file defines ``ARGS`` (its arguments and their defaults), optionally ``CHOICES``
 (argument -> valid values) and ``get_config(arg=None)``; ``arg`` is what follows the colon in
 ``--config=configs/x.py:task=text,tiny`` and is read by ``parse_arg``.
+
+What each field may hold (type, range or choices) and whether changing it changes a run's
+results is declared in ``fastpos.config_schema`` (a leaf module: no jax, flax or numpy), which
+train.py checks every loaded config against; a new field needs a line there.
 """
 
 from __future__ import annotations

@@ -311,6 +311,14 @@ def _undeclared(path: str, task: str | None) -> str:
           f"{', '.join(p.rsplit('.', 1)[-1] for p in beside)}.")
 
 
+def check_flags(values: Mapping[str, Any], decls: Mapping[str, Field]) -> None:
+  """A program's own flags by the same rule: raises ConfigValueError with one line,
+  "--<flag> must be <valid values>; got <value>.", for the first flag outside its declaration."""
+  for name, decl in decls.items():
+    if name in values and not decl.is_valid(values[name]):
+      raise ConfigValueError(f"--{name} must be {decl.describe()}; got {_shown(values[name])}.")
+
+
 def is_trajectory(path: str, cfg: Mapping) -> bool:
   """Whether a change of field ``path`` changes the results of a run with config ``cfg``
   (undeclared fields and positional-scheme options: yes)."""

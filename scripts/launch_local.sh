@@ -53,6 +53,15 @@ for k in DEVICES_PER_PROCESS GPUS_PER_PROCESS; do
   fi
 done
 grace=${GRACE_S:-10}
+if ! [[ $grace =~ ^[0-9]+$ ]]; then
+  echo "$0: GRACE_S must be an integer >= 0 (seconds); got '$grace'." >&2
+  exit 2
+fi
+if [[ -n ${COORDINATOR_PORT:-} ]] && ! { [[ $COORDINATOR_PORT =~ ^[1-9][0-9]{0,4}$ ]] \
+    && (( COORDINATOR_PORT <= 65535 )); }; then
+  echo "$0: COORDINATOR_PORT must be an integer in [1, 65535]; got '$COORDINATOR_PORT'." >&2
+  exit 2
+fi
 
 if [[ -z $log_dir ]]; then
   log_dir=./launch_logs

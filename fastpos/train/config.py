@@ -105,23 +105,27 @@ def complete_task(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return cfg
 
 
+class InvalidConfigError(RunError, ValueError):
+  """A config value outside its declaration (exit code 2; a ValueError for library callers)."""
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
   """Checks ``cfg`` (task block complete) before anything is built: every field against its
   declared type and range (``fastpos.config_schema``), the positional scheme names and each
   scheme's options against its ``option_spec``, and the rules between a task's fields.
 
   Raises:
-    RunError: one line naming the field, its value and the valid values (exit code 2).
+    InvalidConfigError: one line naming the field, its value and the valid values (exit code 2).
   """
   try:
     config_schema.check(cfg)
   except config_schema.ConfigValueError as e:
-    raise RunError(str(e)) from None
+    raise InvalidConfigError(str(e)) from None
   _check_positional(cfg.model)
   try:
     task_info(cfg.task)  # the rules between the task's fields (no data read)
   except (ValueError, TypeError) as e:
-    raise RunError(f"config.task: {e}") from None
+    raise InvalidConfigError(f"config.task: {e}") from None
 
 
 def _check_positional(model: ml_collections.ConfigDict) -> None:
@@ -130,25 +134,25 @@ def _check_positional(model: ml_collections.ConfigDict) -> None:
   try:
     positional.parse_names(model.positional)
   except ValueError as e:
-    raise RunError(f"config.model.positional={model.positional!r}: {e}") from None
+    raise InvalidConfigError(f"config.model.positional={model.positional!r}: {e}") from None
   for scheme, options in model.positional_options.items():
     where = f"config.model.positional_options.{scheme}"
     if scheme not in positional.SCHEMES:
-      raise RunError(f"{where}: unknown positional scheme {scheme!r}; valid schemes: "
+      raise InvalidConfigError(f"{where}: unknown positional scheme {scheme!r}; valid schemes: "
                      f"{', '.join(positional.SCHEMES)}.")
     if not hasattr(options, "keys"):
-      raise RunError(f"{where} must be a block of options; got {options!r}.")
+      raise InvalidConfigError(f"{where} must be a block of options; got {options!r}.")
     spec = positional.get_class(scheme).option_spec
     for name, value in options.items():
       if name not in spec:
-        raise RunError(f"{where} has no option {name!r}; its options: "
+        raise InvalidConfigError(f"{where} has no option {name!r}; its options: "
                        f"{', '.join(spec) or '(none)'}.")
       value = tuple(value) if isinstance(value, list) else value
       if not spec[name].is_valid(value):
         note = f" ({spec[name].note})" if spec[name].note else ""
-        raise RunError(f"{where}.{name} must be {spec[name].describe()}{note}; got "
+        raise InvalidConfigError(f"{where}.{name} must be {spec[name].describe()}{note}; got "
                        f"{value!r}.")
     try:
       positional.get_class(scheme).resolve_options(dict(options))
     except ValueError as e:
-      raise RunError(f"{where}: {e}") from None
+      raise InvalidConfigError(f"{where}: {e}") from None

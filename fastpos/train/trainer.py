@@ -13,7 +13,10 @@ Nothing is created in the workdir before every check has passed (config, model, 
 the data of every split the run reads, a workdir that can be written); then the trainer takes
 the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
 then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` and ``train.log``
-(process 0's log, appended to on resume). Each step says when it is being compiled and how long
+(process 0's log, appended to on resume). ``config.json`` is written by a run from scratch and
+never by a resume: a resume whose config changes the run's results is refused before anything
+is restored unless allowed, and its changes go to ``config_changes.jsonl``
+(``fastpos.train.config_record``). Each step says when it is being compiled and how long
 that took.
 
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
@@ -512,8 +515,10 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
-    raise RunError(f"{reason} in {run.workdir}: free space or use another --workdir "
-                   f"({getattr(e, 'filename', None) or 'writing logs'} failed).") from None
+    where = getattr(e, "filename", None) or (f"{run.workdir} (metrics.jsonl, config.json, "
+                                             "config_changes.jsonl, tensorboard/, train.log)")
+    raise RunError(f"{reason}: writing {where} failed; free space there or use another "
+                   "--workdir.") from None
   finally:
     ckpts.close()
     if writer is not None:
