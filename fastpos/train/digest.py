@@ -44,6 +44,8 @@ FORMAT = 1
 # record and with another key is damaged (e.g. a flipped byte in the name "digests").
 LEGACY_META_KEYS = frozenset({"rng", "config", "step", "data", "log_window", "metrics"})
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # one per 32-bit lane of an array digest
+# Arrays up to this many elements are hashed on the host: no compilation, microseconds each.
+HOST_MAX_ELEMENTS = 1 << 16
 
 
 class DigestMismatch(ValueError):
@@ -63,22 +65,33 @@ def leaf_name(path) -> str:
   return "/".join(parts)
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
-  """murmur3's 32-bit finalizer: a bijection of uint32 that mixes every bit into every bit."""
+def _fmix32(h):
+  """murmur3's 32-bit finalizer: a bijection of uint32 that mixes every bit into every bit
+  (numpy or jax uint32 arrays; products wrap modulo 2**32 in both)."""
+  c1, c2 = h.dtype.type(0x85EBCA6B), h.dtype.type(0xC2B2AE35)
   h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
+  h = h * c1
   h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
+  h = h * c2
   return h ^ (h >> 16)
 
 
-def _words(x: jax.Array) -> jax.Array:
+def _lanes(w, index, xp) -> list:
+  """The two uint32 lanes of words ``w`` at row-major positions ``index`` (same shape)."""
+  lanes = []
+  for seed in _SEEDS:
+    key = _fmix32(index * w.dtype.type(0x61C88647) + w.dtype.type(seed))
+    lanes.append(xp.sum(_fmix32(w ^ key), dtype=xp.uint32))
+  return lanes
+
+
+def _device_words(x: jax.Array) -> jax.Array:
   """The bits of ``x`` as uint32 words (one per element; two, on a new last axis, for 64-bit
   types; real and imaginary parts for complex types)."""
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return _words(jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1))
+    return _device_words(jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1))
   if x.dtype == jnp.bool_:
     return x.astype(jnp.uint32)
   size = jnp.dtype(x.dtype).itemsize
@@ -92,31 +105,43 @@ def _words(x: jax.Array) -> jax.Array:
   raise TypeError(f"cannot digest an array of dtype {x.dtype}")
 
 
-def _array_digest(x: jax.Array) -> jax.Array:
-  """uint32 ``[2]``: the two lanes of ``x``'s digest (module docstring)."""
-  w = _words(x)
-  # Row-major element index from per-axis iotas (no reshape: keeps the array's sharding).
+def _device_lanes(x: jax.Array) -> jax.Array:
+  """uint32 ``[2]``: the lanes of ``x`` computed where it lives (keeps its sharding: the
+  position comes from per-axis iotas, no reshape)."""
+  w = _device_words(x)
   index = jnp.zeros(w.shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(w.ndim)):
     index = index + lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
     stride *= w.shape[axis]
-  lanes = []
-  for seed in _SEEDS:
-    key = _fmix32(index * jnp.uint32(0x61C88647) + jnp.uint32(seed))
-    lanes.append(jnp.sum(_fmix32(w ^ key), dtype=jnp.uint32))
-  size = jnp.uint32(int(np.prod(w.shape)) % 2**32)  # tells an empty array from a zero one
-  return jnp.stack(lanes) ^ _fmix32(size + jnp.uint32(_SEEDS[0]))
+  return jnp.stack(_lanes(w, index, jnp))
 
 
-def _digests(leaves: list[jax.Array]) -> jax.Array:
-  return jnp.stack([_array_digest(x) for x in leaves]) if leaves else jnp.zeros((0, 2),
-                                                                                jnp.uint32)
+def _all_device_lanes(leaves: list[jax.Array]) -> jax.Array:
+  return jnp.stack([_device_lanes(x) for x in leaves])
 
 
 @functools.lru_cache(maxsize=8)
-def _digest_fn(out_sharding):
-  return jax.jit(_digests, out_shardings=out_sharding)
+def _device_fn(out_sharding):
+  return jax.jit(_all_device_lanes, out_shardings=out_sharding)
+
+
+def _host_words(x) -> np.ndarray | None:
+  """``_device_words`` of a small, fully addressable array, flattened, on the host; None for
+  an array the device computes (large, sharded over processes, 64-bit or complex)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if (int(np.prod(x.shape)) > HOST_MAX_ELEMENTS or
+      (isinstance(x, jax.Array) and not x.is_fully_addressable)):
+    return None
+  dtype = np.dtype(x.dtype)
+  if dtype.kind == "c" or dtype.itemsize not in (1, 2, 4):
+    return None
+  a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
+  if dtype == np.bool_:
+    return a.astype(np.uint32)
+  unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize]
+  return a.view(unsigned).astype(np.uint32)
 
 
 def _replicated_like(leaves: list[Any]):
@@ -137,14 +162,25 @@ def _describe(x) -> str:
 
 def array_digests(tree: Any) -> dict[str, str]:
   """``{leaf name: "dtype[shape]:<16 hex digits>"}`` for every array leaf of ``tree`` (a
-  ``TrainState`` or the nested dicts a checkpoint restores to). One jitted call on device;
-  blocks until the digests are on the host."""
+  ``TrainState`` or the nested dicts a checkpoint restores to). Leaves of at most
+  ``HOST_MAX_ELEMENTS`` elements are hashed on the host (nothing to compile); the others in
+  one jitted call on device. The two give the same digests. Blocks until done."""
   named = [(leaf_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  leaves = [jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
-            for _, x in named]
-  out = np.asarray(jax.device_get(_digest_fn(_replicated_like(leaves))(leaves)))
-  return {name: f"{_describe(x)}:{int(a):08x}{int(b):08x}"
-          for (name, x), (a, b) in zip(named, out)}
+  host = jax.device_get([w for w in (_host_words(x) for _, x in named)])
+  on_device = [i for i, w in enumerate(host) if w is None]
+  device_lanes = []
+  if on_device:
+    leaves = [named[i][1] for i in on_device]
+    leaves = [jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x for x in leaves]
+    device_lanes = np.asarray(jax.device_get(_device_fn(_replicated_like(leaves))(leaves)))
+  out, device_row = {}, iter(device_lanes)
+  for (name, x), w in zip(named, host):
+    if w is not None:
+      a, b = _lanes(w, np.arange(w.size, dtype=np.uint32), np)
+    else:
+      a, b = next(device_row)
+    out[name] = f"{_describe(x)}:{int(a):08x}{int(b):08x}"
+  return out
 
 
 def check_arrays(recorded: dict[str, str], tree: Any) -> None:
