@@ -53,12 +53,12 @@ def test_the_tower_runs_the_embed_hook_its_blocks_refuse():
   cfg = _cfg("absolute")
   tower = Tower(cfg, num_layers=1, mlp_dim=W)
   x = jax.random.normal(jax.random.key(0), (2, N, W))
-  params = tower.init(jax.random.key(1), x, None)["params"]
+  params = jax.jit(tower.init)(jax.random.key(1), x, None)["params"]
   assert "pos_absolute" in params
-  y, _ = tower.apply({"params": params}, x, None)
+  y, _ = jax.jit(tower.apply)({"params": params}, x, None)
   bare = Tower(_cfg(), num_layers=1, mlp_dim=W)
   params_bare = {k: v for k, v in params.items() if k != "pos_absolute"}
-  y_bare, _ = bare.apply({"params": params_bare}, x, None)
+  y_bare, _ = jax.jit(bare.apply)({"params": params_bare}, x, None)
   assert float(jnp.max(jnp.abs(y - y_bare))) > 1e-3  # the positions changed the output
 
 
@@ -105,7 +105,7 @@ def test_share_across_layers_needs_the_shared_module():
     Attention(_cfg(), shared=(positional.build("t5_bias", cfg.scheme_dims()["t5_bias"]),))
   # Inside a Tower the layers share one table.
   tower = Tower(cfg, num_layers=2, mlp_dim=W)
-  params = tower.init(jax.random.key(0), jnp.ones((1, N, W)), None)["params"]
+  params = jax.eval_shape(tower.init, jax.random.key(0), jnp.ones((1, N, W)), None)["params"]
   assert "pos_t5_bias_shared" in params and "pos_t5_bias" not in params["block_0"]["attention"]
 
 
@@ -144,12 +144,12 @@ def test_values_out_of_range_are_refused_at_construction(build, needle):
 def test_inputs_a_call_would_ignore_are_refused():
   block = Block(_cfg(), mlp_dim=W)
   x = jnp.ones((1, N, W))
-  params = block.init(jax.random.key(0), x)
+  params = jax.eval_shape(block.init, jax.random.key(0), x)  # each call raises before compute
   with pytest.raises(ValueError, match="memory_mask given without memory"):
     block.apply(params, x, memory_mask=jnp.ones((1, 3), bool))
   lm = DecoderLM(_cfg(causal=True), VOCAB, 1, W)
   batch = {"inputs": jnp.ones((1, N), jnp.int32)}
-  variables = lm.init(jax.random.key(0), batch)
+  variables = jax.eval_shape(lm.init, jax.random.key(0), batch)
   with pytest.raises(ValueError, match="cache_length=8 is for decode=True only"):
     lm.apply(variables, batch, cache_length=8)
   with pytest.raises(ValueError, match="decode=True reads the cache; memory is not used"):
@@ -176,10 +176,10 @@ def test_a_bidirectional_lm_is_refused():
     ("elu1", ("fastrpb", "kernelized_rpe")),
 ])
 def test_the_lm_never_sees_a_later_token(kernel, schemes):
-  lm = DecoderLM(_cfg(*schemes, kernel=kernel, causal=True, chunk_size=4), VOCAB, num_layers=2,
+  lm = DecoderLM(_cfg(*schemes, kernel=kernel, causal=True, chunk_size=4), VOCAB, num_layers=1,
                  mlp_dim=W, dtype=jnp.float64)
   ids = jax.random.randint(jax.random.key(0), (2, N), 1, VOCAB)
-  params = lm.init(jax.random.key(1), {"inputs": ids})["params"]
+  params = jax.jit(lm.init)(jax.random.key(1), {"inputs": ids})["params"]
   # Tables start at zero: randomise every parameter so that every scheme acts.
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(2), len(leaves))
