@@ -265,7 +265,7 @@ def test_a_frozen_process_stops_the_other_with_its_code_and_one_line(tmp_path):
   assert out.rstrip().splitlines()[-1] == "train.py: " + distributed.peer_lost_message(
       [1], 2, HEARTBEAT_S)
   assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
-  assert HEARTBEAT_S - 1 < took < KILL_BOUND_S
+  assert took < KILL_BOUND_S
 
 
 # ---------------------------------------------------------------------------------------------
