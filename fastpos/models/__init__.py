@@ -77,17 +77,21 @@ def build_model(cfg, task: TaskInfo):
   attn = attention_config(cfg, task)
   common = dict(attention=attn, vocab_size=task.vocab_size, num_layers=cfg.num_layers,
                 mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, norm=cfg.norm,
-                pooling=cfg.get("pooling", "mean"), num_classes=task.num_classes,
                 dtype=DTYPES[cfg.dtype])
   memory_length = cfg.get("memory_length", 0)
+  pooling = cfg.get("pooling", "mean")
   if memory_length and task.kind != "lm":
     raise ValueError("memory_length > 0 (Transformer-XL memory) is for lm tasks only.")
   if task.kind == "lm":
+    if pooling != "mean":
+      raise ValueError(f"model.pooling={pooling!r} is for encoders (classify / retrieval "
+                       f"tasks); a language model has no pooling: leave it at 'mean'.")
     return DecoderLM(**common, tie_embeddings=cfg.get("tie_embeddings", True),
                      memory_length=memory_length)
   if task.num_classes < 2:
     raise ValueError(f"a {task.kind} task needs num_classes >= 2; got {task.num_classes}.")
-  return (DualEncoder if task.kind == "retrieval" else Classifier)(**common)
+  return (DualEncoder if task.kind == "retrieval" else Classifier)(
+      **common, pooling=pooling, num_classes=task.num_classes)
 
 
 __all__ = ["Attention", "AttentionConfig", "Block", "Classifier", "DecoderLM", "DualEncoder",

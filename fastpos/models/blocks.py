@@ -15,10 +15,24 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fastpos.models.attention import Attention, AttentionConfig
+from fastpos.models.attention import Attention, AttentionConfig, check_layer_schemes
 from fastpos.ops.masks import check_mask
 
 NORMS = ("post", "pre", "batch")
+
+
+def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> None:
+  """Raises ValueError naming the first field of a block stack (``Block``, ``Tower``, the
+  models) out of its range: ``mlp_dim`` and ``num_layers`` ints >= 1, ``dropout_rate`` in
+  [0, 1), ``norm`` one of ``NORMS``."""
+  for name, value in (("mlp_dim", mlp_dim), ("num_layers", num_layers)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{layer}: {name} must be an int >= 1; got {value!r}.")
+  if isinstance(dropout_rate, bool) or not (isinstance(dropout_rate, (int, float))
+                                            and 0 <= dropout_rate < 1):
+    raise ValueError(f"{layer}: dropout_rate must be a number in [0, 1); got {dropout_rate!r}.")
+  if norm not in NORMS:
+    raise ValueError(f"{layer}: unknown norm {norm!r}; valid choices: {', '.join(NORMS)}.")
 
 
 class MLP(nn.Module):
@@ -36,13 +50,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """One transformer layer. ``shared``: scheme modules shared across layers."""
+  """One transformer layer. ``shared``: scheme modules shared across layers. Its attention
+  config holds attention-level schemes only (``AttentionConfig.attention_only``); bad fields
+  raise ValueError at construction."""
   attention: AttentionConfig
   mlp_dim: int
   dropout_rate: float = 0.0
   norm: str = "post"
   shared: tuple = ()
   dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    check_stack("Block", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm)
+    check_layer_schemes(self.attention, self.shared, "Block")
+    super().__post_init__()
 
   def _make_norm(self, name: str, train: bool):
     if self.norm == "batch":
@@ -64,9 +85,9 @@ class Block(nn.Module):
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
     Masks are boolean only: any other dtype or shape raises ValueError. ``decode``: a
     ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache)."""
-    if self.norm not in NORMS:
-      raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is None and memory_mask is not None:
+      raise ValueError("Block: memory_mask given without memory (it masks the memory keys).")
     if memory is not None:
       memory_mask = check_mask(memory_mask, memory.shape[:2], name="memory_mask",
                                layout="[batch, M]", against=f"memory of shape {memory.shape}")

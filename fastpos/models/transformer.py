@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Block
+from fastpos.models.blocks import Block, check_stack
 from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
@@ -45,6 +45,11 @@ class Tower(nn.Module):
   norm: str = "post"
   dtype: Any = jnp.float32
 
+  def __post_init__(self):
+    check_stack("Tower", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
+                num_layers=self.num_layers)
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None,
                decode=None):
@@ -55,8 +60,13 @@ class Tower(nn.Module):
     without memory). ``decode``: a ``fastpos.models.decoding.Step`` (x holds new tokens at
     slots ``decode.offset + i``; no memory)."""
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is not None and decode is not None:
+      raise ValueError("Tower: a decoding step reads the cache, not memory; pass one of them.")
     if memory is not None:
       states, mmask = memory
+      if len(states) != self.num_layers:
+        raise ValueError(f"Tower: memory holds {len(states)} states; one per layer "
+                         f"({self.num_layers}) is needed.")
       m_shape = jnp.shape(states[0]) if states else (x.shape[0], None)
       memory = (states, check_mask(mmask, (x.shape[0], m_shape[1]), name="memory_mask",
                                    layout="[batch, M]", against=f"memory states {m_shape}"))
@@ -76,6 +86,7 @@ class Tower(nn.Module):
                          name=f"pos_{spec.name}_shared")
         for spec in cfg.positional
         if spec.option_dict().get("share_across_layers"))
+    cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
     new_states = [] if memory is not None else None
@@ -108,6 +119,27 @@ class _Base(nn.Module):
   pooling: str = "mean"
   num_classes: int = 0
   dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    name = type(self).__name__
+    check_stack(name, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
+                num_layers=self.num_layers)
+    if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+      raise ValueError(f"{name}: vocab_size must be an int >= 1; got {self.vocab_size!r}.")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"{name}: unknown pooling {self.pooling!r}; valid choices: "
+                       f"{', '.join(POOLINGS)}.")
+    self._check_head()
+    super().__post_init__()
+
+  def _check_head(self):
+    """The encoders' head: ``num_classes >= 2``; the CLS token breaks an image grid."""
+    name = type(self).__name__
+    if not isinstance(self.num_classes, int) or self.num_classes < 2:
+      raise ValueError(f"{name}: num_classes must be an int >= 2; got {self.num_classes!r}.")
+    if self.pooling == "cls" and self.attention.grid is not None:
+      raise ValueError(f"{name}: pooling='cls' prepends a token, which breaks the image grid "
+                       f"{self.attention.grid}; use pooling='mean'.")
 
   def _tower(self, name="encoder"):
     return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
@@ -193,6 +225,21 @@ class DecoderLM(_Base):
   tie_embeddings: bool = True
   memory_length: int = 0
 
+  def _check_head(self):
+    """An LM is causal by construction and has no pooling or classes: refuse what it would
+    ignore (a bidirectional attention config would let every token see the future)."""
+    if not self.attention.causal:
+      raise ValueError("DecoderLM: the attention config is bidirectional (causal=False), so "
+                       "every position would see the tokens it predicts; build it with "
+                       "AttentionConfig(..., causal=True).")
+    if self.pooling != "mean" or self.num_classes != 0:
+      raise ValueError(f"DecoderLM: pooling and num_classes are encoder fields; leave them at "
+                       f"their defaults ('mean', 0); got pooling={self.pooling!r}, "
+                       f"num_classes={self.num_classes!r}.")
+    if not isinstance(self.memory_length, int) or self.memory_length < 0:
+      raise ValueError(f"DecoderLM: memory_length must be an int >= 0 (0: no memory); got "
+                       f"{self.memory_length!r}.")
+
   def init_cache(self, batch_size: int, max_length: int):
     """An empty decoding state (the ``cache`` collection) for ``batch_size`` rows of at most
     ``max_length`` tokens (``fastpos.models.decoding``): zeros, shaped without any compute."""
@@ -214,7 +261,11 @@ class DecoderLM(_Base):
   def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None,
                decode: bool = False, cache_length: int | None = None):
     if decode:
+      if memory is not None:
+        raise ValueError("DecoderLM: decode=True reads the cache; memory is not used there.")
       return self._decode(batch, train=train, reference=reference, cache_length=cache_length)
+    if cache_length is not None:
+      raise ValueError(f"DecoderLM: cache_length={cache_length!r} is for decode=True only.")
     if self.memory_length and memory is None:
       memory = self.init_memory(batch["inputs"].shape[0])
     if not self.memory_length and memory is not None:

@@ -51,6 +51,9 @@ class AbsolutePositional(Scheme):
 
   def _table(self, n: int, grid):
     d = self.dims.embed_dim
+    if (grid is None) != (self.dims.grid is None):
+      raise ValueError(f"absolute: built for grid {self.dims.grid} but called with grid {grid}; "
+                       f"build and call it with the same (1D: None; 2D: the task's grid).")
     if grid is None:
       if n > self.dims.max_length:
         raise ValueError(f"absolute: length {n} exceeds max_length {self.dims.max_length}.")
