@@ -80,6 +80,12 @@ def build_model(cfg, task: TaskInfo):
   scan_layers = cfg.get("scan_layers", False)
   if not isinstance(scan_layers, bool):
     raise ValueError(f"model.scan_layers must be a bool; got {scan_layers!r}.")
+  shared = [s.name for s in attn.positional if s.option_dict().get("share_across_layers")]
+  if scan_layers and shared:
+    # nn.scan would stack the shared table per layer: one table for all layers is not scanned.
+    raise ValueError(f"model.scan_layers=True cannot share a scheme across layers "
+                     f"(share_across_layers of {', '.join(shared)}); set model.scan_layers="
+                     "False (model.remat works without it) or share_across_layers=False.")
   common = dict(attention=attn, vocab_size=task.vocab_size, num_layers=cfg.num_layers,
                 mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, norm=cfg.norm,
                 pooling=cfg.get("pooling", "mean"), num_classes=task.num_classes,

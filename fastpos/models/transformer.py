@@ -10,7 +10,7 @@ never cast), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -34,6 +34,30 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
     return inputs, inputs != 0
   return inputs, check_mask(mask, jnp.shape(inputs), name=f"batch[{key_mask!r}]",
                             against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}")
+
+
+def stack_layers(tree, num_layers: int):
+  """A variables tree (params, batch_stats, cache) of the unrolled layout (``block_0`` ...
+  ``block_{L-1}``) in the ``scan_layers`` layout (``layers``, every leaf stacked on a leading
+  axis of L), e.g. to load an unrolled checkpoint into a scanned model."""
+  if not isinstance(tree, Mapping):
+    return tree
+  names = [f"block_{i}" for i in range(num_layers)]
+  out = {k: stack_layers(v, num_layers) for k, v in tree.items() if k not in names}
+  if all(n in tree for n in names):
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
+  return out
+
+
+def unstack_layers(tree, num_layers: int):
+  """The inverse of ``stack_layers``: ``layers`` split into ``block_0`` ... ``block_{L-1}``."""
+  if not isinstance(tree, Mapping):
+    return tree
+  out = {k: unstack_layers(v, num_layers) for k, v in tree.items() if k != "layers"}
+  if "layers" in tree:
+    out.update({f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"])
+                for i in range(num_layers)})
+  return out
 
 
 class Tower(nn.Module):
