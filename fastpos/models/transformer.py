@@ -10,7 +10,7 @@ never cast), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Block, check_stack
+from fastpos.models.blocks import Layer, check_stack, remat_policy
 from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
@@ -36,6 +36,30 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
                             against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}")
 
 
+def stack_layers(tree, num_layers: int):
+  """A variables tree (params, batch_stats, cache) of the unrolled layout (``block_0`` ...
+  ``block_{L-1}``) in the ``scan_layers`` layout (``layers``, every leaf stacked on a leading
+  axis of L), e.g. to load an unrolled checkpoint into a scanned model."""
+  if not isinstance(tree, Mapping):
+    return tree
+  names = [f"block_{i}" for i in range(num_layers)]
+  out = {k: stack_layers(v, num_layers) for k, v in tree.items() if k not in names}
+  if all(n in tree for n in names):
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
+  return out
+
+
+def unstack_layers(tree, num_layers: int):
+  """The inverse of ``stack_layers``: ``layers`` split into ``block_0`` ... ``block_{L-1}``."""
+  if not isinstance(tree, Mapping):
+    return tree
+  out = {k: unstack_layers(v, num_layers) for k, v in tree.items() if k != "layers"}
+  if "layers" in tree:
+    out.update({f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"])
+                for i in range(num_layers)})
+  return out
+
+
 class Tower(nn.Module):
   """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks."""
   attention: AttentionConfig
@@ -44,6 +68,26 @@ class Tower(nn.Module):
   dropout_rate: float = 0.0
   norm: str = "post"
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
+
+  def _layer_class(self, decoding: bool):
+    """``Layer``, under ``nn.remat`` with the ``remat`` policy unless "none" or decoding."""
+    policy = remat_policy(self.remat)
+    if self.remat == "none" or decoding:
+      return Layer
+    return nn.remat(Layer, policy=policy)
+
+  def _scanned(self, settings: dict, decoding: bool):
+    """The layers as one ``nn.scan`` body, parameters (and batch statistics, decoding caches)
+    stacked on a leading layer axis under ``layers``: ``(x, mask, memory [L, b, M, D] or
+    None, memory_mask, offset) -> (x, new memory [L, b, M, D] or None)``."""
+    scan = nn.scan(self._layer_class(decoding),
+                   variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
+                   split_rngs={"params": True, "dropout": True},
+                   in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
+                   length=self.num_layers)
+    return scan(**settings, name="layers")
 
   def __post_init__(self):
     check_stack("Tower", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
@@ -89,17 +133,23 @@ class Tower(nn.Module):
     cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
-    new_states = [] if memory is not None else None
-    for i in range(self.num_layers):
-      if memory is not None:
-        m = states[i]
-        new_states.append(jax.lax.stop_gradient(
-            jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
-      x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
-                dtype=self.dtype, name=f"block_{i}")(
-                    x, mask=mask, grid=grid, memory=None if memory is None else states[i],
-                    memory_mask=mmask, train=train, reference=reference,
-                    **({} if decode is None else {"decode": decode}))
+    settings = dict(attention=cfg, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                    norm=self.norm, shared=shared, dtype=self.dtype, train=train,
+                    reference=reference, decoding=decode is not None,
+                    cache_length=None if decode is None else decode.cache_length)
+    offset = None if decode is None else decode.offset
+    if self.scan_layers:
+      x, new_states = self._scanned(settings, decode is not None)(
+          x, mask, None if states is None else jnp.stack(states), mmask, offset)
+      new_states = None if states is None else list(new_states)
+    else:
+      layer = self._layer_class(decode is not None)
+      new_states = [] if memory is not None else None
+      for i in range(self.num_layers):
+        x, new = layer(**settings, name=f"block_{i}")(
+            x, mask, None if states is None else states[i], mmask, offset)
+        if new_states is not None:
+          new_states.append(new)
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     if memory is None:
@@ -119,6 +169,8 @@ class _Base(nn.Module):
   pooling: str = "mean"
   num_classes: int = 0
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
 
   def __post_init__(self):
     name = type(self).__name__
@@ -143,7 +195,7 @@ class _Base(nn.Module):
 
   def _tower(self, name="encoder"):
     return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
-                 dtype=self.dtype, name=name)
+                 dtype=self.dtype, remat=self.remat, scan_layers=self.scan_layers, name=name)
 
   def _embed(self):
     return nn.Embed(self.vocab_size, self.attention.embed_dim,
