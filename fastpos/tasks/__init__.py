@@ -28,6 +28,7 @@ TASK_MODULES = {
     "lra_retrieval": "fastpos.tasks.retrieval:RetrievalTask",
     "pathfinder": "fastpos.tasks.pathfinder:PathfinderTask",
     "mqar": "fastpos.tasks.mqar:MqarTask",
+    "text_lm": "fastpos.tasks.text_lm:TextLmTask",
 }
 
 

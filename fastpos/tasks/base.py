@@ -85,7 +85,8 @@ class Task(abc.ABC):
     metric: the validation metric that picks the best checkpoint (a key of the evaluation
       metrics: "accuracy", "loss" or "perplexity").
     metric_mode: "max" or "min" for ``metric``.
-    generated: True when the task makes its data itself (nothing to download).
+    generated: True when there is nothing to download (the task makes its data itself, or
+      reads the user's own files).
   """
   task_name: ClassVar[str]
   generated: ClassVar[bool] = False

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import ml_collections
 import numpy as np
@@ -76,7 +76,6 @@ def _words(path: str) -> Iterator[list[str]]:
   newline still gets its ``<eos>``, with a warning (the release's files end in one). A literal
   ``<eos>`` in the text is the same token.
   """
-  eos = f" {EOS} "
   lines_seen = 0
   for lines in _chunks(path):
     lines_seen += len(lines)
@@ -86,7 +85,13 @@ def _words(path: str) -> Iterator[list[str]]:
                       "release's files end in one, so the file may be truncated.", path,
                       lines_seen)
       text += "\n"
-    yield text.replace("\n", eos).split()
+    yield line_words(text)
+
+
+def line_words(text: str) -> list[str]:
+  """The words of whole lines (``text`` ends in a newline), ``<eos>`` after every line
+  (``_words``' rule: ``str.split()`` words, a blank line is a lone ``<eos>``)."""
+  return text.replace("\n", f" {EOS} ").split()
 
 
 def _file_key(path: str) -> dict:
@@ -107,7 +112,18 @@ def stream_dtype(vocab_size: int) -> np.dtype:
 
 def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.ndarray,
                                                                   np.ndarray]:
-  """Reads the train file once: (words by id, counts by id, the train id stream).
+  """Reads the train file once: (words by id, counts by id, the train id stream)
+  (``vocabulary_from_words`` of its words)."""
+  return vocabulary_from_words(_words(train_path), vocab_size, repr(train_path),
+                               f" (the WikiText-103 release gives {RELEASE_VOCAB_SIZE})")
+
+
+def vocabulary_from_words(chunks: Iterable[list[str]], vocab_size: int, source: str,
+                          hint: str = "") -> tuple[list[str], np.ndarray, np.ndarray]:
+  """(words by id, counts by id, the id stream) of the training words, read once.
+
+  ``chunks`` are lists of words (``line_words``); ``source`` names them in errors and ``hint``
+  follows the number of ids the text gives.
 
   Words get provisional ids in order of first appearance while reading; the counts then
   give the final order (``<pad>`` = 0, never in a stream, ``<unk>`` = 1, ``<eos>`` = 2, the rest
@@ -119,12 +135,12 @@ def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.nd
   """
   index: dict[str, int] = {}
   parts = []
-  for words in _words(train_path):
+  for words in chunks:
     setdefault = index.setdefault
     parts.append(np.array([setdefault(w, len(index)) for w in words], np.int64))
   stream = np.concatenate(parts) if parts else np.zeros(0, np.int64)
   if stream.size == 0:
-    raise ValueError(f"{train_path!r} holds no text.")
+    raise ValueError(f"{source} holds no text.")
   counts = np.bincount(stream, minlength=len(index))
   seen = list(index)
   others = sorted((i for i, w in enumerate(seen) if w not in (UNK, EOS)),
@@ -132,10 +148,9 @@ def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.nd
   full = NUM_SPECIAL + len(others)
   if vocab_size > full:
     raise ValueError(
-        f"config.task.vocab_size={vocab_size}, but {train_path!r} has only {len(others)} "
-        f"word types besides <unk> / <eos>, i.e. {full} ids with padding, <unk> and <eos> "
-        f"(the WikiText-103 release gives {RELEASE_VOCAB_SIZE}); set "
-        f"config.task.vocab_size={full} or less.")
+        f"config.task.vocab_size={vocab_size}, but {source} has only {len(others)} word "
+        f"types besides <unk> / <eos>, i.e. {full} ids with padding, <unk> and <eos>{hint}; "
+        f"set config.task.vocab_size={full} or less.")
   kept = others[:vocab_size - NUM_SPECIAL]
   remap = np.full(len(seen), UNK_ID, np.int64)
   remap[kept] = np.arange(NUM_SPECIAL, vocab_size)
@@ -158,9 +173,16 @@ def decode(ids: Sequence[int] | np.ndarray, vocab: Sequence[str]) -> list[str]:
 
 def _encode_file(path: str, vocab: Sequence[str], dtype: np.dtype) -> tuple[np.ndarray, int]:
   """(id stream of ``path`` in ``vocab``, number of words mapped to ``<unk>``)."""
+  return encode_words(_words(path), vocab, dtype, repr(path))
+
+
+def encode_words(chunks: Iterable[list[str]], vocab: Sequence[str], dtype: np.dtype,
+                 source: str) -> tuple[np.ndarray, int]:
+  """(id stream of the words ``chunks`` in ``vocab``, number of words mapped to ``<unk>``);
+  ``source`` names them in errors."""
   lookup = {w: i for i, w in enumerate(vocab) if i != PAD_ID}
   parts, unknown = [], 0
-  for words in _words(path):
+  for words in chunks:
     ids = np.array([lookup.get(w, -1) for w in words], np.int64)
     missing = ids < 0
     unknown += int(missing.sum())
@@ -168,7 +190,7 @@ def _encode_file(path: str, vocab: Sequence[str], dtype: np.dtype) -> tuple[np.n
     parts.append(ids.astype(dtype))
   stream = np.concatenate(parts) if parts else np.zeros(0, dtype)
   if stream.size == 0:
-    raise ValueError(f"{path!r} holds no text.")
+    raise ValueError(f"{source} holds no text.")
   return stream, unknown
 
 
@@ -180,13 +202,17 @@ class Corpus:
   The cache holds ``vocab_<key>.json`` and each split's ``<split>_<key>.npy`` (uint16 when
   ``vocab_size <= 65536``, else uint32); the key hashes the cache version, ``vocab_size`` and
   the name, size and modification time of each file it was built from, and writes are atomic.
-  A cached load is numpy only (about 5 s for a 105M-token stream).
+  A cached load is numpy only (about 5 s for a 105M-token stream). Another text source
+  (``fastpos.tasks.text_lm``) overrides the hooks ``_vocab_key``, ``_split_key``,
+  ``_build_vocabulary``, ``_encode_split`` and ``label``.
 
   Args:
     data_dir: the data root (``paths.data_root``); files under ``wikitext-103/``.
     cache_dir: where the cache lives ("" / None: ``paths.cache_dir(data_dir, TASK)``).
     vocab_size: number of ids (``build_vocabulary``).
   """
+
+  label = "WikiText-103"  # names the corpus in logs and errors
 
   def __init__(self, data_dir: str | None, cache_dir: str | None, vocab_size: int):
     self.data_dir = data_dir or None
@@ -205,18 +231,29 @@ class Corpus:
     return {"version": CACHE_VERSION, "vocab_size": self.vocab_size,
             "train": _file_key(self.path("train"))}
 
+  def _split_key(self, split: str) -> dict:
+    return {**self._vocab_key(), split: _file_key(self.path(split))}
+
+  def _build_vocabulary(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(words by id, counts by id, the train id stream): ``build_vocabulary``."""
+    path = self.path("train")
+    logging.info("%s: building the vocabulary from %s (once; cached in %s)", self.label, path,
+                 self.cache_dir)
+    return build_vocabulary(path, self.vocab_size)
+
+  def _encode_split(self, split: str) -> tuple[np.ndarray, int]:
+    """(the id stream of a split other than train, words mapped to ``<unk>``)."""
+    return _encode_file(self.path(split), self.vocabulary(), stream_dtype(self.vocab_size))
+
   def _cache_file(self, name: str, key: dict, ext: str) -> str:
     return os.path.join(self.cache_dir, f"{name}_{_digest(key)}.{ext}")
 
   def _build_train(self, vocab_file: str, train_file: str) -> np.ndarray:
-    path = self.path("train")
-    logging.info("WikiText-103: building the vocabulary from %s (once; cached in %s)", path,
-                 self.cache_dir)
-    words, counts, stream = build_vocabulary(path, self.vocab_size)
+    words, counts, stream = self._build_vocabulary()
     record = {"key": self._vocab_key(), "words": words, "counts": counts.tolist()}
     paths.save_atomic(train_file, lambda f: np.save(f, stream))
     paths.save_atomic(vocab_file, lambda f: f.write(json.dumps(record).encode("utf-8")))
-    logging.info("WikiText-103: %d ids, train stream of %d tokens (%d <unk>) cached in %s",
+    logging.info("%s: %d ids, train stream of %d tokens (%d <unk>) cached in %s", self.label,
                  len(words), stream.size, counts[UNK_ID], self.cache_dir)
     self._vocab = words
     return stream
@@ -233,10 +270,10 @@ class Corpus:
           with open(vocab_file, encoding="utf-8") as f:
             record = json.load(f)
         except ValueError as e:  # bad JSON or not UTF-8: a damaged cache file
-          raise ValueError(f"WikiText-103 cache file {vocab_file!r} is damaged ({e}); delete "
-                           "it to rebuild.") from None
+          raise ValueError(f"{self.label} cache file {vocab_file!r} is damaged ({e}); "
+                           "delete it to rebuild.") from None
         if record.get("key") != key or len(record.get("words", ())) != self.vocab_size:
-          raise ValueError(f"WikiText-103 cache file {vocab_file!r} does not hold the "
+          raise ValueError(f"{self.label} cache file {vocab_file!r} does not hold the "
                            f"vocabulary of {key}; delete it to rebuild.")
         self._vocab = record["words"]
     return self._vocab
@@ -250,24 +287,22 @@ class Corpus:
       if os.path.exists(file) and os.path.exists(vocab_file):
         return self._load(file, split)
       return self._build_train(vocab_file, file)
-    split_key = {**key, split: _file_key(self.path(split))}
-    file = self._cache_file(split, split_key, "npy")
+    file = self._cache_file(split, self._split_key(split), "npy")
     if os.path.exists(file):
       return self._load(file, split)
-    stream, unknown = _encode_file(self.path(split), self.vocabulary(),
-                                   stream_dtype(self.vocab_size))
+    stream, unknown = self._encode_split(split)
     paths.save_atomic(file, lambda f: np.save(f, stream))
-    logging.info("WikiText-103 %s: %d tokens, %d words not in the train vocabulary -> <unk>; "
-                 "cached in %s", split, stream.size, unknown, file)
+    logging.info("%s %s: %d tokens, %d words not in the train vocabulary -> <unk>; cached in "
+                 "%s", self.label, split, stream.size, unknown, file)
     return stream
 
   def _load(self, file: str, split: str) -> np.ndarray:
     stream = np.load(file, allow_pickle=False)
     want = stream_dtype(self.vocab_size)
     if stream.dtype != want or stream.ndim != 1 or stream.size < 2:
-      raise ValueError(f"WikiText-103 cache file {file!r} holds {stream.dtype}{stream.shape}, "
-                       f"not a {want} token stream; delete it to rebuild.")
-    logging.info("WikiText-103 %s: %d tokens from the cache %s", split, stream.size, file)
+      raise ValueError(f"{self.label} cache file {file!r} holds {stream.dtype}"
+                       f"{stream.shape}, not a {want} token stream; delete it to rebuild.")
+    logging.info("%s %s: %d tokens from the cache %s", self.label, split, stream.size, file)
     return stream
 
 

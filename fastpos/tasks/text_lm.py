@@ -1,0 +1,359 @@
+"""Your own text as a causal language-modelling task (task "text_lm"), byte or word level.
+
+Input: ``config.task.paths``, UTF-8 text files and / or folders, comma-separated. A folder
+gives every file under it whose name matches one of ``config.task.include``'s fnmatch patterns
+(comma-separated; ``*.txt`` by default), hidden files and folders left out, sorted by relative
+path; a file named directly is read whatever its name. The files, in the order named, are read
+as one text: each file's bytes, with a newline appended when they do not end in one (an empty
+file adds nothing). A missing path, a folder with no matching file, an empty text or a file
+that is not UTF-8 stops with one error naming the path and the fix.
+
+Split (deterministic; nothing random, nothing depends on the level): the text's ``n`` bytes are
+cut into three contiguous parts, train first, then validation, then test (nanoGPT cuts its
+Shakespeare the same way: the first 90% trains, the last 10% validates). Validation starts at
+byte ``round((1 - v - t) n)`` and test at ``round((1 - t) n)`` (``v = validation_fraction``,
+``t = test_fraction``; ``t = 0``: no test split), each cut moved forward to the start of the
+next line, so no line, word or character is cut and both levels see the same text per split.
+
+Levels (``config.task.level``):
+
+- ``byte``: as LRA Text reads its reviews (``fastpos.tasks.text.encode``): id = UTF-8 byte + 1,
+  257 ids, 0 is padding. The stream is the bytes themselves, so nothing is cached.
+- ``word``: as WikiText-103 reads its files (``fastpos.tasks.wikitext``): every line gives its
+  whitespace-separated words (case kept) and one ``<eos>``; the vocabulary (``<pad>``,
+  ``<unk>``, ``<eos>``, then the ``vocab_size - 3`` most frequent train words by count, ties by
+  word) comes from the train part only; other words become ``<unk>``. Tokenising is pure
+  Python, so the vocabulary and the id streams are cached as WikiText-103's are
+  (``wikitext.Corpus``) in ``config.task.cache_dir`` (default: the data root's
+  ``cache/text_lm``, never the text's folder), keyed by the files' paths, sizes and
+  modification times, the level, ``vocab_size`` and the fractions.
+
+Examples and evaluation are WikiText-103's (``wikitext.segments`` / ``wikitext.windows``):
+consecutive segments of ``segment_length`` tokens with next-token targets, and on validation /
+test optionally sliding windows every ``eval_stride`` tokens, each scoring its last
+``eval_stride`` positions. The metric is the loss in nats per token (per byte at byte level;
+nanoGPT's character-level figure is the same quantity on ASCII text); perplexity is reported
+beside it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+from typing import Iterator, Sequence
+
+import ml_collections
+import numpy as np
+
+from fastpos.tasks import base, paths
+from fastpos.tasks import text as byte_text
+from fastpos.tasks import wikitext as wt
+from fastpos.tasks.info import TaskInfo
+
+TASK = "text_lm"
+LEVELS = ("byte", "word")
+CACHE_VERSION = 1
+_FIELD_HINT = ("set config.task.paths to UTF-8 text files and / or folders, comma-separated "
+               "(e.g. --config.task.paths=~/books/emma.txt,~/notes)")
+
+
+# ------------------------------------------------------------------------------ files
+
+def _patterns(include: str) -> list[str]:
+  return [p.strip() for p in include.split(",") if p.strip()] or ["*"]
+
+
+def _folder_files(folder: str, patterns: Sequence[str]) -> list[str]:
+  """Files under ``folder`` whose names match a pattern, sorted by relative path; hidden
+  files and folders (a leading ".") left out."""
+  out = []
+  for root, dirs, files in os.walk(folder):
+    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    out += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")
+            and any(fnmatch.fnmatch(f, p) for p in patterns)]
+  return sorted(out, key=lambda p: os.path.relpath(p, folder).split(os.sep))
+
+
+def text_files(spec: str, include: str = "*.txt") -> list[str]:
+  """The absolute paths of the files ``config.task.paths`` names (module docstring), in the
+  order read; a file named twice is read once."""
+  names = [p.strip() for p in str(spec).split(",") if p.strip()]
+  if not names:
+    raise ValueError(f"{TASK}: config.task.paths is empty; {_FIELD_HINT}.")
+  files: list[str] = []
+  for name in names:
+    path = os.path.abspath(os.path.expanduser(name))
+    if os.path.isdir(path):
+      found = _folder_files(path, _patterns(include))
+      if not found:
+        raise FileNotFoundError(
+            f"{TASK}: the folder {path!r} (config.task.paths) holds no file matching "
+            f"config.task.include={include!r}; set config.task.include to patterns of its "
+            f"files' names, comma-separated (e.g. '*.md,*.rst'; '*': every file).")
+      files += found
+    elif os.path.isfile(path):
+      if os.path.getsize(path) == 0:
+        raise ValueError(f"{TASK}: {path!r} (config.task.paths) is empty; name a file that "
+                         f"holds text, or leave it out.")
+      files.append(path)
+    else:
+      raise FileNotFoundError(f"{TASK}: {path!r} (config.task.paths) does not exist; "
+                              f"{_FIELD_HINT}.")
+  return list(dict.fromkeys(files))
+
+
+def read_text(files: Sequence[str]) -> bytes:
+  """The files' bytes as one text, a newline after each that lacks one; checks UTF-8."""
+  parts = []
+  for path in files:
+    with open(path, "rb") as f:
+      data = f.read()
+    try:
+      data.decode("utf-8")
+    except UnicodeDecodeError as e:
+      line = data.count(b"\n", 0, e.start) + 1
+      raise ValueError(
+          f"{TASK}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start}, line {line}). "
+          f"Convert it (e.g. `iconv -f latin1 -t utf-8`) or leave it out of "
+          f"config.task.paths / config.task.include.") from None
+    parts.append(data if not data or data.endswith(b"\n") else data + b"\n")
+  text = b"".join(parts)
+  if not text:
+    raise ValueError(f"{TASK}: the files of config.task.paths hold no text ({len(files)} "
+                     f"file(s), all empty); {_FIELD_HINT}.")
+  return text
+
+
+def _line_start(text: bytes, pos: int) -> int:
+  """The first line start at or after byte ``pos`` (``len(text)`` if none)."""
+  if pos <= 0 or text[pos - 1:pos] == b"\n":
+    return max(pos, 0)
+  end = text.find(b"\n", pos)
+  return len(text) if end < 0 else end + 1
+
+
+def split_bounds(text: bytes, validation_fraction: float, test_fraction: float
+                 ) -> dict[str, tuple[int, int]]:
+  """Byte ranges ``[start, end)`` of train / validation / test (module docstring)."""
+  n = len(text)
+  cut_val = _line_start(text, int(np.floor((1 - validation_fraction - test_fraction) * n + .5)))
+  cut_test = max(cut_val, _line_start(text, int(np.floor((1 - test_fraction) * n + .5))))
+  if test_fraction == 0:
+    cut_test = n
+  return {"train": (0, cut_val), "validation": (cut_val, cut_test), "test": (cut_test, n)}
+
+
+def _word_chunks(text: str) -> Iterator[list[str]]:
+  """WikiText-103's words (``wikitext.line_words``) of whole lines, a few MB at a time."""
+  f = io.StringIO(text)
+  while lines := f.readlines(1 << 23):
+    yield wt.line_words("".join(lines))
+
+
+# ---------------------------------------------------------------------------- checks
+
+def _is_int(value) -> bool:
+  return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _check_config(cfg: ml_collections.ConfigDict) -> None:
+  if cfg.level not in LEVELS:
+    raise ValueError(f"{TASK}: unknown config.task.level {cfg.level!r}; valid choices: "
+                     f"{', '.join(LEVELS)}.")
+  if not isinstance(cfg.paths, str) or not isinstance(cfg.include, str):
+    raise ValueError(f"{TASK}: config.task.paths and config.task.include are comma-separated "
+                     f"strings; got {cfg.paths!r} and {cfg.include!r}.")
+  v, t = cfg.validation_fraction, cfg.test_fraction
+  for name, value, low in (("validation_fraction", v, "(0"), ("test_fraction", t, "[0")):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        (0 < value < 1) if low == "(0" else (0 <= value < 1)):
+      raise ValueError(f"{TASK}: config.task.{name} must be a number in {low}, 1); got "
+                       f"{value!r}.")
+  if v + t >= 1:
+    raise ValueError(f"{TASK}: validation_fraction + test_fraction = {v + t:g} leaves no "
+                     f"train text; their sum must be below 1.")
+  if not _is_int(cfg.segment_length) or cfg.segment_length < 1:
+    raise ValueError(f"{TASK}: config.task.segment_length must be an integer >= 1; got "
+                     f"{cfg.segment_length!r}.")
+  stride = cfg.eval_stride
+  if not _is_int(stride) or not 0 <= stride <= cfg.segment_length:
+    raise ValueError(f"{TASK}: config.task.eval_stride must be an integer in [0, "
+                     f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
+                     f"got {stride!r}.")
+
+
+def vocab_size_of(cfg: ml_collections.ConfigDict) -> int:
+  """The number of ids: 257 at byte level; ``config.task.vocab_size`` at word level."""
+  size = cfg.vocab_size
+  if cfg.level == "byte":
+    if size not in (0, byte_text.VOCAB_SIZE) or isinstance(size, bool):
+      raise ValueError(f"{TASK}: level='byte' has {byte_text.VOCAB_SIZE} ids (bytes + "
+                       f"padding); set config.task.vocab_size to 0 or "
+                       f"{byte_text.VOCAB_SIZE}, not {size!r}.")
+    return byte_text.VOCAB_SIZE
+  if not _is_int(size) or size < wt.NUM_SPECIAL + 1:
+    raise ValueError(
+        f"{TASK}: level='word' needs config.task.vocab_size, an integer >= "
+        f"{wt.NUM_SPECIAL + 1} (padding, <unk>, <eos> and the most frequent train words); got "
+        f"{size!r}. A value above what the train text gives stops naming the largest one.")
+  return int(size)
+
+
+# ---------------------------------------------------------------------------- corpus
+
+class TextCorpus(wt.Corpus):
+  """WikiText-103's cached vocabulary and id streams (``wikitext.Corpus``) over the train /
+  validation / test parts of the user's text.
+
+  Args:
+    files: the files read (``text_files``); their paths, sizes and dates key the cache.
+    part: split -> the split's text (str, whole lines); called only to build the cache.
+    cache_dir: the cache folder.
+    vocab_size: number of ids.
+    fractions: (validation_fraction, test_fraction), part of the key.
+  """
+  label = TASK
+
+  def __init__(self, files: Sequence[str], part, cache_dir: str, vocab_size: int,
+               fractions: tuple[float, float]):
+    super().__init__(None, cache_dir, vocab_size)
+    self.files, self.part, self.fractions = list(files), part, tuple(fractions)
+
+  def _vocab_key(self) -> dict:
+    stats = [os.stat(p) for p in self.files]
+    return {"version": CACHE_VERSION, "task": TASK, "level": "word",
+            "vocab_size": self.vocab_size, "fractions": list(self.fractions),
+            "files": [[p, s.st_size, s.st_mtime_ns] for p, s in zip(self.files, stats)]}
+
+  def _split_key(self, split: str) -> dict:
+    return {**self._vocab_key(), "split": split}
+
+  def _build_vocabulary(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+    source = f"the train split of config.task.paths ({len(self.files)} file(s))"
+    return wt.vocabulary_from_words(_word_chunks(self.part("train")), self.vocab_size, source)
+
+  def _encode_split(self, split: str) -> tuple[np.ndarray, int]:
+    return wt.encode_words(_word_chunks(self.part(split)), self.vocabulary(),
+                           wt.stream_dtype(self.vocab_size),
+                           f"the {split} split of config.task.paths")
+
+
+# ------------------------------------------------------------------------------ task
+
+class TextLmTask(base.Task):
+  """Causal language modelling on the user's UTF-8 text (module docstring); metric: loss."""
+  task_name = TASK
+  generated = True  # nothing to download: the user's own files
+  metric = "loss"
+  metric_mode = "min"
+
+  @classmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = cls.task_name
+    # UTF-8 text files and / or folders, comma-separated, read in this order (required).
+    c.paths = ""
+    c.include = "*.txt"  # in folders: file-name patterns, comma-separated ("*": every file)
+    c.level = "byte"  # "byte" (UTF-8 bytes + 1, 257 ids) or "word" (WikiText-103's rules)
+    # Ids. byte: 0 (= 257). word: padding, <unk>, <eos> and the vocab_size - 3 most frequent
+    # train words (the rest -> <unk>); above what the train text gives is an error naming it.
+    c.vocab_size = 0
+    # Contiguous byte fractions of the text (train first), cut at line starts; test may be 0.
+    c.validation_fraction = 0.1  # in (0, 1)
+    c.test_fraction = 0.1  # in [0, 1); validation_fraction + test_fraction < 1
+    c.cache_dir = ""  # word level: vocabulary + id streams ("" = <data root>/cache/text_lm)
+    c.segment_length = 256  # tokens per example (the model's max_length)
+    # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+    # every S tokens, each scoring its last S (every token once, >= L - S tokens of context).
+    c.eval_stride = 0
+    return c
+
+  @classmethod
+  def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
+    _check_config(cfg)
+    return TaskInfo(kind="lm", vocab_size=vocab_size_of(cfg), num_classes=0,
+                    max_length=int(cfg.segment_length))
+
+  def __init__(self, cfg: ml_collections.ConfigDict):
+    super().__init__(cfg)
+    self._files: list[str] | None = None
+    self._text: bytes | None = None
+    self._bounds: dict[str, tuple[int, int]] | None = None
+    self._corpus: TextCorpus | None = None
+
+  def files(self) -> list[str]:
+    """The files read, in order (``text_files``)."""
+    if self._files is None:
+      self._files = text_files(self.cfg.paths, self.cfg.include)
+    return self._files
+
+  def split_text(self, split: str) -> bytes:
+    """The UTF-8 bytes of ``split`` (whole lines); an empty split (test when test_fraction is
+    0, or a text with too few lines) raises a ValueError naming the fraction to change."""
+    split = _check_split(split)
+    if self._text is None:
+      self._text = read_text(self.files())
+      self._bounds = split_bounds(self._text, self.cfg.validation_fraction,
+                                  self.cfg.test_fraction)
+    start, end = self._bounds[split]
+    if end - start == 0:
+      raise ValueError(self._empty(split))
+    return self._text[start:end]
+
+  def _empty(self, split: str) -> str:
+    if split == "test" and self.cfg.test_fraction == 0:
+      return (f"{TASK}: config.task.test_fraction=0 holds out no test split; set it above 0 "
+              f"(the split changes, so retrain).")
+    lines = self._text.count(b"\n") if self._text is not None else 0
+    return (f"{TASK}: the {split} split of the text of config.task.paths has nothing to "
+            f"predict (cuts fall at line starts; the text has {lines} lines); {_fix(split)}.")
+
+  def _word_corpus(self) -> TextCorpus:
+    if self._corpus is None:
+      cache = self.cfg.cache_dir or paths.cache_dir(None, TASK)
+      self._corpus = TextCorpus(
+          self.files(), lambda s: self.split_text(s).decode("utf-8"), cache, self.info.vocab_size,
+          (self.cfg.validation_fraction, self.cfg.test_fraction))
+    return self._corpus
+
+  def vocabulary(self) -> list[str] | None:
+    """Word level: the words by id (0 ``<pad>``, 1 ``<unk>``, 2 ``<eos>``); byte level: None."""
+    return self._word_corpus().vocabulary() if self.cfg.level == "word" else None
+
+  def token_stream(self, split: str) -> np.ndarray:
+    """The split as one id stream (uint16 / uint32 ``[n]``)."""
+    if self.cfg.level == "byte":
+      return byte_text.encode(self.split_text(split)).astype(np.uint16)
+    split = _check_split(split)
+    if split == "test" and self.cfg.test_fraction == 0:
+      raise ValueError(self._empty(split))
+    return self._word_corpus().stream(split)
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """The text of ids ``[n]`` (byte: undecodable bytes replaced; word: words joined by
+    spaces, ``<eos>`` kept)."""
+    if self.cfg.level == "byte":
+      return byte_text.decode(np.asarray(ids), errors="replace")
+    return " ".join(wt.decode(ids, self.vocabulary()))
+
+  def load_split(self, split: str) -> dict[str, np.ndarray]:
+    length, stride = int(self.cfg.segment_length), int(self.cfg.eval_stride)
+    stream = self.token_stream(split)
+    if stream.size < 2:
+      raise ValueError(self._empty(split))
+    if split != "train" and 0 < stride < length:
+      return wt.windows(stream, length, stride)
+    return wt.segments(stream, length)
+
+
+def _fix(split: str) -> str:
+  if split == "train":
+    return "lower config.task.validation_fraction / test_fraction or give more text"
+  return f"raise config.task.{split}_fraction or give more text"
+
+
+def _check_split(split: str) -> str:
+  if split not in base.SPLITS:
+    raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(base.SPLITS)}.")
+  return split
