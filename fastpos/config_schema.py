@@ -157,6 +157,10 @@ FIELDS: dict[str, Field] = {
     "model.memory_length": _int(0),
     "model.chunk_size": _int(0),
     "model.use_grid": _BOOL,
+    # What a block keeps for its backward pass: the same numbers, less memory, more compute.
+    "model.remat": _str(("none", "block", "save_matmuls", "save_dots"), trajectory=False),
+    # Stacks the layers' parameters on one axis: a checkpoint of the other layout won't load.
+    "model.scan_layers": _BOOL,
     "batch_size": _int(1),
     "eval_batch_size": _int(0),  # the order of an LM's evaluation streams follows it
     "grad_accum_steps": _int(1),
@@ -238,6 +242,12 @@ TASK_FIELDS: dict[str, dict[str, Field]] = {
              "num_pairs": _int(1), "num_queries": _int(0), "copy_length": _int(0),
              "num_train": _int(1), "num_validation": _int(1), "num_test": _int(1),
              "seed": _SEED},
+    "text_lm": {"paths": _str(valid="UTF-8 text files and / or folders, comma-separated"),
+                "include": _str(valid="comma-separated fnmatch patterns"),
+                "level": _str(("byte", "word")), "vocab_size": _int(0),
+                "validation_fraction": _float(0, 1, low_open=True, high_open=True),
+                "test_fraction": _float(0, 1, high_open=True), "cache_dir": _FREE_PATH,
+                "segment_length": _int(1), "eval_stride": _int(0)},
 }
 _TASK_NAME = _str(tuple(TASK_FIELDS))
 

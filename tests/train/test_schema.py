@@ -15,7 +15,7 @@ import ml_collections
 import pytest
 
 from configs import common
-from fastpos import config_schema, positional, tasks
+from fastpos import config_schema, models, positional, tasks
 from fastpos.ops import features
 from fastpos.train import cli, errors
 from fastpos.train import config as config_lib
@@ -71,6 +71,7 @@ def test_declarations_match_the_package():
     base = config_lib.base_config(task)
     for path, _ in config_schema.leaves(base):
       assert config_schema.field(path, task) is not None, path
+  assert config_schema.FIELDS["model.remat"].choices == models.REMAT_POLICIES
   undeclared_blocks = {"experiment", "paper"}  # set by configs/common.set_paper only
   base_paths = {p for p, _ in config_schema.leaves(config_lib.base_config("synthetic"))}
   for path, decl in config_schema.FIELDS.items():
