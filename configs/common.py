@@ -116,7 +116,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # a batch is cut to (the shortest holding its longest example; max_length is added); () pads
   # every batch to task.max_length. Changes the batches drawn, so a run's results.
   c.data.bucket_lengths = ()
-  c.data.bucket_window = 16  # >= 1 global batches sorted by length together when bucketing
+  c.data.bucket_window = 16  # >= 1 global batches sorted (or packed) together
+  # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes none /
+  # absolute / t5_bias / rope / kernelized_rpe): several examples per row. Changes results.
+  c.data.pack = False
   return c
 
 

@@ -88,7 +88,8 @@ def check_packable(kernel: str, schemes: list[str], *, causal: bool, grid=None,
   if reason is not None:
     raise ValueError(f"packed batches (segment_ids) cannot run exactly on this model: "
                      f"{reason}. Packing runs the softmax kernel with schemes "
-                     f"{', '.join(PACKABLE_SCHEMES)}; use length bucketing instead.")
+                     f"{', '.join(PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
+                     "config.data.bucket_lengths).")
 
 
 def segment_bias(ids, dtype) -> jnp.ndarray:

@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from fastpos.tasks.base import ArraySource
-from fastpos.train import bucketing
+from fastpos.train import bucketing, packing
 
 _ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
@@ -44,8 +44,11 @@ def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: i
   where the checkpointed run stopped. Yields dicts of numpy arrays ``[B / process_count, ...]``
   (the task's fields plus ``weight``); ``get_state()`` / ``set_state()`` give its exact
   position in batches (``{"next_index": b}``). With ``config.data.bucket_lengths`` the batches
-  are length-bucketed instead (``fastpos.train.bucketing``), with the same state.
+  are length-bucketed instead (``fastpos.train.bucketing``); with ``config.data.pack``, packed
+  (``fastpos.train.packing``); the state is the same.
   """
+  if packing.enabled(cfg):
+    return iter(packing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
   if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
     return iter(bucketing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
   procs = jax.process_count()

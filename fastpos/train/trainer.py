@@ -59,7 +59,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
-from fastpos.train import bucketing
+from fastpos.train import bucketing, packing
 from fastpos.train import config as config_lib
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
@@ -108,6 +108,8 @@ class _Run:
     sharding_lib.check_seq_split(self.mesh, self.info.max_length, model)
     bucketing.check_config(cfg, self.info.kind, self.info.max_length, self.info.grid,
                            sharding_lib.seq_size(self.mesh))
+    packing.check_config(cfg, self.info.kind, self.info.max_length, model,
+                         sharding_lib.seq_size(self.mesh))
     self.tx = make_optimizer(cfg)
     self.schedule = make_schedule(cfg)
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
