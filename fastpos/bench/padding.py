@@ -32,6 +32,7 @@ import time
 import jax
 
 from fastpos.bench import report
+from fastpos.ops import segments
 from fastpos.train import data as data_lib
 from fastpos.train import trainer
 from fastpos.train.bucketing import bucket_lengths
@@ -44,10 +45,33 @@ SPEED_GOAL = 1.5  # real tokens/s with bucketing over without
 def _configs(buckets: tuple[int, ...], window: int):
   from configs import listops_generated  # the repository root is on the path (python -m)
   before = listops_generated.get_config()
-  after = listops_generated.get_config()
-  after.data.bucket_lengths = buckets
+  after = listops_generated.get_config("bucket")
+  if buckets:
+    after.data.bucket_lengths = buckets
   after.data.bucket_window = window
   return before, after
+
+
+def cell_table() -> tuple[str, list[dict]]:
+  """Which (kernel, scheme, causal) cells pack, and why the others do not (the code's own
+  decision, ``fastpos.ops.segments.packing_refusal``)."""
+  from configs import common
+  from fastpos import positional
+  rows, lines = [], ["| kernel | scheme | causal | packing (lm: causal) | bucketing "
+                     "(classify, retrieval) | why it does not pack |",
+                     "|---|---|---|---|---|---|"]
+  schemes = [s for s in positional.SCHEMES if s != "transformer_xl"]
+  for kernel in common.KERNELS:
+    for scheme in schemes:
+      for causal in (False, True):
+        why = segments.packing_refusal(kernel, [scheme], causal=causal)
+        rows.append({"kernel": kernel, "scheme": scheme, "causal": causal,
+                     "packs": why is None, "buckets": not causal, "why_not": why})
+        packs = "packs" if causal else "exact in the layer; packed classification not built"
+        lines.append(f"| {kernel} | {scheme} | {'yes' if causal else 'no'} | "
+                     f"{packs if why is None else 'refuses'} | "
+                     f"{'buckets' if not causal else '-'} | {why or ''} |")
+  return "\n".join(lines), rows
 
 
 def _slots(batches) -> tuple[int, int]:
@@ -68,7 +92,9 @@ def _measure(args) -> dict:
          "num_train_steps": before.num_train_steps, "variants": {}}
   src = runs["before"].task.source("train")
   val = runs["before"].task.source("validation")
-  fn = None
+  # One jitted step per variant: each compiles its own shapes (its compile times are its own).
+  fns = {name: jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
+         for name, run in runs.items()}
   for name, run in runs.items():
     count = _take(data_lib.train_iterator(src, run.cfg), args.count_steps)
     real, slots = _slots(count)
@@ -79,14 +105,12 @@ def _measure(args) -> dict:
                              "widths": widths,
                              "width_share": {w: sum(b["inputs"].shape[1] == w for b in count)
                                              / len(count) for w in widths}}
-    if fn is None:  # one jitted step serves both: same model, same optimizer
-      fn = jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
   states = {name: run.init_state() for name, run in runs.items()}
   batches = {name: _take(data_lib.train_iterator(src, run.cfg), args.steps)
              for name, run in runs.items()}
   rng = runs["before"].train_rng
   for name, bs in batches.items():
-    compile_s = {}
+    compile_s, fn = {}, fns[name]
     for b in bs:
       width = b["inputs"].shape[1]
       if width not in compile_s:
@@ -101,7 +125,7 @@ def _measure(args) -> dict:
     for name, bs in batches.items():
       start = time.perf_counter()
       for b in bs:
-        states[name], m = fn(states[name], b, rng)
+        states[name], m = fns[name](states[name], b, rng)
       jax.block_until_ready(m)
       times[name].append(time.perf_counter() - start)
   for name, bs in batches.items():
@@ -156,11 +180,11 @@ def _verdicts(rec: dict) -> list[tuple[str, bool]]:
 
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")],
-                 default=[32, 48, 64])
+  p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                 help="bucket lengths (default: those of listops_generated.py:bucket)")
   p.add_argument("--window", type=int, default=16)
-  p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--rounds", type=int, default=4)
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--count_steps", type=int, default=600)
   p.add_argument("--out", default="")
   try:
@@ -180,8 +204,10 @@ def main(argv: list[str]) -> int:
   rec.update(command="python -m fastpos.bench.padding " + " ".join(argv), load_average=load,
              machine=platform.node(), jax=jax.__version__, platform=jax.default_backend(),
              date=time.strftime("%Y-%m-%d"))
+  cells, rec["cells"] = cell_table()
   table = (f"`{rec['command']}` ({jax.default_backend()}, jax {jax.__version__}, "
-           f"{rec['date']}, load average {load:.1f})\n\n" + _table(rec, verdicts))
+           f"{rec['date']}, load average {load:.1f})\n\n" + _table(rec, verdicts) +
+           "\n\nWhich cells pack and which bucket:\n\n" + cells)
   print(table)
   report.write(args.out, "padding", table, rec)
   return 0 if all(ok for _, ok in verdicts) else 1

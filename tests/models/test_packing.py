@@ -4,10 +4,12 @@ alone, for the cells that pack; the others refuse with a message."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.models import TaskInfo, build_model, model_config
+from fastpos.models import TaskInfo, attention_config, build_model, model_config
+from fastpos.models.attention import Attention
 from fastpos.ops import segments
 from tests.helpers import rel_err
 
@@ -96,3 +98,23 @@ def test_refusal_table():
   with pytest.raises(ValueError, match="needs 'positions'"):
     with segments.packed(np.ones((1, 4), np.int32), None):
       pass
+
+
+def test_bidirectional_layer_keeps_segments_apart():
+  """The attention layer itself, bidirectional softmax + T5 bias, float64: a packed row's
+  outputs equal each segment run alone (padded)."""
+  layer = Attention(attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)),
+                    dtype=jnp.float64)
+  x = np.random.default_rng(0).normal(size=(1, N, 16))
+  row = _packed_row(_sequences())
+  variables = _random_params(layer, x)
+  with segments.packed(row["segment_ids"], row["positions"]):
+    packed = np.asarray(layer.apply(variables, x, mask=row["mask"]))[0]
+  at, worst = 0, 0.0
+  for n in LENGTHS:
+    alone = np.zeros_like(x)
+    alone[0, :n] = x[0, at:at + n]
+    out = np.asarray(layer.apply(variables, alone, mask=np.arange(N)[None] < n))[0, :n]
+    worst = max(worst, rel_err(packed[at:at + n], out))
+    at += n
+  assert worst < 1e-9, worst
