@@ -39,7 +39,7 @@ from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
-from fastpos.ops import toeplitz
+from fastpos.ops import segments, toeplitz
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility
 
@@ -315,6 +315,11 @@ class Attention(nn.Module):
     if memory is not None and not cfg.kernel.is_softmax:
       raise ValueError("memory (Transformer-XL) needs the softmax kernel; got kernel "
                        f"{cfg.kernel.name!r}.")
+    segs = segments.active()  # a packed batch: keep its sequences apart (or refuse)
+    if segs is not None:
+      segments.check_packable(cfg.kernel.name, [p.name for p in cfg.positional],
+                              causal=cfg.causal, grid=cfg.grid, memory_length=m_len,
+                              split=cp.seq_size() > 1 and not reference)
     if memory is None:
       mask = check_mask(mask, (b, n), against=f"x of shape {x.shape}")
     else:
@@ -368,6 +373,8 @@ class Attention(nn.Module):
         terms.append(_materialise(log_table, n, grid)[None])
       if log_decay is not None:
         terms.append(_decay_bias(log_decay, n, grid)[None])
+      if segs is not None:
+        terms.append(segments.segment_bias(segs.ids, q.dtype))
       bias = decoding.sum_terms(terms)
       fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
       out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)

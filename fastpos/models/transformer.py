@@ -20,6 +20,7 @@ from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
 from fastpos.models.blocks import Layer, check_stack, remat_policy
+from fastpos.ops import segments
 from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
@@ -325,7 +326,8 @@ class DecoderLM(_Base):
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
     embed = self._embed()
     x = embed(inputs).astype(self.dtype)
-    y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
+    with segments.packed(batch.get("segment_ids"), batch.get("positions")):
+      y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
     logits = self._logits(embed, y)
     return logits if not self.memory_length else (logits, new_memory)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fastpos.ops import segments
 from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("learned", "sinusoidal")
@@ -79,6 +80,14 @@ class AbsolutePositional(Scheme):
       else:
         table = sinusoid_table(pos, self.dims.embed_dim)
       return x + table[None].astype(x.dtype)
+    segs = segments.active()
+    if segs is not None and ctx.grid is None:  # a packed row: each sequence from position 0
+      if self.kind == "learned":
+        table = jnp.take(self.table[:x.shape[1]], segs.positions, axis=0, mode="clip")
+      else:
+        table = sinusoid_table(segs.positions.reshape(-1), self.dims.embed_dim).reshape(
+            (*segs.positions.shape, -1))
+      return x + table.astype(x.dtype)
     return x + self._table(x.shape[1], ctx.grid)[None].astype(x.dtype)
 
 

@@ -79,6 +79,14 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.num_threads = 2  # threads reading examples
   c.data.prefetch = 4  # batches read ahead
+  # Length bucketing (classify / retrieval tasks): increasing lengths in [1, task.max_length]
+  # a batch is cut to (the shortest holding its longest example; max_length is added); () pads
+  # every batch to task.max_length. Changes the batches drawn, so a run's results.
+  c.data.bucket_lengths = ()
+  c.data.bucket_window = 16  # >= 1 global batches sorted (or packed) together
+  # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes none /
+  # absolute / t5_bias / rope / kernelized_rpe): several examples per row. Changes results.
+  c.data.pack = False
   return c
 
 

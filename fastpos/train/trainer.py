@@ -62,6 +62,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
+from fastpos.train import bucketing, packing
 from fastpos.train import config as config_lib
 from fastpos.train import config_record
 from fastpos.train import data as data_lib
@@ -106,6 +107,10 @@ class _Run:
     self.mesh = sharding_lib.make_mesh(cfg)
     sharding_lib.check_batch_sizes(cfg, self.mesh)
     sharding_lib.check_seq_split(self.mesh, self.info.max_length, model)
+    bucketing.check_config(cfg, self.info.kind, self.info.max_length, self.info.grid,
+                           sharding_lib.seq_size(self.mesh))
+    packing.check_config(cfg, self.info.kind, self.info.max_length, model,
+                         sharding_lib.seq_size(self.mesh))
     self.tx = make_optimizer(cfg)
     self.schedule = make_schedule(cfg)
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
@@ -339,7 +344,14 @@ def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
   """The data position a checkpoint records, in examples (see ``_data_iter_for``)."""
   return {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
           "start_step": start_step, "batch_size": run.cfg.batch_size,
-          "num_examples": num_examples}
+          "num_examples": num_examples, "batching": _batching(run.cfg)}
+
+
+def _batching(cfg: ml_collections.ConfigDict) -> list[int]:
+  """How the training stream is cut into batches beyond its order: [] without bucketing,
+  else the bucket lengths and the window (another value maps a position to other batches)."""
+  lengths = list(cfg.data.get("bucket_lengths", ()) or ())
+  return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 
 def _saved_process_count(data_dir: Path) -> int | None:
@@ -372,7 +384,8 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
   # The iterator's saved position is per process: it carries over to the same processes.
   procs = jax.process_count()
   saved_procs = _saved_process_count(where / str(meta["step"]) / "data") or procs
-  if data["batch_size"] == batch and saved_procs == procs:
+  same_batching = data.get("batching", []) == _batching(run.cfg)
+  if data["batch_size"] == batch and saved_procs == procs and same_batching:
     return run.train_iterator(source, data["start"]), True, data["start"], data["start_step"]
   if run.memory:
     raise RunError(
@@ -380,7 +393,11 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
         f"{saved_procs} process(es); now {batch} on {procs}. Stream batches (a Transformer-XL "
         f"memory) keep their layout: resume with --config.batch_size={data['batch_size']} on "
         f"{saved_procs} process(es), or use a new --workdir.")
-  if data["batch_size"] != batch:
+  if not same_batching:
+    logging.warning("config.data bucketing changed (%s -> %s): resuming at example %d of the "
+                    "training data (step %d).", data.get("batching", []), _batching(run.cfg),
+                    data["examples"], meta["step"])
+  elif data["batch_size"] != batch:
     logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
                     "training data (step %d).", data["batch_size"], batch, data["examples"],
                     meta["step"])
