@@ -191,6 +191,11 @@ FIELDS: dict[str, Field] = {
     "data": Field("block", trajectory=False),
     "data.num_threads": _int(1, trajectory=False),
     "data.prefetch": _int(0, trajectory=False),
+    # Bucketing and packing regroup examples into batches: they change the data order.
+    "data.bucket_lengths": Field("tuple", valid="a tuple of increasing lengths in "
+                                 "[1, task.max_length] (() = off)"),
+    "data.bucket_window": _int(1),
+    "data.pack": _BOOL,
     # The paper's cell and numbers (configs/common.set_paper): a record, read by the tables.
     "experiment": Field("block", trajectory=False),
     "experiment.row": _str(valid="a row label", trajectory=False),

@@ -62,9 +62,8 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
-from fastpos.train import bucketing, packing
+from fastpos.train import bucketing, config_record, packing
 from fastpos.train import config as config_lib
-from fastpos.train import config_record
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
