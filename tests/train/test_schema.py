@@ -234,6 +234,15 @@ def test_train_py_refuses_in_one_line(tmp_path, override, needle):
   assert not (tmp_path / "run").exists()
 
 
+def test_load_config_validates():
+  """What train.py / eval.py / --print_config load is checked before anything else happens."""
+  with pytest.raises(errors.RunError, match=r"^config.model.dropout_rate must be a finite "
+                     r"number in \[0, 1\); got 1.5\.$"):
+    cli.load_config(str(ROOT / "configs" / "synthetic.py") + ":tiny",
+                    [("model.dropout_rate", "1.5")])
+
+
+@pytest.mark.slow
 def test_print_config_validates():
   proc = _train("--config.model.dropout_rate=1.5", "--print_config")
   assert proc.returncode == errors.EXIT_BAD_INPUT and not proc.stdout, proc.stdout
