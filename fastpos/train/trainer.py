@@ -45,6 +45,7 @@ import functools
 import json
 import logging as std_logging
 import os
+import re
 import signal
 import threading
 import time
@@ -602,9 +603,22 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
     if changed:
       parts.append(changed)
   parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json; test: python "
-               f"eval.py --workdir={workdir} --split=test; plots: python "
-               f"scripts/plot_positional.py {workdir}")
+               f"eval.py --workdir={workdir} --split=test")
+  if _plotted_schemes(workdir):
+    parts.append(f"plots: python scripts/plot_positional.py {workdir}")
   return "; ".join(parts)
+
+
+PLOTTED_SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")  # what scripts/plot_positional.py draws
+
+
+def _plotted_schemes(workdir: Path) -> list[str]:
+  """The schemes of the run's config.json that ``scripts/plot_positional.py`` can plot."""
+  try:
+    names = json.loads((workdir / "config.json").read_text())["model"]["positional"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return []
+  return [n for n in re.split(r"[,+]", str(names)) if n.strip() in PLOTTED_SCHEMES]
 
 
 def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_iter,
@@ -775,7 +789,7 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
              "task": run.cfg.task.name, **out}
   _write_json(run.workdir / f"results_{split}.json", results)
   if jax.process_index() == 0:  # the same numbers in TensorBoard, at the checkpoint's step
-    tb = EventWriter(run.workdir / "tensorboard")
+    tb = EventWriter(run.workdir / "tensorboard", replaces=f"{split}-{results['step']}")
     tb.scalars(results["step"], {f"{split}/{k}": v for k, v in out.items()})
     tb.close()
   logging.info("%s on %s (checkpoint %s, step %d): %s", run.cfg.task.name, split, which,
