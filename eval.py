@@ -17,6 +17,7 @@ import os
 from absl import flags
 
 from fastpos.train import cli, distributed, errors, evaluate
+from fastpos.train import workdir as workdir_lib
 
 _CONFIG = flags.DEFINE_string(
     "config", None, "the config the workdir was trained with; default: <workdir>/config.json. "
@@ -31,7 +32,8 @@ _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_proces
 def main(argv: cli.Argv) -> int:
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   if not os.path.isdir(workdir):
-    what = "is a file" if os.path.exists(workdir) else "does not exist"
+    what = ("is a symlink loop" if workdir_lib.is_symlink_loop(workdir) else
+            "is a file" if os.path.exists(workdir) else "does not exist")
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
   spec = _CONFIG.value
   if not spec:

@@ -3,8 +3,12 @@
 Any config field can be overridden on the command line, e.g. ``--config.model.kernel=sikf
 --config.num_train_steps=2000``; options of a positional scheme one at a time, e.g.
 ``--config.model.positional_options.fastrpb.per_head=True``. The run resumes from the newest
-checkpoint in ``--workdir``. ``--print_config`` prints the config with the overrides applied
-and exits (no ``--workdir`` needed, nothing is written); ``--list_configs`` prints every
+checkpoint in ``--workdir`` with the config it was started with: a resume that changes a field
+that changes the run's results (seeds, optimizer, schedule, task, model) is refused unless
+``--allow_config_change`` is given, which records the change in ``config_changes.jsonl``
+(``config.json`` keeps the config the run started with). ``--print_config`` prints the config
+with the overrides applied (checked, as for a run) and exits (no ``--workdir`` needed, nothing
+is written); ``--list_configs`` prints every
 ``configs/*.py`` with its first docstring sentence and its arguments (``:name=value``).
 One run as several processes (hosts, or one per accelerator): the same command on each with
 ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``, or
@@ -35,6 +39,10 @@ _PRINT_CONFIG = flags.DEFINE_bool(
 _LIST_CONFIGS = flags.DEFINE_bool(
     "list_configs", False, "print every configs/*.py with its first docstring sentence and "
     "its arguments (--config=configs/<file>.py:<name>=<value>,...) and exit")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "resume a workdir with a config that changes the run's "
+    "results (seeds, optimizer, schedule, task, model); each change is recorded in "
+    "<workdir>/config_changes.jsonl. Without it such a resume is refused")
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
@@ -51,7 +59,7 @@ def main(argv: cli.Argv) -> int:
     return errors.EXIT_OK
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
-  result = train_and_evaluate(cfg, workdir)
+  result = train_and_evaluate(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
     return errors.EXIT_PREEMPTED
   return errors.EXIT_OK  # the trainer's last line summarised the run

@@ -11,6 +11,10 @@ overrides. ``tests/train/test_configs.py`` checks that ``base_config`` here, com
 A config file defines ``ARGS`` (its arguments and their defaults), optionally ``CHOICES``
 (argument -> valid values) and ``get_config(arg=None)``; ``arg`` is what follows the colon in
 ``--config=configs/x.py:task=text,tiny`` and is read by ``parse_arg``.
+
+What each field may hold (type, range or choices) and whether changing it changes a run's
+results is declared in ``fastpos.config_schema`` (a leaf module: no jax, flax or numpy), which
+train.py checks every loaded config against; a new field needs a line there.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # Image tasks: True gives the positional schemes the image grid (2D positions); False treats
   # the image as its raster sequence (1D schemes, e.g. SPE, or "w/o 2D rel. pos.").
   c.model.use_grid = True
+  # What a block keeps for backward: "none", "block" (recompute all but its input) or
+  # "save_matmuls" (keep the matmul outputs); changes memory and time, never the numbers.
+  c.model.remat = "none"
+  # nn.scan over the layers (one compiled body; parameters stacked under "layers").
+  c.model.scan_layers = False
 
   # Batches and duration. Durations are in optimizer steps.
   c.batch_size = 32  # global batch per optimizer step, over all devices and hosts
@@ -112,6 +121,14 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.num_threads = 2  # threads reading examples
   c.data.prefetch = 4  # batches read ahead
+  # Length bucketing (classify / retrieval tasks): increasing lengths in [1, task.max_length]
+  # a batch is cut to (the shortest holding its longest example; max_length is added); () pads
+  # every batch to task.max_length. Changes the batches drawn, so a run's results.
+  c.data.bucket_lengths = ()
+  c.data.bucket_window = 16  # >= 1 global batches sorted (or packed) together
+  # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes none /
+  # absolute / t5_bias / rope / kernelized_rpe): several examples per row. Changes results.
+  c.data.pack = False
   return c
 
 

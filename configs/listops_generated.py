@@ -5,6 +5,8 @@ Command: python train.py --config=configs/listops_generated.py --workdir=/tmp/fa
 Then:    python eval.py --workdir=/tmp/fastpos_listops --split=test
 Cells:   python train.py --config=configs/listops_generated.py:kernel=elu1,pos=none --workdir=...
          (kernel: softmax dpfp sikf relu elu1 favor; pos: none fastrpb sinspe convspe rpe)
+Bucketed: ...:bucket pads each batch to 32 / 48 / 64 / 100 tokens instead of 100 (0.79 of the
+         token slots real instead of 0.42; benchmarks/padding.md); its results differ.
 Sweep:   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
          python scripts/make_tables.py workdirs/listops_sweep   (results/listops_sweep/)
 Hardware: a 2-core CPU shared with other jobs: 159 s wall for the default run (data
@@ -42,7 +44,7 @@ SETTINGS = dict(
     batch_size=32, num_train_steps=600, warmup_steps=60, learning_rate=1e-3,
     weight_decay=0.01, eval_every_steps=200)
 
-ARGS = dict(kernel="sikf", pos="fastrpb", tiny=False)
+ARGS = dict(kernel="sikf", pos="fastrpb", tiny=False, bucket=False)
 CHOICES = dict(kernel=tuple(ROWS), pos=tuple(COLUMNS))
 
 
@@ -54,7 +56,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   common.set_model(c, col_fields)
   common.set_paper(c, row=row, col=col, table="FastRPB Table 1 (ListOps)",
                    results=fastrpb_table1.RESULTS["listops"])
+  if a.bucket:  # length bucketing: ~2.5x the real tokens/s, 4 train-step compiles (not 1)
+    c.data.bucket_lengths = (32, 48, 64)
   if a.tiny:
     common.make_tiny(c)
     c.task.update(min_length=10, max_length=32, num_train=256, num_validation=64, num_test=64)
+    if a.bucket:
+      c.data.bucket_lengths = (16, 24)
   return c

@@ -39,13 +39,20 @@ ARGS = dict(tiny=False, paths="", include="", level="byte", vocab=0, kernel="sof
 CHOICES = dict(level=("byte", "word"))
 
 
+def _default_vocab(level: str, tiny: bool) -> int:
+  """Bytes need no vocabulary size; words keep the most frequent ones (the fixtures hold
+  about 140 word types)."""
+  return 0 if level == "byte" else (100 if tiny else 10000)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
   c = common.base_config("text_lm")
   default_paths, default_include = ((FIXTURES, "*.tokens") if a.tiny
                                     else (VIM_MANUAL, "usr_*.txt"))
   c.task.update(paths=a.paths or default_paths, include=a.include or default_include,
-                level=a.level, vocab_size=a.vocab, validation_fraction=0.1, test_fraction=0.0,
+                level=a.level, vocab_size=a.vocab or _default_vocab(a.level, a.tiny),
+                validation_fraction=0.1, test_fraction=0.0,
                 segment_length=64, eval_stride=0)
   c.model.update(num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, dropout_rate=0.0,
                  norm="pre", tie_embeddings=True, kernel=a.kernel, positional=a.pos)

@@ -583,8 +583,16 @@ def _carry_out(steps: Sequence[Step], root: str, resources: dict, fetch: Fetch,
       prepare_tfds(res, root)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+  """argparse with its errors as one line (the usage is in --help), exit code 2."""
+
+  def error(self, message):
+    print(f"{self.prog}: {message}; see {self.prog} --help.", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> int:
-  parser = argparse.ArgumentParser(
+  parser = _OneLineParser(
       description="Fetch the data of fastpos tasks into one data root (see the module "
                   "docstring for the layout).")
   parser.add_argument("tasks", nargs="*", metavar="TASK",
@@ -606,6 +614,11 @@ def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> i
     return 0
   # --dry_run alone: the plan for every task (what the README offers to see the plan).
   task_names = args.tasks or (list(TASKS) if args.dry_run else [])
+  blocked = paths.not_a_folder(paths.data_root(args.data_dir))
+  if blocked:
+    print(f"error: --data_dir: {blocked}; give a folder (it is created when missing).",
+          file=sys.stderr)
+    return 2
   try:
     run(task_names, args.data_dir, dry_run=args.dry_run, fetch=fetch,
         pathfinder=parse_resolutions(args.pathfinder), delete_archives=args.delete_archives)

@@ -27,9 +27,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
+from fastpos import config_schema  # noqa: E402
 from fastpos.train import cli, errors, sharding  # noqa: E402
 from fastpos.train import metrics as metrics_lib  # noqa: E402
 from fastpos.train import trainer as trainer_lib  # noqa: E402
+from fastpos.train import workdir as workdir_lib  # noqa: E402
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
 _CONFIG = flags.DEFINE_string(
@@ -100,12 +102,11 @@ def encode_prompt(text: str, vocab, vocab_size: int) -> np.ndarray:
   if not pieces:
     raise errors.RunError("--prompt is empty; give at least one word or token id.")
   if all(p.lstrip("-").isdigit() for p in pieces):
-    ids = np.asarray([int(p) for p in pieces], np.int32)
-    bad = [int(i) for i in ids if not 1 <= i < vocab_size]
+    bad = [int(p) for p in pieces if not 1 <= int(p) < vocab_size]  # before int32 can overflow
     if bad:
       raise errors.RunError(f"--prompt: token id {bad[0]} is out of range; ids are 1.."
                             f"{vocab_size - 1} (0 is padding).")
-    return ids
+    return np.asarray([int(p) for p in pieces], np.int32)
   if vocab is None:
     raise errors.RunError(f"--prompt={text!r}: this task has no vocabulary of words; give "
                           f"integer token ids 1..{vocab_size - 1}.")
@@ -164,26 +165,34 @@ def make_generate(model, num_tokens: int, **sampling):
   return jax.jit(gen)
 
 
-def check_flags(num_tokens, temperature, top_k, top_p, tolerance):
-  if num_tokens < 1:
-    raise errors.RunError(f"--num_tokens={num_tokens}: sample at least 1 token.")
-  if temperature < 0:
-    raise errors.RunError(f"--temperature={temperature}: must be >= 0 (0 = greedy).")
-  if top_k < 0:
-    raise errors.RunError(f"--top_k={top_k}: must be >= 0 (0 = no top-k cut).")
-  if not 0 < top_p <= 1:
-    raise errors.RunError(f"--top_p={top_p}: must be in (0, 1] (1 = no nucleus cut).")
-  if not tolerance > 0:
-    raise errors.RunError(f"--tolerance={tolerance}: must be > 0.")
+# The flags' valid values, declared as config fields are (fastpos.config_schema).
+FLAG_SCHEMA = {
+    "num_tokens": config_schema.Field("int", low=1),
+    "temperature": config_schema.Field("float", low=0),  # 0 = greedy
+    "top_k": config_schema.Field("int", low=0),  # 0 = no top-k cut
+    "top_p": config_schema.Field("float", low=0, high=1, low_open=True),  # 1 = no nucleus cut
+    "seed": config_schema.Field("int", low=0, high=2**32 - 1),
+    "tolerance": config_schema.Field("float", low=0, low_open=True),
+}
+
+
+def check_flags(num_tokens, temperature, top_k, top_p, tolerance, seed=0):
+  """RunError (one line: the flag, its valid values, the value) for a flag out of range."""
+  try:
+    config_schema.check_flags(dict(num_tokens=num_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, tolerance=tolerance, seed=seed), FLAG_SCHEMA)
+  except config_schema.ConfigValueError as e:
+    raise errors.RunError(str(e)) from None
 
 
 def main(argv: cli.Argv) -> int:
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   prompt_text = cli.require("prompt", _PROMPT.value, '--prompt="the game" or --prompt="5 9 2"')
   check_flags(_NUM_TOKENS.value, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
-              _TOLERANCE.value)
+              _TOLERANCE.value, _SEED.value)
   if not os.path.isdir(workdir):
-    what = "is a file" if os.path.exists(workdir) else "does not exist"
+    what = ("is a symlink loop" if workdir_lib.is_symlink_loop(workdir) else
+            "is a file" if os.path.exists(workdir) else "does not exist")
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
   spec = _CONFIG.value or os.path.join(workdir, "config.json")
   if not _CONFIG.value and not os.path.isfile(spec):

@@ -5,8 +5,8 @@
 #
 # Each process gets JAX_COORDINATOR_ADDRESS=localhost:PORT (a free port, or $COORDINATOR_PORT),
 # JAX_NUM_PROCESSES=N and its own JAX_PROCESS_ID, which train.py / eval.py read
-# (fastpos.train.distributed). A command that starts with a *.py file runs under $PYTHON
-# (default: python). Environment:
+# (fastpos.train.distributed). A command that starts with a *.py file runs under $PYTHON, else
+# the repository's .venv, else python3 (as scripts/sweep.sh). Environment:
 #   DEVICES_PER_PROCESS=K  each process sees K CPU devices (--xla_force_host_platform_device_count)
 #   GPUS_PER_PROCESS=G     process i sees GPUs i*G..i*G+G-1 (CUDA_VISIBLE_DEVICES)
 #   GRACE_S=S              seconds the others get to stop after one fails (default 10), then
@@ -15,8 +15,15 @@
 # --workdir plus "/launch_logs", else ./launch_logs); process 0's log is also shown here.
 # Ctrl-C / SIGTERM is forwarded to every process (train.py saves a checkpoint and exits 75).
 # When a process fails, the others are stopped and the launcher exits with the failed one's
-# code; otherwise with the processes' own code (0, or 75 after a forwarded signal).
+# code; otherwise with the processes' own code (0, or 75 after a forwarded signal). A process
+# that loses another one (it died or froze) exits 5 (fastpos.train.errors.EXIT_PEER_LOST).
 set -uo pipefail
+root="$(dirname "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)")"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+  python=python3
+  if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; fi
+fi
 
 usage() {
   echo "usage: $0 N [--log_dir=DIR] -- train.py|eval.py|COMMAND [ARGS...]" >&2
@@ -43,7 +50,7 @@ done
 shift
 cmd=("$@")
 if [[ ${cmd[0]} == *.py ]]; then
-  cmd=("${PYTHON:-python}" "${cmd[@]}")
+  cmd=("$python" "${cmd[@]}")
 fi
 for k in DEVICES_PER_PROCESS GPUS_PER_PROCESS; do
   v=${!k:-}
@@ -53,6 +60,15 @@ for k in DEVICES_PER_PROCESS GPUS_PER_PROCESS; do
   fi
 done
 grace=${GRACE_S:-10}
+if ! [[ $grace =~ ^[0-9]+$ ]]; then
+  echo "$0: GRACE_S must be an integer >= 0 (seconds); got '$grace'." >&2
+  exit 2
+fi
+if [[ -n ${COORDINATOR_PORT:-} ]] && ! { [[ $COORDINATOR_PORT =~ ^[1-9][0-9]{0,4}$ ]] \
+    && (( COORDINATOR_PORT <= 65535 )); }; then
+  echo "$0: COORDINATOR_PORT must be an integer in [1, 65535]; got '$COORDINATOR_PORT'." >&2
+  exit 2
+fi
 
 if [[ -z $log_dir ]]; then
   log_dir=./launch_logs
@@ -65,7 +81,7 @@ mkdir -p "$log_dir" || exit 2
 port=${COORDINATOR_PORT:-}
 if [[ -z $port ]]; then
   # A port the kernel hands out as free (closed again at once: the coordinator binds it).
-  port=$("${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') || exit 2
+  port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') || exit 2
 fi
 
 pids=()

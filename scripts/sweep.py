@@ -503,8 +503,16 @@ def gpu_plan(todo: list[str], gpus: list[str]) -> dict[str, str]:
           for i, name in enumerate(todo)}
 
 
+class _OneLineParser(argparse.ArgumentParser):
+  """argparse with its errors as one line (the usage is in --help), exit code 2."""
+
+  def error(self, message):
+    print(f"{self.prog}: {message}; see {self.prog} --help.", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(
+  p = _OneLineParser(
       description=__doc__.split("\n\n", 1)[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="configs/X.py[:arg]")

@@ -39,7 +39,7 @@ from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
-from fastpos.ops import toeplitz
+from fastpos.ops import segments, toeplitz
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility
 
@@ -143,6 +143,7 @@ class AttentionConfig:
   chunk_size: int | None = None  # None: chosen by shape (ops.attention.causal_chunk_size)
 
   def __post_init__(self):
+    _check_sizes(self)
     names = [p.name for p in self.positional]
     compatibility.check(self.kernel.name, names, causal=self.causal, two_d=self.grid is not None,
                  options={p.name: p.option_dict() for p in self.positional})
@@ -173,12 +174,68 @@ class AttentionConfig:
                            max_length=self.max_length, grid=self.grid, causal=self.causal,
                            kernel=info)
 
+  def attention_only(self) -> "AttentionConfig":
+    """This config without its embed-hook schemes: what ``Attention`` and ``Block`` take (the
+    model's ``Tower`` runs the embed hook on the token embeddings before the blocks)."""
+    return dataclasses.replace(self, positional=tuple(
+        p for p in self.positional if "embed" not in p.cls.hooks))
+
   def pre_phi_dim(self) -> int:
     dim = self.head_dim
     for p in self.positional:
       if "features" in p.cls.hooks and p.cls.feature_stage == "pre_phi":
         dim = p.cls.feature_out_dim(dim, p.option_dict())
     return dim
+
+
+def _is_int(x, low: int) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check_sizes(cfg: AttentionConfig) -> None:
+  """Raises ValueError naming the first size of ``cfg`` out of its range."""
+  for name in ("num_heads", "head_dim", "embed_dim", "max_length"):
+    if not _is_int(getattr(cfg, name), 1):
+      raise ValueError(f"AttentionConfig: {name} must be an int >= 1; got "
+                       f"{getattr(cfg, name)!r}.")
+  if cfg.chunk_size is not None and not _is_int(cfg.chunk_size, 1):
+    raise ValueError(f"AttentionConfig: chunk_size must be None (chosen by shape) or an int "
+                     f">= 1; got {cfg.chunk_size!r}.")
+  if not isinstance(cfg.causal, bool):
+    raise ValueError(f"AttentionConfig: causal must be True or False; got {cfg.causal!r}.")
+  grid = cfg.grid
+  if grid is not None and (not isinstance(grid, tuple) or len(grid) != 2
+                           or not all(_is_int(g, 1) for g in grid)):
+    raise ValueError(f"AttentionConfig: grid must be None (1D) or a tuple (H, W) of ints >= 1; "
+                     f"got {grid!r}.")
+
+
+def check_layer_schemes(cfg: AttentionConfig, shared: tuple, layer: str) -> None:
+  """Raises ValueError when ``layer`` (``"Attention"`` or ``"Block"``) would not run every
+  scheme of ``cfg`` as configured: an embed-hook scheme (the model's ``Tower`` runs that hook),
+  a ``share_across_layers`` scheme without its shared module, or a shared module that matches
+  no scheme of ``cfg``."""
+  embeds = [p.name for p in cfg.positional if "embed" in p.cls.hooks]
+  if embeds:
+    raise ValueError(
+        f"{layer}: positional scheme {embeds[0]!r} acts at the embed hook (on the token "
+        f"embeddings), which {layer} does not run: the model's Tower runs it "
+        f"(fastpos.models.Tower, inside Classifier, DualEncoder and DecoderLM). Use a Tower, or "
+        f"apply the scheme's embed to your embeddings yourself and give {layer} "
+        f"cfg.attention_only() (the schemes {layer} runs: "
+        f"{', '.join(p.name for p in attention_schemes(cfg)) or 'none'}).")
+  given = [type(s).scheme_name for s in shared]
+  names = [p.name for p in cfg.positional]
+  for name in given:
+    if name not in names:
+      raise ValueError(f"{layer}: a shared module for positional scheme {name!r}, which the "
+                       f"config does not use; its schemes: {', '.join(names) or 'none'}.")
+  for p in cfg.positional:
+    if p.option_dict().get("share_across_layers") and p.name not in given:
+      raise ValueError(
+          f"{layer}: positional scheme {p.name!r} has share_across_layers=True but {layer} got "
+          f"no shared module for it, so each layer would build its own. Build it once and pass "
+          f"it as shared=(module,) (Tower does), or set share_across_layers=False.")
 
 
 def attention_schemes(cfg: AttentionConfig) -> list[PositionalSpec]:
@@ -212,6 +269,10 @@ class Attention(nn.Module):
   cfg: AttentionConfig
   shared: tuple = ()
   dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    check_layer_schemes(self.cfg, self.shared, "Attention")  # at construction, before any init
+    super().__post_init__()
 
   def feature_projection(self, spec, dim: int, dtype, deterministic: bool):
     """The random-feature projection of this layer (None for kernels without one): redrawn
@@ -254,6 +315,11 @@ class Attention(nn.Module):
     if memory is not None and not cfg.kernel.is_softmax:
       raise ValueError("memory (Transformer-XL) needs the softmax kernel; got kernel "
                        f"{cfg.kernel.name!r}.")
+    segs = segments.active()  # a packed batch: keep its sequences apart (or refuse)
+    if segs is not None:
+      segments.check_packable(cfg.kernel.name, [p.name for p in cfg.positional],
+                              causal=cfg.causal, grid=cfg.grid, memory_length=m_len,
+                              split=cp.seq_size() > 1 and not reference)
     if memory is None:
       mask = check_mask(mask, (b, n), against=f"x of shape {x.shape}")
     else:
@@ -307,6 +373,8 @@ class Attention(nn.Module):
         terms.append(_materialise(log_table, n, grid)[None])
       if log_decay is not None:
         terms.append(_decay_bias(log_decay, n, grid)[None])
+      if segs is not None:
+        terms.append(segments.segment_bias(segs.ids, q.dtype))
       bias = decoding.sum_terms(terms)
       fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
       out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)

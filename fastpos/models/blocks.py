@@ -13,12 +13,42 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from fastpos.models.attention import Attention, AttentionConfig
+from fastpos.models import decoding
+from fastpos.models.attention import Attention, AttentionConfig, check_layer_schemes
 from fastpos.ops.masks import check_mask
 
 NORMS = ("post", "pre", "batch")
+# model.remat: what a block keeps for its backward pass (a jax.checkpoint policy; "none" keeps
+# whatever autodiff saves, "block" only the block's input, "save_matmuls" also the outputs of
+# the projection and MLP matmuls, "save_dots" those and the batched attention products).
+REMAT_POLICIES = ("none", "block", "save_matmuls", "save_dots")
+
+
+def remat_policy(name: str):
+  """The ``jax.checkpoint`` policy of a ``model.remat`` value (None for "none")."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"unknown model.remat {name!r}; valid choices: "
+                     f"{', '.join(REMAT_POLICIES)}.")
+  return {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+          "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          "save_dots": jax.checkpoint_policies.checkpoint_dots}[name]
+
+
+def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> None:
+  """Raises ValueError naming the first field of a block stack (``Block``, ``Tower``, the
+  models) out of its range: ``mlp_dim`` and ``num_layers`` ints >= 1, ``dropout_rate`` in
+  [0, 1), ``norm`` one of ``NORMS``."""
+  for name, value in (("mlp_dim", mlp_dim), ("num_layers", num_layers)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{layer}: {name} must be an int >= 1; got {value!r}.")
+  if isinstance(dropout_rate, bool) or not (isinstance(dropout_rate, (int, float))
+                                            and 0 <= dropout_rate < 1):
+    raise ValueError(f"{layer}: dropout_rate must be a number in [0, 1); got {dropout_rate!r}.")
+  if norm not in NORMS:
+    raise ValueError(f"{layer}: unknown norm {norm!r}; valid choices: {', '.join(NORMS)}.")
 
 
 class MLP(nn.Module):
@@ -36,13 +66,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """One transformer layer. ``shared``: scheme modules shared across layers."""
+  """One transformer layer. ``shared``: scheme modules shared across layers. Its attention
+  config holds attention-level schemes only (``AttentionConfig.attention_only``); bad fields
+  raise ValueError at construction."""
   attention: AttentionConfig
   mlp_dim: int
   dropout_rate: float = 0.0
   norm: str = "post"
   shared: tuple = ()
   dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    check_stack("Block", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm)
+    check_layer_schemes(self.attention, self.shared, "Block")
+    super().__post_init__()
 
   def _make_norm(self, name: str, train: bool):
     if self.norm == "batch":
@@ -64,9 +101,13 @@ class Block(nn.Module):
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
     Masks are boolean only: any other dtype or shape raises ValueError. ``decode``: a
     ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache)."""
-    if self.norm not in NORMS:
-      raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
+    return self._forward(x, mask, grid, memory, memory_mask, train, reference, decode)
+
+  def _forward(self, x, mask, grid, memory, memory_mask, train, reference, decode):
+    """The layer (called from a compact ``__call__``: it creates the submodules)."""
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is None and memory_mask is not None:
+      raise ValueError("Block: memory_mask given without memory (it masks the memory keys).")
     if memory is not None:
       memory_mask = check_mask(memory_mask, memory.shape[:2], name="memory_mask",
                                layout="[batch, M]", against=f"memory of shape {memory.shape}")
@@ -93,3 +134,29 @@ class Block(nn.Module):
     x = self._apply(norm1, x + drop(y, deterministic=not train), mask)
     y = mlp(x, deterministic=not train)
     return self._apply(norm2, x + drop(y, deterministic=not train), mask)
+
+
+class Layer(Block):
+  """A ``Block`` whose call settings are fields and whose arguments are arrays (or None): the
+  body that ``nn.remat`` and ``nn.scan`` wrap (a traced argument cannot steer Python control
+  flow). Same parameters as ``Block``. ``__call__(x, mask, memory, memory_mask, offset)`` ->
+  ``(y, new_memory)``: ``new_memory`` is the layer's Transformer-XL memory for the next
+  segment (its input appended to ``memory``, the last M kept, stop-gradient; None without
+  memory); ``offset`` is the decoding slot when ``decoding`` (``fastpos.models.decoding``)."""
+  train: bool = False
+  reference: bool = False
+  decoding: bool = False
+  cache_length: int | None = None
+
+  @nn.compact
+  def __call__(self, x, mask, memory, memory_mask, offset):
+    new_memory = None
+    if memory is not None:
+      new_memory = jax.lax.stop_gradient(
+          jnp.concatenate([memory, x.astype(memory.dtype)], axis=1)[:, -memory.shape[1]:])
+    decode = None
+    if self.decoding:
+      decode = decoding.Step(offset=offset, cache_length=self.cache_length)
+    y = self._forward(x, mask, self.attention.grid, memory, memory_mask, self.train,
+                      self.reference, decode)
+    return y, new_memory

@@ -10,7 +10,7 @@ never cast), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Block
+from fastpos.models.blocks import Layer, check_stack, remat_policy
+from fastpos.ops import segments
 from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
@@ -36,6 +37,30 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
                             against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}")
 
 
+def stack_layers(tree, num_layers: int):
+  """A variables tree (params, batch_stats, cache) of the unrolled layout (``block_0`` ...
+  ``block_{L-1}``) in the ``scan_layers`` layout (``layers``, every leaf stacked on a leading
+  axis of L), e.g. to load an unrolled checkpoint into a scanned model."""
+  if not isinstance(tree, Mapping):
+    return tree
+  names = [f"block_{i}" for i in range(num_layers)]
+  out = {k: stack_layers(v, num_layers) for k, v in tree.items() if k not in names}
+  if all(n in tree for n in names):
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
+  return out
+
+
+def unstack_layers(tree, num_layers: int):
+  """The inverse of ``stack_layers``: ``layers`` split into ``block_0`` ... ``block_{L-1}``."""
+  if not isinstance(tree, Mapping):
+    return tree
+  out = {k: unstack_layers(v, num_layers) for k, v in tree.items() if k != "layers"}
+  if "layers" in tree:
+    out.update({f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"])
+                for i in range(num_layers)})
+  return out
+
+
 class Tower(nn.Module):
   """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks."""
   attention: AttentionConfig
@@ -44,6 +69,31 @@ class Tower(nn.Module):
   dropout_rate: float = 0.0
   norm: str = "post"
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
+
+  def _layer_class(self, decoding: bool):
+    """``Layer``, under ``nn.remat`` with the ``remat`` policy unless "none" or decoding."""
+    policy = remat_policy(self.remat)
+    if self.remat == "none" or decoding:
+      return Layer
+    return nn.remat(Layer, policy=policy)
+
+  def _scanned(self, settings: dict, decoding: bool):
+    """The layers as one ``nn.scan`` body, parameters (and batch statistics, decoding caches)
+    stacked on a leading layer axis under ``layers``: ``(x, mask, memory [L, b, M, D] or
+    None, memory_mask, offset) -> (x, new memory [L, b, M, D] or None)``."""
+    scan = nn.scan(self._layer_class(decoding),
+                   variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
+                   split_rngs={"params": True, "dropout": True},
+                   in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
+                   length=self.num_layers)
+    return scan(**settings, name="layers")
+
+  def __post_init__(self):
+    check_stack("Tower", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
+                num_layers=self.num_layers)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None,
@@ -55,8 +105,13 @@ class Tower(nn.Module):
     without memory). ``decode``: a ``fastpos.models.decoding.Step`` (x holds new tokens at
     slots ``decode.offset + i``; no memory)."""
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is not None and decode is not None:
+      raise ValueError("Tower: a decoding step reads the cache, not memory; pass one of them.")
     if memory is not None:
       states, mmask = memory
+      if len(states) != self.num_layers:
+        raise ValueError(f"Tower: memory holds {len(states)} states; one per layer "
+                         f"({self.num_layers}) is needed.")
       m_shape = jnp.shape(states[0]) if states else (x.shape[0], None)
       memory = (states, check_mask(mmask, (x.shape[0], m_shape[1]), name="memory_mask",
                                    layout="[batch, M]", against=f"memory states {m_shape}"))
@@ -76,19 +131,26 @@ class Tower(nn.Module):
                          name=f"pos_{spec.name}_shared")
         for spec in cfg.positional
         if spec.option_dict().get("share_across_layers"))
+    cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
-    new_states = [] if memory is not None else None
-    for i in range(self.num_layers):
-      if memory is not None:
-        m = states[i]
-        new_states.append(jax.lax.stop_gradient(
-            jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
-      x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
-                dtype=self.dtype, name=f"block_{i}")(
-                    x, mask=mask, grid=grid, memory=None if memory is None else states[i],
-                    memory_mask=mmask, train=train, reference=reference,
-                    **({} if decode is None else {"decode": decode}))
+    settings = dict(attention=cfg, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                    norm=self.norm, shared=shared, dtype=self.dtype, train=train,
+                    reference=reference, decoding=decode is not None,
+                    cache_length=None if decode is None else decode.cache_length)
+    offset = None if decode is None else decode.offset
+    if self.scan_layers:
+      x, new_states = self._scanned(settings, decode is not None)(
+          x, mask, None if states is None else jnp.stack(states), mmask, offset)
+      new_states = None if states is None else list(new_states)
+    else:
+      layer = self._layer_class(decode is not None)
+      new_states = [] if memory is not None else None
+      for i in range(self.num_layers):
+        x, new = layer(**settings, name=f"block_{i}")(
+            x, mask, None if states is None else states[i], mmask, offset)
+        if new_states is not None:
+          new_states.append(new)
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     if memory is None:
@@ -108,10 +170,33 @@ class _Base(nn.Module):
   pooling: str = "mean"
   num_classes: int = 0
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
+
+  def __post_init__(self):
+    name = type(self).__name__
+    check_stack(name, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
+                num_layers=self.num_layers)
+    if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+      raise ValueError(f"{name}: vocab_size must be an int >= 1; got {self.vocab_size!r}.")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"{name}: unknown pooling {self.pooling!r}; valid choices: "
+                       f"{', '.join(POOLINGS)}.")
+    self._check_head()
+    super().__post_init__()
+
+  def _check_head(self):
+    """The encoders' head: ``num_classes >= 2``; the CLS token breaks an image grid."""
+    name = type(self).__name__
+    if not isinstance(self.num_classes, int) or self.num_classes < 2:
+      raise ValueError(f"{name}: num_classes must be an int >= 2; got {self.num_classes!r}.")
+    if self.pooling == "cls" and self.attention.grid is not None:
+      raise ValueError(f"{name}: pooling='cls' prepends a token, which breaks the image grid "
+                       f"{self.attention.grid}; use pooling='mean'.")
 
   def _tower(self, name="encoder"):
     return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
-                 dtype=self.dtype, name=name)
+                 dtype=self.dtype, remat=self.remat, scan_layers=self.scan_layers, name=name)
 
   def _embed(self):
     return nn.Embed(self.vocab_size, self.attention.embed_dim,
@@ -193,6 +278,21 @@ class DecoderLM(_Base):
   tie_embeddings: bool = True
   memory_length: int = 0
 
+  def _check_head(self):
+    """An LM is causal by construction and has no pooling or classes: refuse what it would
+    ignore (a bidirectional attention config would let every token see the future)."""
+    if not self.attention.causal:
+      raise ValueError("DecoderLM: the attention config is bidirectional (causal=False), so "
+                       "every position would see the tokens it predicts; build it with "
+                       "AttentionConfig(..., causal=True).")
+    if self.pooling != "mean" or self.num_classes != 0:
+      raise ValueError(f"DecoderLM: pooling and num_classes are encoder fields; leave them at "
+                       f"their defaults ('mean', 0); got pooling={self.pooling!r}, "
+                       f"num_classes={self.num_classes!r}.")
+    if not isinstance(self.memory_length, int) or self.memory_length < 0:
+      raise ValueError(f"DecoderLM: memory_length must be an int >= 0 (0: no memory); got "
+                       f"{self.memory_length!r}.")
+
   def init_cache(self, batch_size: int, max_length: int):
     """An empty decoding state (the ``cache`` collection) for ``batch_size`` rows of at most
     ``max_length`` tokens (``fastpos.models.decoding``): zeros, shaped without any compute."""
@@ -214,7 +314,11 @@ class DecoderLM(_Base):
   def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None,
                decode: bool = False, cache_length: int | None = None):
     if decode:
+      if memory is not None:
+        raise ValueError("DecoderLM: decode=True reads the cache; memory is not used there.")
       return self._decode(batch, train=train, reference=reference, cache_length=cache_length)
+    if cache_length is not None:
+      raise ValueError(f"DecoderLM: cache_length={cache_length!r} is for decode=True only.")
     if self.memory_length and memory is None:
       memory = self.init_memory(batch["inputs"].shape[0])
     if not self.memory_length and memory is not None:
@@ -222,7 +326,8 @@ class DecoderLM(_Base):
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
     embed = self._embed()
     x = embed(inputs).astype(self.dtype)
-    y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
+    with segments.packed(batch.get("segment_ids"), batch.get("positions")):
+      y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
     logits = self._logits(embed, y)
     return logits if not self.memory_length else (logits, new_memory)
 

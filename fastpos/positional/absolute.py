@@ -19,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fastpos.ops import segments
 from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("learned", "sinusoidal")
@@ -51,6 +52,9 @@ class AbsolutePositional(Scheme):
 
   def _table(self, n: int, grid):
     d = self.dims.embed_dim
+    if (grid is None) != (self.dims.grid is None):
+      raise ValueError(f"absolute: built for grid {self.dims.grid} but called with grid {grid}; "
+                       f"build and call it with the same (1D: None; 2D: the task's grid).")
     if grid is None:
       if n > self.dims.max_length:
         raise ValueError(f"absolute: length {n} exceeds max_length {self.dims.max_length}.")
@@ -76,6 +80,14 @@ class AbsolutePositional(Scheme):
       else:
         table = sinusoid_table(pos, self.dims.embed_dim)
       return x + table[None].astype(x.dtype)
+    segs = segments.active()
+    if segs is not None and ctx.grid is None:  # a packed row: each sequence from position 0
+      if self.kind == "learned":
+        table = jnp.take(self.table[:x.shape[1]], segs.positions, axis=0, mode="clip")
+      else:
+        table = sinusoid_table(segs.positions.reshape(-1), self.dims.embed_dim).reshape(
+            (*segs.positions.shape, -1))
+      return x + table.astype(x.dtype)
     return x + self._table(x.shape[1], ctx.grid)[None].astype(x.dtype)
 
 

@@ -171,6 +171,10 @@ class Option:
     valid: the valid values in words, where the generated description does not say enough.
     note: appended to the error in parentheses (e.g. the paper's value).
     annotation: the field's type annotation (derived from ``type`` unless given).
+    used_when: a predicate ``(options, two_d) -> bool`` (all options, defaults filled in):
+      whether the option takes effect; a value other than the default where it does not is
+      refused (``Scheme.check_used``) rather than ignored.
+    used_doc: when the option takes effect, in words (for that error).
   """
   default: Any
   doc: str
@@ -186,6 +190,8 @@ class Option:
   valid: str = ""
   note: str = ""
   annotation: str = ""
+  used_when: Callable[[Mapping, bool], bool] | None = None
+  used_doc: str = ""
 
   def __post_init__(self):
     if self.type not in OPTION_TYPES:
@@ -306,6 +312,30 @@ class Scheme(nn.Module):
         raise ValueError(option.error(cls.scheme_name, name, resolved[name]))
     cls.check_relations(resolved)
     return resolved
+
+  @classmethod
+  def check_used(cls, options: Mapping | None, *, two_d: bool) -> None:
+    """Raises ValueError for an option of ``options`` (those given) set to a value other than
+    its default where it has no effect (e.g. a 2D option on 1D input): never silently
+    ignored."""
+    options = dict(options or {})
+    for name in cls.unused_options(options, two_d=two_d):
+      option, where = cls.option_spec[name], "2D, a grid" if two_d else "1D, no grid"
+      raise ValueError(
+          f"{cls.scheme_name}: option {name}={options[name]!r} would be ignored: it acts "
+          f"{option.used_doc} (this layer: {where}). Drop it or leave it at "
+          f"{option.default!r}.")
+
+  @classmethod
+  def unused_options(cls, options: Mapping | None, *, two_d: bool) -> list[str]:
+    """The options of ``options`` (those given) set to a value other than their default where
+    they have no effect (``Option.used_when``)."""
+    options = dict(options or {})
+    resolved = cls.resolve_options(options)
+    return [name for name, value in options.items()
+            if cls.option_spec[name].used_when is not None
+            and value != cls.option_spec[name].default
+            and not cls.option_spec[name].used_when(resolved, two_d)]
 
   @classmethod
   def check_relations(cls, options: dict) -> None:

@@ -34,6 +34,9 @@ def problem(kernel: str, scheme: str, *, causal: bool = False, two_d: bool = Fal
   cls = positional.get_class(scheme)
   options = dict(options or {})
   positional.check_options(scheme, options)
+  unused = cls.unused_options(options, two_d=two_d)
+  if unused:
+    return f"{scheme!r} would ignore its option(s) {', '.join(unused)} here"
   if causal and not cls.supports_causal:
     return f"{scheme!r} has no causal form"
   if two_d and not cls.supports_2d:
@@ -59,6 +62,7 @@ def check(kernel: str, schemes: Sequence[str], *, causal: bool = False, two_d: b
   """Raises ValueError for the first incompatible pair (``options``: per-scheme dicts)."""
   options = options or {}
   for scheme in schemes:
+    positional.get_class(scheme).check_used(options.get(scheme), two_d=two_d)
     setting = dict(causal=causal, two_d=two_d)
     why = problem(kernel, scheme, options=options.get(scheme), **setting)
     if why is not None:

@@ -50,9 +50,12 @@ class FastRPB(Scheme):
       "per_head": Option(False, "one table per head (else one shared by the heads)",
                          type="bool"),
       "mode_2d": Option("axial", "2D: the paper's row + column tables, or one full 2D table",
-                        type="str", choices=MODES_2D),
+                        type="str", choices=MODES_2D, used_when=lambda o, two_d: two_d,
+                        used_doc="on a 2D grid only"),
       "shared_axes": Option(False, "axial 2D: one table for rows and columns (square grids)",
-                            type="bool"),
+                            type="bool",
+                            used_when=lambda o, two_d: two_d and o["mode_2d"] == "axial",
+                            used_doc="on a 2D grid with mode_2d='axial' only"),
   }
 
   scheme_name = "fastrpb"

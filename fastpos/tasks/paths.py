@@ -20,6 +20,7 @@ Nothing is ever downloaded while training or testing: a task whose files are mis
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from typing import Callable, Iterator, Mapping
@@ -58,12 +59,52 @@ def fetch_command(task: str, data_dir: str | os.PathLike | None) -> str:
 
 def missing_data(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
                  what: str = "") -> FileNotFoundError:
-  """The error for missing data: names the path and the command that fetches it."""
+  """The error for missing data: names the path and the command that fetches it (or, when a
+  file or a symlink loop stands where a folder on the way should be, that)."""
+  blocked = _blocked(path)
+  if blocked:
+    return FileNotFoundError(
+        f"task {task!r}: cannot read {os.fspath(path)!r}: {blocked}; point "
+        f"config.task.data_dir / ${ENV_VAR} at the folder that holds the data.")
   what = f" ({what})" if what else ""
   return FileNotFoundError(
       f"task {task!r}: {os.fspath(path)!r} not found{what}. Fetch the data on a machine with "
       f"internet with `{fetch_command(task, data_dir)}` (or set config.task.data_dir / "
       f"${ENV_VAR} to the folder that holds it). Nothing is downloaded during training.")
+
+
+def _blocked(path: str | os.PathLike) -> str:
+  """Why ``path`` cannot exist: an ancestor that is a file or a symlink loop ("" if none)."""
+  parts = os.path.abspath(os.fspath(path))
+  chain = []
+  while parts not in chain:
+    chain.append(parts)
+    parts = os.path.dirname(parts)
+  for folder in reversed(chain[1:]):  # from the root down, the path itself excluded
+    try:
+      if not os.path.isdir(folder) and os.path.exists(folder):
+        return f"{folder} is a file, not a folder"
+      os.stat(folder)
+    except FileNotFoundError:
+      return ""
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        return f"{folder} is a symlink loop"
+      return ""
+  return ""
+
+
+def not_a_folder(path: str | os.PathLike) -> str:
+  """Why ``path`` cannot be (or become) a folder: it or a folder above it is a file or a
+  symlink loop ("" when it can)."""
+  try:
+    if os.path.exists(path) and not os.path.isdir(path):
+      return f"{os.fspath(path)} is a file, not a folder"
+    os.stat(path)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      return f"{os.fspath(path)} is a symlink loop"
+  return _blocked(path)
 
 
 def require(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,

@@ -5,7 +5,8 @@ and ``evaluate(config, workdir, split)`` scores a trained workdir; ``train.py`` 
 are thin command-line entry points over them. Modules: ``config`` (the base config),
 ``state`` (train state, AdamW and its schedule), ``steps`` (pure train / eval steps),
 ``sharding`` (mesh, shardings, multi-host batches), ``data`` (grain pipelines),
-``checkpoint`` (orbax), ``metrics`` and ``tensorboard`` (what is logged, where), ``trainer``.
+``checkpoint`` (orbax), ``metrics`` and ``tensorboard`` (what is logged, where),
+``config_record`` (config.json and the changes of resumes), ``trainer``.
 """
 
 from __future__ import annotations

@@ -9,10 +9,17 @@
 process); ``meta`` a JSON record of the step, the training RNG key, the model and task config
 blocks (a resumed run must match them), the data position in examples, the current log
 window's training metrics (so a resumed run logs what an uninterrupted one would) and, in
-best/, the validation metrics. Orbax saves into a temporary folder and renames it when complete.
-A checkpoint that does not load is reported (path and reason) and the next older one is used;
-a training run moves it aside to ``<step>.corrupt``. ``Checkpoints(...)`` creates nothing: the
-writing managers come from ``open_for_writing()``, called once the workdir's lock is held.
+best/, the validation metrics; and ``meta["digests"]``, the digests of every array of the
+state, of each process's data-iterator state and of the rest of ``meta``
+(``fastpos.train.digest``). Orbax saves into a temporary folder and renames it when complete.
+
+Every restore (resume, ``eval.py``, ``generate.py``, ``best/``) checks the digests. A checkpoint
+that does not load or does not match its digests (a flipped bit in an array chunk, the RNG key
+or the data position) is damaged: reported (path, and which arrays differ) and the next older
+one is used; a training run moves it aside to ``<step>.corrupt``. A checkpoint written before
+digests were recorded loads unverified, with one warning saying so. ``Checkpoints(...)``
+creates nothing: the writing managers come from ``open_for_writing()``, called once the
+workdir's lock is held.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from absl import flags, logging
 from jax.experimental import multihost_utils
 
 from fastpos.tasks.info import TaskInfo
+from fastpos.train import digest as digest_lib
+from fastpos.train.digest import DigestMismatch
 from fastpos.train.errors import RunError
 from fastpos.train.workdir import os_error_reason
 
@@ -140,6 +149,9 @@ class Checkpoints:
     self.read_only = read_only
     self.writable = False
     self.latest = self.best = None
+    # (path, whether its digests verified) of the checkpoint restore_newest returned.
+    self.restored: tuple[Path, bool] | None = None
+    self._arrays_digested = None  # ((step, id(state)), the state's array digests)
     self._open_read_only()
 
   def _open_read_only(self) -> None:
@@ -195,25 +207,33 @@ class Checkpoints:
     return self.best.latest_step() if self.best else None
 
   def read_meta(self, which: str = "latest", step: int | None = None) -> dict[str, Any] | None:
+    """A checkpoint's meta (the newest by default), checked against its digest."""
     manager = self._manager_of(which)
     if manager is None:
       return None
     step = manager.latest_step() if step is None else step
     if step is None:
       return None
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return self._read_meta_checked(manager, step)
 
   def restore(self, abstract_state: Any, data_iter=None, which: str = "latest",
               step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """(state, meta) of one checkpoint (the newest by default); restores ``data_iter``'s
-    position in place if given. No fallback: see ``restore_newest``."""
+    """(state, meta) of one checkpoint (the newest by default), checked against its digests
+    (DigestMismatch naming the path and what differs); restores ``data_iter``'s position in
+    place if given. No fallback: see ``restore_newest``."""
     manager = self._manager_of(which)
     step = manager.latest_step() if step is None else step
-    args = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    path = self._dir_of(which) / str(step)
+    meta = self._read_meta_checked(manager, step)
+    args = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-    out = manager.restore(step, args=ocp.args.Composite(**args))
-    return out["state"], out["meta"]
+    state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
+    try:
+      self._verify(path, meta, state, data=data_iter is not None)
+    except DigestMismatch as e:
+      raise DigestMismatch(f"checkpoint {path} is damaged: {e}") from None
+    return state, meta
 
   def restore_newest(self, abstract_state: Any, which: str = "latest", *,
                      check: Callable[[dict[str, Any]], None] | None = None,
@@ -237,10 +257,7 @@ class Checkpoints:
     for step in steps:
       path = self._dir_of(which) / str(step)
       try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
-        if not isinstance(meta, dict) or "step" not in meta or "config" not in meta:
-          raise ValueError(f"meta is not a checkpoint record: {str(meta)[:100]}")
+        meta = self._read_meta_checked(manager, step)
       except Exception as e:  # pylint: disable=broad-except
         failed.append(self._damaged(path, e))
         continue
@@ -256,7 +273,7 @@ class Checkpoints:
         jax.block_until_ready(state)
       except Exception as e:  # pylint: disable=broad-except
         # Intact, but not the state of this config?
-        if self._loads_as_saved(manager, step, data_iter if restore_position else None):
+        if self._loads_as_saved(manager, step, data_iter if restore_position else None, meta):
           raise RunError(
               f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
               "was a setting that shapes the optimizer state or the model's variables "
@@ -264,6 +281,15 @@ class Checkpoints:
               "config that made it (its config.json), or a new --workdir.") from None
         failed.append(self._damaged(path, e))
         continue
+      try:
+        verified = self._verify(path, meta, state, data=restore_position)
+      except DigestMismatch as e:
+        failed.append(self._damaged(path, e))
+        continue
+      if not verified:
+        logging.warning("checkpoint %s was written without digests (before checkpoints "
+                        "recorded them): loaded unverified.", path)
+      self.restored = (path, verified)
       if failed and not self.read_only:
         self._open_read_only()  # the moved steps are gone from the managers' lists
       return state, meta, data_iter
@@ -275,18 +301,76 @@ class Checkpoints:
     return None
 
   @staticmethod
-  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, data_iter) -> bool:
-    """Whether a step's state loads as saved (no target; and the data position), i.e. the
-    checkpoint is not damaged."""
+  def _read_meta_checked(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """A step's meta, checked against its digest (DigestMismatch) before anything reads it."""
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict) or "step" not in meta or "config" not in meta:
+      raise ValueError(f"meta is not a checkpoint record: {str(meta)[:100]}")
+    digest_lib.check_meta(meta)
+    return meta
+
+  @staticmethod
+  def _verify(path: Path, meta: dict[str, Any], state: Any, *, data: bool) -> bool:
+    """Checks a restored ``state`` (and this process's data-iterator state when ``data``)
+    against the digests in ``meta``: True when they match, False when the checkpoint has no
+    digests, DigestMismatch naming what differs otherwise. Every process raises when any
+    process found a difference (they go on to the same older checkpoint)."""
+    rec = meta.get("digests")
+    if rec is None:
+      return False
+    problem = None
+    try:
+      digest_lib.check_arrays(rec["arrays"], state)
+      if data:
+        digest_lib.check_data(rec, path / "data")
+    except DigestMismatch as e:
+      problem = e
+    if jax.process_count() > 1:
+      bad = np.asarray(multihost_utils.process_allgather(np.int32(problem is not None)))
+      if problem is None and np.any(bad):
+        problem = DigestMismatch(f"process(es) {np.flatnonzero(bad).tolist()} found their "
+                                 "part of it differs from its digests")
+    if problem is not None:
+      raise problem
+    return True
+
+  @staticmethod
+  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, data_iter,
+                      meta: dict[str, Any]) -> bool:
+    """Whether a step's state loads as saved (no target; and the data position) and matches
+    its digests, i.e. the checkpoint is not damaged."""
     args = {"state": ocp.args.StandardRestore()}
     if data_iter is not None:
       args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
       raw = manager.restore(step, args=ocp.args.Composite(**args))
       jax.block_until_ready(raw["state"])
+      if "digests" in meta:
+        digest_lib.check_arrays(meta["digests"]["arrays"], raw["state"])
       return True
     except Exception:  # pylint: disable=broad-except
       return False
+
+  def newest_verified(self, abstract_state: Any, upto: int) -> tuple[int | None, list[str]]:
+    """The newest step <= ``upto`` in checkpoints/ that loads and matches its digests (None
+    when none does), and ``path (reason)`` of each newer one that does not (not moved)."""
+    skipped = []
+    with quiet_closed_event_loop():
+      for step in self.steps("latest"):
+        if step > upto:
+          continue
+        path = self.latest_dir / str(step)
+        try:
+          meta = self._read_meta_checked(self.latest, step)
+          state = self.latest.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract_state)))["state"]
+          if not self._verify(path, meta, state, data=True):
+            raise DigestMismatch("written without digests: unverified")
+        except Exception as e:  # pylint: disable=broad-except
+          skipped.append(f"{path} ({_reason(e)})")
+          continue
+        return step, skipped
+    return None, skipped
 
   def _damaged(self, path: Path, exc: BaseException) -> str:
     reason = _reason(exc)
@@ -300,7 +384,8 @@ class Checkpoints:
       aside = path.with_name(f"{path.name}.corrupt.{n}")
       n += 1
     try:
-      path.rename(aside)
+      if jax.process_index() == 0:  # the processes of a run share the folder
+        path.rename(aside)
     except OSError as e:
       raise RunError(f"checkpoint {path} does not load ({reason}) and cannot be moved aside "
                      f"({os.strerror(e.errno) if e.errno else e}); move it away by hand.")
@@ -316,7 +401,18 @@ class Checkpoints:
       raise RunError(f"{reason} in {directory}: free space or use another --workdir "
                      f"(writing a checkpoint failed).") from None
 
+  def _with_digests(self, step: int, state: Any, data_iter,
+                    meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with the digest record of ``state``, ``data_iter`` and itself; the arrays'
+    digests are computed once per state (the best and the latest checkpoint of a step)."""
+    key = (step, id(state))
+    if self._arrays_digested is None or self._arrays_digested[0] != key:
+      self._arrays_digested = (key, digest_lib.array_digests(state))
+    rec = digest_lib.record(state, data_iter, meta, arrays=self._arrays_digested[1])
+    return {**meta, "digests": rec}
+
   def save(self, step: int, state: Any, data_iter, meta: dict[str, Any]) -> None:
+    meta = self._with_digests(step, state, data_iter, meta)
     try:
       self.latest.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
@@ -326,6 +422,7 @@ class Checkpoints:
       raise
 
   def save_best(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    meta = self._with_digests(step, state, None, meta)
     try:
       if step in self.best.all_steps():  # from a run resumed before it: replaced
         self.best.delete(step)

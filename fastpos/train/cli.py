@@ -30,6 +30,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -38,7 +39,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from fastpos.train import config as config_lib
-from fastpos.train import errors
+from fastpos.train import config_record, errors
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
 _OVERRIDE = re.compile(r"^--?(no)?config\.([A-Za-z0-9_.]+)(?:=(.*))?$", re.DOTALL)
@@ -116,6 +117,15 @@ def _missing_file(path: str, spec: str) -> ConfigError:
   return ConfigError(f"--config={spec}: config file {path!r} not found; {hint}")
 
 
+def _symlink_loop(path: str | os.PathLike) -> bool:
+  """Whether resolving ``path`` runs in circles (os.stat's ELOOP)."""
+  try:
+    os.stat(path)
+  except OSError as e:
+    return e.errno == errno.ELOOP
+  return False
+
+
 def _tuples(value: Any) -> Any:
   """JSON values back to config values: lists were tuples (configs hold no lists)."""
   if isinstance(value, dict):
@@ -126,7 +136,8 @@ def _tuples(value: Any) -> Any:
 
 
 def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``)."""
+  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``), with the
+  changes its resumes recorded beside it (``config_changes.jsonl``) applied."""
   try:
     with open(path, encoding="utf-8") as f:
       values = json.load(f)
@@ -137,6 +148,8 @@ def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
   if not isinstance(values, dict):
     raise ConfigError(f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
                       "(an object of fields).")
+  if Path(path).name == config_record.CONFIG_NAME:  # a run's: with the changes of its resumes
+    values = config_record.apply_changes(values, config_record.read_changes(Path(path).parent))
   return ml_collections.ConfigDict(_tuples(values))
 
 
@@ -176,7 +189,23 @@ def load_module(path: str, spec: str | None = None):
   except SyntaxError as e:
     raise ConfigError(f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix "
                       "the config file.") from None
+  except ImportError as e:
+    raise ConfigError(f"--config={spec}: {_where(e, path)}imports {e.name or 'a module'!r}, "
+                      f"which is not installed or not found ({e}); fix the import or install "
+                      "it.") from None
+  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
+    raise ConfigError(f"--config={spec}: {_where(e, path)}loading the file raised "
+                      f"{type(e).__name__}: {e}; fix the config file.") from None
   return module
+
+
+def _where(e: BaseException, path: str) -> str:
+  """"<file>:<line>: " of the config file's frame nearest the error (or "")."""
+  frames = traceback.extract_tb(e.__traceback__)
+  target = os.path.realpath(path)
+  own = [f for f in frames if os.path.realpath(f.filename) == target]
+  frame = (own or frames or [None])[-1]
+  return f"{frame.filename}:{frame.lineno}: " if frame is not None else ""
 
 
 def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
@@ -189,6 +218,9 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
     cfg = get_config(arg) if arg is not None else get_config()
   except ValueError as e:  # parse_arg: an unknown or ill-typed config argument
     raise ConfigError(f"--config={spec}: {e} Fix the part after ':'.") from None
+  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
+    raise ConfigError(f"--config={spec}: {_where(e, path)}get_config raised "
+                      f"{type(e).__name__}: {e}; fix the config file.") from None
   if not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a "
                       "ConfigDict.")
@@ -234,6 +266,9 @@ def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
     raise ConfigError("--config is empty; give configs/<experiment>.py[:variant] or a run's "
                       "config.json.")
   path, arg = _split_spec(spec)
+  if _symlink_loop(path):
+    raise ConfigError(f"--config={spec}: {path!r} is a symlink loop (its links point at each "
+                      "other); fix the link or give the config file's real path.")
   if not os.path.isfile(path):
     if os.path.isdir(path):
       raise ConfigError(f"--config={spec}: {path!r} is a folder; give a configs/*.py file or "
@@ -252,6 +287,7 @@ def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
     for item in overrides:
       key, raw, negated = (tuple(item) + (False,))[:3]
       apply_override(cfg, key, raw, negated=negated)
+  config_lib.validate(cfg)  # every value against its declared range, before anything is built
   if lock:
     cfg.lock()
   return cfg

@@ -7,14 +7,19 @@ equal) and leaves ``config.task`` holding only the fields the file sets; ``compl
 adds the task's other fields from its class when train.py loads the file (and again in the
 trainer, for a config built in Python). The config alone defines a run; only ``--workdir`` is
 outside it.
+
+``validate`` checks every value against its declaration (``fastpos.config_schema``, and each
+positional scheme's ``option_spec``) before anything is built.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from fastpos import config_schema
 from fastpos.models.config import model_config
-from fastpos.tasks import get_task_class, task_config
+from fastpos.tasks import get_task_class, task_config, task_info
+from fastpos.train.errors import RunError
 
 
 def base_config(task: str) -> ml_collections.ConfigDict:
@@ -74,6 +79,14 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.num_threads = 2  # threads reading examples
   c.data.prefetch = 4  # batches read ahead
+  # Length bucketing (classify / retrieval tasks): increasing lengths in [1, task.max_length]
+  # a batch is cut to (the shortest holding its longest example; max_length is added); () pads
+  # every batch to task.max_length. Changes the batches drawn, so a run's results.
+  c.data.bucket_lengths = ()
+  c.data.bucket_window = 16  # >= 1 global batches sorted (or packed) together
+  # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes none /
+  # absolute / t5_bias / rope / kernelized_rpe): several examples per row. Changes results.
+  c.data.pack = False
   return c
 
 
@@ -98,3 +111,56 @@ def complete_task(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   with cfg.unlocked():
     cfg.task = block
   return cfg
+
+
+class InvalidConfigError(RunError, ValueError):
+  """A config value outside its declaration (exit code 2; a ValueError for library callers)."""
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Checks ``cfg`` (task block complete) before anything is built: every field against its
+  declared type and range (``fastpos.config_schema``), the positional scheme names and each
+  scheme's options against its ``option_spec``, and the rules between a task's fields.
+
+  Raises:
+    InvalidConfigError: one line naming the field, its value and the valid values (exit code 2).
+  """
+  try:
+    config_schema.check(cfg)
+  except config_schema.ConfigValueError as e:
+    raise InvalidConfigError(str(e)) from None
+  _check_positional(cfg.model)
+  try:
+    task_info(cfg.task)  # the rules between the task's fields (no data read)
+  except (ValueError, TypeError) as e:
+    raise InvalidConfigError(f"config.task: {e}") from None
+
+
+def _check_positional(model: ml_collections.ConfigDict) -> None:
+  from fastpos import positional  # pylint: disable=import-outside-toplevel (flax)
+
+  try:
+    positional.parse_names(model.positional)
+  except ValueError as e:
+    raise InvalidConfigError(f"config.model.positional={model.positional!r}: {e}") from None
+  for scheme, options in model.positional_options.items():
+    where = f"config.model.positional_options.{scheme}"
+    if scheme not in positional.SCHEMES:
+      raise InvalidConfigError(f"{where}: unknown positional scheme {scheme!r}; valid schemes: "
+                     f"{', '.join(positional.SCHEMES)}.")
+    if not hasattr(options, "keys"):
+      raise InvalidConfigError(f"{where} must be a block of options; got {options!r}.")
+    spec = positional.get_class(scheme).option_spec
+    for name, value in options.items():
+      if name not in spec:
+        raise InvalidConfigError(f"{where} has no option {name!r}; its options: "
+                       f"{', '.join(spec) or '(none)'}.")
+      value = tuple(value) if isinstance(value, list) else value
+      if not spec[name].is_valid(value):
+        note = f" ({spec[name].note})" if spec[name].note else ""
+        raise InvalidConfigError(f"{where}.{name} must be {spec[name].describe()}{note}; got "
+                       f"{value!r}.")
+    try:
+      positional.get_class(scheme).resolve_options(dict(options))
+    except ValueError as e:
+      raise InvalidConfigError(f"{where}: {e}") from None

@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from fastpos.tasks.base import ArraySource
+from fastpos.train import bucketing, packing
 
 _ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
@@ -42,8 +43,14 @@ def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: i
   ``start`` (in examples) lets a run resumed with another batch size carry on at the example
   where the checkpointed run stopped. Yields dicts of numpy arrays ``[B / process_count, ...]``
   (the task's fields plus ``weight``); ``get_state()`` / ``set_state()`` give its exact
-  position in batches (``{"next_index": b}``).
+  position in batches (``{"next_index": b}``). With ``config.data.bucket_lengths`` the batches
+  are length-bucketed instead (``fastpos.train.bucketing``); with ``config.data.pack``, packed
+  (``fastpos.train.packing``); the state is the same.
   """
+  if packing.enabled(cfg):
+    return iter(packing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
+  if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
+    return iter(bucketing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
   procs = jax.process_count()
   global_batch = cfg.batch_size
   local = global_batch // procs
@@ -71,10 +78,15 @@ def eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
   """This process's rows of the evaluation batches, in order, the last one padded.
 
   Global batch b holds examples ``[b * B, (b + 1) * B)``; rows past the end of the split
-  repeat real examples (so every model input is well formed) with ``weight`` 0.
+  repeat real examples (so every model input is well formed) with ``weight`` 0. With
+  ``config.data.bucket_lengths``: the same examples in length order, each batch cut to its
+  bucket length (``fastpos.train.bucketing``).
   """
   n = len(source)
   global_batch = cfg.eval_batch_size or cfg.batch_size
+  if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
+    ds = bucketing.eval_batches(source, cfg, num_eval_batches(n, global_batch, limit))
+    return iter(ds.to_iter_dataset(_read_options(cfg)))
   procs = jax.process_count()
   local = global_batch // procs
   offset = jax.process_index() * local

@@ -19,6 +19,13 @@ not ``host:port``) stops with one message naming the value and the fix, before a
 ``--shutdown_timeout`` how long a process that is done waits for the others at exit. On CPU the
 processes' collectives go over gloo (TCP).
 
+A lost process: when the distributed service misses another process (it died, or froze for
+``--heartbeat_timeout``), every other process prints one line naming it and exits with
+``EXIT_PEER_LOST`` (``fastpos.train.errors``), no traceback. The service runs in JAX's
+recoverable mode, so that a lost task is reported to the others' watchers instead of aborting
+them; only the loss of process 0, which hosts the service, still ends the others through
+JAX's own fatal error.
+
 ``train.py`` and ``eval.py`` call ``define_flags()`` at import and ``initialize(flags)`` first
 thing in ``main``; other programs may call ``initialize()`` for the environment variables
 and the cluster detection alone.
@@ -26,6 +33,7 @@ and the cluster detection alone.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -36,7 +44,7 @@ from typing import Mapping
 import jax
 from absl import flags, logging
 
-from fastpos.train.errors import EXIT_BAD_INPUT, RunError
+from fastpos.train.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, RunError
 
 ADDRESS_ENV, COUNT_ENV, ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEFAULT_INITIALIZATION_TIMEOUT_S = 300  # jax's own default
@@ -216,12 +224,53 @@ def detected_cluster() -> str | None:
   return None
 
 
-def _stop(message: str) -> None:
+def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
   """Ends the process at once with ``message`` (the main thread is blocked in jax)."""
   prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "fastpos"
   sys.stdout.flush()
   print(f"{prog}: {message}", file=sys.stderr, flush=True)
-  os._exit(EXIT_BAD_INPUT)
+  os._exit(code)
+
+
+_WATCH_STOP = threading.Event()
+
+
+def peer_lost_message(missing: list[int], num_processes: int, heartbeat_timeout_s: int) -> str:
+  """The one line a surviving process prints (``EXIT_PEER_LOST``)."""
+  who = ", ".join(str(i) for i in missing)
+  return (f"process(es) {who} of {num_processes} stopped answering the distributed service "
+          f"(died, or froze for --heartbeat_timeout={heartbeat_timeout_s} s); stopping this "
+          f"process too (exit code {EXIT_PEER_LOST}). Their logs say why; start all "
+          f"{num_processes} processes again to resume from the last checkpoint.")
+
+
+def _watch_peers(client, num_processes: int, heartbeat_timeout_s: int) -> None:
+  """Background: ends this process with one line once the service has lost another one."""
+  nodes = list(range(num_processes))
+  interval = min(1.0, heartbeat_timeout_s / 4)
+  while not _WATCH_STOP.wait(interval):
+    try:
+      live = client.get_live_nodes(nodes)
+    except Exception:  # pylint: disable=broad-except  # the service itself (process 0) is gone
+      live = {i: 0 for i in nodes if i}
+    missing = [i for i in nodes if i not in live]
+    if missing and not _WATCH_STOP.is_set():
+      _stop(peer_lost_message(missing, num_processes, heartbeat_timeout_s), EXIT_PEER_LOST)
+
+
+def _start_watch(num_processes: int, heartbeat_timeout_s: int) -> None:
+  # jax keeps its client private; without it the run keeps jax's own fatal error.
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+  if client is None or not hasattr(client, "get_live_nodes"):
+    logging.warning("jax's distributed client is not reachable: a lost process ends the others "
+                    "through jax's own fatal error.")
+    return
+  _WATCH_STOP.clear()
+  # Stopped before jax's own exit handler (registered earlier, so run later) shuts down.
+  atexit.register(_WATCH_STOP.set)
+  threading.Thread(target=_watch_peers, args=(client, num_processes, heartbeat_timeout_s),
+                   name="fastpos-peer-watch", daemon=True).start()
 
 
 def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None = None) -> None:
@@ -241,6 +290,8 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
   # explicit "none" would make every cross-process step fail).
   if jax.config.jax_cpu_collectives_implementation is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # A lost task is then reported to the watchers (``_watch_peers``) rather than aborting all.
+  jax.config.update("jax_enable_recoverability", True)
   what = (f"{cluster} cluster" if cluster else
           f"process {s.process_id} of {s.num_processes}, coordinator {s.coordinator_address}")
   logging.info("jax.distributed: joining (%s; waiting up to %d s for the others)", what,
@@ -272,3 +323,4 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
   finally:
     watchdog.cancel()
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  _start_watch(jax.process_count(), s.heartbeat_timeout_s)

@@ -4,6 +4,11 @@ Every error here carries a message that names the bad value or file and the fix;
 and ``eval.py`` print that message alone (no traceback) and exit with the code below.
 ``scripts/sweep.sh`` / ``scripts/sweep.py`` read the codes (e.g. a preempted run is restarted,
 a bad config is not).
+
+``EXIT_PEER_LOST``: in a run of several processes, the distributed service lost another process
+(it died, or froze past ``--heartbeat_timeout``); each surviving process prints one line naming
+the lost process(es) and exits with it. Nothing was saved since the last checkpoint: read the
+lost process's log for the cause, then start all processes again to resume.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ EXIT_FAILED = 1       # an unexpected error (a bug): the traceback is printed
 EXIT_BAD_INPUT = 2    # bad config, flag, data or workdir: fix the input and run again
 EXIT_NONFINITE = 3    # the loss became NaN / Inf: the last good checkpoint is intact
 EXIT_LOCKED = 4       # another trainer holds the workdir
+EXIT_PEER_LOST = 5    # another process of a multi-process run died or froze: restart them all
 EXIT_PREEMPTED = 75   # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
                       # (75 = EX_TEMPFAIL of sysexits.h: "try again later")
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped without saving (128 + SIGINT, as shells do)
@@ -34,3 +40,9 @@ class WorkdirLockedError(RunError):
   """Another trainer (named in the message) holds the workdir's lock."""
 
   exit_code = EXIT_LOCKED
+
+
+class PeerLostError(RunError):
+  """Another process of a multi-process run died or froze (the distributed service lost it)."""
+
+  exit_code = EXIT_PEER_LOST

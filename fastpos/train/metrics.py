@@ -133,6 +133,7 @@ class MetricWriter:
         if dropped:
           logging.info("%s: dropped %d record(s) written after step %d by the run that "
                        "stopped", path, dropped, resume_step)
+      self._path = path
       self._jsonl = open(path, "a")
       self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
 
@@ -141,8 +142,11 @@ class MetricWriter:
       return
     record = {"step": step, "split": split, "time": time.time(), **extra,
               **{k: float(v) for k, v in values.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    try:
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    except OSError as e:  # a full disk: the file's name goes with the error
+      raise OSError(e.errno, e.strerror, str(self._path)) from None
     scalars = {**extra, **values}
     self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in scalars.items()})
 
@@ -150,6 +154,11 @@ class MetricWriter:
     """The resolved config to TensorBoard (text and hyperparameters), at a run's start."""
     if self.active:
       self._tb.config(config, text, metrics)
+
+  def text(self, tag: str, step: int, text: str) -> None:
+    """A text summary to TensorBoard (a recorded config change)."""
+    if self.active:
+      self._tb.text(tag, step, text)
 
   def start_timer(self, step: int) -> None:
     self._last_time, self._last_step = time.time(), step
@@ -173,7 +182,8 @@ class MetricWriter:
 
   def close(self) -> None:
     if self.active:
-      self._jsonl.close()
+      with contextlib.suppress(OSError):  # each write flushes: a failed one raised already
+        self._jsonl.close()
       self._tb.close()
 
 

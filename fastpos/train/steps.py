@@ -24,7 +24,7 @@ import optax
 
 from fastpos.train.state import TrainState
 
-MODEL_INPUTS = ("inputs", "mask", "inputs2", "mask2")
+MODEL_INPUTS = ("inputs", "mask", "inputs2", "mask2", "segment_ids", "positions")
 
 
 def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -2,15 +2,20 @@
 ``EventAccumulator``.
 
 ``EventWriter`` writes under ``<workdir>/tensorboard/``: the scalars of ``metrics.jsonl``, and
-once, at the start of a run from step 0, the resolved config as text (``config``) and its flat
-fields as hyperparameters (the HParams dashboard, with the validation metrics as its metrics).
+once, at the start of a run from step 0, the resolved config as text (``config``) and the flat
+fields of its ``HPARAM_BLOCKS`` (model, optimizer, task) as hyperparameters (the HParams
+dashboard, with the validation metrics as its metrics; the rest, e.g. logging cadence or a
+paper's reference numbers, stays in the text).
 
 A resumed run starts a new event file that opens with a purge marker at ``resume_step + 1``
 (``SummaryWriter(purge_step=...)``): TensorBoard drops the events of earlier files at that step
 and later (written after the checkpoint by the run that stopped), so every step shows once. A
 run that starts again from step 0 deletes the earlier files (none of it would be shown) and
 writes the config again; a resumed run does not rewrite it. An evaluation adds its results in
-a file of its own, purging nothing.
+a file of its own, purging nothing; that file carries the evaluation's key (split and step), and
+an evaluation with the same key replaces it, so re-running ``eval.py`` keeps one point per step.
+A resume that changes the config adds the changes as text (``config_changes``) at the first
+step run with them.
 
 Files are named ``events.out.tfevents.<seconds>.<host>.<n>`` with ``n`` the number of files
 already there, so that the name order TensorBoard reads them in is the order they were written
@@ -28,6 +33,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
 EVENT_GLOB = "events.out.tfevents.*"
+HPARAM_BLOCKS = ("model", "optimizer", "task")  # the config blocks the HParams dashboard shows
 
 
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -52,11 +58,20 @@ class EventWriter:
     logdir: the folder (created if missing).
     resume_step: the step a training run starts from (0: from scratch); what earlier files
       hold past it is purged. None: add to what is there (an evaluation's results).
+    replaces: an evaluation's key (e.g. ``"test-400"``): the file of an earlier evaluation
+      with the same key is deleted first.
   """
 
-  def __init__(self, logdir: str | os.PathLike, resume_step: int | None = None):
+  def __init__(self, logdir: str | os.PathLike, resume_step: int | None = None,
+               replaces: str | None = None):
     self.logdir = Path(logdir)
     self.logdir.mkdir(parents=True, exist_ok=True)
+    if replaces is not None:
+      if not re.fullmatch(r"[\w.-]+", replaces):
+        raise ValueError(f"EventWriter: replaces={replaces!r} must be letters, digits, '_', "
+                         f"'.' or '-'.")
+      for path in self.logdir.glob(f"{EVENT_GLOB}.{replaces}"):
+        path.unlink()
     self.from_scratch = resume_step == 0
     if self.from_scratch:  # nothing earlier attempts wrote survives (TensorBoard's purge
       for path in self.logdir.glob(EVENT_GLOB):  # would keep their text and hparams)
@@ -65,8 +80,9 @@ class EventWriter:
     purge_step = None
     if existing and resume_step:  # drop what was written past resume_step
       purge_step = resume_step + 1
+    suffix = f".{len(existing):06d}" + (f".{replaces}" if replaces is not None else "")
     self._writer = SummaryWriter(str(self.logdir), purge_step=purge_step, flush_secs=10,
-                                 filename_suffix=f".{len(existing):06d}")
+                                 filename_suffix=suffix)
     self._writer.file_writer.flush()  # the file (and its purge marker) exists from now on
 
   def config(self, config: Mapping[str, Any], text: str, metrics: list[str]) -> None:
@@ -76,9 +92,16 @@ class EventWriter:
     if not self.from_scratch:
       return
     self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
-    experiment, start, end = hparams_summaries(flat_config(config), dict.fromkeys(metrics, 0.0))
+    hparams = {k: v for k, v in flat_config(config).items()
+               if k.split(".", 1)[0] in HPARAM_BLOCKS}
+    experiment, start, end = hparams_summaries(hparams, dict.fromkeys(metrics, 0.0))
     for summary in (experiment, start, end):
       self._writer.file_writer.add_summary(summary, global_step=0)
+    self._writer.file_writer.flush()
+
+  def text(self, tag: str, step: int, text: str) -> None:
+    """A text summary ``tag`` at ``step`` (e.g. the config changes of a resume)."""
+    self._writer.add_text(tag, f"```\n{text}\n```", global_step=step)
     self._writer.file_writer.flush()
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:

@@ -13,7 +13,10 @@ Nothing is created in the workdir before every check has passed (config, model, 
 the data of every split the run reads, a workdir that can be written); then the trainer takes
 the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
 then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` and ``train.log``
-(process 0's log, appended to on resume). Each step says when it is being compiled and how long
+(process 0's log, appended to on resume). ``config.json`` is written by a run from scratch and
+never by a resume: a resume whose config changes the run's results is refused before anything
+is restored unless allowed, and its changes go to ``config_changes.jsonl``
+(``fastpos.train.config_record``). Each step says when it is being compiled and how long
 that took.
 
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
@@ -42,6 +45,7 @@ import functools
 import json
 import logging as std_logging
 import os
+import re
 import signal
 import threading
 import time
@@ -59,6 +63,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
+from fastpos.train import bucketing, config_record, packing
 from fastpos.train import config as config_lib
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
@@ -84,10 +89,7 @@ class _Run:
                model: nn.Module | None):
     # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
     cfg = config_lib.complete_task(config.copy_and_resolve_references())
-    for name in ("num_train_steps", "log_every_steps", "eval_every_steps",
-                 "checkpoint_every_steps", "keep_checkpoints"):
-      if cfg[name] < 1:
-        raise ValueError(f"config.{name} must be >= 1; got {cfg[name]}.")
+    config_lib.validate(cfg)  # each value against its declared range (fastpos.config_schema)
     self.cfg = cfg
     self.workdir = Path(workdir)
     self.task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
@@ -105,6 +107,10 @@ class _Run:
     self.mesh = sharding_lib.make_mesh(cfg)
     sharding_lib.check_batch_sizes(cfg, self.mesh)
     sharding_lib.check_seq_split(self.mesh, self.info.max_length, model)
+    bucketing.check_config(cfg, self.info.kind, self.info.max_length, self.info.grid,
+                           sharding_lib.seq_size(self.mesh))
+    packing.check_config(cfg, self.info.kind, self.info.max_length, model,
+                         sharding_lib.seq_size(self.mesh))
     self.tx = make_optimizer(cfg)
     self.schedule = make_schedule(cfg)
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
@@ -338,7 +344,14 @@ def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
   """The data position a checkpoint records, in examples (see ``_data_iter_for``)."""
   return {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
           "start_step": start_step, "batch_size": run.cfg.batch_size,
-          "num_examples": num_examples}
+          "num_examples": num_examples, "batching": _batching(run.cfg)}
+
+
+def _batching(cfg: ml_collections.ConfigDict) -> list[int]:
+  """How the training stream is cut into batches beyond its order: [] without bucketing,
+  else the bucket lengths and the window (another value maps a position to other batches)."""
+  lengths = list(cfg.data.get("bucket_lengths", ()) or ())
+  return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 
 def _saved_process_count(data_dir: Path) -> int | None:
@@ -371,7 +384,8 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
   # The iterator's saved position is per process: it carries over to the same processes.
   procs = jax.process_count()
   saved_procs = _saved_process_count(where / str(meta["step"]) / "data") or procs
-  if data["batch_size"] == batch and saved_procs == procs:
+  same_batching = data.get("batching", []) == _batching(run.cfg)
+  if data["batch_size"] == batch and saved_procs == procs and same_batching:
     return run.train_iterator(source, data["start"]), True, data["start"], data["start_step"]
   if run.memory:
     raise RunError(
@@ -379,7 +393,11 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
         f"{saved_procs} process(es); now {batch} on {procs}. Stream batches (a Transformer-XL "
         f"memory) keep their layout: resume with --config.batch_size={data['batch_size']} on "
         f"{saved_procs} process(es), or use a new --workdir.")
-  if data["batch_size"] != batch:
+  if not same_batching:
+    logging.warning("config.data bucketing changed (%s -> %s): resuming at example %d of the "
+                    "training data (step %d).", data.get("batching", []), _batching(run.cfg),
+                    data["examples"], meta["step"])
+  elif data["batch_size"] != batch:
     logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
                     "training data (step %d).", data["batch_size"], batch, data["examples"],
                     meta["step"])
@@ -410,7 +428,8 @@ def _sum_window(window: list[dict]) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *,
-                       model: nn.Module | None = None) -> dict[str, Any]:
+                       model: nn.Module | None = None,
+                       allow_config_change: bool = False) -> dict[str, Any]:
   """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint that loads.
 
   Args:
@@ -419,6 +438,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       ``train.log`` and the lock ``train.lock`` go here.
     model: a linen module to train instead of ``build_model(config.model, task.info)``
       (tests use this to inject a throwaway model).
+    allow_config_change: a resume may change fields that change the run's results (seeds,
+      optimizer, schedule, task, model); each change is recorded in ``config_changes.jsonl``
+      (``fastpos.train.config_record``). Without it such a resume is refused.
 
   Returns:
     {"step", "train": last logged training metrics, "validation": last validation metrics,
@@ -430,14 +452,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *
       step and the last good checkpoint, which is left intact).
     WorkdirLockedError: another trainer holds the workdir (named in the message).
     RunError: the workdir cannot be used (a file, read-only, full disk), no checkpoint in
-      it loads, or the training data changed size.
+      it loads, the training data changed size, or a resume changes the run's results
+      without ``allow_config_change`` (naming each changed field).
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
   """
   with metrics_lib.quiet_library_logs():
-    return _train_and_evaluate(config, workdir, model)
+    return _train_and_evaluate(config, workdir, model, allow_config_change)
 
 
-def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str, Any]:
   run = _Run(config, workdir, model)
   cfg = run.cfg
   train_src = run.task.source("train")  # missing data stops here, before anything is made
@@ -448,6 +471,9 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
   writer = None
   log_file = contextlib.ExitStack()
   try:
+    # A resume of another config is refused before anything is restored or written.
+    changes = (config_record.check_resume(run.workdir, cfg, allow=allow_config_change)
+               if ckpts.latest_step() is not None else [])
     best_metric, best_value = run.task.metric, None
     position = {}
 
@@ -482,7 +508,7 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
     log_file.enter_context(_log_file(run.workdir / "train.log"))
     if resumed:
       logging.info("%s", resumed)
-    _write_json(run.workdir / "config.json", cfg.to_json_best_effort(indent=2))
+    _record_config(run, cfg, meta["step"] if restored is not None else None, changes)
     logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d "
                  "devices (mesh %s), %d process(es)", cfg.task.name, len(train_src),
                  len(val_src), run.num_params, jax.device_count(), dict(run.mesh.shape),
@@ -493,6 +519,9 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
     writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
     writer.config(cfg.to_dict(), cfg.to_json_best_effort(indent=2),
                   [f"validation/{m}" for m in ("loss", run.task.metric)])
+    if changes and restored is not None:  # the change's entry, in TensorBoard too
+      writer.text("config_changes", step + 1, "\n".join(
+          f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes))
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
                            train_src, data_start, data_start_step, best_value)
@@ -503,8 +532,10 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
-    raise RunError(f"{reason} in {run.workdir}: free space or use another --workdir "
-                   f"({getattr(e, 'filename', None) or 'writing logs'} failed).") from None
+    where = getattr(e, "filename", None) or (f"{run.workdir} (metrics.jsonl, config.json, "
+                                             "config_changes.jsonl, tensorboard/, train.log)")
+    raise RunError(f"{reason}: writing {where} failed; free space there or use another "
+                   "--workdir.") from None
   finally:
     ckpts.close()
     if writer is not None:
@@ -513,6 +544,22 @@ def _train_and_evaluate(config, workdir, model) -> dict[str, Any]:
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
     log_file.close()
     lock.release()
+
+
+def _record_config(run: _Run, cfg, resumed_step: int | None, changes) -> None:
+  """config.json for a run from scratch (a stale change record goes); a resume keeps it and
+  appends its changes to config_changes.jsonl (process 0 writes)."""
+  if jax.process_index() != 0:
+    return
+  config_json = run.workdir / config_record.CONFIG_NAME
+  if resumed_step is None or not config_json.is_file():
+    (run.workdir / config_record.CHANGES_NAME).unlink(missing_ok=True)
+    _write_json(config_json, cfg.to_json_best_effort(indent=2))
+    return
+  if changes:
+    config_record.record(run.workdir, resumed_step, changes)
+    logging.warning("resumed with a changed config (recorded in %s): %s",
+                    config_record.CHANGES_NAME, "; ".join(map(str, changes)))
 
 
 def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src,
@@ -551,10 +598,27 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
         rates.append(row["tokens_per_second"])
   if rates:
     parts.append(f"{np.mean(rates):,.0f} tokens/s")
+  with contextlib.suppress(RunError):
+    changed = config_record.describe(config_record.read_changes(workdir))
+    if changed:
+      parts.append(changed)
   parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json; test: python "
-               f"eval.py --workdir={workdir} --split=test; plots: python "
-               f"scripts/plot_positional.py {workdir}")
+               f"eval.py --workdir={workdir} --split=test")
+  if _plotted_schemes(workdir):
+    parts.append(f"plots: python scripts/plot_positional.py {workdir}")
   return "; ".join(parts)
+
+
+PLOTTED_SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")  # what scripts/plot_positional.py draws
+
+
+def _plotted_schemes(workdir: Path) -> list[str]:
+  """The schemes of the run's config.json that ``scripts/plot_positional.py`` can plot."""
+  try:
+    names = json.loads((workdir / "config.json").read_text())["model"]["positional"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return []
+  return [n for n in re.split(r"[,+]", str(names)) if n.strip() in PLOTTED_SCHEMES]
 
 
 def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_iter,
@@ -583,11 +647,7 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
 
   def stop_nonfinite(what: str, at: int):
     ckpts.wait()
-    where = (f"The last good checkpoint is step {last_good} in {ckpts.latest_dir} "
-             "(left intact)" if last_good is not None else "No checkpoint had been saved yet")
-    raise NonFiniteLossError(
-        f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
-        "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
+    raise NonFiniteLossError(_nonfinite_message(run, ckpts, what, at, last_good, first_step))
 
   with _StopOnSignal() as signals, run.precision():
     while step < cfg.num_train_steps:
@@ -655,6 +715,30 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
   return result
 
 
+def _nonfinite_message(run: _Run, ckpts: Checkpoints, what: str, at: int,
+                       last_good: int | None, first_step: int) -> str:
+  """Why a run stopped on a NaN / Inf: the first step after a restore blames the checkpoint;
+  otherwise the newest saved checkpoint whose digests verify is named as the last good one."""
+  if ckpts.restored is not None and at == first_step + 1:
+    path, verified = ckpts.restored
+    how = ("its digests verify, so it is as it was saved: was a setting changed on resume?"
+           if verified else "it was written without digests, so it is unverified")
+    return (f"{what} became NaN/Inf at step {at}, the first step after restoring {path}; "
+            f"training stopped. Suspect that checkpoint, not the learning rate ({how}). Move "
+            "it aside to resume from the one before it, or use a new --workdir.")
+  good, skipped = (ckpts.newest_verified(run.abstract_state, last_good)
+                   if last_good is not None else (None, []))
+  if good is not None:
+    where = f"The last good checkpoint is step {good} in {ckpts.latest_dir} (verified, left intact)"
+  else:
+    where = ("No checkpoint had been saved yet" if last_good is None
+             else f"No checkpoint in {ckpts.latest_dir} verifies")
+  if skipped:
+    where += f"; newer ones do not verify: {'; '.join(skipped)}"
+  return (f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
+          "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str = "test", *,
              checkpoint: str = "best", model: nn.Module | None = None) -> dict[str, Any]:
   """Evaluates a trained workdir on ``split``; writes ``<workdir>/results_<split>.json``.
@@ -705,7 +789,7 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
              "task": run.cfg.task.name, **out}
   _write_json(run.workdir / f"results_{split}.json", results)
   if jax.process_index() == 0:  # the same numbers in TensorBoard, at the checkpoint's step
-    tb = EventWriter(run.workdir / "tensorboard")
+    tb = EventWriter(run.workdir / "tensorboard", replaces=f"{split}-{results['step']}")
     tb.scalars(results["step"], {f"{split}/{k}": v for k, v in out.items()})
     tb.close()
   logging.info("%s on %s (checkpoint %s, step %d): %s", run.cfg.task.name, split, which,

@@ -52,6 +52,11 @@ def check_usable(path: str | os.PathLike) -> None:
   path = Path(path).absolute()
   probe_dir = path
   while not probe_dir.exists():
+    if is_symlink_loop(probe_dir):
+      while is_symlink_loop(probe_dir.parent):
+        probe_dir = probe_dir.parent
+      raise RunError(f"--workdir={path}: {probe_dir} is a symlink loop (its links point at "
+                     "each other); remove it or use another --workdir.")
     if probe_dir.is_symlink():  # a dangling link: mkdir would fail
       raise RunError(f"--workdir={path}: {probe_dir} is a broken symbolic link; remove it or "
                      "use another --workdir.")
@@ -68,6 +73,15 @@ def check_usable(path: str | os.PathLike) -> None:
     raise RunError(f"--workdir={path}: cannot create files in {probe_dir} "
                    f"({os.strerror(e.errno) if e.errno else e}); make it writable or use "
                    "another --workdir.") from None
+
+
+def is_symlink_loop(path: str | os.PathLike) -> bool:
+  """Whether resolving ``path`` runs in circles (os.stat's ELOOP)."""
+  try:
+    os.stat(path)
+  except OSError as e:
+    return e.errno == errno.ELOOP
+  return False
 
 
 def _start_time(pid: int) -> str | None:

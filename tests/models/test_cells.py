@@ -57,6 +57,8 @@ def _cells():
     for scheme in positional.SCHEMES:
       for causal, two_d in itertools.product((False, True), (False, True)):
         for i, opts in enumerate(_variants(scheme)):
+          unused = positional.get_class(scheme).unused_options(opts, two_d=two_d)
+          opts = {k: v for k, v in opts.items() if k not in unused}  # e.g. 2D-only options
           setting = dict(causal=causal, two_d=two_d)
           ok = compatibility.problem(kernel, scheme, options=opts, **setting) is None
           yield kernel, (scheme,), (opts,), causal, two_d, ok, i
@@ -105,7 +107,7 @@ def _embed_schemes(cfg):
 def _layer(cfg):
   """A function (params, x, mask, reference) -> [b, n, D] running the embed hooks (if any)
   then the attention layer, and its initial params randomised (tables start at zero)."""
-  attn = Attention(cfg, dtype=jnp.float64)
+  attn = Attention(cfg.attention_only(), dtype=jnp.float64)
   grid = GRID if cfg.grid is not None else None
 
   def run(params, x, mask, reference):

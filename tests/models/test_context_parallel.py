@@ -43,6 +43,8 @@ LAYER_CASES = [(f"layer_{k}_{SCHEMES[i % 5]}_{'causal' if i % 2 else 'bidir'}", 
 MODEL_CASES = [
     ("classify_sikf_kernelized_rpe_cls", "model", "sikf", "kernelized_rpe", False, "cls"),
     ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
+    # Two layers under nn.scan with nn.remat: shard_map inside the scanned, rematted body.
+    ("lm_elu1_fastrpb_scan_remat", "model_scan", "elu1", "fastrpb", True, "mean"),
 ]
 TRAIN_OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
                    "checkpoint_every_steps": 3, "optimizer.eps": 1e-4,
@@ -82,6 +84,8 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
   for name, what, kernel, pos, causal, pooling in cases:
     names = pos.split("+")
     c = _cfg(kernel=kernel, positional=pos, dtype="float64", pooling=pooling, num_layers=1)
+    if what == "model_scan":
+      c.update(num_layers=2, scan_layers=True, remat="block")
     if causal:
       c.positional_options = {n: DECAY[n] for n in names if n in DECAY}
     n = 16

@@ -65,12 +65,14 @@ def test_prompt_encoding_and_flags():
   np.testing.assert_array_equal(generate.encode_prompt("the game", vocab, 5), [3, 4])
   np.testing.assert_array_equal(generate.encode_prompt("4 1", None, 5), [4, 1])
   for text, vocab_, msg in (("0 2", None, "out of range"), ("the", None, "integer token ids"),
+                            ("99999999999", None, "token id 99999999999 is out of range"),
                             ("Game", vocab, "not in the task's vocabulary"), ("  ", vocab,
                                                                               "empty")):
     with pytest.raises(errors.RunError, match=msg):
       generate.encode_prompt(text, vocab_, 5)
   for bad in (dict(num_tokens=0), dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0),
-              dict(tolerance=0.0)):
+              dict(tolerance=0.0), dict(temperature=float("nan")), dict(top_p=float("inf")),
+              dict(tolerance=float("nan")), dict(seed=-1)):
     kw = {**dict(num_tokens=1, temperature=1.0, top_k=0, top_p=1.0, tolerance=1e-4), **bad}
     with pytest.raises(errors.RunError, match=f"--{next(iter(bad))}"):
       generate.check_flags(**kw)

@@ -203,14 +203,15 @@ def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path):
   res = evaluate(tiny_config(**bad), tmp_path, "validation", checkpoint="latest")
   assert res["step"] == 1 and np.isfinite(res["loss"])
   sane = train_and_evaluate(tiny_config(**{**bad, "optimizer.learning_rate": 1e-2,
-                                           "num_train_steps": 3}), tmp_path)
+                                           "num_train_steps": 3}), tmp_path,
+                            allow_config_change=True)
   assert sane["step"] == 3 and np.isfinite(sane["train"]["loss"])
 
 
 def test_batch_size_change_resumes_at_the_same_example(runs, tmp_path, caplog):
   workdir = _copy(runs, tmp_path)
   with caplog.at_level(logging.WARNING):
-    res = train_and_evaluate(config(batch_size=2), workdir)
+    res = train_and_evaluate(config(batch_size=2), workdir, allow_config_change=True)
   assert res["step"] == 6
   assert any("batch_size changed from 4 to 2: resuming at example 20" in r.getMessage()
              for r in caplog.records)
@@ -232,7 +233,7 @@ def test_training_split_size_change_is_refused(runs, tmp_path):
   workdir = _copy(runs, tmp_path)
   before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
   with pytest.raises(RunError, match=r"training split of 12 examples; it now has 16"):
-    train_and_evaluate(config(**{"task.num_train": 16}), workdir)
+    train_and_evaluate(config(**{"task.num_train": 16}), workdir, allow_config_change=True)
   assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
 
 

@@ -123,12 +123,18 @@ def test_nested_option_override_gets_past_the_config(tmp_path, data_dir):
 
 
 def test_a_bug_still_shows_its_traceback(tmp_path, data_dir):
+  # A bug in the package (its config check, patched to fail by the config file): a config
+  # file's own failure is the user's (one line, exit 2: test_bad_inputs.py).
   config = tmp_path / "broken.py"
-  config.write_text("def get_config(arg=None):\n  raise RuntimeError('a bug in the config')\n")
+  config.write_text(
+      "from configs import common\nfrom fastpos.train import config as config_lib\n"
+      "def _bug(cfg):\n  raise RuntimeError('a bug in the package')\n"
+      "def get_config(arg=None):\n  config_lib.validate = _bug\n"
+      "  return common.base_config('synthetic')\n")
   proc = _run("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}",
               data_dir=data_dir)
-  assert proc.returncode == errors.EXIT_FAILED
-  assert "Traceback" in proc.stderr and "RuntimeError: a bug in the config" in proc.stderr
+  assert proc.returncode == errors.EXIT_FAILED, proc.stderr
+  assert "Traceback" in proc.stderr and "RuntimeError: a bug in the package" in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpos.train import distributed
+from fastpos.train import distributed, errors
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = str(ROOT / "scripts" / "launch_local.sh")
@@ -231,9 +231,41 @@ def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
   assert "process 1 was killed by signal KILL" in out
   assert "stopped: process 1 failed with code 137" in out
   survivor = (workdir / "launch_logs" / "process_0.log").read_text()
-  assert "another task died" in survivor, survivor[-4000:]  # jax's own message
+  assert "process(es) 1 of 2 stopped answering the distributed service" in survivor, (
+      survivor[-4000:])
+  assert "Traceback" not in survivor and "Check failure" not in survivor, survivor[-4000:]
   assert took < KILL_BOUND_S
   assert subprocess.run(["kill", "-0", str(pids[0])], capture_output=True).returncode != 0
+
+
+@pytest.mark.slow
+def test_a_frozen_process_stops_the_other_with_its_code_and_one_line(tmp_path):
+  # Started by hand, so that the survivor's own exit code is seen (not the launcher's).
+  address = f"--coordinator_address=localhost:{_free_port()}"
+  procs = [_start("train.py", 1, *ARGS, f"--workdir={tmp_path / 'frozen'}", address,
+                  "--num_processes=2", f"--process_id={i}", "--config.num_train_steps=100000",
+                  f"--heartbeat_timeout={HEARTBEAT_S}") for i in (0, 1)]
+  try:
+    metrics = tmp_path / "frozen" / "metrics.jsonl"
+    deadline = time.time() + TIMEOUT_S
+    while time.time() < deadline and procs[0].poll() is None:
+      if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        break
+      time.sleep(0.2)
+    assert procs[0].poll() is None, procs[0].communicate()[0][-4000:]
+    os.kill(procs[1].pid, signal.SIGSTOP)  # frozen: alive, but no more heartbeats
+    frozen = time.time()
+    out, _ = procs[0].communicate(timeout=KILL_BOUND_S)
+    took = time.time() - frozen
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        _kill(proc)
+  assert procs[0].returncode == errors.EXIT_PEER_LOST, out[-4000:]
+  assert out.rstrip().splitlines()[-1] == "train.py: " + distributed.peer_lost_message(
+      [1], 2, HEARTBEAT_S)
+  assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
+  assert took < KILL_BOUND_S
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,3 +389,17 @@ def test_launcher_refuses_bad_arguments():
     proc = subprocess.run([LAUNCH, *args], env=_env(), capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
+
+
+def test_launcher_runs_python_files_with_the_projects_environment(tmp_path):
+  venv = ROOT / ".venv" / "bin" / "python"
+  if not venv.exists():
+    pytest.skip("no .venv in the repository (the launcher then runs python3 from PATH)")
+  script = tmp_path / "which.py"
+  script.write_text("import sys; print('python:', sys.executable)\n")
+  env = {k: v for k, v in _env().items() if k != "PYTHON"}
+  proc = subprocess.run([LAUNCH, "1", f"--log_dir={tmp_path / 'logs'}", "--", str(script)],
+                        env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  log = (tmp_path / "logs" / "process_0.log").read_text()
+  assert f"python: {venv}" in log, log

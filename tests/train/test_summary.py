@@ -32,7 +32,25 @@ def test_summary_line(tmp_path):
   assert line.startswith("listops: step 100; validation accuracy 37.50% (best 40.00% at step "
                          "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
                          f"workdir {tmp_path}: metrics.jsonl")
-  assert "test accuracy" not in line and f"plot_positional.py {tmp_path}" in line
+  assert "test accuracy" not in line and "plot_positional.py" not in line  # no config.json
+  for positional, plots in (("absolute+fastrpb", True), ("rope", False), ("lrpe", True),
+                            ("none", False)):
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"positional": positional}}))
+    line = summary_line(tmp_path, task, info, result, _src([3]), _src([3]))
+    assert (f"plots: python scripts/plot_positional.py {tmp_path}" in line) == plots, positional
   (tmp_path / "results_test.json").write_text(json.dumps({"accuracy": 0.41, "step": 50}))
   assert "; test accuracy 41.00% (step 50);" in summary_line(
       tmp_path, task, info, result, _src([3]), _src([3]))
+
+
+def test_the_plotted_schemes_are_plot_positional_s():
+  import importlib.util
+  from pathlib import Path
+
+  from fastpos.train.trainer import PLOTTED_SCHEMES
+
+  path = Path(__file__).resolve().parents[2] / "scripts" / "plot_positional.py"
+  spec = importlib.util.spec_from_file_location("plot_positional", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert PLOTTED_SCHEMES == module.SCHEMES

@@ -76,7 +76,27 @@ def test_config_and_hparams_written_once(run):
   content = acc.PluginTagToContent("hparams")
   assert set(content) == {"_hparams_/experiment", "_hparams_/session_start_info",
                           "_hparams_/session_end_info"}
-  assert b"model.num_layers" in content["_hparams_/session_start_info"]
+  from tensorboard.plugins.hparams import plugin_data_pb2
+
+  start = plugin_data_pb2.HParamsPluginData.FromString(
+      content["_hparams_/session_start_info"]).session_start_info.hparams
+  assert "model.num_layers" in start and "optimizer.learning_rate" in start
+  assert {k.split(".")[0] for k in start} == {"model", "optimizer", "task"}  # no cadence etc.
+  assert start["model.num_layers"].number_value == json.loads(text)["model"]["num_layers"]
+
+
+def test_an_evaluation_run_again_keeps_one_point_per_step(tmp_path):
+  logdir = tmp_path / "tb"
+  for value in (0.5, 0.25, 0.125):  # eval.py three times on the same checkpoint
+    writer = EventWriter(logdir, replaces="test-4")
+    writer.scalars(4, {"test/loss": value})
+    writer.close()
+  other = EventWriter(logdir, replaces="test-8")
+  other.scalars(8, {"test/loss": 1.0})
+  other.close()
+  assert read_scalars(logdir) == [(4, "test/loss", 0.125), (8, "test/loss", 1.0)]
+  with pytest.raises(ValueError, match="replaces='a/b' must be"):
+    EventWriter(logdir, replaces="a/b")
 
 
 def test_a_run_from_scratch_over_old_files_purges_them(tmp_path):

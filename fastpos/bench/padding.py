@@ -1,0 +1,217 @@
+"""The main job's real tokens/s with and without length bucketing: ``python -m
+fastpos.bench.padding``.
+
+One run builds the README's main job (``configs/listops_generated.py``: SIKF + absolute +
+FastRPB, batch 32, task.max_length 100) twice, as it is and with ``config.data.bucket_lengths``,
+and measures side by side:
+
+- token slots: the real tokens against the token slots of the first ``--count_steps`` training
+  batches of each data stream (the main job's 600 steps by default) and of the validation
+  batches;
+- speed: the train step (the trainer's ``make_train_step``, jitted with a donated state) on
+  the first ``--steps`` batches of each stream, alternating the two in ``--rounds`` rounds
+  after compiling every batch shape (compile times reported apart); real tokens/s is the
+  median over rounds of the real tokens over the seconds;
+- the main job's estimated wall time: its compiles plus ``num_train_steps`` steps at the
+  measured mean step time.
+
+Targets (PASS / FAIL): real tokens over token slots >= 0.75 with bucketing; real tokens/s with
+bucketing >= 1.5x without. Writes ``padding.md`` and ``padding.json`` to ``--out`` when given.
+Exit 0 when every target passes, 1 otherwise, 2 for a bad flag (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+
+from fastpos.bench import report
+from fastpos.ops import segments
+from fastpos.train import data as data_lib
+from fastpos.train import trainer
+from fastpos.train.bucketing import bucket_lengths
+from fastpos.train.steps import make_train_step
+
+SLOT_GOAL = 0.75  # real tokens / token slots with bucketing
+SPEED_GOAL = 1.5  # real tokens/s with bucketing over without
+
+
+def _configs(buckets: tuple[int, ...], window: int):
+  from configs import listops_generated  # the repository root is on the path (python -m)
+  before = listops_generated.get_config()
+  after = listops_generated.get_config("bucket")
+  if buckets:
+    after.data.bucket_lengths = buckets
+  after.data.bucket_window = window
+  return before, after
+
+
+def cell_table() -> tuple[str, list[dict]]:
+  """Which (kernel, scheme, causal) cells pack, and why the others do not (the code's own
+  decision, ``fastpos.ops.segments.packing_refusal``)."""
+  from configs import common
+  from fastpos import positional
+  rows, lines = [], ["| kernel | scheme | causal | packing (lm: causal) | bucketing "
+                     "(classify, retrieval) | why it does not pack |",
+                     "|---|---|---|---|---|---|"]
+  schemes = [s for s in positional.SCHEMES if s != "transformer_xl"]
+  for kernel in common.KERNELS:
+    for scheme in schemes:
+      for causal in (False, True):
+        why = segments.packing_refusal(kernel, [scheme], causal=causal)
+        rows.append({"kernel": kernel, "scheme": scheme, "causal": causal,
+                     "packs": why is None, "buckets": not causal, "why_not": why})
+        packs = "packs" if causal else "exact in the layer; packed classification not built"
+        lines.append(f"| {kernel} | {scheme} | {'yes' if causal else 'no'} | "
+                     f"{packs if why is None else 'refuses'} | "
+                     f"{'buckets' if not causal else '-'} | {why or ''} |")
+  return "\n".join(lines), rows
+
+
+def _slots(batches) -> tuple[int, int]:
+  real = sum(int(b["mask"].sum()) for b in batches)
+  return real, sum(int(b["mask"].size) for b in batches)
+
+
+def _take(it, n: int) -> list[dict]:
+  return [next(it) for _ in range(n)]
+
+
+def _measure(args) -> dict:
+  before, after = _configs(tuple(args.buckets), args.window)
+  runs = {"before": trainer._Run(before, "/tmp/unused", None),
+          "after": trainer._Run(after, "/tmp/unused", None)}
+  rec = {"buckets": list(bucket_lengths(runs["after"].cfg, runs["after"].info.max_length)),
+         "window": args.window, "batch_size": before.batch_size,
+         "num_train_steps": before.num_train_steps, "variants": {}}
+  src = runs["before"].task.source("train")
+  val = runs["before"].task.source("validation")
+  # One jitted step per variant: each compiles its own shapes (its compile times are its own).
+  fns = {name: jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
+         for name, run in runs.items()}
+  for name, run in runs.items():
+    count = _take(data_lib.train_iterator(src, run.cfg), args.count_steps)
+    real, slots = _slots(count)
+    v_real, v_slots = _slots(list(data_lib.eval_iterator(val, run.cfg)))
+    widths = sorted({b["inputs"].shape[1] for b in count})
+    rec["variants"][name] = {"train_real_tokens": real, "train_slots": slots,
+                             "train_fraction": real / slots, "eval_fraction": v_real / v_slots,
+                             "widths": widths,
+                             "width_share": {w: sum(b["inputs"].shape[1] == w for b in count)
+                                             / len(count) for w in widths}}
+  states = {name: run.init_state() for name, run in runs.items()}
+  batches = {name: _take(data_lib.train_iterator(src, run.cfg), args.steps)
+             for name, run in runs.items()}
+  rng = runs["before"].train_rng
+  for name, bs in batches.items():
+    compile_s, fn = {}, fns[name]
+    for b in bs:
+      width = b["inputs"].shape[1]
+      if width not in compile_s:
+        start = time.perf_counter()
+        fn.lower(states[name], b, rng).compile()
+        compile_s[width] = time.perf_counter() - start
+        states[name], m = fn(states[name], b, rng)
+        jax.block_until_ready(m)
+    rec["variants"][name]["compile_s"] = compile_s
+  times = {name: [] for name in batches}
+  for _ in range(args.rounds):
+    for name, bs in batches.items():
+      start = time.perf_counter()
+      for b in bs:
+        states[name], m = fns[name](states[name], b, rng)
+      jax.block_until_ready(m)
+      times[name].append(time.perf_counter() - start)
+  for name, bs in batches.items():
+    v = rec["variants"][name]
+    real = sum(int(b["mask"].sum()) for b in bs)
+    rates = [real / t for t in times[name]]
+    v["timed_real_tokens"] = real
+    v["seconds_per_round"] = times[name]
+    v["real_tokens_per_s"] = statistics.median(rates)
+    v["step_ms"] = 1e3 * statistics.median(times[name]) / len(bs)
+    # Every bucket the full run meets compiles once (the timed steps may meet fewer).
+    per_compile = statistics.mean(v["compile_s"].values())
+    v["estimated_run_s"] = (len(v["widths"]) * per_compile +
+                            rec["num_train_steps"] * v["step_ms"] / 1e3)
+  return rec
+
+
+def _table(rec: dict, verdicts: list[tuple[str, bool]]) -> str:
+  b, a = rec["variants"]["before"], rec["variants"]["after"]
+  rows = [
+      ("token slots filled, training (first %d batches)" % rec["num_train_steps"],
+       f"{b['train_fraction']:.3f}", f"{a['train_fraction']:.3f}"),
+      ("token slots filled, validation", f"{b['eval_fraction']:.3f}",
+       f"{a['eval_fraction']:.3f}"),
+      ("batch widths (share of batches)",
+       ", ".join(f"{w} ({s:.0%})" for w, s in b["width_share"].items()),
+       ", ".join(f"{w} ({s:.0%})" for w, s in a["width_share"].items())),
+      ("real tokens/s (train step, median of rounds)", f"{b['real_tokens_per_s']:,.0f}",
+       f"{a['real_tokens_per_s']:,.0f}"),
+      ("ms per step (median)", f"{b['step_ms']:.1f}", f"{a['step_ms']:.1f}"),
+      ("compile s per batch width", ", ".join(f"{w}: {s:.1f}" for w, s in b["compile_s"].items()),
+       ", ".join(f"{w}: {s:.1f}" for w, s in a["compile_s"].items())),
+      ("estimated main-job wall: compiles + %d steps (s)" % rec["num_train_steps"],
+       f"{b['estimated_run_s']:.0f}", f"{a['estimated_run_s']:.0f}"),
+  ]
+  lines = ["| measure | padded to 100 | bucketed %s |" % rec["buckets"], "|---|---|---|"]
+  lines += [f"| {m} | {x} | {y} |" for m, x, y in rows]
+  lines.append("")
+  lines += [f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in verdicts]
+  return "\n".join(lines)
+
+
+def _verdicts(rec: dict) -> list[tuple[str, bool]]:
+  b, a = rec["variants"]["before"], rec["variants"]["after"]
+  speed = a["real_tokens_per_s"] / b["real_tokens_per_s"]
+  rec["speedup"] = speed
+  return [(f"token slots filled with bucketing {a['train_fraction']:.3f} >= {SLOT_GOAL}",
+           a["train_fraction"] >= SLOT_GOAL),
+          (f"real tokens/s with bucketing {speed:.2f}x without >= {SPEED_GOAL}x",
+           speed >= SPEED_GOAL)]
+
+
+def main(argv: list[str]) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                 help="bucket lengths (default: those of listops_generated.py:bucket)")
+  p.add_argument("--window", type=int, default=16)
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--count_steps", type=int, default=600)
+  p.add_argument("--out", default="")
+  try:
+    args = p.parse_args(argv)
+  except SystemExit as e:
+    return 2 if e.code else 0
+  if min(args.steps, args.rounds, args.count_steps) < 1:
+    print("--steps, --rounds and --count_steps must be >= 1.", file=sys.stderr)
+    return 2
+  try:
+    rec = _measure(args)
+  except ValueError as e:  # a bad --buckets / --window (the config check's message)
+    print(str(e).splitlines()[0], file=sys.stderr)
+    return 2
+  verdicts = _verdicts(rec)
+  load = os.getloadavg()[0]
+  rec.update(command="python -m fastpos.bench.padding " + " ".join(argv), load_average=load,
+             machine=platform.node(), jax=jax.__version__, platform=jax.default_backend(),
+             date=time.strftime("%Y-%m-%d"))
+  cells, rec["cells"] = cell_table()
+  table = (f"`{rec['command']}` ({jax.default_backend()}, jax {jax.__version__}, "
+           f"{rec['date']}, load average {load:.1f})\n\n" + _table(rec, verdicts) +
+           "\n\nWhich cells pack and which bucket:\n\n" + cells)
+  print(table)
+  report.write(args.out, "padding", table, rec)
+  return 0 if all(ok for _, ok in verdicts) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

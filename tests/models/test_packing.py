@@ -1,0 +1,120 @@
+"""Packed rows (segment ids + in-segment positions): each sequence's outputs are those it has
+alone, for the cells that pack; the others refuse with a message."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fastpos.models import TaskInfo, attention_config, build_model, model_config
+from fastpos.models.attention import Attention
+from fastpos.ops import segments
+from tests.helpers import rel_err
+
+V, N = 13, 16
+LENGTHS = (5, 7, 3)  # packed into one row of 16: 15 real tokens, 1 padding slot
+
+
+def _cfg(kernel, scheme):
+  c = model_config()
+  c.num_layers, c.embed_dim, c.num_heads, c.mlp_dim, c.dropout_rate = 1, 16, 2, 16, 0.0
+  c.kernel, c.positional, c.dtype = kernel, scheme, "float64"
+  c.kernel_options.num_features = 8
+  return c
+
+
+def _sequences(seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(1, V, n).astype(np.int32) for n in LENGTHS]
+
+
+def _packed_row(seqs):
+  inputs, ids, pos = (np.zeros((1, N), np.int32) for _ in range(3))
+  at = 0
+  for s, seq in enumerate(seqs, 1):
+    inputs[0, at:at + len(seq)] = seq
+    ids[0, at:at + len(seq)] = s
+    pos[0, at:at + len(seq)] = np.arange(len(seq))
+    at += len(seq)
+  return {"inputs": inputs, "mask": inputs != 0, "segment_ids": ids, "positions": pos}
+
+
+def _alone(seq):
+  inputs = np.zeros((1, N), np.int32)
+  inputs[0, :len(seq)] = seq
+  return {"inputs": inputs, "mask": inputs != 0}
+
+
+def _random_params(model, batch):
+  variables = model.init(jax.random.key(0), batch)
+  leaves, tree = jax.tree.flatten(variables)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
+                                   for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("scheme", [
+    "absolute+t5_bias", "rope", pytest.param("absolute", marks=pytest.mark.slow),
+    pytest.param("absolute+kernelized_rpe", marks=pytest.mark.slow)])
+def test_packed_row_equals_each_sequence_alone(scheme):
+  model = build_model(_cfg("softmax", scheme), TaskInfo("lm", V, 0, N))
+  seqs = _sequences()
+  row = _packed_row(seqs)
+  variables = _random_params(model, _alone(seqs[0]))
+  apply = jax.jit(model.apply)
+  packed = np.asarray(apply(variables, row))[0]
+  at, worst = 0, 0.0
+  for seq in seqs:
+    alone = np.asarray(apply(variables, _alone(seq)))[0, :len(seq)]
+    worst = max(worst, rel_err(packed[at:at + len(seq)], alone))
+    at += len(seq)
+  print(f"{scheme}: worst relative error, packed vs alone: {worst:.2e}")
+  assert worst < 1e-9, worst
+  unpacked = np.asarray(apply(variables, {k: row[k] for k in ("inputs", "mask")}))[0]
+  assert rel_err(unpacked[LENGTHS[0]:], packed[LENGTHS[0]:]) > 1e-3  # the segments matter
+
+
+@pytest.mark.parametrize("kernel, scheme, match", [
+    ("elu1", "absolute", "kernel 'elu1' is linear: its causal state would need a reset"),
+    ("softmax", "absolute+fastrpb", "scheme 'fastrpb': its W V is one Toeplitz product"),
+    ("softmax", "permuteformer", "scheme 'permuteformer': not checked for packing"),
+])
+def test_cells_that_cannot_pack_refuse(kernel, scheme, match):
+  model = build_model(_cfg(kernel, scheme), TaskInfo("lm", V, 0, N))
+  row = _packed_row(_sequences())
+  variables = model.init(jax.random.key(0), _alone(_sequences()[0]))
+  with pytest.raises(ValueError, match=match):
+    model.apply(variables, row)
+
+
+def test_refusal_table():
+  assert segments.packing_refusal("softmax", ["absolute", "rope"], causal=True) is None
+  assert "spans the whole row" in segments.packing_refusal("sikf", ["none"], causal=False)
+  assert "grid" in segments.packing_refusal("softmax", ["none"], causal=False, grid=(4, 4))
+  assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True,
+                                              memory_length=8)
+  with pytest.raises(ValueError, match="needs 'positions'"):
+    with segments.packed(np.ones((1, 4), np.int32), None):
+      pass
+
+
+def test_bidirectional_layer_keeps_segments_apart():
+  """The attention layer itself, bidirectional softmax + T5 bias, float64: a packed row's
+  outputs equal each segment run alone (padded)."""
+  layer = Attention(attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)),
+                    dtype=jnp.float64)
+  x = np.random.default_rng(0).normal(size=(1, N, 16))
+  row = _packed_row(_sequences())
+  variables = _random_params(layer, x)
+  with segments.packed(row["segment_ids"], row["positions"]):
+    packed = np.asarray(layer.apply(variables, x, mask=row["mask"]))[0]
+  at, worst = 0, 0.0
+  for n in LENGTHS:
+    alone = np.zeros_like(x)
+    alone[0, :n] = x[0, at:at + n]
+    out = np.asarray(layer.apply(variables, alone, mask=np.arange(N)[None] < n))[0, :n]
+    worst = max(worst, rel_err(packed[at:at + n], out))
+    at += n
+  assert worst < 1e-9, worst

@@ -1,0 +1,132 @@
+"""model.remat and model.scan_layers change memory, compile time and the parameter layout, never
+the numbers: outputs and gradients equal the unrolled, non-rematerialised model's (float64)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from fastpos.models import TaskInfo, build_model, model_config
+from fastpos.models.transformer import stack_layers, unstack_layers
+from tests.helpers import rel_err
+
+V = 13
+N = 12
+
+
+def _cfg(**kw):
+  c = model_config()
+  c.update(num_layers=2, embed_dim=16, num_heads=2, mlp_dim=32, dropout_rate=0.0,
+           dtype="float64", chunk_size=4)
+  c.kernel_options.num_features = 8
+  for k, v in kw.items():
+    if isinstance(v, dict):
+      for kk, vv in v.items():
+        c[k][kk] = vv
+    else:
+      c[k] = v
+  return c
+
+
+def _batch(kind):
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, V, (2, N)).astype(np.int32)
+  ids[1, N - 3:] = 0  # padding in the second row
+  out = {"inputs": jnp.asarray(ids), "mask": jnp.asarray(ids != 0)}
+  if kind == "classify":
+    out["targets"] = jnp.asarray([0, 2])
+  return out
+
+
+def _loss(model, kind):
+  """A scalar of the whole output: the gradient reaches every parameter."""
+  def fn(params, rest, batch):
+    out = model.apply({"params": params, **rest}, batch, train=True, mutable=["batch_stats"],
+                      rngs={"dropout": jax.random.key(3)})[0]
+    w = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
+    return jnp.sum(out * w), out
+  return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+
+# (kind, kernel, positional, extra fields): the LRA Text cell, a causal LM with the causal
+# FFT output hook, softmax with a bias and BatchNorm, and a kv-mixing scheme.
+CELLS = [
+    ("classify", "sikf", "absolute,fastrpb", {}),
+    ("lm", "elu1", "fastrpb", {}),
+    pytest.param(("classify", "softmax", "t5_bias", dict(norm="batch")), marks=pytest.mark.slow),
+    pytest.param(("lm", "nprf", "kernelized_rpe", dict(norm="pre")), marks=pytest.mark.slow),
+]
+# The default run holds each setting against one cell; `-m slow` runs every pair.
+SETTINGS = [("block", False), pytest.param("save_matmuls", False, marks=pytest.mark.slow),
+            pytest.param("none", True, marks=pytest.mark.slow), ("block", True),
+            ("save_dots", True)]
+
+
+def _id(cell):
+  return f"{cell[0]}-{cell[1]}-{cell[2]}"
+
+
+@pytest.fixture(scope="module", params=CELLS, ids=_id)
+def reference(request):
+  kind, kernel, scheme, extra = request.param
+  task = TaskInfo(kind, V, 0 if kind == "lm" else 3, N)
+  model = build_model(_cfg(kernel=kernel, positional=scheme, **extra), task)
+  batch = _batch(kind)
+  variables = model.init(jax.random.key(0), batch)
+  params = jax.tree.map(lambda p: p + 0.1 * jnp.sin(jnp.arange(p.size).reshape(p.shape) + 1.0),
+                        variables["params"])
+  rest = {k: v for k, v in variables.items() if k != "params"}
+  (_, out), grads = _loss(model, kind)(params, rest, batch)
+  return dict(kind=kind, task=task, fields=dict(kernel=kernel, positional=scheme, **extra),
+              batch=batch, params=params, rest=rest, out=out, grads=grads)
+
+
+@pytest.mark.parametrize("remat, scan", SETTINGS)
+def test_remat_and_scan_change_no_output_or_gradient(reference, remat, scan):
+  r = reference
+  model = build_model(_cfg(**r["fields"], remat=remat, scan_layers=scan), r["task"])
+  convert = (lambda t: stack_layers(t, 2)) if scan else (lambda t: t)
+  (_, out), grads = _loss(model, r["kind"])(convert(r["params"]), convert(r["rest"]),
+                                            r["batch"])
+  assert rel_err(out, r["out"]) < 1e-9
+  if scan:
+    grads = unstack_layers(grads, 2)
+  assert jax.tree.structure(grads) == jax.tree.structure(r["grads"])
+  # Relative to the largest gradient: some are zero up to round-off (a bias before a norm).
+  scale = max(float(jnp.max(jnp.abs(e))) for e in jax.tree.leaves(r["grads"]))
+  for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(r["grads"]), strict=True):
+    assert float(jnp.max(jnp.abs(g - e))) < 1e-9 * max(scale, 1e-30)
+
+
+def test_scanned_parameters_are_stacked_on_a_layer_axis():
+  task = TaskInfo("classify", V, 3, N)
+  unrolled = build_model(_cfg(kernel="elu1", positional="fastrpb"), task)
+  scanned = build_model(_cfg(kernel="elu1", positional="fastrpb", scan_layers=True), task)
+  batch = _batch("classify")
+  zeros = lambda m: jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(
+      m.init, jax.random.key(0), batch)["params"])
+  a, b = zeros(unrolled), zeros(scanned)
+  assert set(b["encoder"]) == {"layers"}
+  shapes = lambda t: jax.tree.map(np.shape, t)
+  assert shapes(stack_layers(a, 2)) == shapes(b)
+  assert shapes(unstack_layers(b, 2)) == shapes(a)
+
+
+def test_bad_remat_names_the_valid_choices():
+  task = TaskInfo("classify", V, 3, N)
+  with pytest.raises(ValueError, match="unknown model.remat 'full'; valid choices: none, "
+                                       "block, save_matmuls, save_dots"):
+    build_model(_cfg(remat="full"), task)
+  with pytest.raises(ValueError, match="model.scan_layers must be a bool; got 'yes'"):
+    build_model(ml_collections.ConfigDict({**_cfg().to_dict(), "scan_layers": "yes"}), task)
+
+
+def test_scan_with_a_scheme_shared_across_layers_is_refused_naming_both():
+  cfg = _cfg(kernel="elu1", positional="kernelized_rpe", scan_layers=True,
+             positional_options={"kernelized_rpe": {"share_across_layers": True}})
+  with pytest.raises(ValueError, match=r"model.scan_layers=True cannot share a scheme across "
+                                       r"layers \(share_across_layers of kernelized_rpe\)"):
+    build_model(cfg, TaskInfo("classify", V, 3, N))
