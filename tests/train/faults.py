@@ -100,7 +100,7 @@ def rewrite_state(step_dir: Path, change: Callable[[dict], None], *,
 
 
 def edit_json(path: Path, change: Callable[[Any], Any]) -> None:
-  """Rewrites a JSON file with ``change(value)`` applied in place (or its result, if any)."""
+  """Rewrites a JSON file with ``change(value)`` applied to its value in place."""
   value = json.loads(path.read_text())
-  out = change(value)
-  path.write_text(json.dumps(value if out is None else out))
+  change(value)
+  path.write_text(json.dumps(value))
