@@ -144,6 +144,22 @@ def _host_words(x) -> np.ndarray | None:
   return a.view(unsigned).astype(np.uint32)
 
 
+@functools.lru_cache(maxsize=32)
+def _host_keys(n: int) -> tuple[np.ndarray, ...]:
+  """The position keys of ``_lanes`` for ``n`` words, one per lane (kept: the many arrays of
+  a state share a few sizes)."""
+  index = np.arange(n, dtype=np.uint32)
+  keys = tuple(_fmix32(index * np.uint32(0x61C88647) + np.uint32(seed)) for seed in _SEEDS)
+  for k in keys:
+    k.flags.writeable = False
+  return keys
+
+
+def _host_lanes(w: np.ndarray) -> list:
+  """``_lanes`` of flat words on the host, with the cached position keys."""
+  return [np.sum(_fmix32(w ^ key), dtype=np.uint32) for key in _host_keys(w.size)]
+
+
 def _replicated_like(leaves: list[Any]):
   """A replicated sharding on the mesh of the first sharded leaf (so that every process can
   read the digests of arrays it holds only parts of), or None."""
@@ -176,7 +192,7 @@ def array_digests(tree: Any) -> dict[str, str]:
   out, device_row = {}, iter(device_lanes)
   for (name, x), w in zip(named, host):
     if w is not None:
-      a, b = _lanes(w, np.arange(w.size, dtype=np.uint32), np)
+      a, b = _host_lanes(w)
     else:
       a, b = next(device_row)
     out[name] = f"{_describe(x)}:{int(a):08x}{int(b):08x}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.train import errors, train_and_evaluate
+from fastpos.train import cli, errors, train_and_evaluate
+from fastpos.train.checkpoint import CheckpointLoadError
 from fastpos.train.config import base_config
+from tests.train.faults import rewrite_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
@@ -87,3 +90,21 @@ def test_sampling_cuts():
   assert draws(temperature=1.0, top_k=2, top_p=1.0) == {1, 2}
   assert draws(temperature=1.0, top_k=0, top_p=0.7) == {1, 2}    # 0.5 + 0.3 reaches 0.7
   assert draws(temperature=1.0, top_k=0, top_p=1.0) == {1, 2, 3, 4}  # never 0 (padding)
+
+
+def test_generate_refuses_a_best_checkpoint_whose_weights_changed(workdir, tmp_path):
+  """A weight that differs from its digest (as a flipped bit in an array chunk makes it):
+  --checkpoint=best stops with the array named; --checkpoint=latest (intact) samples."""
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  (best,) = (copy / "best").iterdir()
+
+  def change(tree):
+    tree["params"]["embed"]["embedding"].view(np.uint32)[5, 1] ^= np.uint32(1 << 30)
+
+  rewrite_state(best, change)
+  run = generate.build(cli.load_config(str(copy / "config.json")), str(copy))
+  with pytest.raises(CheckpointLoadError, match=r"best/3 \(DigestMismatch: 1 of \d+ arrays "
+                     r"differ from their digests: params/embed/embedding\).*--checkpoint=latest"):
+    generate.restore(run, str(copy), "best")
+  assert "params" in generate.restore(run, str(copy), "latest")

@@ -86,8 +86,8 @@ def rewrite_state(step_dir: Path, change: Callable[[dict], None], *,
   ``change(tree)`` applied in place to the saved tree (nested dicts of numpy arrays). The
   meta keeps the digests of the old contents unless ``redigest`` (then the checkpoint is
   consistent again, as a checkpoint saved from the changed state would be)."""
-  raw = ocp.StandardCheckpointer().restore(step_dir / "state")
-  raw = jax.tree.map(np.array, raw)
+  with ocp.StandardCheckpointer() as c:
+    raw = jax.tree.map(np.array, c.restore(step_dir / "state"))
   change(raw)
   shutil.rmtree(step_dir / "state")
   with ocp.StandardCheckpointer() as c:
@@ -100,7 +100,7 @@ def rewrite_state(step_dir: Path, change: Callable[[dict], None], *,
 
 
 def edit_json(path: Path, change: Callable[[Any], Any]) -> None:
-  """Rewrites a JSON file with ``change(value)`` applied in place (or its result, if any)."""
+  """Rewrites a JSON file with ``change(value)`` applied to its value in place."""
   value = json.loads(path.read_text())
-  out = change(value)
-  path.write_text(json.dumps(value if out is None else out))
+  change(value)
+  path.write_text(json.dumps(value))

@@ -1,7 +1,10 @@
 """Checkpoints that survive misuse: a run stopped by SIGINT resumes to the uninterrupted run's
-state and logs; a damaged newest checkpoint falls back to the previous one; a NaN stop keeps
-a checkpoint that evaluates; one trainer per workdir; a bad workdir or a full disk stops with
-one message and creates nothing; another batch size resumes at the same example."""
+state and logs; a damaged newest checkpoint (one that does not load, or whose contents differ
+from its digests) falls back to the previous one; a checkpoint without digests loads with a
+warning; a NaN stop keeps a checkpoint that evaluates and names only a verified one; a
+non-finite first step after a restore blames the checkpoint; one trainer per workdir; a bad
+workdir or a full disk stops with one message and creates nothing; another batch size resumes
+at the same example."""
 
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ from fastpos.train import (
 )
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
+from fastpos.train import trainer as trainer_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError
+from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints
 from fastpos.train.tensorboard import read_scalars
 from tests.train.common import assert_trees_equal, tiny_config
+from tests.train.faults import edit_json, rewrite_state
 
 ROOT = Path(__file__).resolve().parents[2]
 # Rows at steps 2, 4, 6; validation at 3 and 6; checkpoints at 2, 3, 4, 6 (the last 3 kept).
@@ -115,7 +120,7 @@ def test_sigint_saves_and_the_resumed_run_equals_the_uninterrupted_one(runs, tmp
 
 
 @pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
-                                    "remove_meta", "remove_data"])
+                                    "remove_meta", "remove_data", "weight_changed"])
 def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_path, damage,
                                                                     caplog):
   workdir = _copy(runs, tmp_path)
@@ -128,6 +133,10 @@ def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_pa
   assert (workdir / "checkpoints" / "5.corrupt").is_dir()  # kept, moved aside
   assert any("checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
              for r in caplog.records)
+  if damage == "weight_changed":  # the report names the array
+    assert any("DigestMismatch: 1 of " in r.getMessage() and
+               "arrays differ from their digests: params/embed/embedding" in r.getMessage()
+               for r in caplog.records)
 
 
 def _damage(step_dir: Path, how: str) -> None:
@@ -155,13 +164,23 @@ def _damage(step_dir: Path, how: str) -> None:
     shutil.rmtree(state)
   elif how == "remove_state_metadata":
     (state / "_METADATA").unlink()
+  # Well-formed checkpoints whose contents differ from what was saved: only digests see them.
+  elif how == "weight_changed":  # one flipped bit, as in an array chunk (no checksum)
+    def change(tree):
+      tree["params"]["embed"]["embedding"].view(np.uint32)[3, 2] ^= np.uint32(1 << 22)
+    rewrite_state(step_dir, change)
+  elif how == "rng_edited":
+    edit_json(step_dir / "meta" / "metadata", lambda m: m["rng"].__setitem__(0, 12345))
+  elif how == "data_position_edited":
+    edit_json(step_dir / "data" / "process_0-of-1.json", lambda d: d.update(next_index=2))
   else:
     raise ValueError(how)
 
 
 @pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
                                     "meta_not_a_record", "remove_meta", "empty_folder",
-                                    "remove_checkpoint_metadata", "remove_state_metadata"])
+                                    "remove_checkpoint_metadata", "remove_state_metadata",
+                                    "weight_changed", "rng_edited"])
 def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path, damage,
                                                                  caplog):
   workdir = _copy(runs, tmp_path)
@@ -173,6 +192,95 @@ def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path,
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
   if damage != "empty_folder" and "5" in before:
     assert any("checkpoints/5 does not load" in r.getMessage() for r in caplog.records)
+
+
+def _restore_latest(workdir: Path):
+  """(step, data iterator state) of the newest checkpoint that verifies, as a resume finds
+  it (read-only here)."""
+  run = trainer_lib._Run(config(), workdir, None)
+  src = run.task.source("train")
+  ckpts = Checkpoints(workdir, run.cfg, read_only=True)
+
+  def data_iter_for(meta):
+    it, restore, _, _ = trainer_lib._data_iter_for(run, src, meta, ckpts.latest_dir)
+    return it, restore
+
+  try:
+    _, meta, it = ckpts.restore_newest(run.abstract_state, data_iter_for=data_iter_for)
+  finally:
+    ckpts.close()
+  return meta["step"], it.get_state()
+
+
+def test_an_edited_data_position_is_caught(runs, tmp_path, caplog):
+  workdir = _copy(runs, tmp_path)
+  _damage(workdir / "checkpoints" / "5", "data_position_edited")
+  with caplog.at_level(logging.WARNING):
+    assert _restore_latest(workdir) == (4, {"next_index": 4})
+  assert any("checkpoints/5 does not load (DigestMismatch: the data-iterator state "
+             "process_0-of-1.json differs from its digest)" in r.getMessage()
+             for r in caplog.records)
+
+
+def test_best_with_a_changed_weight_is_refused_by_evaluate(runs, tmp_path):
+  workdir = _copy(runs, tmp_path)
+  (step,) = [p for p in (workdir / "best").iterdir()]
+  _damage(step, "weight_changed")
+  with pytest.raises(CheckpointLoadError, match=r"no checkpoint in .*best loads: .*best/\d+ "
+                     r"\(DigestMismatch: 1 of \d+ arrays differ from their digests: "
+                     r"params/embed/embedding\).*--checkpoint=latest"):
+    evaluate(config(), workdir, "validation")
+
+
+def test_a_checkpoint_without_digests_loads_with_a_warning(runs, tmp_path, caplog):
+  workdir = _copy(runs, tmp_path)
+  for step in (workdir / "checkpoints").iterdir():
+    edit_json(step / "meta" / "metadata", lambda m: m.pop("digests"))
+  with caplog.at_level(logging.WARNING):
+    res = evaluate(config(), workdir, "validation", checkpoint="latest")
+  assert res["step"] == 5
+  warned = [r.getMessage() for r in caplog.records if "without digests" in r.getMessage()]
+  assert len(warned) == 1 and warned[0].endswith("checkpoints/5 was written without digests "
+                                                 "(before checkpoints recorded them): loaded "
+                                                 "unverified."), warned
+
+
+def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
+  workdir = _copy(runs, tmp_path)
+  _damage(workdir / "checkpoints" / "5", "weight_changed")
+  run = trainer_lib._Run(config(), workdir, None)
+  ckpts = Checkpoints(workdir, run.cfg, read_only=True)
+  try:
+    good, skipped = ckpts.newest_verified(run.abstract_state, 5)
+    assert ckpts.newest_verified(run.abstract_state, 3) == (3, [])
+  finally:
+    ckpts.close()
+  assert good == 4 and len(skipped) == 1
+  assert skipped[0].endswith("checkpoints/5 (DigestMismatch: 1 of 70 arrays differ from their "
+                             "digests: params/embed/embedding)")
+  assert (workdir / "checkpoints" / "5").is_dir()  # named, not moved
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_non_finite_first_step_after_a_restore_blames_the_checkpoint(runs, tmp_path,
+                                                                       verified):
+  """A huge weight saved with matching digests (or in a checkpoint without digests): the
+  checkpoint, not the learning rate, is named."""
+  workdir = _copy(runs, tmp_path)
+  step_dir = workdir / "checkpoints" / "5"
+
+  def huge(tree):
+    tree["params"]["embed"]["embedding"][:] = 1e29
+
+  rewrite_state(step_dir, huge, redigest=verified)
+  if not verified:
+    edit_json(step_dir / "meta" / "metadata", lambda m: m.pop("digests"))
+  how = (r"its digests verify, so it is as it was saved" if verified
+         else r"it was written without digests, so it is unverified")
+  with pytest.raises(NonFiniteLossError, match=rf"at step 6, the first step after restoring "
+                     rf".*checkpoints/5; training stopped. Suspect that checkpoint, not the "
+                     rf"learning rate \({how}"):
+    train_and_evaluate(config(), workdir)
 
 
 def test_no_checkpoint_loads_lists_them(runs, tmp_path):
@@ -195,7 +303,8 @@ def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path):
   bad = {"optimizer.learning_rate": 1e30, "optimizer.grad_clip_norm": 0.0,
          "schedule.warmup_steps": 2, "checkpoint_every_steps": 1, "eval_every_steps": 100,
          "log_every_steps": 100, "num_train_steps": 6}
-  with pytest.raises(NonFiniteLossError, match=r"at step 2;.*last good checkpoint is step 1"):
+  with pytest.raises(NonFiniteLossError, match=r"at step 2;.*last good checkpoint is step 1 "
+                     r"in .*checkpoints \(verified, left intact\)"):
     train_and_evaluate(tiny_config(**bad), tmp_path)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
   state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "1" / "state")

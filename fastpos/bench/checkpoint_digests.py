@@ -1,0 +1,220 @@
+"""What checkpoint digests cost: ``python -m fastpos.bench.checkpoint_digests [--out=DIR]``.
+
+For a tiny model and one of LRA Text's size (4 layers x 256, MLP 1024, 4 heads, learned
+absolute positions; the synthetic task, so no data is needed), one run measures side by side,
+alternating the two ways in each repeat:
+
+- save: orbax's save of the state, data position and meta as it was (``CheckpointManager``
+  directly) against ``Checkpoints.save`` (digests computed, then the same save): the seconds
+  the training loop is blocked and the seconds until the write is complete;
+- restore: orbax's restore against ``Checkpoints.restore`` (the same restore, then every
+  array, the meta and the data position checked against the digests), each of a different
+  checkpoint (tensorstore caches what it read);
+- the digests alone, the first call (compiling the device program, for arrays too large to
+  hash on the host) apart, and one training step of the model, for scale.
+
+Steps that do not save run no digest code: the cost lands on save steps only. Targets (PASS /
+FAIL), on the mid-size model: a save's digests take at most 5% of one training step; they add
+at most 10% to a save's total time and at most 25% to a restore's. Reported: the median of
+the repeats, after one untimed warm-up of each way; the order of the two ways alternates.
+Exit 0 when the targets pass, 1 otherwise, 2 for a bad flag (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fastpos.bench import report
+from fastpos.train import digest as digest_lib
+from fastpos.train import metrics as metrics_lib
+from fastpos.train import sharding as sharding_lib
+from fastpos.train import trainer as trainer_lib
+from fastpos.train.checkpoint import Checkpoints, config_meta
+from fastpos.train.config import base_config
+from fastpos.train.steps import make_train_step
+
+MODELS = {
+    "tiny (1 x 32)": dict(num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, max_length=64,
+                          batch_size=4),
+    "LRA Text size (4 x 256, MLP 1024)": dict(num_layers=4, embed_dim=256, num_heads=4,
+                                             mlp_dim=1024, max_length=1024, batch_size=4),
+}
+SAVE_GOAL, RESTORE_GOAL = 0.10, 0.25  # added fraction of a save's / a restore's time
+STEP_GOAL = 0.05  # the digests of one save, as a fraction of one training step
+
+
+def _config(spec: dict):
+  c = base_config("synthetic")
+  c.task.update(max_length=spec["max_length"], min_length=spec["max_length"] // 2,
+                num_train=64, num_validation=8, num_test=8)
+  c.model.update(num_layers=spec["num_layers"], embed_dim=spec["embed_dim"],
+                 num_heads=spec["num_heads"], mlp_dim=spec["mlp_dim"], positional="absolute")
+  c.batch_size, c.keep_checkpoints, c.data.num_threads = spec["batch_size"], 1000, 1
+  return c
+
+
+def _median(xs) -> float:
+  return float(statistics.median(xs))
+
+
+def _step_seconds(run, batch, repeats: int) -> float:
+  step = jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
+  state = run.init_state()
+  rng = jax.random.key_data(jax.random.key(0))
+  state, m = step(state, batch, rng)  # compiles
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    state, m = step(state, batch, rng)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - start)
+  return _median(times)
+
+
+def measure(spec: dict, repeats: int, tmp: Path) -> dict:
+  """Seconds of each operation (medians) for the model of ``spec``."""
+  run = trainer_lib._Run(_config(spec), tmp / "run", None)  # pylint: disable=protected-access
+  src = run.task.source("train")
+  it = run.train_iterator(src)
+  batch = sharding_lib.global_batch(next(it), run.batch_sharding)
+  state = run.init_state()
+  leaves = jax.tree.leaves(state)
+  out = {"parameters": run.num_params, "state_arrays": len(leaves),
+         "state_bytes": int(sum(x.nbytes for x in leaves)),
+         "arrays_on_device": sum(int(np.prod(x.shape)) > digest_lib.HOST_MAX_ELEMENTS
+                                 for x in leaves)}
+  start = time.perf_counter()
+  digest_lib.array_digests(state)
+  out["digests_first_call_s"] = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    rec = digest_lib.array_digests(state)
+    times.append(time.perf_counter() - start)
+  out["digests_s"] = _median(times)
+  start = time.perf_counter()
+  digest_lib.check_arrays(rec, state)
+  out["check_s"] = time.perf_counter() - start
+  out["train_step_s"] = _step_seconds(run, batch, repeats)
+
+  ckpts = Checkpoints(tmp / "run", run.cfg)
+  ckpts.open_for_writing()
+  cost = {k: [] for k in ("save_blocking", "save_total", "restore")}
+  cost = {f"{k}_{way}": [] for k in cost for way in ("plain", "digests")}
+  try:
+    for r in range(-1, repeats):  # r = -1: untimed warm-up of both ways
+      for way in ("plain", "digests") if r % 2 else ("digests", "plain"):
+        step = 2 * r + (way == "digests") + 3
+        meta = {"rng": [0, step], "config": config_meta(run.cfg, run.info), "step": step,
+                "data": None, "log_window": None}
+        start = time.perf_counter()
+        if way == "plain":
+          ckpts.latest.save(step, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(it),
+              meta=ocp.args.JsonSave(meta)), force=True)
+        else:
+          ckpts.save(step, state, it, meta)
+        blocking = time.perf_counter() - start
+        ckpts.wait()
+        if r >= 0:
+          cost[f"save_blocking_{way}"].append(blocking)
+          cost[f"save_total_{way}"].append(time.perf_counter() - start)
+    for r in range(-1, repeats):
+      for way in ("plain", "digests") if r % 2 else ("digests", "plain"):
+        step = 2 * r + (way == "digests") + 3
+        start = time.perf_counter()
+        if way == "plain":  # as restores read before: the meta, then the state
+          ckpts.latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+          restored = ckpts.latest.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(run.abstract_state)))["state"]
+          jax.block_until_ready(restored)
+        else:
+          ckpts.restore(run.abstract_state, step=step)
+        if r >= 0:
+          cost[f"restore_{way}"].append(time.perf_counter() - start)
+  finally:
+    ckpts.close()
+  out.update({f"{k}_s": _median(v) for k, v in cost.items()})
+  out["save_added"] = out["save_total_digests_s"] / out["save_total_plain_s"] - 1
+  out["restore_added"] = out["restore_digests_s"] / out["restore_plain_s"] - 1
+  return out
+
+
+HEADER = """# Checkpoint digests: what they cost on save and restore
+
+Every checkpoint records a digest of each array of the train state, of the data-iterator
+state and of its metadata, and every restore checks them (``fastpos.train.digest``). Below:
+orbax alone against orbax plus digests, side by side in one run (medians; one untimed warm-up;
+``fastpos/bench/checkpoint_digests.py`` says what each column is). Steps that do not save run
+no digest code. Timings on a shared 2-core CPU box are noisy: read the load average."""
+
+
+def _table(results: dict, command: str) -> str:
+  lines = [HEADER, "",
+           f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+           f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, load average "
+           f"{os.getloadavg()[0]:.1f})", "",
+           "| model | state | save blocks: orbax / + digests | save total: orbax / + digests "
+           "| restore: orbax / + verify | digests alone (first call) | train step |",
+           "|---|---|---|---|---|---|---|"]
+  for name, r in results.items():
+    lines.append(
+        f"| {name} | {r['state_bytes'] / 2**20:.1f} MiB, {r['state_arrays']} arrays "
+        f"({r['arrays_on_device']} on device) "
+        f"| {r['save_blocking_plain_s'] * 1e3:.0f} / {r['save_blocking_digests_s'] * 1e3:.0f} ms "
+        f"| {r['save_total_plain_s'] * 1e3:.0f} / {r['save_total_digests_s'] * 1e3:.0f} ms "
+        f"({100 * r['save_added']:+.0f}%) "
+        f"| {r['restore_plain_s'] * 1e3:.0f} / {r['restore_digests_s'] * 1e3:.0f} ms "
+        f"({100 * r['restore_added']:+.0f}%) "
+        f"| {r['digests_s'] * 1e3:.1f} ms ({r['digests_first_call_s']:.2f} s) "
+        f"| {r['train_step_s'] * 1e3:.0f} ms |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m fastpos.bench.checkpoint_digests")
+  parser.add_argument("--out", default="", help="folder for checkpoint_digests.md / .json")
+  parser.add_argument("--repeats", type=int, default=5, help="repeats of each measurement")
+  args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats={args.repeats}: must be >= 1")
+  command = "python -m fastpos.bench.checkpoint_digests" + (f" --out={args.out}"
+                                                             if args.out else "")
+  results = {}
+  with metrics_lib.quiet_library_logs(), tempfile.TemporaryDirectory() as tmp:
+    for i, (name, spec) in enumerate(MODELS.items()):
+      results[name] = measure(spec, args.repeats, Path(tmp) / str(i))
+      print(f"{name}: done", file=sys.stderr, flush=True)
+  mid = results[list(MODELS)[-1]]
+  targets = {
+      f"step: a save's digests take <= {STEP_GOAL:.0%} of a training step (mid-size)":
+          mid["digests_s"] <= STEP_GOAL * mid["train_step_s"],
+      f"save: digests add <= {SAVE_GOAL:.0%} to a save (mid-size)":
+          mid["save_added"] <= SAVE_GOAL,
+      f"restore: verification adds <= {RESTORE_GOAL:.0%} to a restore (mid-size)":
+          mid["restore_added"] <= RESTORE_GOAL}
+  table = _table(results, command) + "\n\n" + "\n".join(
+      f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in targets.items())
+  print(table)
+  report.write(args.out, "checkpoint_digests", table, {
+      "results": results, "targets": targets, "repeats": args.repeats, "models": MODELS,
+      "jax": jax.__version__, "platform": jax.devices()[0].platform,
+      "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")})
+  return 0 if all(targets.values()) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
