@@ -249,8 +249,8 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
     try:
       cfg = load_config(config_path, arg, overrides)
     except Exception as e:  # absl's IllegalFlagValueError names the flag and the value
-      raise ValueError(f"bad override in {overrides}: {type(e).__name__}: "
-                       f"{_last_line(e)}") from e
+      kind = "" if isinstance(e, errors.RunError) else f"{type(e).__name__}: "  # says it all
+      raise ValueError(f"bad override in {overrides}: {kind}{_last_line(e)}") from e
     resolved = json.loads(cfg.copy_and_resolve_references().to_json_best_effort())
     runs[name] = (overrides, resolved)
   return runs
