@@ -23,8 +23,9 @@ A lost process: when the distributed service misses another process (it died, or
 ``--heartbeat_timeout``), every other process prints one line naming it and exits with
 ``EXIT_PEER_LOST`` (``fastpos.train.errors``), no traceback. The service runs in JAX's
 recoverable mode, so that a lost task is reported to the others' watchers instead of aborting
-them; only the loss of process 0, which hosts the service, still ends the others through
-JAX's own fatal error.
+them; that mode skips JAX's shutdown barrier, so at exit every process waits for the others
+(``--shutdown_timeout``) and process 0, which hosts the service, leaves last. Only the loss of
+process 0 still ends the others through JAX's own fatal error.
 
 ``train.py`` and ``eval.py`` call ``define_flags()`` at import and ``initialize(flags)`` first
 thing in ``main``; other programs may call ``initialize()`` for the environment variables
@@ -34,11 +35,13 @@ and the cluster detection alone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import socket
 import sys
 import threading
+import time
 from typing import Mapping
 
 import jax
@@ -258,18 +261,38 @@ def _watch_peers(client, num_processes: int, heartbeat_timeout_s: int) -> None:
       _stop(peer_lost_message(missing, num_processes, heartbeat_timeout_s), EXIT_PEER_LOST)
 
 
-def _start_watch(num_processes: int, heartbeat_timeout_s: int) -> None:
+def _exit_together(client, num_processes: int, shutdown_timeout_s: int) -> None:
+  """At exit, before jax's own shutdown: every process waits for the others to reach their exit
+  (the recoverable service skips jax's shutdown barrier), still watched (a peer lost meanwhile
+  is one line); then process 0, which hosts the service, waits for the others to disconnect."""
+  try:
+    client.wait_at_barrier("fastpos_exit", shutdown_timeout_s * 1000)
+  except Exception as e:  # pylint: disable=broad-except  # a peer late past the timeout
+    _WATCH_STOP.set()
+    logging.warning("jax.distributed: the other processes did not reach their exit within "
+                    "--shutdown_timeout=%d s (%s)", shutdown_timeout_s, " ".join(str(e).split()))
+    return
+  _WATCH_STOP.set()
+  if jax.process_index() != 0:
+    return
+  nodes, deadline = list(range(num_processes)), time.monotonic() + shutdown_timeout_s
+  with contextlib.suppress(Exception):
+    while len(client.get_live_nodes(nodes)) > 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+
+
+def _start_watch(num_processes: int, s: Settings) -> None:
   # jax keeps its client private; without it the run keeps jax's own fatal error.
   from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
   client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
-  if client is None or not hasattr(client, "get_live_nodes"):
+  if client is None or not all(hasattr(client, m) for m in ("get_live_nodes", "wait_at_barrier")):
     logging.warning("jax's distributed client is not reachable: a lost process ends the others "
                     "through jax's own fatal error.")
     return
   _WATCH_STOP.clear()
-  # Stopped before jax's own exit handler (registered earlier, so run later) shuts down.
-  atexit.register(_WATCH_STOP.set)
-  threading.Thread(target=_watch_peers, args=(client, num_processes, heartbeat_timeout_s),
+  # Runs before jax's own exit handler (registered earlier, so run later) shuts down.
+  atexit.register(_exit_together, client, num_processes, s.shutdown_timeout_s)
+  threading.Thread(target=_watch_peers, args=(client, num_processes, s.heartbeat_timeout_s),
                    name="fastpos-peer-watch", daemon=True).start()
 
 
@@ -323,4 +346,4 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
   finally:
     watchdog.cancel()
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
-  _start_watch(jax.process_count(), s.heartbeat_timeout_s)
+  _start_watch(jax.process_count(), s)

@@ -349,6 +349,10 @@ def test_nested_option_overrides():
   literal = cli.load_config(spec, [("model.positional_options",
                                      "{'fastrpb': {'per_head': True, 'mode_2d': 'full'}}")])
   assert cfg.model.positional_options.fastrpb == literal.model.positional_options.fastrpb
+  with pytest.raises(ValueError, match="fastrpb: option mode_2d='full' would be ignored"):
+    build_model(cfg.model, tasks.task_info(cfg.task))  # a 2D option on a 1D task is refused
+  with cfg.unlocked():
+    del cfg.model.positional_options.fastrpb["mode_2d"]
   build_model(cfg.model, tasks.task_info(cfg.task))  # the options reach the schemes
   # The bare boolean forms.
   neg = cli.load_config(spec, [("model.positional_options.fastrpb.per_head", None, True)])
