@@ -55,11 +55,17 @@ def _random_params(model, batch):
                                    for k, x in zip(keys, leaves)])
 
 
-@pytest.mark.parametrize("scheme", [
-    "absolute+t5_bias", "rope", pytest.param("absolute", marks=pytest.mark.slow),
-    pytest.param("absolute+kernelized_rpe", marks=pytest.mark.slow)])
-def test_packed_row_equals_each_sequence_alone(scheme):
-  model = build_model(_cfg("softmax", scheme), TaskInfo("lm", V, 0, N))
+@pytest.mark.parametrize("scheme, layers", [
+    ("absolute+t5_bias", {}),
+    # The segments reach the layers through nn.scan and remat, too.
+    ("absolute+t5_bias", dict(num_layers=2, scan_layers=True, remat="block")),
+    pytest.param("rope", {}, marks=pytest.mark.slow),
+    pytest.param("absolute", {}, marks=pytest.mark.slow),
+    pytest.param("absolute+kernelized_rpe", {}, marks=pytest.mark.slow)])
+def test_packed_row_equals_each_sequence_alone(scheme, layers):
+  cfg = _cfg("softmax", scheme)
+  cfg.update(layers)
+  model = build_model(cfg, TaskInfo("lm", V, 0, N))
   seqs = _sequences()
   row = _packed_row(seqs)
   variables = _random_params(model, _alone(seqs[0]))
