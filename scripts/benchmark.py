@@ -7,6 +7,9 @@
   context_parallel              train-step memory per device with the sequence split over
                                 devices, and the longest N a budget fits (compiles only;
                                 fastpos.bench.context_parallel)
+  memory                        train-step memory against model.remat / model.scan_layers,
+                                the longest N a budget fits, compile time against depth
+                                (compiles only; fastpos.bench.memory)
 
   python scripts/benchmark.py --mode=all --out=/tmp/bench
   python scripts/benchmark.py --mode=decode --lengths=1024,4096 --out=benchmarks
@@ -23,7 +26,7 @@ import argparse
 import sys
 
 SPEED_MODES = ("ops", "layer", "train_step", "all")
-OTHER_MODES = ("decode", "context_parallel")
+OTHER_MODES = ("decode", "context_parallel", "memory")
 
 
 def main(argv=None) -> int:
@@ -48,6 +51,9 @@ def main(argv=None) -> int:
   if known.mode == "context_parallel":
     from fastpos.bench import context_parallel  # sets the host device count before JAX starts
     return context_parallel.main(rest)
+  if known.mode == "memory":
+    from fastpos.bench import memory
+    return memory.main(rest)
   from fastpos.bench import harness
   return harness.main(argv)
 

@@ -10,6 +10,7 @@ linear paths have no attention-weight dropout).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -51,18 +52,73 @@ def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> Non
     raise ValueError(f"{layer}: unknown norm {norm!r}; valid choices: {', '.join(NORMS)}.")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def masked_scale(x, mask, keep: float):
+  """``select(mask, x / keep, 0)`` (``nn.Dropout``'s formula, the same numbers) whose backward
+  pass keeps only the boolean ``mask``: autodiff of the select also keeps a float zeros array
+  of ``x``'s size."""
+  return jax.lax.select(mask, x / keep, jnp.zeros_like(x))
+
+
+def _masked_scale_fwd(x, mask, keep):
+  return masked_scale(x, mask, keep), mask
+
+
+def _masked_scale_bwd(keep, mask, g):
+  return jax.lax.select(mask, g / keep, jnp.zeros_like(g)), None
+
+
+masked_scale.defvjp(_masked_scale_fwd, _masked_scale_bwd)
+
+
+class Dropout(nn.Module):
+  """``nn.Dropout`` (its name, rng stream and masks: a run's numbers do not change) whose
+  backward pass keeps a boolean mask, not a float copy (``masked_scale``)."""
+  rate: float
+
+  def make_mask(self, shape, *, deterministic: bool):
+    """The keep mask (bool ``shape``) of this call, or None when nothing is dropped."""
+    if self.rate == 0.0 or deterministic:
+      return None
+    return jax.random.bernoulli(self.make_rng("dropout"), p=1.0 - self.rate, shape=shape)
+
+  def __call__(self, x, *, deterministic: bool):
+    if self.rate == 1.0 and not deterministic:
+      return jnp.zeros_like(x)
+    mask = self.make_mask(x.shape, deterministic=deterministic)
+    return x if mask is None else masked_scale(x, mask, 1.0 - self.rate)
+
+
+class _GeluDropDense(nn.Dense):
+  """``Dense(Drop(GELU(h)))``: the MLP's second layer with its activation and dropout in front,
+  under ``nn.remat`` (the same parameters as ``nn.Dense``): its backward pass recomputes the
+  GELU from ``h`` instead of keeping the GELU's intermediates and the dropped activations
+  (five ``[b, N, mlp_dim]`` float arrays)."""
+  keep: float = 1.0
+
+  @nn.compact
+  def __call__(self, h, mask):
+    y = nn.gelu(h)
+    if mask is not None:
+      y = masked_scale(y, mask, self.keep)
+    return super().__call__(y)
+
+
 class MLP(nn.Module):
-  """``[b, N, D] -> [b, N, D]``: Dense(mlp_dim) -> GELU -> Dropout -> Dense(D)."""
+  """``[b, N, D] -> [b, N, D]``: Dense(mlp_dim) -> GELU -> Dropout -> Dense(D). Its backward
+  pass keeps the first layer's output and the boolean dropout mask (``_GeluDropDense``)."""
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, *, deterministic: bool):
-    y = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
-    y = nn.gelu(y)
-    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(y)
+    h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
+    if self.dropout_rate == 1.0 and not deterministic:
+      return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(jnp.zeros_like(h))
+    mask = Dropout(self.dropout_rate).make_mask(h.shape, deterministic=deterministic)
+    return nn.remat(_GeluDropDense)(x.shape[-1], dtype=self.dtype, keep=1.0 - self.dropout_rate,
+                                    name="fc2")(h, mask)
 
 
 class Block(nn.Module):
@@ -85,7 +141,8 @@ class Block(nn.Module):
     if self.norm == "batch":
       return nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
                           name=name)
-    return nn.LayerNorm(dtype=self.dtype, name=name)
+    # Rematerialised: its backward keeps the input, not the centred, squared and scaled copies.
+    return nn.remat(nn.LayerNorm)(dtype=self.dtype, name=name)
 
   @staticmethod
   def _apply(norm, x, mask):
@@ -112,7 +169,7 @@ class Block(nn.Module):
       memory_mask = check_mask(memory_mask, memory.shape[:2], name="memory_mask",
                                layout="[batch, M]", against=f"memory of shape {memory.shape}")
     attn = Attention(self.attention, shared=self.shared, dtype=self.dtype, name="attention")
-    drop = nn.Dropout(self.dropout_rate)
+    drop = Dropout(self.dropout_rate)
     mlp = MLP(self.mlp_dim, self.dropout_rate, dtype=self.dtype, name="mlp")
     norm1 = self._make_norm("norm_attention", train)
     norm2 = self._make_norm("norm_mlp", train)

@@ -3,6 +3,7 @@ the numbers: outputs and gradients equal the unrolled, non-rematerialised model'
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from fastpos.models import TaskInfo, build_model, model_config
+from fastpos.models.blocks import MLP
 from fastpos.models.transformer import stack_layers, unstack_layers
 from tests.helpers import rel_err
 
@@ -130,3 +132,36 @@ def test_scan_with_a_scheme_shared_across_layers_is_refused_naming_both():
   with pytest.raises(ValueError, match=r"model.scan_layers=True cannot share a scheme across "
                                        r"layers \(share_across_layers of kernelized_rpe\)"):
     build_model(cfg, TaskInfo("classify", V, 3, N))
+
+
+class _TextbookMLP(nn.Module):
+  """Dense -> GELU -> nn.Dropout -> Dense, as flax's examples write it."""
+
+  @nn.compact
+  def __call__(self, x, *, deterministic):
+    y = nn.gelu(nn.Dense(32, dtype=jnp.float64, name="fc1")(x))
+    y = nn.Dropout(0.3)(y, deterministic=deterministic)
+    return nn.Dense(x.shape[-1], dtype=jnp.float64, name="fc2")(y)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lean_mlp_equals_the_textbook_mlp_with_its_dropout_masks(deterministic):
+  """Same parameters, same dropout masks (the rng stream is unchanged), same output and
+  gradients: the lean MLP only keeps less for its backward pass."""
+  x = jax.random.normal(jax.random.key(0), (2, 9, 16), jnp.float64)
+  lean, ref = MLP(32, 0.3, dtype=jnp.float64), _TextbookMLP()
+  params = ref.init(jax.random.key(1), x, deterministic=True)
+  assert jax.tree.map(np.shape, lean.init(jax.random.key(1), x, deterministic=True)) == (
+      jax.tree.map(np.shape, params))
+  outs = []
+  for m in (lean, ref):
+    f = lambda p, x, m=m: m.apply(p, x, deterministic=deterministic,
+                                  rngs={"dropout": jax.random.key(2)})
+    y, vjp = jax.vjp(f, params, x)
+    outs.append((y, vjp(jnp.cos(y))))
+  (y0, g0), (y1, g1) = outs
+  assert rel_err(y0, y1) < 1e-12
+  if not deterministic:
+    assert not np.allclose(y0, ref.apply(params, x, deterministic=True))  # dropout acted
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+    assert rel_err(a, b) < 1e-12

@@ -142,3 +142,11 @@ def test_cli_needs_a_mode_and_hands_flags_to_it():
   assert run.returncode == 2 and "unknown cell 'nope'" in run.stderr
   run = _cli("--mode=speed")
   assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr
+
+
+def test_memory_mode_refuses_a_bad_setting_in_one_line(capsys):
+  from fastpos.bench import memory
+  assert memory.main(["--settings=none:0,full:1"]) == 2
+  assert capsys.readouterr().err == (
+      "benchmark memory: --settings: bad pair 'full:1'; give remat:scan with remat in none, "
+      "block, save_matmuls, save_dots and scan 0 or 1.\n")
