@@ -61,6 +61,11 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # Image tasks: True gives the positional schemes the image grid (2D positions); False treats
   # the image as its raster sequence (1D schemes, e.g. SPE, or "w/o 2D rel. pos.").
   c.model.use_grid = True
+  # What a block keeps for backward: "none", "block" (recompute all but its input) or
+  # "save_matmuls" (keep the matmul outputs); changes memory and time, never the numbers.
+  c.model.remat = "none"
+  # nn.scan over the layers (one compiled body; parameters stacked under "layers").
+  c.model.scan_layers = False
 
   # Batches and duration. Durations are in optimizer steps.
   c.batch_size = 32  # global batch per optimizer step, over all devices and hosts

@@ -11,7 +11,7 @@ import ml_collections
 
 from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
-from fastpos.models.blocks import NORMS, Block
+from fastpos.models.blocks import NORMS, REMAT_POLICIES, Block, remat_policy
 from fastpos.models.config import model_config
 from fastpos.models.transformer import POOLINGS, Classifier, DecoderLM, DualEncoder, Tower
 from fastpos.tasks.info import TaskInfo
@@ -75,10 +75,15 @@ def build_model(cfg, task: TaskInfo):
   if cfg.dtype not in DTYPES:
     raise ValueError(f"unknown dtype {cfg.dtype!r}; valid choices: {', '.join(DTYPES)}.")
   attn = attention_config(cfg, task)
+  remat = cfg.get("remat", "none")
+  remat_policy(remat)  # raises naming the valid choices
+  scan_layers = cfg.get("scan_layers", False)
+  if not isinstance(scan_layers, bool):
+    raise ValueError(f"model.scan_layers must be a bool; got {scan_layers!r}.")
   common = dict(attention=attn, vocab_size=task.vocab_size, num_layers=cfg.num_layers,
                 mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, norm=cfg.norm,
                 pooling=cfg.get("pooling", "mean"), num_classes=task.num_classes,
-                dtype=DTYPES[cfg.dtype])
+                dtype=DTYPES[cfg.dtype], remat=remat, scan_layers=scan_layers)
   memory_length = cfg.get("memory_length", 0)
   if memory_length and task.kind != "lm":
     raise ValueError("memory_length > 0 (Transformer-XL memory) is for lm tasks only.")
@@ -90,6 +95,6 @@ def build_model(cfg, task: TaskInfo):
   return (DualEncoder if task.kind == "retrieval" else Classifier)(**common)
 
 
-__all__ = ["Attention", "AttentionConfig", "Block", "Classifier", "DecoderLM", "DualEncoder",
-           "KernelSpec", "PositionalSpec", "TaskInfo", "Tower", "attention_config",
+__all__ = ["REMAT_POLICIES", "Attention", "AttentionConfig", "Block", "Classifier", "DecoderLM",
+           "DualEncoder", "KernelSpec", "PositionalSpec", "TaskInfo", "Tower", "attention_config",
            "build_model", "model_config"]

@@ -13,12 +13,28 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from fastpos.models import decoding
 from fastpos.models.attention import Attention, AttentionConfig
 from fastpos.ops.masks import check_mask
 
 NORMS = ("post", "pre", "batch")
+# model.remat: what a block keeps for its backward pass (a jax.checkpoint policy; "none" keeps
+# whatever autodiff saves, "block" only the block's input, "save_matmuls" also the outputs of
+# the projection and MLP matmuls, "save_dots" those and the batched attention products).
+REMAT_POLICIES = ("none", "block", "save_matmuls", "save_dots")
+
+
+def remat_policy(name: str):
+  """The ``jax.checkpoint`` policy of a ``model.remat`` value (None for "none")."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"unknown model.remat {name!r}; valid choices: "
+                     f"{', '.join(REMAT_POLICIES)}.")
+  return {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+          "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          "save_dots": jax.checkpoint_policies.checkpoint_dots}[name]
 
 
 class MLP(nn.Module):
@@ -64,6 +80,10 @@ class Block(nn.Module):
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
     Masks are boolean only: any other dtype or shape raises ValueError. ``decode``: a
     ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache)."""
+    return self._forward(x, mask, grid, memory, memory_mask, train, reference, decode)
+
+  def _forward(self, x, mask, grid, memory, memory_mask, train, reference, decode):
+    """The layer (called from a compact ``__call__``: it creates the submodules)."""
     if self.norm not in NORMS:
       raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}.")
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
@@ -93,3 +113,29 @@ class Block(nn.Module):
     x = self._apply(norm1, x + drop(y, deterministic=not train), mask)
     y = mlp(x, deterministic=not train)
     return self._apply(norm2, x + drop(y, deterministic=not train), mask)
+
+
+class Layer(Block):
+  """A ``Block`` whose call settings are fields and whose arguments are arrays (or None): the
+  body that ``nn.remat`` and ``nn.scan`` wrap (a traced argument cannot steer Python control
+  flow). Same parameters as ``Block``. ``__call__(x, mask, memory, memory_mask, offset)`` ->
+  ``(y, new_memory)``: ``new_memory`` is the layer's Transformer-XL memory for the next
+  segment (its input appended to ``memory``, the last M kept, stop-gradient; None without
+  memory); ``offset`` is the decoding slot when ``decoding`` (``fastpos.models.decoding``)."""
+  train: bool = False
+  reference: bool = False
+  decoding: bool = False
+  cache_length: int | None = None
+
+  @nn.compact
+  def __call__(self, x, mask, memory, memory_mask, offset):
+    new_memory = None
+    if memory is not None:
+      new_memory = jax.lax.stop_gradient(
+          jnp.concatenate([memory, x.astype(memory.dtype)], axis=1)[:, -memory.shape[1]:])
+    decode = None
+    if self.decoding:
+      decode = decoding.Step(offset=offset, cache_length=self.cache_length)
+    y = self._forward(x, mask, self.attention.grid, memory, memory_mask, self.train,
+                      self.reference, decode)
+    return y, new_memory

@@ -46,4 +46,13 @@ def model_config() -> ml_collections.ConfigDict:
   # treats the image as its raster sequence (1D schemes, e.g. SPE, or PermuteFormer's
   # "w/o 2D rel. pos." ablation).
   c.use_grid = True
+  # What each block keeps for its backward pass (fastpos.models.blocks.REMAT_POLICIES): "none"
+  # (everything autodiff saves), "block" (only the block's input; the rest is recomputed),
+  # "save_matmuls" (the outputs of the projections/MLP matmuls; the rest is recomputed).
+  # Changes memory and time, never the numbers.
+  c.remat = "none"
+  # Run the layers as one nn.scan body (parameters stacked on a leading layer axis under
+  # "layers"): compile time flat in depth, and the remat policy honoured on every backend.
+  # Changes the parameter tree (checkpoints of one layout do not load into the other).
+  c.scan_layers = False
   return c

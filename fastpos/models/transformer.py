@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Block
+from fastpos.models.blocks import Layer, remat_policy
 from fastpos.ops.masks import check_mask
 
 POOLINGS = ("mean", "cls")
@@ -44,6 +44,26 @@ class Tower(nn.Module):
   dropout_rate: float = 0.0
   norm: str = "post"
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
+
+  def _layer_class(self, decoding: bool):
+    """``Layer``, under ``nn.remat`` with the ``remat`` policy unless "none" or decoding."""
+    policy = remat_policy(self.remat)
+    if self.remat == "none" or decoding:
+      return Layer
+    return nn.remat(Layer, policy=policy)
+
+  def _scanned(self, settings: dict, decoding: bool):
+    """The layers as one ``nn.scan`` body, parameters (and batch statistics, decoding caches)
+    stacked on a leading layer axis under ``layers``: ``(x, mask, memory [L, b, M, D] or
+    None, memory_mask, offset) -> (x, new memory [L, b, M, D] or None)``."""
+    scan = nn.scan(self._layer_class(decoding),
+                   variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
+                   split_rngs={"params": True, "dropout": True},
+                   in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
+                   length=self.num_layers)
+    return scan(**settings, name="layers")
 
   @nn.compact
   def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None,
@@ -78,17 +98,23 @@ class Tower(nn.Module):
         if spec.option_dict().get("share_across_layers"))
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
-    new_states = [] if memory is not None else None
-    for i in range(self.num_layers):
-      if memory is not None:
-        m = states[i]
-        new_states.append(jax.lax.stop_gradient(
-            jnp.concatenate([m, x.astype(m.dtype)], axis=1)[:, -m.shape[1]:]))
-      x = Block(cfg, self.mlp_dim, self.dropout_rate, self.norm, shared=shared,
-                dtype=self.dtype, name=f"block_{i}")(
-                    x, mask=mask, grid=grid, memory=None if memory is None else states[i],
-                    memory_mask=mmask, train=train, reference=reference,
-                    **({} if decode is None else {"decode": decode}))
+    settings = dict(attention=cfg, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                    norm=self.norm, shared=shared, dtype=self.dtype, train=train,
+                    reference=reference, decoding=decode is not None,
+                    cache_length=None if decode is None else decode.cache_length)
+    offset = None if decode is None else decode.offset
+    if self.scan_layers:
+      x, new_states = self._scanned(settings, decode is not None)(
+          x, mask, None if states is None else jnp.stack(states), mmask, offset)
+      new_states = None if states is None else list(new_states)
+    else:
+      layer = self._layer_class(decode is not None)
+      new_states = [] if memory is not None else None
+      for i in range(self.num_layers):
+        x, new = layer(**settings, name=f"block_{i}")(
+            x, mask, None if states is None else states[i], mmask, offset)
+        if new_states is not None:
+          new_states.append(new)
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     if memory is None:
@@ -108,10 +134,12 @@ class _Base(nn.Module):
   pooling: str = "mean"
   num_classes: int = 0
   dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = False
 
   def _tower(self, name="encoder"):
     return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
-                 dtype=self.dtype, name=name)
+                 dtype=self.dtype, remat=self.remat, scan_layers=self.scan_layers, name=name)
 
   def _embed(self):
     return nn.Embed(self.vocab_size, self.attention.embed_dim,
