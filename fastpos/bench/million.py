@@ -8,10 +8,13 @@ with the sequence split over ``--seq`` devices, and the compiled executable's
 batch), temporaries (activations kept for the backward pass, gradients, FFT buffers) and the
 total (arguments + outputs + temporaries - donated aliases). Variants: the absolute table
 learned (sharded over "seq" by the trainer's position rules, or replicated as before) or
-sinusoidal (no table); each ``--remat`` policy where the model has ``model.remat``.
+sinusoidal (no table); each ``--remat`` policy (``model.remat``, with ``model.scan_layers``).
 
-Breakdown: the per-device bytes of each part of the train state come from its shardings; the
-activations per layer from a second compile with one layer (``(temp(L) - temp(1)) / (L - 1)``).
+Breakdown: the per-device bytes of each part of the train state come from its shardings; what
+each further layer adds from a compile with one layer (``(temp(L) - temp(1)) / (L - 1)``, with
+remat the activations a layer keeps); and what dominates a layer's own working set (the one
+layer whose backward runs at a time) from one-layer compiles without a part
+(``ABLATIONS``): the difference in temporaries is that part's share.
 
 Then, when ``--run`` allows and ``free`` shows enough memory (the devices x the total per
 device + 4 GiB), the first variant's step runs once on this host: state initialised on the
@@ -46,6 +49,10 @@ from fastpos.train.state import TrainState, make_optimizer
 from fastpos.train.steps import make_train_step
 
 GIB = 2 ** 30
+# One-layer compiles without a part of the layer: model field overrides.
+ABLATIONS = {"FastRPB (ring Toeplitz product)": {"positional": "absolute"},
+             "dropout (rate 0.1 -> 0)": {"dropout_rate": 0.0},
+             "MLP hidden 1024 -> 256": {"mlp_dim": 256}}
 # Variant name -> (absolute table kind, position table sharded over "seq").
 POSITIONS = {"learned": ("learned", True), "learned-replicated": ("learned", False),
              "sinusoidal": ("sinusoidal", True)}
@@ -62,6 +69,7 @@ def make_config(n: int, seq: int, positions: str, remat: str | None, layers: int
     if "remat" not in c.model:
       raise ValueError(f"--remat={remat!r}: this model has no model.remat field.")
     c.model.remat = remat
+    c.model.scan_layers = True  # XLA:CPU honours a remat policy under a scan over the layers
   c.batch_size = 1
   c.mesh.seq = seq
   return c
@@ -164,7 +172,7 @@ def run_once(compiled, state, batch, init_fn, n: int) -> dict:
   new_state, metrics = compiled(real, data, rng)
   jax.block_until_ready((new_state, metrics))
   step_s = time.perf_counter() - start
-  metrics = {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+  metrics = {k: float(np.asarray(v[0]) / np.asarray(v[1])) for k, v in metrics.items()}
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return {"init_s": init_s, "step_s": step_s, "peak_rss": int(peak), "metrics": metrics}
 
@@ -209,7 +217,7 @@ def _variants(positions, remat):
   """[(label, positions, remat, table replicated)], the first one the headline."""
   out = []
   for r in remat:
-    out.append((f"{positions[0]}, remat={r}", positions[0], r))
+    out.append((f"{positions[0]}, remat={r} (scanned layers)", positions[0], r))
   for p in positions:
     out.append((f"{p}, no remat" if remat else p, p, None))
   return out
@@ -245,7 +253,7 @@ def main(argv=None) -> int:
     return 2
   head_label, head_pos, head_remat = _variants(positions, remat)[0]
   head = results[head_label]
-  per_layer = None
+  per_layer, parts = None, {}
   if args.breakdown:
     cfg = make_config(n, args.seq, head_pos, head_remat, 1)
     one = compile_step(cfg, n)
@@ -254,6 +262,12 @@ def main(argv=None) -> int:
     results["one layer"] = one
     print(f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
           f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)", flush=True)
+    for part, fields in ABLATIONS.items():
+      cfg = make_config(n, args.seq, head_pos, head_remat, 1)
+      cfg.model.update(fields)
+      r = compile_step(cfg, n)
+      parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}
+      print(f"one layer without {part}: temp {_gib(r['temp'])}", flush=True)
 
   run, why = None, ""
   need = args.seq * head["total"] + 4 * GIB
@@ -267,7 +281,7 @@ def main(argv=None) -> int:
     run = run_once(*head["_run"], n)
     why = (f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
            f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
-           f"{run['metrics'].get('loss', float('nan')):.4f}")
+           f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}")
   print(why, flush=True)
   for r in results.values():
     r.pop("_run", None)
@@ -288,15 +302,25 @@ def main(argv=None) -> int:
                  f"{_gib(s['fastrpb tables'] + s['other parameters'])} | {_gib(r['temp'])} | "
                  f"{_gib(r['total'])} | {r['compile_s']:.0f} s |")
   if per_layer is not None:
-    lines += ["", f"Activations of one layer ({head_label}): {_gib(per_layer)} per device, "
-              f"{per_layer / (n / args.seq) / 1024:.1f} KiB per token (temp with "
-              f"{args.layers} layers minus temp with 1, over {args.layers - 1})."]
+    tokens = n / args.seq
+    one = results["one layer"]["temp"]
+    lines += ["", f"Breakdown of {head_label}: each further layer adds {_gib(per_layer)} per "
+              f"device ({per_layer / tokens / 1024:.1f} KiB per token: temp with "
+              f"{args.layers} layers minus temp with 1, over {args.layers - 1}); the step with "
+              f"one layer has {_gib(one)} of temporaries ({one / tokens / 1024:.1f} KiB per "
+              "token), of which:", "",
+              "| part of the layer | one-layer temp without it | its share | per token |",
+              "|---|---|---|---|"]
+    for part, r in parts.items():
+      lines.append(f"| {part} | {_gib(r['temp'])} | {_gib(r['share'])} | "
+                   f"{r['share'] / tokens / 1024:.1f} KiB |")
   lines += ["", f"Run: {why}.", "",
             f"- {'PASS' if ok else 'FAIL'}: {head_label}: {_gib(head['total'])} per device "
             f"(goal <= {args.budget:g} GiB)"]
   table = "\n".join(lines)
   print(table)
   report.write(args.out, "million", table, {"memory": results, "per_layer": per_layer,
+                                            "parts": parts,
                                             "run": run, "run_note": why, "args": vars(args),
                                             "pass": ok})
   return 0 if ok else 1
