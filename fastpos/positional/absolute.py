@@ -12,6 +12,10 @@ the row index and the second half for the column index.
 
 Supports causal, 1D and 2D, and every kernel (it acts before attention). Not relative: the
 shift tests of the relative schemes do not apply to it.
+
+Long sequences split over devices (``mesh.seq`` > 1): the learned 1D table is sharded along
+its position axis like the tokens (``position_params``), so a 1M x 256 table costs each of P
+devices 1/P of it (and of its gradient and Adam moments); ``kind="sinusoidal"`` has no table.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class AbsolutePositional(Scheme):
   scheme_name = "absolute"
   hooks = ("embed",)
   supports_2d = True
+  # Parameters indexed by absolute position: {name: (rank, position axis)}. On a sequence
+  # split over the mesh axis "seq" the trainer shards them along it (fastpos.train.sharding),
+  # each device holding the rows of its own block, with their gradient and optimizer moments.
+  position_params = {"table": (2, 0)}
 
   def setup(self):
     if self.kind == "learned":

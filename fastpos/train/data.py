@@ -2,7 +2,8 @@
 
 Training: the split is shuffled (a fresh order every epoch, from ``config.seed``), repeated
 forever and cut into global batches; process p of P reads rows ``[p * B/P, (p+1) * B/P)`` of
-every global batch, so the batches are the same for any number of hosts. The iterator's
+every global batch, so the batches are the same for any number of hosts (with a "seq" mesh
+axis across processes, p and P count row groups: ``sharding.data_reader``). The iterator's
 position is part of every checkpoint. Evaluation: the split in order; the last batch is filled
 up with copies of real examples given ``weight`` 0.
 
@@ -16,16 +17,16 @@ steps in the same order each epoch (shuffling would break the streams).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator
 
 import grain
-import jax
 import ml_collections
 import numpy as np
 
 from fastpos.tasks.base import ArraySource
-from fastpos.train import bucketing, packing
+from fastpos.train import bucketing, packing, sharding
 
 _ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
@@ -51,10 +52,10 @@ def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: i
     return iter(packing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
   if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
     return iter(bucketing.train_batches(source, cfg, start).to_iter_dataset(_read_options(cfg)))
-  procs = jax.process_count()
+  index, procs = sharding.data_reader(cfg)
   global_batch = cfg.batch_size
   local = global_batch // procs
-  offset = start + jax.process_index() * local
+  offset = start + index * local
   examples = grain.MapDataset.source(source).seed(cfg.seed).shuffle().repeat()
 
   def make(b: int) -> dict[str, np.ndarray]:
@@ -87,9 +88,9 @@ def eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
   if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
     ds = bucketing.eval_batches(source, cfg, num_eval_batches(n, global_batch, limit))
     return iter(ds.to_iter_dataset(_read_options(cfg)))
-  procs = jax.process_count()
+  index, procs = sharding.data_reader(cfg)
   local = global_batch // procs
-  offset = jax.process_index() * local
+  offset = index * local
 
   def make(b: int) -> dict[str, np.ndarray]:
     rows = b * global_batch + offset + np.arange(local)
@@ -108,13 +109,15 @@ def num_stream_steps(n: int, num_streams: int) -> int:
   return math.ceil(n / num_streams)
 
 
-def _stream_batch(source: ArraySource, t: int, num_streams: int) -> dict[str, np.ndarray]:
-  """This process's rows of step ``t`` of the stream layout (module docstring)."""
+def _stream_batch(source: ArraySource, t: int, num_streams: int,
+                  reader: tuple[int, int]) -> dict[str, np.ndarray]:
+  """This process's rows (``reader``: ``sharding.data_reader``) of step ``t`` of the stream
+  layout (module docstring)."""
   n = len(source)
   steps = num_stream_steps(n, num_streams)
-  procs = jax.process_count()
+  index, procs = reader
   local = num_streams // procs
-  rows = jax.process_index() * local + np.arange(local)
+  rows = index * local + np.arange(local)
   index = rows * steps + int(t)
   examples = [source[int(i % n)] for i in index]
   batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
@@ -131,7 +134,8 @@ def stream_train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict):
   """
   steps = num_stream_steps(len(source), cfg.batch_size)
   ds = grain.MapDataset.range(steps).repeat().map(
-      lambda t: _stream_batch(source, t, cfg.batch_size))
+      functools.partial(_stream_batch, source, num_streams=cfg.batch_size,
+                        reader=sharding.data_reader(cfg)))
   return iter(ds.to_iter_dataset(_read_options(cfg)))
 
 
@@ -140,5 +144,7 @@ def stream_eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
   """The stream batches of an evaluation, in order (at most ``limit`` steps when > 0)."""
   global_batch = cfg.eval_batch_size or cfg.batch_size
   total = num_eval_batches(len(source), global_batch, limit)  # ceil(n / B) = the stream steps
-  ds = grain.MapDataset.range(total).map(lambda t: _stream_batch(source, t, global_batch))
+  ds = grain.MapDataset.range(total).map(
+      functools.partial(_stream_batch, source, num_streams=global_batch,
+                        reader=sharding.data_reader(cfg)))
   return iter(ds.to_iter_dataset(_read_options(cfg)))

@@ -6,7 +6,9 @@ parameters are replicated unless a rule of ``config.mesh.rules`` shards them. Wi
 processes (``fastpos.train.distributed``: one per host, or one per accelerator) the mesh spans
 every process's devices, process by process; each process reads its own rows of every global
 batch and the global array is assembled with ``jax.make_array_from_process_local_data``. A
-"seq" axis stays inside one process (``check_seq_split``).
+"seq" axis may span processes: those holding the blocks of the same rows read the same rows
+(``row_group``), and each device keeps its own blocks; the ring and scans of the split
+sequence then pass blocks between processes (gloo on CPU).
 
 Launch a multi-process run with the same command on every process plus where to meet, e.g. on
 one machine ``scripts/launch_local.sh 2 -- train.py --config=... --workdir=...``, or by hand::
@@ -27,9 +29,11 @@ from typing import Any, Callable
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fastpos import positional
 from fastpos.models import context_parallel
 from fastpos.train import distributed
 
@@ -72,25 +76,60 @@ def seq_size(mesh: Mesh) -> int:
 
 def check_seq_split(mesh: Mesh, length: int, model) -> None:
   """Stops with one clear message when the batches' sequences (``length`` tokens) cannot be
-  split over the "seq" axis, or ``model`` cannot run on a split sequence."""
+  split over the "seq" axis, or ``model`` cannot run on a split sequence. The "seq" axis may
+  span processes (``row_group``)."""
   seq = seq_size(mesh)
   if seq == 1:
     return
   if length % seq:
     raise ValueError(f"config.mesh.seq={seq} must divide the sequence length {length} (the "
                      f"task's max_length); choose a divisor of it.")
-  # Each process reads whole sequences (its rows of the batch), so a sequence's blocks must
-  # sit on one process's devices.
   if isinstance(mesh, Mesh):
-    groups = np.moveaxis(np.vectorize(lambda d: d.process_index)(mesh.devices),
-                         mesh.axis_names.index(SEQ), -1).reshape(-1, seq)
-    if np.any(groups != groups[:, :1]):
-      raise ValueError(f"config.mesh.seq={seq} spans processes: each process must hold all "
-                       f"{seq} devices of a sequence ({jax.local_device_count()} local "
-                       f"device(s) per process); use a mesh.seq that divides it.")
+    row_group(mesh)  # processes sharing rows must share all of them
   cfg = model.attention
   context_parallel.check(cfg.kernel.name, [p.name for p in cfg.positional],
                          two_d=cfg.grid is not None, seq=seq)
+
+
+def _process_rows(mesh: Mesh) -> dict[int, frozenset]:
+  """{process index: the indices along "data" of its devices}."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  procs = np.moveaxis(procs, mesh.axis_names.index(DATA), 0).reshape(mesh.shape[DATA], -1)
+  return {int(p): frozenset(np.nonzero(np.any(procs == p, axis=1))[0].tolist())
+          for p in np.unique(procs)}
+
+
+def row_group(mesh: Mesh, process: int | None = None) -> tuple[int, int]:
+  """(index, count) of ``process``'s (default: this process's) row group on ``mesh``.
+
+  Processes whose devices sit at the same indices of the "data" axis hold the same rows of
+  every batch: the blocks of one sequence over a "seq" axis that spans them. They form one
+  row group and read the same rows (each keeping the blocks of its own devices); groups are
+  numbered by their first data index. Without a "seq" axis across processes every process is
+  its own group, in process order. Raises ValueError when two processes share some rows but
+  not all (no way to read whole rows per group).
+  """
+  rows = _process_rows(mesh)
+  groups = sorted(set(rows.values()), key=lambda g: (min(g), sorted(g)))
+  for i, a in enumerate(groups):
+    for b in groups[i + 1:]:
+      if a & b:
+        raise ValueError(
+            f"the mesh {dict(mesh.shape)} puts processes on overlapping but different rows "
+            f"of the data axis ({sorted(a)} and {sorted(b)}); order the devices so that each "
+            "process's devices cover whole data rows, or the processes sharing a row share "
+            "all of them.")
+  mine = rows[jax.process_index() if process is None else process]
+  return groups.index(mine), len(groups)
+
+
+def data_reader(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(index, count) of the rows this process reads of every global batch: its ``row_group``
+  on the mesh of ``cfg`` (``jax.process_index()``, ``jax.process_count()`` unless the "seq"
+  axis spans processes)."""
+  if jax.process_count() == 1:
+    return 0, 1
+  return row_group(make_mesh(cfg))
 
 
 def in_seq_mesh(fn: Callable, mesh: Mesh) -> Callable:
@@ -110,13 +149,14 @@ def in_seq_mesh(fn: Callable, mesh: Mesh) -> Callable:
 def check_batch_sizes(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
   """Stops with one clear message when a batch cannot be split over devices and hosts."""
   data = mesh.shape[DATA]
-  procs = jax.process_count()
+  procs = row_group(mesh)[1] if jax.process_count() > 1 else 1
   for name, size in (("batch_size", cfg.batch_size),
                      ("eval_batch_size", cfg.eval_batch_size or cfg.batch_size)):
     if size < 1 or size % data or size % procs:
       raise ValueError(
           f"config.{name}={size} is not divisible by the {data} device(s) of the data axis "
-          f"({jax.device_count()} devices, mesh.model={cfg.mesh.model}, {procs} process(es)); "
+          f"({jax.device_count()} devices, mesh.model={cfg.mesh.model}, {procs} process(es) "
+          "reading different rows); "
           f"use a multiple of {np.lcm(data, procs)}.")
   accum = cfg.grad_accum_steps
   if accum < 1 or (cfg.batch_size // data) % accum:
@@ -149,35 +189,70 @@ def _path_str(path) -> str:
   return "/".join(parts)
 
 
+def position_rules() -> tuple:
+  """Rules ``(regex, spec)`` that put every parameter indexed by absolute position (a scheme's
+  ``position_params``, e.g. the learned absolute table ``[max_length, D]``) on the "seq" axis
+  along its position axis: with the sequence split over "seq", device p holds the rows of its
+  own block of positions, and so do the gradient and the optimizer moments."""
+  rules = []
+  for name, cls in positional.SCHEMES.items():
+    for param, (rank, axis) in getattr(cls, "position_params", {}).items():
+      spec = [None] * rank
+      spec[axis] = SEQ
+      rules.append((rf"(^|/)pos_{re.escape(name)}(_shared)?/{re.escape(param)}$", tuple(spec)))
+  return tuple(rules)
+
+
 def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
   """NamedShardings for a tree of arrays / ShapeDtypeStructs by ``config.mesh.rules``.
 
   A rule ``(regex, spec)`` applies to leaves whose "/"-joined path matches ``regex``
   (``re.search``) and whose rank equals ``len(spec)``; every sharded dimension must be
   divisible by its mesh axis. Unmatched leaves (and optimizer moments of unmatched
-  parameters) are replicated.
+  parameters) are replicated. With a "seq" axis (``mesh.seq`` > 1) the ``position_rules``
+  follow the configured ones: position tables are split over "seq" where their length
+  divides (a table one row longer than the sequence, for a CLS token, stays replicated and a
+  warning says so).
   """
   compiled = [(re.compile(regex), tuple(spec)) for regex, spec in rules]
+  positions = ([(re.compile(regex), spec) for regex, spec in position_rules()]
+               if seq_size(mesh) > 1 else [])
+
+  def divisible(leaf, spec) -> bool:
+    return all(axis is None or dim % mesh.shape[axis] == 0
+               for dim, axis in zip(np.shape(leaf), spec))
 
   def one(path, leaf):
     name = _path_str(path)
     for regex, spec in compiled:
       if regex.search(name) and len(spec) == np.ndim(leaf):
-        for dim, axis in zip(np.shape(leaf), spec):
-          if axis is not None and dim % mesh.shape[axis]:
-            raise ValueError(f"sharding rule {regex.pattern!r}: {name} has shape "
-                             f"{np.shape(leaf)}, not divisible by mesh axis {axis!r} of size "
-                             f"{mesh.shape[axis]}.")
+        if not divisible(leaf, spec):
+          axis = next(a for d, a in zip(np.shape(leaf), spec) if a and d % mesh.shape[a])
+          raise ValueError(f"sharding rule {regex.pattern!r}: {name} has shape "
+                           f"{np.shape(leaf)}, not divisible by mesh axis {axis!r} of size "
+                           f"{mesh.shape[axis]}.")
         return NamedSharding(mesh, P(*spec))
+    for regex, spec in positions:
+      found = regex.search(name)
+      if found and len(spec) == np.ndim(leaf):
+        if divisible(leaf, spec):
+          return NamedSharding(mesh, P(*spec))
+        unsplit.add(f"{found.group(0).lstrip('/')} {np.shape(leaf)}")
     return NamedSharding(mesh, P())
 
-  return jax.tree_util.tree_map_with_path(one, tree)
+  unsplit = set()
+  out = jax.tree_util.tree_map_with_path(one, tree)
+  if unsplit:
+    logging.warning("not divisible by mesh.seq=%d, so replicated on every device: %s",
+                    seq_size(mesh), ", ".join(sorted(unsplit)))
+  return out
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
   """This process's rows -> one global array per field, sharded over the data axis (and the
-  token arrays ``[B, N, ...]`` along N over "seq" when the mesh has that axis)."""
-  procs = jax.process_count()
+  token arrays ``[B, N, ...]`` along N over "seq" when the mesh has that axis). The processes
+  of a row group (``row_group``) pass the same whole rows; each device takes its blocks."""
+  procs = row_group(sharding.mesh)[1] if jax.process_count() > 1 else 1
   tokens = NamedSharding(sharding.mesh, P(DATA, SEQ)) if seq_size(sharding.mesh) > 1 else None
 
   def one(x):

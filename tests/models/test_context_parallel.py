@@ -5,8 +5,11 @@ each case the attention layer or the whole model runs once unsplit and once unde
 (data=1, seq=4), inputs sharded along the sequence, and the subprocess prints the relative
 error of the output and the worst over every parameter gradient (float64 activations and
 parameters, held to 1e-9). Padding is on in every case; the CLS case has N + 1 positions,
-which the layer pads to a multiple of 4. A 3-step training run with mesh.seq=2, mesh.data=2
-is compared with the same run on 1 device. Configuration-time rejections run in process.
+which the layer pads to a multiple of 4. Under the mesh the parameters take the trainer's
+shardings (``tree_shardings``): a learned absolute table is split over "seq", and its
+gradient comes back split. A 3-step training run with mesh.seq=2, mesh.data=2 (its absolute
+table and Adam moments split over "seq") is compared with the same run on 1 device.
+Configuration-time rejections run in process.
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ MODEL_CASES = [
     ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
     # Two layers under nn.scan with nn.remat: shard_map inside the scanned, rematted body.
     ("lm_elu1_fastrpb_scan_remat", "model_scan", "elu1", "fastrpb", True, "mean"),
+    ("classify_sikf_absolute_fastrpb", "model", "sikf", "absolute+fastrpb", False, "mean"),
 ]
+TABLE = "pos_absolute']['table']"  # the learned absolute table's path (jax keystr)
 TRAIN_OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
                    "checkpoint_every_steps": 3, "optimizer.eps": 1e-4,
-                   "model.kernel": "sikf", "model.positional": "fastrpb,rope"}
+                   "model.kernel": "sikf", "model.positional": "absolute,fastrpb,rope",
+                   "model.pooling": "mean"}
 
 
 def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
@@ -69,6 +75,23 @@ def matrix_cases():
           if not _incompatible(k, s, causal)]
 
 
+def table_specs(tree) -> dict[str, list]:
+  """{path: [global shape, shape on one device]} of the absolute tables in ``tree``
+  (parameters, gradients, moments)."""
+  out = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    name = jax.tree_util.keystr(path)
+    if TABLE in name:
+      out[name] = [list(x.shape), list(x.sharding.shard_shape(x.shape))]
+  return out
+
+
+def split_along_positions(specs: dict, devices: int) -> bool:
+  """Every table of ``specs`` (``table_specs``) holds 1/devices of the rows on each device."""
+  return all(local == [rows // devices, d] and rows % devices == 0
+             for (rows, d), local in specs.values())
+
+
 def run_cases(cases) -> dict[str, dict[str, float]]:
   """Runs in the subprocess: {case: {"out": rel err, "grad": worst rel err over leaves}}."""
   import jax.numpy as jnp
@@ -76,6 +99,7 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
   from jax.sharding import PartitionSpec as P
 
   from fastpos.models import Attention, attention_config
+  from fastpos.train.sharding import tree_shardings
   from tests.helpers import rel_err
   from tests.models.test_models import _batch
 
@@ -118,18 +142,23 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
     (_, out0), g0 = step(variables, inputs)
     with jax.set_mesh(mesh):
       split = jax.device_put(inputs, NamedSharding(mesh, P("data", "seq")))
-      (_, out1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables, split)
+      placed = jax.device_put(variables, tree_shardings(variables, mesh, ()))
+      (_, out1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed, split)
     grads = [rel_err(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))]
-    results[name] = {"out": rel_err(out1, out0), "grad": max(grads), "leaves": len(grads)}
+    results[name] = {"out": rel_err(out1, out0), "grad": max(grads), "leaves": len(grads),
+                     "table_specs": table_specs({"param": placed, "grad": g1})}
   return results
 
 
 def run_training(out: str) -> dict:
-  """Runs in the subprocess: 3 steps with mesh.seq=2, mesh.data=2; its metrics and params."""
+  """Runs in the subprocess: 3 steps with mesh.seq=2, mesh.data=2; its metrics, params and
+  the shardings of the absolute table and its Adam moments."""
   r = train_and_evaluate(tiny_config(**TRAIN_OVERRIDES, **{"mesh.seq": 2}), out + "/run")
   leaves = jax.tree.leaves(r["state"].params)
   np.savez(out + "/params.npz", *[np.asarray(x) for x in leaves])
-  return {"train": r["train"], "validation": r["validation"]}
+  state = {"params": r["state"].params, "opt_state": r["state"].opt_state}
+  return {"train": r["train"], "validation": r["validation"],
+          "table_specs": table_specs(state)}
 
 
 _SCRIPT = """
@@ -171,6 +200,9 @@ def test_split_sequence_equals_unsplit(split_run, case):
   errs = split_run[1]["cases"][case]
   assert errs["leaves"] >= 4  # projections and the scheme's parameters all compared
   assert errs["out"] < TOL and errs["grad"] < TOL, errs
+  if "absolute" in case:  # the table and its gradient are split along positions, not copied
+    assert len(errs["table_specs"]) == 2, errs["table_specs"]
+    assert split_along_positions(errs["table_specs"], 4), errs
 
 
 def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
@@ -181,6 +213,8 @@ def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
       want = one[split][metric]
       got = result["train"][split][metric]
       assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (split, metric, got, want)
+  specs = result["train"]["table_specs"]
+  assert len(specs) == 3 and split_along_positions(specs, 2), specs
   ref = [np.asarray(x) for x in jax.tree.leaves(one["state"].params)]
   got = np.load(tmp / "params.npz")
   assert len(got.files) == len(ref) > 4

@@ -1,0 +1,330 @@
+"""A million-token train step over devices (``mesh.seq``): ``python -m fastpos.bench.million``.
+
+The trainer's train step (AdamW, dropout, the jit shardings and parameter sharding rules of
+``fastpos.train``) of the LRA Text-sized SIKF + absolute + FastRPB classifier (4 layers, width
+256, 4 heads, MLP 1024, mean pooling, batch 1, float32) at N = 1,048,576 tokens is compiled
+with the sequence split over ``--seq`` devices, and the compiled executable's
+``memory_analysis()`` read (it is per device): arguments (the train state's shards and the
+batch), temporaries (activations kept for the backward pass, gradients, FFT buffers) and the
+total (arguments + outputs + temporaries - donated aliases). Variants: the absolute table
+learned (sharded over "seq" by the trainer's position rules, or replicated as before) or
+sinusoidal (no table); each ``--remat`` policy (``model.remat``, with ``model.scan_layers``).
+
+Breakdown: the per-device bytes of each part of the train state come from its shardings; what
+each further layer adds from a compile with one layer (``(temp(L) - temp(1)) / (L - 1)``, with
+remat the activations a layer keeps); and what dominates a layer's own working set (the one
+layer whose backward runs at a time) from one-layer compiles without a part
+(``ABLATIONS``): the difference in temporaries is that part's share.
+
+Then, when ``--run`` allows and ``free`` shows enough memory (the devices x the total per
+device + 4 GiB), the first variant's step runs once on this host: state initialised on the
+devices, one call, its wall time and the process's peak resident memory (``ru_maxrss``).
+
+On a CPU host the devices are simulated (``--xla_force_host_platform_device_count``, set here
+before JAX starts). Exit 0 when the first variant fits ``--budget`` GiB per device, 1 when it
+does not, 2 for a bad flag (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import shlex
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fastpos.bench import report
+from fastpos.models import TaskInfo, build_model
+from fastpos.train import sharding as sharding_lib
+from fastpos.train.config import base_config
+from fastpos.train.state import TrainState, make_optimizer
+from fastpos.train.steps import make_train_step
+
+GIB = 2 ** 30
+# One-layer compiles without a part of the layer: model field overrides.
+ABLATIONS = {"FastRPB (ring Toeplitz product)": {"positional": "absolute"},
+             "dropout (rate 0.1 -> 0)": {"dropout_rate": 0.0},
+             "MLP hidden 1024 -> 256": {"mlp_dim": 256}}
+# Variant name -> (absolute table kind, position table sharded over "seq").
+POSITIONS = {"learned": ("learned", True), "learned-replicated": ("learned", False),
+             "sinusoidal": ("sinusoidal", True)}
+
+
+def make_config(n: int, seq: int, positions: str, remat: str | None, layers: int = 4):
+  """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``."""
+  c = base_config("synthetic")
+  c.model.update(kernel="sikf", positional="absolute,fastrpb", num_layers=layers,
+                 embed_dim=256, num_heads=4, mlp_dim=1024, dropout_rate=0.1, pooling="mean")
+  c.model.positional_options = {"absolute": {"kind": POSITIONS[positions][0]}}
+  c.model.kernel_options.num_features = 32
+  if remat is not None:
+    if "remat" not in c.model:
+      raise ValueError(f"--remat={remat!r}: this model has no model.remat field.")
+    c.model.remat = remat
+    c.model.scan_layers = True  # XLA:CPU honours a remat policy under a scan over the layers
+  c.batch_size = 1
+  c.mesh.seq = seq
+  return c
+
+
+def _shard_bytes(leaf) -> int:
+  shape = leaf.sharding.shard_shape(leaf.shape)
+  return int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+
+
+def _state_parts(state) -> dict:
+  """Per-device bytes of the train state: position table, FastRPB tables, the rest (each with
+  its optimizer moments)."""
+  parts = {"position table": 0, "fastrpb tables": 0, "other parameters": 0}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    name = sharding_lib._path_str(path)  # pylint: disable=protected-access
+    key = ("position table" if "pos_absolute/" in name else
+           "fastrpb tables" if "pos_fastrpb/" in name else "other parameters")
+    parts[key] += _shard_bytes(leaf)
+  return parts
+
+
+def build_step(cfg, n: int):
+  """(jitted step, abstract state, abstract batch, abstract rng, init fn) of ``cfg`` at ``n``."""
+  seq = cfg.mesh.seq
+  task = TaskInfo("classify", 257, 2, n)
+  model = build_model(cfg.model, task)
+  mesh = sharding_lib.make_mesh(cfg, jax.devices()[:seq])
+  sharding_lib.check_seq_split(mesh, n, model)
+  tx = make_optimizer(cfg)
+
+  def init(rng):
+    variables = model.init({"params": rng, "dropout": rng, "features": rng},
+                           {"inputs": jnp.ones((1, n), jnp.int32)}, train=False)
+    params = variables.pop("params")
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params), collections=dict(variables))
+
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  state_sharding = sharding_lib.tree_shardings(abstract, mesh, cfg.mesh.rules)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       abstract, state_sharding)
+  tokens = NamedSharding(mesh, P(sharding_lib.DATA, sharding_lib.SEQ))
+  rows = sharding_lib.batch_sharding(mesh)
+  batch = {"inputs": jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens),
+           "mask": jax.ShapeDtypeStruct((1, n), jnp.bool_, sharding=tokens),
+           "weight": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rows),
+           "targets": jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rows)}
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding_lib.replicated(mesh))
+  step = jax.jit(sharding_lib.in_seq_mesh(make_train_step(model, tx, task.kind), mesh),
+                 in_shardings=(state_sharding, sharding_lib.batch_in_sharding(mesh),
+                               sharding_lib.replicated(mesh)),
+                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
+                 donate_argnums=0)
+  init_fn = jax.jit(init, out_shardings=state_sharding)
+  return step, state, batch, rng, init_fn
+
+
+def compile_step(cfg, n: int) -> dict:
+  """Compiles the train step of ``cfg`` at ``n``: per-device bytes and the compiled step."""
+  step, state, batch, rng, init_fn = build_step(cfg, n)
+  start = time.perf_counter()
+  compiled = step.lower(state, batch, rng).compile()
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+           - m.alias_size_in_bytes)
+  return {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
+          "outputs": int(m.output_size_in_bytes), "alias": int(m.alias_size_in_bytes),
+          "total": int(total), "state": _state_parts(state), "compile_s": seconds,
+          "_run": (compiled, state, batch, init_fn)}
+
+
+def available_bytes() -> int:
+  """MemAvailable of /proc/meminfo (0 where it cannot be read)."""
+  try:
+    with open("/proc/meminfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def run_once(compiled, state, batch, init_fn, n: int) -> dict:
+  """Initialises the state on the devices and runs the compiled step once: wall seconds of
+  the step, the loss, and the process's peak resident memory."""
+  start = time.perf_counter()
+  real = init_fn(jax.random.key(0))
+  jax.block_until_ready(real)
+  init_s = time.perf_counter() - start
+  rng_np = np.random.default_rng(0)
+  host = {"inputs": rng_np.integers(1, 257, (1, n), dtype=np.int32),
+          "mask": np.ones((1, n), bool), "weight": np.ones((1,), np.float32),
+          "targets": np.zeros((1,), np.int32)}
+  data = {k: jax.device_put(v, batch[k].sharding) for k, v in host.items()}
+  rng = jax.device_put(jax.random.key_data(jax.random.key(1)), state.step.sharding)
+  start = time.perf_counter()
+  new_state, metrics = compiled(real, data, rng)
+  jax.block_until_ready((new_state, metrics))
+  step_s = time.perf_counter() - start
+  metrics = {k: float(np.asarray(v[0]) / np.asarray(v[1])) for k, v in metrics.items()}
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"init_s": init_s, "step_s": step_s, "peak_rss": int(peak), "metrics": metrics}
+
+
+def _gib(nbytes: float) -> str:
+  return f"{nbytes / GIB:,.2f} GiB"
+
+
+def _parse(argv):
+  prog = "python -m fastpos.bench.million"
+  parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+  parser.add_argument("--length", type=int, default=2 ** 20, help="tokens per sequence")
+  parser.add_argument("--seq", type=int, default=8, help="mesh.seq (devices)")
+  parser.add_argument("--positions", default="learned,learned-replicated,sinusoidal",
+                      help=f"variants, comma-separated: {', '.join(POSITIONS)}")
+  parser.add_argument("--remat", default="", help="model.remat policies, comma-separated "
+                      "(each with the first --positions variant); empty: none")
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--breakdown", type=int, default=1,
+                      help="1: compile the first variant with one layer too (per-layer bytes)")
+  parser.add_argument("--budget", type=float, default=2.5, help="goal, GiB per device")
+  parser.add_argument("--run", default="auto", choices=("auto", "never", "always"),
+                      help="run the first variant's step once (auto: if free memory allows)")
+  parser.add_argument("--out", default="", help="folder for million.md / .json")
+  args = parser.parse_args(argv)
+  positions = [p.strip() for p in args.positions.split(",") if p.strip()]
+  for p in positions:
+    if p not in POSITIONS:
+      raise ValueError(f"--positions: unknown variant {p!r}; valid choices: "
+                       f"{', '.join(POSITIONS)}.")
+  if not positions:
+    raise ValueError(f"--positions is empty; valid choices: {', '.join(POSITIONS)}.")
+  if args.seq < 2 or args.length < args.seq or args.length % args.seq:
+    raise ValueError(f"--seq={args.seq} must be >= 2 and divide --length={args.length}.")
+  if args.layers < 2:
+    raise ValueError(f"--layers={args.layers} must be >= 2 (the breakdown compiles 1).")
+  remat = [r.strip() for r in args.remat.split(",") if r.strip()]
+  return prog, args, positions, remat
+
+
+def _variants(positions, remat):
+  """[(label, positions, remat, table replicated)], the first one the headline."""
+  out = []
+  for r in remat:
+    out.append((f"{positions[0]}, remat={r} (scanned layers)", positions[0], r))
+  for p in positions:
+    out.append((f"{p}, no remat" if remat else p, p, None))
+  return out
+
+
+def main(argv=None) -> int:
+  try:
+    prog, args, positions, remat = _parse(argv)
+  except ValueError as e:
+    print(f"python -m fastpos.bench.million: {e}", file=sys.stderr)
+    return 2
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.seq}"
+  if jax.device_count() < args.seq:
+    print(f"{prog}: --seq needs {args.seq} devices; {jax.device_count()} visible.",
+          file=sys.stderr)
+    return 2
+  n = args.length
+  results = {}
+  try:
+    for label, pos, r in _variants(positions, remat):
+      cfg = make_config(n, args.seq, pos, r, args.layers)
+      if not POSITIONS[pos][1]:
+        cfg.mesh.rules = ((r"pos_absolute/table$", (None, None)),)  # the old replication
+      res = compile_step(cfg, n)
+      results[label] = res
+      print(f"{label}: temp {_gib(res['temp'])}, arguments {_gib(res['arguments'])}, total "
+            f"{_gib(res['total'])} per device (compiled in {res['compile_s']:.0f} s)",
+            flush=True)
+  except ValueError as e:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return 2
+  head_label, head_pos, head_remat = _variants(positions, remat)[0]
+  head = results[head_label]
+  per_layer, parts = None, {}
+  if args.breakdown:
+    cfg = make_config(n, args.seq, head_pos, head_remat, 1)
+    one = compile_step(cfg, n)
+    one.pop("_run")
+    per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
+    results["one layer"] = one
+    print(f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
+          f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)", flush=True)
+    for part, fields in ABLATIONS.items():
+      cfg = make_config(n, args.seq, head_pos, head_remat, 1)
+      cfg.model.update(fields)
+      r = compile_step(cfg, n)
+      parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}
+      print(f"one layer without {part}: temp {_gib(r['temp'])}", flush=True)
+
+  run, why = None, ""
+  need = args.seq * head["total"] + 4 * GIB
+  avail = available_bytes()
+  if args.run == "never":
+    why = "not run (--run=never)"
+  elif args.run == "auto" and avail < need:
+    why = (f"not run: {_gib(avail)} available, the run needs {args.seq} x "
+           f"{_gib(head['total'])} + 4 GiB = {_gib(need)}")
+  else:
+    run = run_once(*head["_run"], n)
+    why = (f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
+           f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
+           f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}")
+  print(why, flush=True)
+  for r in results.values():
+    r.pop("_run", None)
+
+  ok = head["total"] <= args.budget * GIB
+  command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
+  lines = [f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+           f"{jax.__version__}, {time.strftime('%Y-%m-%d')})", "",
+           f"N = {n:,} tokens over mesh.seq = {args.seq} devices ({n // args.seq:,} each), "
+           "per device:", "",
+           "| variant | position table + moments | other state | temp | total | compile |",
+           "|---|---|---|---|---|---|"]
+  for label, r in results.items():
+    if label == "one layer":
+      continue
+    s = r["state"]
+    lines.append(f"| {label} | {_gib(s['position table'])} | "
+                 f"{_gib(s['fastrpb tables'] + s['other parameters'])} | {_gib(r['temp'])} | "
+                 f"{_gib(r['total'])} | {r['compile_s']:.0f} s |")
+  if per_layer is not None:
+    tokens = n / args.seq
+    one = results["one layer"]["temp"]
+    lines += ["", f"Breakdown of {head_label}: each further layer adds {_gib(per_layer)} per "
+              f"device ({per_layer / tokens / 1024:.1f} KiB per token: temp with "
+              f"{args.layers} layers minus temp with 1, over {args.layers - 1}); the step with "
+              f"one layer has {_gib(one)} of temporaries ({one / tokens / 1024:.1f} KiB per "
+              "token), of which:", "",
+              "| part of the layer | one-layer temp without it | its share | per token |",
+              "|---|---|---|---|"]
+    for part, r in parts.items():
+      lines.append(f"| {part} | {_gib(r['temp'])} | {_gib(r['share'])} | "
+                   f"{r['share'] / tokens / 1024:.1f} KiB |")
+  lines += ["", f"Run: {why}.", "",
+            f"- {'PASS' if ok else 'FAIL'}: {head_label}: {_gib(head['total'])} per device "
+            f"(goal <= {args.budget:g} GiB)"]
+  table = "\n".join(lines)
+  print(table)
+  report.write(args.out, "million", table, {"memory": results, "per_layer": per_layer,
+                                            "parts": parts,
+                                            "run": run, "run_note": why, "args": vars(args),
+                                            "pass": ok})
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
