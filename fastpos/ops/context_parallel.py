@@ -256,15 +256,16 @@ class _Split:
 
 
 def _causal(fq, fk, vals, chunk: int, log_decay, axis_name):
-  """Causal (num, den) of the block: the chunked path entered with the state of the earlier
-  blocks' keys. Block q's state weighs its key j by r^(n - j) (toward the next block's start);
-  the exclusive scan over devices then gives the state at this block's start, weighted
-  r^(p n - J) for a key at global position J, the carry the chunked path expects."""
-  n = fk.shape[1]
+  """Causal (num, den) of the block, head-major as ``attn._causal_chunked``: the chunked path
+  entered with the state of the earlier blocks' keys. Block q's state weighs its key j by
+  r^(n - j) (toward the next block's start); the exclusive scan over devices then gives the
+  state at this block's start, weighted r^(p n - J) for a key at global position J, the carry
+  the chunked path expects."""
+  n = fk.shape[2]  # head-major [b, h, n, .]
   k_w = fk
   if log_decay is not None:
-    dist = (n - jnp.arange(n, dtype=fk.dtype))[:, None]
-    k_w = fk * jnp.exp(log_decay[None, :] * dist)[None, :, :, None]
+    dist = (n - jnp.arange(n, dtype=fk.dtype))[None, :]
+    k_w = fk * jnp.exp(log_decay[:, None] * dist)[None, :, :, None]
   scan = functools.partial(exclusive_scan, axis_name=axis_name, log_decay=log_decay, block=n)
-  init = (scan(jnp.einsum("bjhm,bjhd->bhmd", k_w, vals)), scan(jnp.sum(k_w, axis=1)))
+  init = (scan(jnp.einsum("bhjm,bhjd->bhmd", k_w, vals)), scan(jnp.sum(k_w, axis=2)))
   return attn._causal_chunked(fq, fk, vals, chunk, log_decay, init=init)

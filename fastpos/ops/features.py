@@ -451,6 +451,41 @@ def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int
   return kernel.out_dim(dim, num_features, nu)
 
 
+def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1,
+                     eps: float = 1e-6):
+  """The causal keys' features split for ``linear_attention(key_log_scale=, key_eps=)``.
+
+  Returns ``(e [b, l, h, m], log_scale [b, l, h], key_eps)`` with
+  ``e * exp(log_scale) + key_eps == feature_map(name, x, causal=True, mask=mask)`` in exact
+  arithmetic, where ``e`` is bounded (each token's largest feature is 1, or 1/sqrt(m)) and
+  ``log_scale`` carries the rest: for ``sikf``, ``favor``, ``orf`` the token's own max minus
+  the first real key's (the causal stabiliser of ``_stabilizer``), for ``prf`` the token's
+  max. The op then keeps a running maximum of ``log_scale``, so a late key far larger than the
+  first one no longer overflows ``exp``. Other maps: ``log_scale = 0``, ``key_eps = 0``.
+  ``eps``: favor's / orf's eps (their default). Scales sit behind stop_gradient except through
+  ``e``'s own exponent, so gradients equal those of the features.
+  """
+  kernel = _feature_kernel(name)
+  _check_x(x)
+  _check_mask(mask, x)
+  if name in ("sikf", "favor", "orf", "prf"):
+    if name == "sikf":
+      z = _upcast(x)
+    else:
+      _check_projection(projection, x, name)
+      z = _prf_exponent(x, projection)
+    top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # [b, l, h, 1]
+    e = jnp.exp(z - top)
+    if name != "sikf":
+      e = e / math.sqrt(z.shape[-1])
+    log_scale = top[..., 0]
+    if name != "prf":
+      log_scale = log_scale - _stabilizer(z, is_query=False, mask=mask, causal=True)[..., 0]
+    return e, log_scale, (eps if name in ("favor", "orf") else 0.0)
+  e = kernel.phi(x, projection, False, mask, nu, True)
+  return e, jnp.zeros(e.shape[:3], e.dtype), 0.0
+
+
 def needs_projection(name: str) -> bool:
   """Whether ``name`` is a random-feature map that needs a projection (``make_projection``)."""
   return get_kernel(name).needs_projection

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.ops import attention
+from fastpos.ops import attention, features
 from tests.helpers import assert_causal_jacobian, rel_err
 
 LENGTHS = (1, 2, 7, 64, 257, 1000)
@@ -127,17 +127,25 @@ def test_linear_attention_gradients_match_dense(causal, use_rpe):
     assert rel_err(a, b) < 1e-9
 
 
-@pytest.mark.parametrize("causal, grid", [(False, None), (True, None), (True, (3, 5))])
-def test_rpe_feature_groups_match_dense(monkeypatch, causal, grid):
-  """The rpe product runs over groups of features (here 5 features in 3 groups of 2, one
-  zero-padded): outputs and gradients of every input equal the dense reference."""
+@pytest.fixture
+def rpe_fft_path(monkeypatch):
+  """Kernelized RPE on its FFT path at any length (it runs densely up to
+  ``_RPE_DENSE_UP_TO``), in groups of one feature. Functions traced under it must be jitted
+  inside the test (a shared jit would keep the path it was first traced with)."""
+  monkeypatch.setattr(attention, "_RPE_DENSE_UP_TO", 0)
+  monkeypatch.setattr(attention, "_RPE_GROUP_BYTES", 1)
+
+
+@pytest.mark.parametrize("causal, grid, masked", [(False, None, True), (True, None, True),
+                                                  (True, (3, 5), True), (False, (3, 5), False)])
+def test_rpe_fft_path_matches_dense(rpe_fft_path, causal, grid, masked):
+  """The FFT path (one loop step per head and feature, custom backward): outputs and the
+  gradients of every input, the table included, equal the dense reference in float64."""
   n, heads = 15, 2
   pq, pk, v, rng = _inputs(n, heads, seed=9)
   shape = (heads, 2 * n - 1) if grid is None else (heads, 2 * grid[0] - 1, 2 * grid[1] - 1)
   rpe = np.exp(rng.normal(size=shape))
-  mask, probe = _mask(2, n, 11), rng.normal(size=v.shape)
-  per_feature = 2 * heads * n * (v.shape[-1] + 1) * 8
-  monkeypatch.setattr(attention, "_RPE_GROUP_BYTES", 2 * per_feature)
+  mask, probe = _mask(2, n, 11) if masked else None, rng.normal(size=v.shape)
 
   def loss(fn, *args):
     return jnp.sum(fn(*args[:3], mask=mask, causal=causal, rpe=args[3], grid=grid) * probe)
@@ -147,6 +155,30 @@ def test_rpe_feature_groups_match_dense(monkeypatch, causal, grid):
   assert rel_err(grads[0][0], grads[1][0]) < 1e-9
   for a, b in zip(grads[0][1], grads[1][1]):
     assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_rpe_dense_path_float32_n2048(causal):
+  """The dense path (lengths up to _RPE_DENSE_UP_TO) in float32 against float64."""
+  n, heads = attention._RPE_DENSE_UP_TO, 2
+  pq, pk, v, rng = _inputs(n, heads, m=4, d=4, seed=5)
+  pq, pk, v = pq[:1], pk[:1], v[:1]
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  ref = linear_dense(pq, pk, v, causal=causal, rpe=rpe)
+  f32 = lambda a: a.astype(np.float32)
+  out = linear_fast(f32(pq), f32(pk), f32(v), causal=causal, rpe=f32(rpe))
+  assert rel_err(out, ref) < 1e-4
+
+
+def test_rpe_fft_path_never_sees_the_future(rpe_fft_path):
+  n, heads = 12, 2
+  pq, pk, v, rng = _inputs(n, heads, seed=6)
+  pq, pk, v = pq[:1], pk[:1], v[:1]
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  fn = lambda a, b, c: attention.linear_attention(a, b, c, causal=True, rpe=rpe)[0]
+  for argnum in range(3):
+    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, pk, v)
+    assert_causal_jacobian(jac, n, in_axis=4, rtol=FFT_ROUNDOFF)
 
 
 @pytest.mark.parametrize("use_rpe, grid, n", [(False, None, 12), (True, None, 12),
@@ -292,3 +324,86 @@ _X = jnp.ones((2, 5, 3, 4))
 def test_bad_input_raises_before_compute(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys with a separate log scale (the running maximum of the causal scan)
+# ---------------------------------------------------------------------------------------------
+def _scaled_inputs(n, heads, seed):
+  pq, e, v, rng = _inputs(n, heads, seed=seed)
+  return pq, e, v, 3.0 * rng.normal(size=e.shape[:3]), rng
+
+
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("key_eps", (0.0, 0.3))
+def test_key_log_scale_matches_dense_float64(causal, key_eps):
+  n, heads = 37, 2
+  pq, e, v, s, rng = _scaled_inputs(n, heads, 11)
+  mask, probe = _mask(2, n, 30), rng.normal(size=v.shape)
+  fast = lambda q, k, vv, ls: attention.linear_attention(
+      q, k, vv, mask=mask, causal=causal, key_log_scale=ls, key_eps=key_eps, chunk_size=8)
+  dense = lambda q, k, vv, ls: attention.linear_attention_reference(
+      q, k * jnp.exp(ls)[..., None] + key_eps, vv, mask=mask, causal=causal)
+  got = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a) * probe), argnums=(0, 1, 2, 3)))(
+      pq, e, v, s) for f in (fast, dense)]
+  assert rel_err(got[0][0], got[1][0]) < 1e-9
+  for a, b in zip(got[0][1], got[1][1]):
+    assert rel_err(a, b) < 1e-9
+
+
+def test_key_log_scale_never_sees_the_future():
+  n, heads = 12, 2
+  pq, e, v, s, _ = _scaled_inputs(n, heads, 12)
+  pq, e, v, s = pq[:1], e[:1], v[:1], s[:1]
+  fn = lambda a, b, c, d: attention.linear_attention(a, b, c, causal=True, key_log_scale=d,
+                                                     key_eps=0.1, chunk_size=5)[0]
+  for argnum in range(4):
+    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, e, v, s)
+    assert_causal_jacobian(jac, n, in_axis=4)
+
+
+@pytest.mark.parametrize("name", ("favor", "sikf"))
+def test_late_huge_key_does_not_overflow_the_running_max(name):
+  """Causal keys at N = 4096 with one late key whose exponent is about 128 above the first
+  key's: the first-key stabiliser overflows float32 (inf features); the split features with
+  the running maximum match the float64 dense reference."""
+  n, heads, dim = 4096, 2, 256
+  rng = np.random.default_rng(13)
+  proj = rng.normal(size=(16, dim)) if name == "favor" else None
+  x = rng.normal(size=(1, n, heads, dim)) * 0.02
+  # favor: x = w_0 gives w.x - |x|^2/2 = |w_0|^2 / 2 ~ dim / 2; sikf: a large entry.
+  x[:, 3000] = proj[0] if name == "favor" else 128.0
+  v = rng.normal(size=(1, n, heads, 4))
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+  q = features.feature_map(name, f32(x), projection=f32(proj), is_query=True)
+  old = features.feature_map(name, f32(x), projection=f32(proj), causal=True)
+  assert not np.all(np.isfinite(np.asarray(old)))  # the scheme this replaces overflows here
+  e, s, key_eps = features.causal_key_parts(name, f32(x), projection=f32(proj))
+  out = attention.linear_attention(q, e, f32(v), causal=True, key_log_scale=s,
+                                   key_eps=key_eps)
+  e64, s64, _ = features.causal_key_parts(name, x, projection=proj)
+  ref = linear_dense(np.asarray(q, np.float64), e64 * jnp.exp(s64)[..., None] + key_eps, v,
+                     causal=True)
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("name", ("sikf", "favor", "orf", "prf", "elu1"))
+def test_causal_key_parts_equal_the_causal_features(name):
+  rng = np.random.default_rng(14)
+  x = rng.normal(size=(2, 9, 2, 4))
+  mask = _mask(2, 9, 6)
+  mask[0, :2] = False  # a left-padded row: the first real key sets the stabiliser
+  proj = features.make_projection(name, jax.random.key(0), 8, 4, dtype=jnp.float64)
+  e, s, key_eps = features.causal_key_parts(name, x, projection=proj, mask=mask)
+  want = features.feature_map(name, x, projection=proj, mask=mask, causal=True)
+  assert rel_err(e * jnp.exp(s)[..., None] + key_eps, want) < 1e-12
+
+
+def test_key_log_scale_refuses_what_is_not_built():
+  x = jnp.ones((1, 4, 2, 3))
+  with pytest.raises(ValueError, match="key_log_scale must be"):
+    attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4)))
+  with pytest.raises(ValueError, match="not built together with rpe"):
+    attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4, 2)),
+                               rpe=jnp.ones((2, 7)))
