@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # at run time this package imports numpy only (scripts/downlo
 # name -> "module:Class", imported on use (a task's module may pull in heavy readers).
 TASK_MODULES = {
     "synthetic": "fastpos.tasks.synthetic:SyntheticTask",
-    "listops": "fastpos.tasks.listops_task:ListOpsTask",
+    "listops": "fastpos.tasks.listops:ListOpsTask",
     "lra_text": "fastpos.tasks.text:TextTask",
     "lra_image": "fastpos.tasks.image:LraImageTask",
     "mnist": "fastpos.tasks.image:MnistTask",

@@ -1,12 +1,12 @@
-"""ListOps data: vocabulary, reference evaluator, seeded generator, LRA TSV reader, splits.
+"""LRA ListOps: vocabulary, reference evaluator, seeded generator, LRA TSV reader, the task.
 
 ListOps (Nangia & Bowman 2018) in the Long Range Arena's long form (Tay et al. 2021): nested
 prefix expressions over the digits 0-9 with ``[MIN``, ``[MAX``, ``[MED`` (LRA's
 ``int(np.median(args))``: ``[MED 2 5 ]`` is 3) and ``[SM`` (sum modulo 10), each closed by
-``]``; the label is the expression's value (10 classes). The task wrapper is
-``listops_task``; ``load_split`` here reads either ``generate``'s seeded draws from LRA's tree
-distribution or the LRA release's TSVs (``python scripts/download_data.py listops``; in
-``tsv_dir(DIR)`` = ``DIR/lra_release/listops-1000/``, 96,000 / 2,000 / 2,000 rows).
+``]``; the label is the expression's value (10 classes). ``load_split`` reads either ``generate``'s
+seeded draws from LRA's tree distribution or the LRA release's TSVs (``python
+scripts/download_data.py listops``; in ``tsv_dir(DIR)`` = ``DIR/lra_release/listops-1000/``,
+96,000 / 2,000 / 2,000 rows); ``ListOpsTask`` maps ``config.task`` onto it for the trainer.
 
 The release writes each expression as LRA's binary tuple tree, every pair in parentheses::
 
@@ -26,10 +26,12 @@ import json
 import os
 from typing import Iterator, Sequence
 
+import ml_collections
 import numpy as np
 from absl import logging
 
-from fastpos.tasks import paths
+from fastpos.tasks import base, paths
+from fastpos.tasks.info import TaskInfo
 
 PAD = "<pad>"
 DIGITS = tuple(str(d) for d in range(10))
@@ -641,3 +643,61 @@ def _load_cache(path: str, key: dict, split: str) -> dict[str, np.ndarray]:
   if int(stored["num_truncated"]):
     _warn_truncated(int(stored["num_truncated"]), inputs.shape[0], key["max_length"], split)
   return {"inputs": inputs, "targets": targets}
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer task
+# ---------------------------------------------------------------------------------------------
+class ListOpsTask(base.Task):
+  """LRA ListOps (Tay et al. 2021, Sec. 3.1; Nangia & Bowman 2018): classify the value 0..9.
+
+  ``config.task.data_dir`` is the data root (``fastpos.tasks.paths``; "" =
+  ``$FASTPOS_DATA_DIR``, else ``~/fastpos_data``). With ``source="tsv"`` the files are read from
+  ``<root>/lra_release/listops-1000/basic_{train,val,test}.tsv``, which ``python
+  scripts/download_data.py listops --data_dir <root>`` fetches (the LRA release archive, ~7 GB,
+  shared with lra_retrieval and pathfinder). The generated source reads nothing.
+  """
+  task_name = "listops"
+
+  @classmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = cls.task_name
+    # "generated": the project's own generator (deterministic from `seed`); "tsv": the LRA
+    # release (basic_train.tsv, basic_val.tsv, basic_test.tsv) under the data root.
+    c.source = "generated"
+    # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data); source="tsv"
+    # reads <root>/lra_release/listops-1000/basic_{train,val,test}.tsv.
+    c.data_dir = ""
+    c.cache_dir = ""  # where generated / tokenised splits are cached ("" = no cache)
+    c.max_length = 2000  # padded length (LRA: 2000)
+    c.min_length = 500  # shortest generated expression in tokens (LRA: 500)
+    # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
+    c.num_train = 0
+    c.num_validation = 0
+    c.num_test = 0
+    c.seed = 0  # generator seed (independent of the training seed)
+    c.on_overflow = "truncate"  # longer expressions: "truncate" or "error"
+    # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]` is
+    # a token and the parentheses are dropped).
+    c.parens = False
+    return c
+
+  @classmethod
+  def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
+    return TaskInfo(kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES,
+                    max_length=cfg.max_length)
+
+  def load_split(self, split: str) -> dict[str, np.ndarray]:
+    cfg = self.cfg
+    n = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}[split]
+    folder = None
+    if cfg.source == "tsv":
+      folder = tsv_dir(cfg.data_dir or None)
+      paths.require(self.task_name, os.path.join(folder, TSV_FILES[split]),
+                    cfg.data_dir or None, "an LRA ListOps file")
+    data = load_split(
+        split, source=cfg.source, max_length=cfg.max_length, data_dir=folder,
+        num_examples=n, seed=cfg.seed, min_length=cfg.min_length,
+        cache_dir=cfg.cache_dir or None, on_overflow=cfg.on_overflow, parens=cfg.parens)
+    return {"inputs": data["inputs"], "targets": data["targets"]}

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from fastpos.tasks import download as download_data
 from fastpos.tasks import paths
 from fastpos.train import cli, errors
 from fastpos.train import workdir as workdir_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-import download_data  # noqa: E402
 import sweep  # noqa: E402
 
 sys.path.remove(str(ROOT / "scripts"))

@@ -1,6 +1,7 @@
-"""scripts/download_data.py without network: arguments, the plan (--dry_run / --list), checksum
-verification, resumable .part files, unpacking of tiny tar.gz / zip fixtures served by file://
-URLs, and the tasks reading what it unpacked (with a 2-step ListOps run on it).
+"""fastpos.tasks.download (scripts/download_data.py) without network: arguments, the plan
+(--dry_run / --list), checksum verification, resumable .part files, unpacking of tiny tar.gz /
+zip fixtures served by file:// URLs, and the tasks reading what it unpacked (with a 2-step
+ListOps run on it).
 
 The LRA fixture archive nests its folders as ``lra_release/lra_release/<folder>/`` (one of the
 prefixes reported for the real archive) and holds a folder no task asks for.
@@ -21,11 +22,10 @@ import zipfile
 import numpy as np
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "scripts")
-sys.path.insert(0, SCRIPTS)
+from fastpos.tasks import download as dd
 
-import download_data as dd  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 TESTDATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testdata")
 LISTOPS_TSV = os.path.join(TESTDATA, "listops", "lra_release", "listops-1000")
@@ -358,16 +358,16 @@ def test_tfds_without_tensorflow_says_how_to_install(tmp_path, monkeypatch):
   assert f"--data_dir {tmp_path / 'root'}" in msg
 
 
-def test_script_imports_no_jax(tmp_path):
-  # The script must run in the separate tfds environment (numpy, no jax / flax /
+def test_module_imports_no_jax(tmp_path):
+  # The downloader must run in the separate tfds environment (numpy, no jax / flax /
   # ml_collections): --help, --list, the plan and a real fetch + unpack import only
-  # fastpos.tasks.paths and what it needs.
+  # fastpos.tasks.download, fastpos.tasks.paths and what they need.
   archive = str(tmp_path / "lra.tar.gz")
   make_lra_archive(archive)
   code = f"""
 import contextlib, dataclasses, io, json, sys
-sys.path.insert(0, {SCRIPTS!r})
-import download_data as dd
+sys.path.insert(0, {ROOT!r})
+from fastpos.tasks import download as dd
 with contextlib.redirect_stdout(io.StringIO()):
   try:
     dd.main(["--help"])
@@ -388,8 +388,8 @@ print(json.dumps(sorted(sys.modules)))
                                                  "absl", "grain", "orbax", "optax"}
   assert not heavy, f"download_data.py imported {sorted(heavy)}"
   assert [m for m in modules if m.startswith("fastpos")] == [
-      "fastpos", "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.info",
-      "fastpos.tasks.paths"]
+      "fastpos", "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.download",
+      "fastpos.tasks.info", "fastpos.tasks.paths"]
 
 
 # ---------------------------------------------------------------------------- end to end
