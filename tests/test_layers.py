@@ -42,14 +42,16 @@ ALLOWED = {
     "positional": {"positional", "ops"},
     "models": {"models", "positional", "ops"},
     "tasks": {"tasks"},
-    "train": {"train", "models", "positional", "ops", "tasks"},
-    "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots"},
+    "train": {"train", "models", "positional", "ops", "tasks", "config_schema"},
+    "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots",
+              "config_schema"},
     "plots": {"plots"},
+    "config_schema": {"config_schema"},  # the config values' declarations: a leaf
 }
 # Single modules a layer may import from outside its allowed layers.
 EXTRA = {"models": {"fastpos.tasks.info"}}
 # Modules that import nothing of fastpos.
-LEAVES = {"fastpos.tasks.info"}
+LEAVES = {"fastpos.tasks.info", "fastpos.config_schema"}
 
 _REGISTRY_STRING = re.compile(r"fastpos(\.\w+)+:\w+")
 
