@@ -340,17 +340,22 @@ def _take_lock(workdir: Path) -> workdir_lib.WorkdirLock:
 
 
 def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
-               step: int) -> dict[str, int]:
+               step: int) -> dict[str, Any]:
   """The data position a checkpoint records, in examples (see ``_data_iter_for``)."""
-  return {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
+  meta = {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
           "start_step": start_step, "batch_size": run.cfg.batch_size,
-          "num_examples": num_examples, "batching": _batching(run.cfg)}
+          "num_examples": num_examples}
+  batching = _batching(run.cfg)
+  return {**meta, "batching": batching} if batching else meta
 
 
-def _batching(cfg: ml_collections.ConfigDict) -> list[int]:
-  """How the training stream is cut into batches beyond its order: [] without bucketing,
-  else the bucket lengths and the window (another value maps a position to other batches)."""
+def _batching(cfg: ml_collections.ConfigDict) -> list:
+  """How the training stream is cut into batches beyond its order: [] for plain batches, else
+  the bucket lengths or "pack", and the window (another value maps a position to other
+  batches)."""
   lengths = list(cfg.data.get("bucket_lengths", ()) or ())
+  if cfg.data.get("pack", False):
+    lengths = ["pack"]
   return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 
