@@ -13,6 +13,7 @@
   ops          fastpos/ops/            nothing of fastpos
   tasks        fastpos/tasks/          nothing of fastpos
   bench        fastpos/bench/          every layer, plots
+  sweep        fastpos/sweep/          train (config loading, exit codes)
   plots        fastpos/plots.py        nothing of fastpos (matplotlib helpers)
 
 Every ``import`` / ``from ... import`` of every ``fastpos/**/*.py`` counts (also those inside
@@ -44,6 +45,7 @@ ALLOWED = {
     "tasks": {"tasks"},
     "train": {"train", "models", "positional", "ops", "tasks"},
     "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots"},
+    "sweep": {"sweep", "train"},
     "plots": {"plots"},
 }
 # Single modules a layer may import from outside its allowed layers.
