@@ -15,7 +15,15 @@ from typing import NamedTuple
 from fastpos.sweep import report
 from fastpos.sweep.manifest import Manifest
 from fastpos.sweep.plan import config_flag, finished, parse_grid, split_config_spec, validate
-from fastpos.sweep.runner import LOG, NoGpuError, Runner, discover_gpus, run_on_gpus, run_sequential
+from fastpos.sweep.runner import (
+  LOG,
+  NoGpuError,
+  Runner,
+  check_checkout,
+  discover_gpus,
+  run_on_gpus,
+  run_sequential,
+)
 
 MODES = ("sequential", "gpus", "print")
 DESCRIPTION = ("Runs a grid of config overrides: every combination trains, then is scored on "
@@ -73,6 +81,7 @@ class _Sweep(NamedTuple):
 def _prepare(args: argparse.Namespace, child_env: dict[str, str]) -> _Sweep:
   """Resolves every combination, finds the GPUs and opens the manifest; raises ValueError
   (one line) before anything runs."""
+  check_checkout()
   config_path, arg = split_config_spec(args.config)
   grid = parse_grid(args.grid)
   runs = validate(config_path, arg, grid)

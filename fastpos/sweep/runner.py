@@ -38,6 +38,15 @@ NEEDS_FIX = ("failed", "nonfinite", "locked", "bad_input")
 LOG = "sweep.log"  # each run's train and eval output, in its workdir
 
 
+def check_checkout() -> None:
+  """Raises ValueError when ``REPO`` lacks train.py / eval.py (fastpos installed, not checked
+  out): the runs need the repository's entry points."""
+  absent = [f for f in ("train.py", "eval.py") if not (REPO / f).is_file()]
+  if absent:
+    raise ValueError(f"{REPO} has no {' or '.join(absent)}: sweeps run the repository's "
+                     "entry points; install fastpos from a checkout (pip install -e .).")
+
+
 class Runner:
   """Runs train.py then eval.py for one combination; stops cleanly on SIGTERM."""
 

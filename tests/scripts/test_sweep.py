@@ -57,6 +57,14 @@ def test_parse_grid_splits_on_bar_when_values_hold_commas():
       plan.parse_grid(bad)
 
 
+def test_a_sweep_needs_the_checkouts_entry_points(monkeypatch, tmp_path):
+  runner.check_checkout()  # this checkout has train.py and eval.py
+  (tmp_path / "train.py").write_text("")
+  monkeypatch.setattr(runner, "REPO", tmp_path)
+  with pytest.raises(ValueError, match=rf"{tmp_path} has no eval\.py: .*pip install -e \."):
+    runner.check_checkout()
+
+
 def test_validate_resolves_each_combination_like_train_py():
   path, arg = plan.split_config_spec(str(ROOT / CONFIG))
   runs = plan.validate(path, arg, plan.parse_grid(["model.kernel=elu1,sikf", "seed=3"]))
