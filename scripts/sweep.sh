@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a grid of config overrides: train.py then eval.py --split=test per combination, each in
-# its own workdir under --sweep_dir, with a sweep.json manifest (scripts/sweep.py has the
-# details: modes sequential / gpus / print, --dry_run, skip and resume).
+# its own workdir under --sweep_dir, with a sweep.json manifest (fastpos/sweep/__init__.py has
+# the details: modes sequential / gpus / print, --dry_run, skip and resume).
 #
 #   scripts/sweep.sh --config=configs/X.py[:arg] --sweep_dir=DIR [--mode=sequential|gpus|print]
 #       [--gpus=0,1] [--dry_run] model.kernel=elu1,sikf \

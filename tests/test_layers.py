@@ -13,6 +13,7 @@
   ops          fastpos/ops/            nothing of fastpos
   tasks        fastpos/tasks/          nothing of fastpos
   bench        fastpos/bench/          every layer, plots
+  sweep        fastpos/sweep/          train (config loading, exit codes)
   plots        fastpos/plots.py        nothing of fastpos (matplotlib helpers)
 
 Every ``import`` / ``from ... import`` of every ``fastpos/**/*.py`` counts (also those inside
@@ -45,6 +46,7 @@ ALLOWED = {
     "train": {"train", "models", "positional", "ops", "tasks", "config_schema"},
     "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots",
               "config_schema"},
+    "sweep": {"sweep", "train", "config_schema"},
     "plots": {"plots"},
     "config_schema": {"config_schema"},  # the config values' declarations: a leaf
 }

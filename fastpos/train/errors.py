@@ -2,7 +2,7 @@
 
 Every error here carries a message that names the bad value or file and the fix; ``train.py``
 and ``eval.py`` print that message alone (no traceback) and exit with the code below.
-``scripts/sweep.sh`` / ``scripts/sweep.py`` read the codes (e.g. a preempted run is restarted,
+``scripts/sweep.sh`` (``fastpos.sweep``) reads the codes (e.g. a preempted run is restarted,
 a bad config is not).
 
 ``EXIT_PEER_LOST``: in a run of several processes, the distributed service lost another process

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import make_tables  # noqa: E402
 import plot_positional  # noqa: E402
-import sweep  # noqa: E402
 from fastpos.ops import toeplitz  # noqa: E402
+from fastpos.sweep import plan, runner  # noqa: E402
 
 CONFIG = "configs/listops_generated.py:tiny"
 MODEL = "absolute+fastrpb+kernelized_rpe+lrpe"  # every plotted table in one tiny model
@@ -39,27 +39,35 @@ NAMES = [f"seed={s}__model.positional=absolute+fastrpb+kernelized_rpe+lrpe__mode
 # Grid, names, validation
 # ---------------------------------------------------------------------------------------------
 def test_parse_grid_splits_on_bar_when_values_hold_commas():
-  grid = sweep.parse_grid(["model.kernel=elu1,sikf", "model.positional=absolute|absolute,fastrpb",
+  grid = plan.parse_grid(["model.kernel=elu1,sikf", "model.positional=absolute|absolute,fastrpb",
                            "--config.seed=0"])
-  assert sweep.parse_grid(["model.positional=absolute,fastrpb|"]) == [
+  assert plan.parse_grid(["model.positional=absolute,fastrpb|"]) == [
       ("model.positional", ["absolute,fastrpb"])]
   assert grid == [("model.kernel", ["elu1", "sikf"]),
                   ("model.positional", ["absolute", "absolute,fastrpb"]), ("seed", ["0"])]
-  combos = sweep.combinations(grid)
+  combos = plan.combinations(grid)
   assert [tuple(c.values()) for c in combos] == [
       ("elu1", "absolute", "0"), ("elu1", "absolute,fastrpb", "0"),
       ("sikf", "absolute", "0"), ("sikf", "absolute,fastrpb", "0")]
-  assert sweep.run_name(combos[1]) == (
+  assert plan.run_name(combos[1]) == (
       "model.kernel=elu1__model.positional=absolute+fastrpb__seed=0")
-  assert sweep.run_name({"task.data_dir": "/a b/c"}) == "task.data_dir=_a-b_c"
+  assert plan.run_name({"task.data_dir": "/a b/c"}) == "task.data_dir=_a-b_c"
   for bad in (["seed"], ["seed=0,,1"], ["seed=0,0"], ["seed=0", "seed=1"]):
     with pytest.raises(ValueError):
-      sweep.parse_grid(bad)
+      plan.parse_grid(bad)
+
+
+def test_a_sweep_needs_the_checkouts_entry_points(monkeypatch, tmp_path):
+  runner.check_checkout()  # this checkout has train.py and eval.py
+  (tmp_path / "train.py").write_text("")
+  monkeypatch.setattr(runner, "REPO", tmp_path)
+  with pytest.raises(ValueError, match=rf"{tmp_path} has no eval\.py: .*pip install -e \."):
+    runner.check_checkout()
 
 
 def test_validate_resolves_each_combination_like_train_py():
-  path, arg = sweep.split_config_spec(str(ROOT / CONFIG))
-  runs = sweep.validate(path, arg, sweep.parse_grid(["model.kernel=elu1,sikf", "seed=3"]))
+  path, arg = plan.split_config_spec(str(ROOT / CONFIG))
+  runs = plan.validate(path, arg, plan.parse_grid(["model.kernel=elu1,sikf", "seed=3"]))
   assert list(runs) == ["model.kernel=elu1__seed=3", "model.kernel=sikf__seed=3"]
   overrides, resolved = runs["model.kernel=sikf__seed=3"]
   assert overrides == {"model.kernel": "sikf", "seed": "3"}
@@ -69,9 +77,9 @@ def test_validate_resolves_each_combination_like_train_py():
 
 def test_arg_keys_go_into_the_config_argument():
   # The papers' experiment files pick a table cell by their argument (kernel=..., pos=...).
-  path, arg = sweep.split_config_spec(str(ROOT / "configs/listops_generated.py:tiny"))
+  path, arg = plan.split_config_spec(str(ROOT / "configs/listops_generated.py:tiny"))
   assert arg == "tiny"
-  runs = sweep.validate(path, arg, sweep.parse_grid(["arg.kernel=elu1,sikf", "arg.pos=none",
+  runs = plan.validate(path, arg, plan.parse_grid(["arg.kernel=elu1,sikf", "arg.pos=none",
                                                      "seed=1"]))
   assert list(runs) == ["arg.kernel=elu1__arg.pos=none__seed=1",
                         "arg.kernel=sikf__arg.pos=none__seed=1"]
@@ -79,11 +87,11 @@ def test_arg_keys_go_into_the_config_argument():
   assert resolved["experiment"] == {"row": "Linear, SIKF", "col": "None"}
   assert resolved["model"]["kernel"] == "sikf" and resolved["model"]["positional"] == "absolute"
   assert resolved["task"]["max_length"] == 32 and resolved["seed"] == 1
-  assert sweep.config_argv(path, arg, overrides) == [
+  assert plan.config_argv(path, arg, overrides) == [
       f"--config={path}:tiny,kernel=sikf,pos=none", "--config.seed=1"]
-  assert sweep.merge_arg("tiny,kernel=dpfp", {"kernel": "sikf"}) == "tiny,kernel=sikf"
+  assert plan.merge_arg("tiny,kernel=dpfp", {"kernel": "sikf"}) == "tiny,kernel=sikf"
   with pytest.raises(ValueError, match="unknown config argument 'kernl'; valid: kernel, pos, tiny"):
-    sweep.validate(path, arg, sweep.parse_grid(["arg.kernl=sikf"]))
+    plan.validate(path, arg, plan.parse_grid(["arg.kernl=sikf"]))
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -93,9 +101,9 @@ def test_arg_keys_go_into_the_config_argument():
     ("model.dropout_rate=high", "could not convert string to float: 'high'"),
 ])
 def test_validate_rejects_bad_overrides_before_running(spec, message):
-  path, arg = sweep.split_config_spec(str(ROOT / CONFIG))
+  path, arg = plan.split_config_spec(str(ROOT / CONFIG))
   with pytest.raises(ValueError, match=message) as e:
-    sweep.validate(path, arg, sweep.parse_grid([spec]))
+    plan.validate(path, arg, plan.parse_grid([spec]))
   if spec.startswith("model.kernl"):
     assert "model.kernel" in str(e.value)  # the nearby valid key is named
 
@@ -333,11 +341,11 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
   assert not (tmp_path / "fresh" / NAMES[0]).exists()  # printed, not run
   # A workdir whose config.json differs from the combination's config is not finished.
   resolved = json.loads((d / "sweep.json").read_text())["runs"][NAMES[0]]["config"]
-  assert sweep.finished(d / NAMES[0], resolved) == (True, "done")
-  done, why = sweep.finished(d / NAMES[0], {**resolved, "num_train_steps": 3})
+  assert plan.finished(d / NAMES[0], resolved) == (True, "done")
+  done, why = plan.finished(d / NAMES[0], {**resolved, "num_train_steps": 3})
   assert not done and "differs from the sweep's config in num_train_steps" in why
   # Scoring another split: the runs are trained, not yet evaluated on it.
-  assert sweep.finished(d / NAMES[0], resolved, "validation") == (False,
+  assert plan.finished(d / NAMES[0], resolved, "validation") == (False,
                                                                   "trained, not evaluated")
   proc = _sweep(d, GRID, env, "--mode=print", "--split=validation")
   lines = proc.stdout.strip().splitlines()
@@ -497,7 +505,7 @@ def test_exit_codes_are_reported_apart(tmp_path, fake_python):
   assert "LOCKED seed=4: train exited with status 4 (another trainer holds" in proc.stdout
   assert "PREEMPTED seed=75: re-run the same command to resume it" in proc.stdout
   assert "train.py exits with 3" in (d / "seed=3" / "sweep.log").read_text()
-  assert set(make_tables.FAILED) == set(sweep.NEEDS_FIX)  # the tables count them as failed
+  assert set(make_tables.FAILED) == set(runner.NEEDS_FIX)  # the tables count them as failed
   # Only preempted runs left: the sweep itself says "try again" (75), and a re-run resumes
   # the preempted run (the finished one is skipped).
   proc = _sweep_py(d, ["seed=0,75"], f"--python={fake_python}")

@@ -9,21 +9,17 @@ import contextlib
 import io
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fastpos.sweep import cli as sweep_cli
 from fastpos.tasks import download as download_data
 from fastpos.tasks import paths
 from fastpos.train import cli, errors
 from fastpos.train import workdir as workdir_lib
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import sweep  # noqa: E402
-
-sys.path.remove(str(ROOT / "scripts"))
 
 
 @pytest.fixture
@@ -82,7 +78,7 @@ def test_a_data_root_that_is_a_file(tmp_path):
 
 def test_argparse_errors_are_one_line(capsys):
   for main, argv in ((download_data.main, ["--bogus"]),
-                     (sweep.main, ["--config=c.py", "--sweep_dir=d", "--mode=bogus"])):
+                     (sweep_cli.main, ["--config=c.py", "--sweep_dir=d", "--mode=bogus"])):
     with pytest.raises(SystemExit) as info:
       main(argv)
     assert info.value.code == 2
