@@ -148,7 +148,8 @@ def test_a_flip_in_the_newest_checkpoint_is_detected_or_harmless(trained, tmp_pa
   inject(trained, tmp_path, "latest", kind, seed)
 
 
-@pytest.mark.parametrize("kind", ["array_data", "meta", "digests"])
+@pytest.mark.parametrize("kind", ["array_data", *(pytest.param(k, marks=pytest.mark.slow)
+                                                   for k in ("meta", "digests"))])
 def test_a_flip_in_best_is_detected_or_harmless(trained, tmp_path, kind):
   inject(trained, tmp_path, "best", kind, 0)
 
