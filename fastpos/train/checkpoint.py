@@ -130,6 +130,24 @@ def _drop_never_retrieved(record: std_logging.LogRecord) -> bool:
   return "exception was never retrieved" not in str(record.msg)
 
 
+def _unlistable_steps(directory: Path) -> list[tuple[Path, Exception]]:
+  """(step folder, error) of each step whose _CHECKPOINT_METADATA parses as JSON but not as
+  orbax's step metadata (what stops a CheckpointManager from listing the folder)."""
+  # pylint: disable-next=import-outside-toplevel
+  from orbax.checkpoint._src.metadata import step_metadata_serialization
+  out = []
+  for step_dir in sorted(p for p in directory.iterdir() if p.name.isdigit()):
+    try:
+      record = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):
+      continue  # orbax lists a step whose metadata does not read
+    try:
+      step_metadata_serialization.deserialize(record)
+    except Exception as e:  # pylint: disable=broad-except
+      out.append((step_dir, e))
+  return out
+
+
 def _reason(exc: BaseException) -> str:
   """One line on why a checkpoint did not load."""
   text = " ".join(str(exc).split())
@@ -164,11 +182,28 @@ class Checkpoints:
       has_latest, has_best = (bool(x) for x in multihost_utils.broadcast_one_to_all(
           np.array([has_latest, has_best])))
     if has_latest:
-      self.latest = _manager(self.latest_dir, keep=0, async_save=False,
-                             items=("state", "data", "meta"), read_only=True)
+      self.latest = self._listing_manager(self.latest_dir, items=("state", "data", "meta"))
     if has_best:
-      self.best = _manager(self.best_dir, keep=0, async_save=False, items=("state", "meta"),
-                           read_only=True)
+      self.best = self._listing_manager(self.best_dir, items=("state", "meta"))
+
+  def _listing_manager(self, directory: Path, items: tuple[str, ...]) -> ocp.CheckpointManager:
+    """A read-only manager of ``directory``. Orbax reads every step's _CHECKPOINT_METADATA to
+    list them and fails on one that is damaged: that step is reported as damaged (moved
+    aside unless read-only, where the listing cannot go on: CheckpointLoadError)."""
+    try:
+      return _manager(directory, keep=0, async_save=False, items=items, read_only=True)
+    except Exception:  # pylint: disable=broad-except
+      bad = _unlistable_steps(directory)
+      if not bad:
+        raise
+    if self.read_only:
+      path, e = bad[0]
+      raise CheckpointLoadError(
+          f"no checkpoint in {directory} can be listed: {path} ({_reason(e)} in its "
+          "_CHECKPOINT_METADATA). Move it away (or restore it from a copy) and run again.")
+    for path, e in bad:
+      self._damaged(path, e)
+    return _manager(directory, keep=0, async_save=False, items=items, read_only=True)
 
   def open_for_writing(self) -> None:
     """Writing managers: creates the folders, deletes orbax's leftover temporary folders of
@@ -364,7 +399,9 @@ class Checkpoints:
           meta = self._read_meta_checked(self.latest, step)
           state = self.latest.restore(step, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(abstract_state)))["state"]
-          if not self._verify(path, meta, state, data=True):
+          # The data position is checked when this run's processes saved it.
+          saved = len((meta.get("digests") or {}).get("data") or [])
+          if not self._verify(path, meta, state, data=saved == jax.process_count()):
             raise DigestMismatch("written without digests: unverified")
         except Exception as e:  # pylint: disable=broad-except
           skipped.append(f"{path} ({_reason(e)})")

@@ -148,7 +148,8 @@ def test_a_flip_in_the_newest_checkpoint_is_detected_or_harmless(trained, tmp_pa
   inject(trained, tmp_path, "latest", kind, seed)
 
 
-@pytest.mark.parametrize("kind", ["array_data", "meta", "digests"])
+@pytest.mark.parametrize("kind", ["array_data", *(pytest.param(k, marks=pytest.mark.slow)
+                                                   for k in ("meta", "digests"))])
 def test_a_flip_in_best_is_detected_or_harmless(trained, tmp_path, kind):
   inject(trained, tmp_path, "best", kind, 0)
 
@@ -180,3 +181,23 @@ def test_exhaustive_fault_table(trained, tmp_path):
   total = sum(r[2] for r in rows)
   assert sum(r[3] + r[4] + r[5] for r in rows) == total  # inject raises on a silent change
   assert jax.tree.leaves(rows)
+
+
+@pytest.mark.parametrize("which", ["latest", "best"])
+def test_a_step_metadata_orbax_cannot_list_is_a_damaged_checkpoint(trained, tmp_path, which):
+  """A flip that leaves _CHECKPOINT_METADATA valid JSON of the wrong type stops orbax from
+  listing the folder at all: the step is reported (moved aside by a resume; eval.py stops with
+  one message naming it)."""
+  workdir = tmp_path / "w"
+  shutil.copytree(trained["root"], workdir)
+  step_dir = workdir / ("checkpoints" if which == "latest" else "best") / "4"
+  f = step_dir / "_CHECKPOINT_METADATA"
+  f.write_text(f.read_text().replace('"commit_timestamp_nsecs": 1', '"commit_timestamp_nsecs": 1.',
+                                     1))
+  if which == "best":
+    with pytest.raises(CheckpointLoadError, match=rf"can be listed: {step_dir} \(ValueError: "
+                       r"Object must be of type .* in its _CHECKPOINT_METADATA\)"):
+      _restore(trained, workdir, which)
+    return
+  assert _restore(trained, workdir, which)[1]["step"] == 2
+  assert step_dir.with_name("4.corrupt").is_dir()

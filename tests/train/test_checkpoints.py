@@ -261,7 +261,7 @@ def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
   assert (workdir / "checkpoints" / "5").is_dir()  # named, not moved
 
 
-@pytest.mark.parametrize("verified", [True, False])
+@pytest.mark.parametrize("verified", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_non_finite_first_step_after_a_restore_blames_the_checkpoint(runs, tmp_path,
                                                                        verified):
   """A huge weight saved with matching digests (or in a checkpoint without digests): the
