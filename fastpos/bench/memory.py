@@ -147,15 +147,17 @@ def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
   lines += ["| " + " | ".join(r) + " |" for r in rows]
   lines += ["", "| layers | unrolled compile s | scanned compile s |", "|---:|---:|---:|"]
   lines += [f"| {d['layers']} | {d['unrolled_s']:.1f} | {d['scan_s']:.1f} |" for d in depth]
-  best_paper = min(settings, key=lambda s: s["paper_bytes"])
-  best_long = max(settings, key=lambda s: s["longest_n"])
-  targets = [
-      (f"LRA Text paper setting (batch 32, N=4000) under {GOAL_PAPER_BYTES / 1e9:g} GB",
-       f"{best_paper['paper_bytes'] / 1e9:.2f} GB (remat={best_paper['remat']}, "
-       f"scan={best_paper['scan_layers']})", best_paper["paper_bytes"] < GOAL_PAPER_BYTES),
-      (f"longest batch-1 train step in {args.budget_gib:g} GiB over {GOAL_LONGEST:,} tokens",
-       f"{best_long['longest_n']:,} (remat={best_long['remat']}, "
-       f"scan={best_long['scan_layers']})", best_long["longest_n"] > GOAL_LONGEST)]
+  targets = []
+  if settings:
+    best_paper = min(settings, key=lambda s: s["paper_bytes"])
+    best_long = max(settings, key=lambda s: s["longest_n"])
+    targets = [
+        (f"LRA Text paper setting (batch 32, N=4000) under {GOAL_PAPER_BYTES / 1e9:g} GB",
+         f"{best_paper['paper_bytes'] / 1e9:.2f} GB (remat={best_paper['remat']}, "
+         f"scan={best_paper['scan_layers']})", best_paper["paper_bytes"] < GOAL_PAPER_BYTES),
+        (f"longest batch-1 train step in {args.budget_gib:g} GiB over {GOAL_LONGEST:,} tokens",
+         f"{best_long['longest_n']:,} (remat={best_long['remat']}, "
+         f"scan={best_long['scan_layers']})", best_long["longest_n"] > GOAL_LONGEST)]
   if len(depth) >= 2:
     r = depth[-1]["scan_s"] / depth[0]["scan_s"]
     targets.append((f"scanned compile time flat in depth: {depth[-1]['layers']} layers within "
@@ -181,10 +183,11 @@ def main(argv=None) -> int:
   p.add_argument("--depth-length", type=int, default=1024)
   p.add_argument("--smoke", action="store_true", help="a width-32 model (a check, no figures)")
   p.add_argument("--out", default="", help="directory for memory.md / memory.json")
+  p.add_argument("--name", default="memory", help="file stem of the written table")
   args = p.parse_args(argv)
   try:
     settings = []
-    for part in args.settings.split(","):
+    for part in filter(None, args.settings.split(",")):
       remat, _, scan = part.partition(":")
       if remat not in REMAT_POLICIES or scan not in ("0", "1"):
         raise ValueError(f"--settings: bad pair {part!r}; give remat:scan with remat in "
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
            f"jax {jax.__version__}, {jax.devices()[0].platform}; compiled only "
            "(memory_analysis: temp + arguments + outputs - aliased; float32).\n\n")
   print(title + table)
-  report.write(args.out, "memory", title + table, {
+  report.write(args.out, args.name, title + table, {
       "settings": measured, "depth": depth, "length": args.length,
       "budget_gib": args.budget_gib, "granularity": args.granularity, "smoke": args.smoke,
       "targets": [{"target": t, "measured": m, "passed": ok} for t, m, ok in targets],

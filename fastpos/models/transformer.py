@@ -62,7 +62,13 @@ def unstack_layers(tree, num_layers: int):
 
 
 class Tower(nn.Module):
-  """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks."""
+  """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks.
+
+  ``remat`` (``blocks.REMAT_POLICIES``): what each block keeps for its backward pass.
+  ``scan_layers``: the blocks run as one ``nn.scan`` body (parameters under ``layers``, stacked
+  on a leading axis; ``stack_layers`` converts an unrolled tree): compile time flat in depth,
+  and the only form in which XLA:CPU honours the remat policy (unrolled, it schedules the
+  recomputation away); schemes shared across layers are refused with it."""
   attention: AttentionConfig
   num_layers: int
   mlp_dim: int
