@@ -128,7 +128,11 @@ def test_every_cell_builds(stem, arg):
 
 def test_paper_numbers_reach_the_config():
   cfg = _config("configs/lra_text_fastrpb.py")
-  assert cfg == _config("configs/fastrpb_table1.py:task=text,kernel=sikf,pos=fastrpb")
+  table_cell = _config("configs/fastrpb_table1.py:task=text,kernel=sikf,pos=fastrpb")
+  # The headline file is the table's cell run lean (scanned layers, block remat).
+  assert (cfg.model.remat, cfg.model.scan_layers) == ("block", True)
+  table_cell.model.update(remat="block", scan_layers=True)
+  assert cfg == table_cell
   assert (cfg.model.kernel, cfg.model.positional) == ("sikf", "absolute+fastrpb")
   key = f"{cfg.experiment.row}|{cfg.experiment.col}"
   assert key == "Linear, SIKF|FastRPB" and cfg.paper.results[key] == 62.35
