@@ -288,6 +288,10 @@ class TextLmTask(base.Task):
       self._files = text_files(self.cfg.paths, self.cfg.include)
     return self._files
 
+  def has_split(self, split: str) -> bool:
+    """False for the test split when ``test_fraction`` is 0 (it holds out none)."""
+    return super().has_split(split) and not (split == "test" and self.cfg.test_fraction == 0)
+
   def split_text(self, split: str) -> bytes:
     """The UTF-8 bytes of ``split`` (whole lines); an empty split (test when test_fraction is
     0, or a text with too few lines) raises a ValueError naming the fraction to change."""
