@@ -284,12 +284,13 @@ FIXTURES_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 def make_tiny(c: ml_collections.ConfigDict) -> None:
   """The ``tiny`` variant: a model and a run that fit a 2-core CPU in seconds. WikiText-103,
-  ListOps and Retrieval read the repository's fixtures (``FIXTURES``; set
+  ListOps (from files) and Retrieval read the repository's fixtures (``FIXTURES``; set
   config.task.data_dir="" for the real data); the other tasks still need their datasets
   (image tasks keep their grid: their length is the image's)."""
   if "max_length" in c.task:
     c.task.max_length = min(c.task.max_length, 128)
-  if c.task.name in FIXTURES and not c.task.get("data_dir"):
+  generated = c.task.get("source") == "generated"  # ListOps made in memory reads no files
+  if c.task.name in FIXTURES and not generated and not c.task.get("data_dir"):
     c.task.data_dir = os.path.join(FIXTURES_ROOT, FIXTURES[c.task.name])
   if c.task.name == "wikitext103":  # short segments, a vocabulary the fixtures fill
     c.task.segment_length = min(c.task.get("segment_length", 512), 64)
