@@ -6,8 +6,9 @@ Then:    python eval.py --workdir=/tmp/fastrpb_text --split=test
 Sweep:   scripts/sweep.sh --config=configs/fastrpb_table1.py:task=text --sweep_dir=workdirs/fastrpb_text arg.kernel=softmax,dpfp,sikf,relu,favor arg.pos=none,fastrpb
          python scripts/make_tables.py workdirs/fastrpb_text
 Hardware: one GPU (16 GB+; the paper used Tesla T4s); LRA's lengths (ListOps 2K, Text 4K,
-Retrieval 2 x 4K, Image 32x32) and batches. ":tiny" builds a small model for a CPU check
-(the datasets are still needed: python scripts/download_data.py <lra_text|...>).
+Retrieval 2 x 4K, Image 32x32) and batches. ":tiny" builds a small model for a CPU check,
+on the repository's fixtures for ListOps and Retrieval (Text and Image still need their data:
+python scripts/download_data.py lra_text lra_image).
 Paper: FastRPB (Zubkov et al.) Table 1, test accuracy %, the mean of the paper's runs (Performer
 and ReLU without FastRPB copied there from SPE); recorded in config.paper for
 scripts/make_tables.py. Text: SIKF 61.64 (none) / 62.35 (FastRPB), best ReLU + FastRPB 63.95.

@@ -5,7 +5,8 @@ Command: python train.py --config=configs/fastrpb_table2.py:kernel=sikf,pos=fast
 Then:    python eval.py --workdir=/tmp/mnist_fastrpb --split=test
 Sweep:   scripts/sweep.sh --config=configs/fastrpb_table2.py --sweep_dir=workdirs/mnist arg.kernel=softmax,dpfp,sikf,elu1,favor arg.pos=none,fastrpb
 Hardware: one GPU (the paper: 4 Tesla T4s; 8 layers, 8 heads, width 256, 25 epochs). ":tiny"
-builds a small model for a CPU check (the dataset is still needed).
+builds a small model for a CPU check (the dataset is still needed: python
+scripts/download_data.py mnist).
 Paper: FastRPB (Zubkov et al.) Table 2, F1 score %, in config.paper: SIKF 96.49 -> 97.37 with
 FastRPB, ELU+1 94.01 -> 96.71, softmax 97.34 -> 98.27. fastpos reports accuracy (MNIST's
 classes are balanced: macro F1 and accuracy differ by a few hundredths).

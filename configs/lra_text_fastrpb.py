@@ -7,7 +7,7 @@ Cells:   python train.py --config=configs/lra_text_fastrpb.py:kernel=dpfp,pos=si
 Then:    python eval.py --workdir=/tmp/lra_text_fastrpb --split=test
 Data:    python scripts/download_data.py lra_text
 Hardware: one GPU (the paper used Tesla T4s; 4K tokens, batch 32, 20k steps). ":tiny" builds a
-small model for a CPU check (data still needed).
+small model for a CPU check (data still needed: python scripts/download_data.py lra_text).
 Expected: the paper's FastRPB (Zubkov et al.) Table 1, Text block: SIKF + FastRPB 62.35 +-
 0.24 test accuracy (61.64 without FastRPB; best ReLU + FastRPB 63.95), against 50% for
 either class (IMDB is balanced). Models "also used trainable absolute positional encodings"

@@ -4,8 +4,9 @@ positional encoding on Text, ListOps, Retrieval, Pathfinder and Image, ``task=<t
 Command: python train.py --config=configs/lrpe_table4.py:task=text,pe=type2 --workdir=/tmp/lrpe_text
 Then:    python eval.py --workdir=/tmp/lrpe_text --split=test
 Sweep:   scripts/sweep.sh --config=configs/lrpe_table4.py --sweep_dir=workdirs/lrpe arg.task=text,listops arg.pe=base,rope,per,type1,type2,type3
-Hardware: one GPU. ":tiny" builds a small model for a CPU check (the datasets are still
-needed).
+Hardware: one GPU. ":tiny" builds a small model for a CPU check, on the repository's
+fixtures for ListOps and Retrieval (the others still need their data: python
+scripts/download_data.py lra_text pathfinder lra_image).
 Paper: LRPE (Qin et al. 2023) Table 4, accuracy %, in config.paper: Text Type1 66.80 / Type2
 66.52 / RoPE 66.53 / Base 64.81; ListOps Type1 39.84 / Base 39.17; Image Type1 63.43 / Base
 41.21.

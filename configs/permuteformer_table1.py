@@ -5,7 +5,8 @@ Command: python train.py --config=configs/permuteformer_table1.py:task=text,mode
 Then:    python eval.py --workdir=/tmp/permuteformer_text --split=test
 Sweep:   scripts/sweep.sh --config=configs/permuteformer_table1.py --sweep_dir=workdirs/permuteformer arg.task=text,retrieval,image,pathfinder arg.model=transformer,performer,permuteformer
 Hardware: one GPU (the paper: 8 V100s; its Table 2 gives epoch times). ":tiny" builds a small
-model for a CPU check (the datasets are still needed).
+model for a CPU check, on the repository's fixtures for Retrieval (the others still need their
+data: python scripts/download_data.py lra_text lra_image pathfinder).
 Paper: PermuteFormer (Chen 2021) Table 1, accuracy % (mean of 5 runs), in config.paper: Text
 PermuteFormer 65.95 / Performer 63.95 / Transformer 63.99; Retrieval 80.66 / 79.82 / 80.02;
 Image 43.02 (36.10 without 2D positions) / 43.08 / 42.83; Pathfinder 72.91 / 72.63 / 72.40.

@@ -8,6 +8,8 @@
   them restores it itself (``monkeypatch``, ``caplog``, try / finally) or uses a fixture of a
   wider scope, whose changes are part of the snapshot. Loggers that first appear during a test
   are a library's own set-up at its first import, and are left alone.
+* ``_cache_in_tmp`` (autouse, session): tasks' default cache folder (``$FASTPOS_CACHE_DIR``) is
+  a temporary folder, so no test writes caches into the repository or the user's home.
 """
 
 from __future__ import annotations
@@ -133,6 +135,16 @@ def _restore(before: dict) -> list[str]:
       changed.append(f"jax.config {key}: {old!r} -> {now.get(key)!r}")
       jax.config.update(key, old)
   return changed
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_tmp(tmp_path_factory):
+  # Session scope: set before the state guard's first snapshot, so it is part of every one;
+  # programs the tests start inherit it.
+  mp = pytest.MonkeyPatch()
+  mp.setenv("FASTPOS_CACHE_DIR", str(tmp_path_factory.mktemp("fastpos_cache")))
+  yield
+  mp.undo()
 
 
 @pytest.fixture(autouse=True)

@@ -112,6 +112,10 @@ class Task(abc.ABC):
   def load_split(self, split: str) -> Mapping[str, np.ndarray]:
     """Reads or generates one split as arrays ``[n, ...]`` (see the module docstring)."""
 
+  def has_split(self, split: str) -> bool:
+    """Whether the config gives ``split`` any examples (decided without reading data)."""
+    return split in SPLITS
+
   def source(self, split: str) -> ArraySource:
     """The split as a random-access source (loaded once, then cached)."""
     if split not in SPLITS:

@@ -136,7 +136,7 @@ class ImageTask(base.Task):
     c.name = cls.task_name
     # Data root holding tfds/<dataset>/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
     c.data_dir = ""
-    c.cache_dir = ""  # decoded splits are cached here ("": <data root>/cache/<task>)
+    c.cache_dir = ""  # decoded splits are cached here ("": paths.cache_dir)
     # Share of tfds train held out as the validation split (0.1: LRA's train[90%:] share).
     c.validation_fraction = 0.1
     c.validation_seed = 0  # seeds which train images are held out (not the training seed)

@@ -219,7 +219,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
   ``mask`` all True, ``targets`` int32 ``[n]``.
 
   The first call decodes all three splits and saves each as uint8 images + labels in one
-  ``.npz`` under ``cache_dir`` (default ``<root>/cache/pathfinder``; ~200 MB per difficulty at
+  ``.npz`` under ``cache_dir`` (default ``paths.cache_dir``; ~200 MB per difficulty at
   32, ~3.3 GB for Path-X), named by a hash of the resolution, difficulty, split order, cache
   version and the metadata files' names, sizes and dates; writes are atomic. Later calls read
   the cached split. PNGs in another 8-bit mode are converted with Pillow's ``convert("L")``;
@@ -233,7 +233,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
                 f"Pathfinder-{resolution} {difficulty} ({DIFFICULTIES[difficulty]})")
   paths.require(TASK, os.path.join(folder, "metadata"), data_dir, "the metadata folder")
   key = _cache_key(folder, resolution, difficulty, split_order)
-  cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(data_dir, TASK)
+  cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(TASK)
   files = _cache_paths(cache_dir, key)
   if not all(os.path.exists(p) for p in files.values()):
     splits = build_splits(folder, resolution, difficulty, split_order, num_threads)
@@ -284,7 +284,7 @@ class PathfinderTask(base.Task):
     # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
     # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
     c.data_dir = ""
-    c.cache_dir = ""  # decoded images; "" = <root>/cache/pathfinder
+    c.cache_dir = ""  # decoded images; "" = ~/.cache/fastpos/pathfinder (paths.cache_dir)
     c.resolution = 32  # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256
     # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
     # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).

@@ -12,7 +12,11 @@ variable ``FASTPOS_DATA_DIR``, else ``~/fastpos_data``. Layout under the root::
         pathfinder32/ ...        curv_baseline, curv_contour_length_9, curv_contour_length_14
         pathfinder128/ ...       (Path-X)
       wikitext-103/              wiki.{train,valid,test}.tokens
-      cache/<task>/              preprocessing caches (tokenised arrays, vocabularies)
+
+Preprocessing caches (tokenised arrays, vocabularies) never go into the data root, which may be
+read-only or shared: they go to ``cache_dir(task)``, i.e. ``$FASTPOS_CACHE_DIR/<task>``, else
+``$XDG_CACHE_HOME/fastpos/<task>``, else ``~/.cache/fastpos/<task>`` (a task's
+``config.task.cache_dir`` overrides it).
 
 Nothing is ever downloaded while training or testing: a task whose files are missing raises
 ``missing_data`` (a FileNotFoundError naming the missing path and the command that fetches it).
@@ -33,7 +37,7 @@ DEFAULT_ROOT = "~/fastpos_data"
 TFDS_SUBDIR = "tfds"
 LRA_SUBDIR = "lra_release"
 WIKITEXT_SUBDIR = "wikitext-103"
-CACHE_SUBDIR = "cache"
+CACHE_ENV_VAR = "FASTPOS_CACHE_DIR"
 
 
 def data_root(data_dir: str | os.PathLike | None = None) -> str:
@@ -47,9 +51,21 @@ def task_path(data_dir: str | os.PathLike | None, *parts: str) -> str:
   return os.path.join(data_root(data_dir), *parts)
 
 
-def cache_dir(data_dir: str | os.PathLike | None, task: str) -> str:
-  """The cache folder of ``task`` under the data root (created by the writer when needed)."""
-  return task_path(data_dir, CACHE_SUBDIR, task)
+def cache_root() -> str:
+  """``$FASTPOS_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastpos``, else ``~/.cache/fastpos``."""
+  root = os.environ.get(CACHE_ENV_VAR)
+  if not root:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec says a relative $XDG_CACHE_HOME is invalid and must be ignored.
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join("~", ".cache")
+    root = os.path.join(base, "fastpos")
+  return os.path.abspath(os.path.expanduser(root))
+
+
+def cache_dir(task: str) -> str:
+  """The default cache folder of ``task`` (``cache_root()/<task>``, never under the data root;
+  created by the writer when needed)."""
+  return os.path.join(cache_root(), task)
 
 
 def fetch_command(task: str, data_dir: str | os.PathLike | None) -> str:

@@ -209,7 +209,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, max_length: in
     data_dir: the data root (``paths.data_root``); the file is ``tsv_path(data_dir, split)``.
     max_length: bytes kept per document (LRA: 4000).
     num_examples: the first ``num_examples`` pairs of the file (0: all).
-    cache_dir: folder of the tokenised cache ("" / None: ``paths.cache_dir(data_dir, TASK)``):
+    cache_dir: folder of the tokenised cache ("" / None: ``paths.cache_dir(TASK)``):
       tokenising ~330K documents takes tens of seconds, so each split is saved once as uint8
       bytes + lengths (~1.2 GB for train at 4000) in an ``.npz`` named by a hash of everything
       that changes it (file path, size and date, the other arguments, ``CACHE_VERSION``).
@@ -223,7 +223,7 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, max_length: in
   key = {"version": CACHE_VERSION, "split": split, "path": os.path.abspath(path),
          "size": st.st_size, "mtime_ns": st.st_mtime_ns, "max_length": int(max_length),
          "num_examples": int(num_examples), "on_overflow": on_overflow}
-  cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(data_dir, TASK)
+  cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(TASK)
   cache_path = _cache_file(cache_dir, key)
   stored = None
   if os.path.exists(cache_path):
@@ -280,7 +280,7 @@ class RetrievalTask(base.Task):
     # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
     # <root>/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv.
     c.data_dir = ""
-    c.cache_dir = ""  # tokenised splits; "" = <root>/cache/lra_retrieval
+    c.cache_dir = ""  # tokenised splits; "" = ~/.cache/fastpos/lra_retrieval (paths.cache_dir)
     c.max_length = 4000  # bytes kept per document (LRA: 4000)
     c.on_overflow = "truncate"  # longer documents: "truncate" (counted warning) or "error"
     # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).

@@ -128,7 +128,7 @@ class TextTask(base.Task):
     c.name = cls.task_name
     # Data root holding tfds/imdb_reviews/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
     c.data_dir = ""
-    c.cache_dir = ""  # tokenised splits are cached here ("": <data root>/cache/lra_text)
+    c.cache_dir = ""  # tokenised splits are cached here ("": paths.cache_dir)
     c.max_length = 4000  # bytes per review, padded / truncated (LRA: 4000)
     c.on_overflow = "truncate"  # longer reviews: "truncate" (LRA) or "error"
     # Share of tfds train held out as the validation split (0.1: 22,500 / 2,500).

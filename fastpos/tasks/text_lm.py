@@ -24,9 +24,9 @@ Levels (``config.task.level``):
   ``<unk>``, ``<eos>``, then the ``vocab_size - 3`` most frequent train words by count, ties by
   word) comes from the train part only; other words become ``<unk>``. Tokenising is pure
   Python, so the vocabulary and the id streams are cached as WikiText-103's are
-  (``wikitext.Corpus``) in ``config.task.cache_dir`` (default: the data root's
-  ``cache/text_lm``, never the text's folder), keyed by the files' paths, sizes and
-  modification times, the level, ``vocab_size`` and the fractions.
+  (``wikitext.Corpus``) in ``config.task.cache_dir`` (default:
+  ``paths.cache_dir``: ``~/.cache/fastpos/text_lm``, never the text's folder), keyed by the
+  files' paths, sizes and modification times, the level, ``vocab_size`` and the fractions.
 
 Examples and evaluation are WikiText-103's (``wikitext.segments`` / ``wikitext.windows``):
 consecutive segments of ``segment_length`` tokens with next-token targets, and on validation /
@@ -262,7 +262,7 @@ class TextLmTask(base.Task):
     # Contiguous byte fractions of the text (train first), cut at line starts; test may be 0.
     c.validation_fraction = 0.1  # in (0, 1)
     c.test_fraction = 0.1  # in [0, 1); validation_fraction + test_fraction < 1
-    c.cache_dir = ""  # word level: vocabulary + id streams ("" = <data root>/cache/text_lm)
+    c.cache_dir = ""  # word level: vocabulary + id streams ("" = paths.cache_dir)
     c.segment_length = 256  # tokens per example (the model's max_length)
     # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
     # every S tokens, each scoring its last S (every token once, >= L - S tokens of context).
@@ -288,6 +288,10 @@ class TextLmTask(base.Task):
       self._files = text_files(self.cfg.paths, self.cfg.include)
     return self._files
 
+  def has_split(self, split: str) -> bool:
+    """False for the test split when ``test_fraction`` is 0 (it holds out none)."""
+    return super().has_split(split) and not (split == "test" and self.cfg.test_fraction == 0)
+
   def split_text(self, split: str) -> bytes:
     """The UTF-8 bytes of ``split`` (whole lines); an empty split (test when test_fraction is
     0, or a text with too few lines) raises a ValueError naming the fraction to change."""
@@ -311,7 +315,7 @@ class TextLmTask(base.Task):
 
   def _word_corpus(self) -> TextCorpus:
     if self._corpus is None:
-      cache = self.cfg.cache_dir or paths.cache_dir(None, TASK)
+      cache = self.cfg.cache_dir or paths.cache_dir(TASK)
       self._corpus = TextCorpus(
           self.files(), lambda s: self.split_text(s).decode("utf-8"), cache, self.info.vocab_size,
           (self.cfg.validation_fraction, self.cfg.test_fraction))

@@ -177,7 +177,7 @@ def cached_split(*, task: str, name: str, split: str, data_dir: str | None,
     name: the tfds name, ``"dataset[/config]"``.
     split: the tfds split ("train", "test").
     data_dir: the data root (``config.task.data_dir``; "" / None: the default root).
-    cache_dir: the cache folder; "" / None: ``paths.cache_dir(data_dir, task)``.
+    cache_dir: the cache folder; "" / None: ``paths.cache_dir(task)``.
     params: the task's parameters that change the arrays (JSON-able); part of the key.
     version: the task's cache format version; part of the key.
     fields: the names of the arrays ``build`` returns.
@@ -189,10 +189,11 @@ def cached_split(*, task: str, name: str, split: str, data_dir: str | None,
   folder = os.path.join(dataset_folder(data_dir, name), tfds_version)
   key = {"task": task, "cache_version": int(version), "tfds_name": name,
          "tfds_version": tfds_version, "split": split, "params": dict(params),
+         "folder": os.path.abspath(folder),  # one cache folder serves every data root
          "files": fingerprint(folder)}
   key_json = json.dumps(key, sort_keys=True)
   digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
-  cache_root = cache_dir or paths.cache_dir(data_dir, task)
+  cache_root = cache_dir or paths.cache_dir(task)
   desc = "_".join(f"{k}{v}" for k, v in sorted(params.items()))
   path = os.path.join(os.fspath(cache_root),
                       f"{task}_v{version}_{split}{'_' + desc if desc else ''}_{digest}.npz")

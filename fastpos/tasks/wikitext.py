@@ -96,7 +96,8 @@ def line_words(text: str) -> list[str]:
 
 def _file_key(path: str) -> dict:
   st = os.stat(path)
-  return {"file": os.path.basename(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+  # The absolute path: one cache folder serves every data root.
+  return {"file": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _digest(key: dict) -> str:
@@ -201,14 +202,14 @@ class Corpus:
 
   The cache holds ``vocab_<key>.json`` and each split's ``<split>_<key>.npy`` (uint16 when
   ``vocab_size <= 65536``, else uint32); the key hashes the cache version, ``vocab_size`` and
-  the name, size and modification time of each file it was built from, and writes are atomic.
-  A cached load is numpy only (about 5 s for a 105M-token stream). Another text source
+  the absolute path, size and modification time of each file it was built from, and writes are
+  atomic. A cached load is numpy only (about 5 s for a 105M-token stream). Another text source
   (``fastpos.tasks.text_lm``) overrides the hooks ``_vocab_key``, ``_split_key``,
   ``_build_vocabulary``, ``_encode_split`` and ``label``.
 
   Args:
     data_dir: the data root (``paths.data_root``); files under ``wikitext-103/``.
-    cache_dir: where the cache lives ("" / None: ``paths.cache_dir(data_dir, TASK)``).
+    cache_dir: where the cache lives ("" / None: ``paths.cache_dir(TASK)``, never the data root).
     vocab_size: number of ids (``build_vocabulary``).
   """
 
@@ -216,7 +217,7 @@ class Corpus:
 
   def __init__(self, data_dir: str | None, cache_dir: str | None, vocab_size: int):
     self.data_dir = data_dir or None
-    self.cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(self.data_dir, TASK)
+    self.cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(TASK)
     self.vocab_size = vocab_size
     self._vocab: list[str] | None = None
 
@@ -362,7 +363,7 @@ class WikiTextTask(base.Task):
     c = ml_collections.ConfigDict()
     c.name = cls.task_name
     c.data_dir = ""  # data root holding wikitext-103/wiki.*.tokens ("" = $FASTPOS_DATA_DIR)
-    c.cache_dir = ""  # vocabulary + id streams ("" = <data root>/cache/wikitext103)
+    c.cache_dir = ""  # vocabulary + id streams ("" = paths.cache_dir)
     # Tokens per example (the model's max_length; Transformer-XL's tgt_len). 512 as in the
     # PermuteFormer and LRPE WikiText-103 runs (fairseq tokens_per_sample).
     c.segment_length = 512

@@ -607,8 +607,9 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
     changed = config_record.describe(config_record.read_changes(workdir))
     if changed:
       parts.append(changed)
-  parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json; test: python "
-               f"eval.py --workdir={workdir} --split=test")
+  parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json")
+  if task.has_split("test"):  # only commands that will produce something
+    parts[-1] += f"; test: python eval.py --workdir={workdir} --split=test"
   if _plotted_schemes(workdir):
     parts.append(f"plots: python scripts/plot_positional.py {workdir}")
   return "; ".join(parts)

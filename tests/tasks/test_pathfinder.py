@@ -165,23 +165,25 @@ def test_metadata_order_and_difficulty(tmp_path):
     tasks.make_task(_cfg(root)).source("train")
 
 
-def test_cache_hit_and_invalidation(root, monkeypatch):
+def test_cache_hit_and_invalidation(root, tmp_path, monkeypatch):
+  monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
   first = pf.load_split("test", data_dir=root, num_threads=1)
-  cache = os.path.join(root, "cache", "pathfinder")
+  assert not os.path.exists(os.path.join(root, "cache"))  # nothing written into the data
+  cache = os.path.join(tmp_path, "caches", "pathfinder")
   files = sorted(os.listdir(cache))
   assert len(files) == 3 and all(f.startswith("pathfinder_v1_32_hard_lra_") for f in files)
 
   def boom(*args, **kwargs):
     raise AssertionError("the cache should have been used")
 
-  monkeypatch.setattr(pf, "build_splits", boom)
-  for split in ("test", "train"):
-    again = pf.load_split(split, data_dir=root)
-    if split == "test":
-      for k in first:
-        np.testing.assert_array_equal(first[k], again[k])
-        assert first[k].dtype == again[k].dtype
-  monkeypatch.undo()
+  with monkeypatch.context() as m:
+    m.setattr(pf, "build_splits", boom)
+    for split in ("test", "train"):
+      again = pf.load_split(split, data_dir=root)
+      if split == "test":
+        for k in first:
+          np.testing.assert_array_equal(first[k], again[k])
+          assert first[k].dtype == again[k].dtype
   # Rewriting the metadata (one example fewer) rebuilds; the old files stay valid.
   meta = os.path.join(pf.dataset_dir(root, 32, "hard"), "metadata", "1.npy")
   with open(meta) as f:

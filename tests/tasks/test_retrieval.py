@@ -30,7 +30,7 @@ TAG = re.compile(rb"^\[(train|eval|test)(\d+)([ab])\] ")
 
 @pytest.fixture
 def root(tmp_path):
-  """A data root holding a copy of the fixtures (the cache is written under it)."""
+  """A data root holding a copy of the fixtures."""
   shutil.copytree(FIXTURES, tmp_path / "data")
   return str(tmp_path / "data")
 
@@ -152,8 +152,9 @@ def test_num_examples(root):
     rt.load_split("train", data_dir=root, num_examples=13)
 
 
-def test_cache_hit_is_used_and_keyed(root, monkeypatch):
-  cache = os.path.join(root, "cache", "lra_retrieval")
+def test_cache_hit_is_used_and_keyed(root, tmp_path, monkeypatch):
+  monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
+  cache = os.path.join(tmp_path, "caches", "lra_retrieval")
   first = rt.load_split("test", data_dir=root, max_length=100)
   files = os.listdir(cache)
   assert len(files) == 1 and files[0].startswith("aan_v1_test_max100")
@@ -161,17 +162,18 @@ def test_cache_hit_is_used_and_keyed(root, monkeypatch):
   def boom(*args, **kwargs):
     raise AssertionError("the cache should have been used")
 
-  monkeypatch.setattr(rt, "_tokenise", boom)
-  second = rt.load_split("test", data_dir=root, max_length=100)
+  with monkeypatch.context() as m:
+    m.setattr(rt, "_tokenise", boom)
+    second = rt.load_split("test", data_dir=root, max_length=100)
   for k in first:
     np.testing.assert_array_equal(first[k], second[k])
     assert first[k].dtype == second[k].dtype
-  monkeypatch.undo()
   rt.load_split("test", data_dir=root, max_length=101)  # another length: another file
   rt.load_split("test", data_dir=root, max_length=100, num_examples=2)
   assert len(os.listdir(cache)) == 3
   assert not [f for f in os.listdir(cache) if f.startswith(".tmp")]
-  # A changed file is read again; an explicit cache_dir is used instead of the root's.
+  assert not os.path.exists(os.path.join(root, "cache"))  # nothing written into the data
+  # A changed file is read again; an explicit cache_dir is used instead of the default.
   path = rt.tsv_path(root, "test")
   with open(path, "wb") as f:
     f.write(b"1\tA\tB\tfirst doc\tsecond doc\n")

@@ -311,10 +311,12 @@ def test_text_cache_hit(prepared, tmp_path, monkeypatch, caplog):
   tasks.make_task(_cfg("lra_text", prepared, max_length=41, cache_dir=str(cache))).source(
       "test")  # another length is another file
   assert len(os.listdir(cache)) == 3 and not [f for f in os.listdir(cache) if ".tmp" in f]
-  # The default cache folder is <data root>/cache/lra_text.
+  # The default cache folder is $FASTPOS_CACHE_DIR/lra_text, nothing under the data root.
+  monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
   tasks.make_task(_cfg("lra_text", prepared, max_length=16)).source("test")
   assert any(f.startswith("lra_text_v1_test_len16_")
-             for f in os.listdir(os.path.join(prepared, "cache", "lra_text")))
+             for f in os.listdir(tmp_path / "caches" / "lra_text"))
+  assert not os.path.exists(os.path.join(prepared, "cache"))
   # A corrupt cache file is named, not silently rebuilt.
   victim = cache / files[0]
   victim.write_bytes(victim.read_bytes()[:100])
@@ -410,7 +412,8 @@ def test_image_cache_hit(prepared, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name,length", [("lra_text", 24), ("lra_image", 1024),
                                          ("mnist", 784)])
-def test_mock_data_shapes(tmp_path, name, length):
+def test_mock_data_shapes(tmp_path, monkeypatch, name, length):
+  monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
   kw = {"max_length": length} if name == "lra_text" else {}
   cfg = _cfg(name, tmp_path, validation_fraction=0.25, **kw)
   with mocked_tfds(tmp_path, 20):
@@ -423,7 +426,8 @@ def test_mock_data_shapes(tmp_path, name, length):
       assert ex["mask"].shape == (length,) and ex["mask"].dtype == bool
       assert ex["targets"].shape == () and ex["targets"].dtype == np.int32
       np.testing.assert_array_equal(src.arrays["mask"], src.arrays["inputs"] != 0)
-  assert os.listdir(tmp_path / "cache" / name)  # cached under <data root>/cache/<task>
+  assert os.listdir(tmp_path / "caches" / name)  # cached under $FASTPOS_CACHE_DIR/<task>
+  assert not os.path.exists(tmp_path / "cache")
 
 
 def test_missing_data_message(tmp_path, monkeypatch):

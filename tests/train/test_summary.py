@@ -19,7 +19,7 @@ def _src(targets):
 
 
 def test_summary_line(tmp_path):
-  task = types.SimpleNamespace(task_name="listops", metric="accuracy")
+  task = types.SimpleNamespace(task_name="listops", metric="accuracy", has_split=lambda s: True)
   info = TaskInfo(kind="classify", vocab_size=20, num_classes=10, max_length=4)
   rows = [{"step": 50, "split": "train", "tokens_per_second": 1000.0},
           {"step": 100, "split": "train", "tokens_per_second": 3000.0},
@@ -33,6 +33,7 @@ def test_summary_line(tmp_path):
                          "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
                          f"workdir {tmp_path}: metrics.jsonl")
   assert "test accuracy" not in line and "plot_positional.py" not in line  # no config.json
+  assert f"; test: python eval.py --workdir={tmp_path} --split=test" in line
   for positional, plots in (("absolute+fastrpb", True), ("rope", False), ("lrpe", True),
                             ("none", False)):
     (tmp_path / "config.json").write_text(json.dumps({"model": {"positional": positional}}))
@@ -41,6 +42,23 @@ def test_summary_line(tmp_path):
   (tmp_path / "results_test.json").write_text(json.dumps({"accuracy": 0.41, "step": 50}))
   assert "; test accuracy 41.00% (step 50);" in summary_line(
       tmp_path, task, info, result, _src([3]), _src([3]))
+
+
+def test_no_test_command_without_a_test_split(tmp_path):
+  """A text task holding out no test split (test_fraction=0) is not offered eval --split=test."""
+  from fastpos import tasks
+
+  cfg = tasks.task_config("text_lm")
+  cfg.update(paths=str(tmp_path), test_fraction=0.0)
+  task = tasks.make_task(cfg)
+  assert task.has_split("validation") and not task.has_split("test")
+  info = TaskInfo(kind="lm", vocab_size=257, num_classes=0, max_length=4)
+  result = {"step": 10, "validation": {"loss": 2.0}}
+  line = summary_line(tmp_path, task, info, result, None, None)
+  assert line.startswith("text_lm: step 10; validation loss 2; workdir") and "eval.py" not in line
+  cfg.test_fraction = 0.1
+  assert f"test: python eval.py --workdir={tmp_path} --split=test" in summary_line(
+      tmp_path, tasks.make_task(cfg), info, result, None, None)
 
 
 def test_the_plotted_schemes_are_plot_positional_s():
