@@ -265,11 +265,15 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
       Not built with ``rpe``, ``decay`` or ``den_features`` (ValueError).
     key_eps: see ``key_log_scale`` (only used with it).
 
-  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks), O(N log N
-  m d) with rpe. Memory of the causal path: one carried state ``[batch, heads, m, d]`` in the
-  forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
-  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the rpe path holds one group
-  of features' ``[N, group*d]`` channels at a time (``_rpe_mix``).
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
+  up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
+  (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
+  it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
+  transpose per input). Memory of the causal path: one carried state ``[batch, heads, m, d]``
+  in the forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
+  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one
+  (head, group of features)' ``[N, group*(d+1)]`` channels at a time and keeps only its
+  inputs for the backward pass (``_rpe_mix``).
   """
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
