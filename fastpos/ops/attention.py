@@ -472,9 +472,10 @@ def _product_2d(w, x, *, grid, causal):
 
 # Up to this length kernelized RPE runs densely (``_rpe_dense``): the [N, N] scores cost
 # N^2 (m + d) flops per head in large matmuls, against the FFT path's m (d + 1) FFTs of length
-# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured on a 2-core CPU
-# (m = 32, d = 64, fwd+bwd): dense 3-5x faster at N <= 2048; its memory is that of dense
-# softmax attention with a bias (benchmarks/ops_lean.md).
+# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured fwd+bwd on a
+# 2-core CPU (m = 32, d = 64, 8 heads): dense over FFT 0.34x at N = 512, 0.49x at 1024, 0.85x
+# at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
+# (benchmarks/ops_lean.md).
 _RPE_DENSE_UP_TO = 2048
 
 
