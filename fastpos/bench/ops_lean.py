@@ -355,14 +355,16 @@ def markdown(result) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default=None, help="folder for ops_lean.md / .json (none: print)")
+  p.add_argument("--out", default=None, help="folder for the .md / .json (none: print only)")
+  # An empty list ("") skips that part.
   p.add_argument("--linear_lengths", default="4096,8192,16384")
   p.add_argument("--memory_lengths", default="4096,16384,65536")
   p.add_argument("--time_lengths", default="512,1024,2048,4096")
   p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--name", default="ops_lean", help="output file stem (<out>/<name>.md, .json)")
   args = p.parse_args(argv)
   try:
-    lengths = [[int(x) for x in a.split(",")] for a in
+    lengths = [[int(x) for x in a.split(",") if x.strip()] for a in
                (args.linear_lengths, args.memory_lengths, args.time_lengths)]
   except ValueError:
     print("lengths must be comma-separated integers, e.g. 4096,8192", file=sys.stderr)
@@ -380,12 +382,12 @@ def main(argv=None) -> int:
   result["goals"] = goals(result["linear"], result["rpe_memory"], result["rpe_time"])
   if args.out:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ops_lean.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
       json.dump(result, f, indent=1, default=str)
   text = markdown(result)
   print(text)
   if args.out:
-    with open(os.path.join(args.out, "ops_lean.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
       f.write(text)
   return 0 if all(g["pass"] for g in result["goals"]) else 1
 

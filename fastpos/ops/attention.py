@@ -265,11 +265,15 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
       Not built with ``rpe``, ``decay`` or ``den_features`` (ValueError).
     key_eps: see ``key_log_scale`` (only used with it).
 
-  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks), O(N log N
-  m d) with rpe. Memory of the causal path: one carried state ``[batch, heads, m, d]`` in the
-  forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
-  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the rpe path holds one group
-  of features' ``[N, group*d]`` channels at a time (``_rpe_mix``).
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
+  up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
+  (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
+  it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
+  transpose per input). Memory of the causal path: one carried state ``[batch, heads, m, d]``
+  in the forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
+  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one
+  (head, group of features)' ``[N, group*(d+1)]`` channels at a time and keeps only its
+  inputs for the backward pass (``_rpe_mix``).
   """
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
@@ -468,9 +472,10 @@ def _product_2d(w, x, *, grid, causal):
 
 # Up to this length kernelized RPE runs densely (``_rpe_dense``): the [N, N] scores cost
 # N^2 (m + d) flops per head in large matmuls, against the FFT path's m (d + 1) FFTs of length
-# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured on a 2-core CPU
-# (m = 32, d = 64, fwd+bwd): dense 3-5x faster at N <= 2048; its memory is that of dense
-# softmax attention with a bias (benchmarks/ops_lean.md).
+# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured fwd+bwd on a
+# 2-core CPU (m = 32, d = 64, 8 heads): dense over FFT 0.34x at N = 512, 0.49x at 1024, 0.85x
+# at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
+# (benchmarks/ops_lean.md).
 _RPE_DENSE_UP_TO = 2048
 
 

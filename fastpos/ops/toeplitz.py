@@ -252,8 +252,13 @@ def dense_toeplitz(w):
   if w.shape[-1] % 2 != 1:
     raise ValueError(f"w must have odd length 2N-1 along its last axis; got {w.shape[-1]}.")
   n = (w.shape[-1] + 1) // 2
-  idx = jnp.arange(n)[None, :] - jnp.arange(n)[:, None] + (n - 1)
-  return w[..., idx]
+  # Without a gather (whose gradient is a scatter-add, slow on CPU): w with one zero
+  # appended (2n entries), tiled n times and cut into rows of 2n-1, starts each row one entry
+  # further back, so T[i, j] = w[j - i + n - 1] sits at column j + n - 1 of row i. The
+  # gradient is then a reshape and a sum.
+  u = jnp.concatenate([w, jnp.zeros(w.shape[:-1] + (1,), w.dtype)], axis=-1)
+  tiled = jnp.tile(u, (1,) * (w.ndim - 1) + (n,))[..., : n * (2 * n - 1)]
+  return tiled.reshape(w.shape[:-1] + (n, 2 * n - 1))[..., n - 1: 2 * n - 1]
 
 
 def causal_mask(n: int):
