@@ -52,13 +52,11 @@ def _config(kernel: str, scheme: str, seq: int):
   return c
 
 
-def step_memory(cell: str, n: int, seq: int) -> dict:
-  """Per-device bytes of the compiled train step of ``cell`` at length ``n`` over ``seq``
-  devices (the sequence split over all of them)."""
-  kernel, scheme = CELLS[cell]
-  cfg = _config(kernel, scheme, seq)
-  lm = cell.startswith("causal")
-  task = TaskInfo("lm" if lm else "classify", 257, 0 if lm else 2, n)
+def build_step(cfg, task: TaskInfo, n: int):
+  """(jitted step, abstract state, abstract batch, abstract rng, init fn) of the trainer's
+  train step for ``cfg`` on ``task`` at batch 1 x ``n`` tokens, the sequence split over
+  ``cfg.mesh.seq`` devices; the state sharded by ``cfg.mesh.rules`` and the position rules."""
+  seq = cfg.mesh.seq
   model = build_model(cfg.model, task)
   mesh = sharding_lib.make_mesh(cfg, jax.devices()[:seq])
   sharding_lib.check_seq_split(mesh, n, model)
@@ -72,7 +70,7 @@ def step_memory(cell: str, n: int, seq: int) -> dict:
                       opt_state=tx.init(params), collections=dict(variables))
 
   abstract = jax.eval_shape(init, jax.random.key(0))
-  state_sharding = sharding_lib.tree_shardings(abstract, mesh, ())
+  state_sharding = sharding_lib.tree_shardings(abstract, mesh, cfg.mesh.rules)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        abstract, state_sharding)
   tokens = NamedSharding(mesh, P(sharding_lib.DATA, sharding_lib.SEQ) if seq > 1 else
@@ -81,7 +79,7 @@ def step_memory(cell: str, n: int, seq: int) -> dict:
   batch = {"inputs": jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens),
            "mask": jax.ShapeDtypeStruct((1, n), jnp.bool_, sharding=tokens),
            "weight": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rows)}
-  if lm:
+  if task.kind == "lm":
     batch["targets"] = jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens)
   else:
     batch["targets"] = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rows)
@@ -91,6 +89,17 @@ def step_memory(cell: str, n: int, seq: int) -> dict:
                                sharding_lib.replicated(mesh)),
                  out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
                  donate_argnums=0)
+  init_fn = jax.jit(init, out_shardings=state_sharding)
+  return step, state, batch, rng, init_fn
+
+
+def step_memory(cell: str, n: int, seq: int) -> dict:
+  """Per-device bytes of the compiled train step of ``cell`` at length ``n`` over ``seq``
+  devices (the sequence split over all of them)."""
+  kernel, scheme = CELLS[cell]
+  lm = cell.startswith("causal")
+  task = TaskInfo("lm" if lm else "classify", 257, 0 if lm else 2, n)
+  step, state, batch, rng, _ = build_step(_config(kernel, scheme, seq), task, n)
   start = time.perf_counter()
   m = step.lower(state, batch, rng).compile().memory_analysis()
   total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

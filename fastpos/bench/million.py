@@ -36,17 +36,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from fastpos.bench import report
-from fastpos.models import TaskInfo, build_model
+from fastpos.bench import context_parallel, report
+from fastpos.models import TaskInfo
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.config import base_config
-from fastpos.train.state import TrainState, make_optimizer
-from fastpos.train.steps import make_train_step
 
 GIB = 2 ** 30
 # One-layer compiles without a part of the layer: model field overrides.
@@ -85,52 +80,17 @@ def _state_parts(state) -> dict:
   its optimizer moments)."""
   parts = {"position table": 0, "fastrpb tables": 0, "other parameters": 0}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    name = sharding_lib._path_str(path)  # pylint: disable=protected-access
+    name = sharding_lib.leaf_name(path)
     key = ("position table" if "pos_absolute/" in name else
            "fastrpb tables" if "pos_fastrpb/" in name else "other parameters")
     parts[key] += _shard_bytes(leaf)
   return parts
 
 
-def build_step(cfg, n: int):
-  """(jitted step, abstract state, abstract batch, abstract rng, init fn) of ``cfg`` at ``n``."""
-  seq = cfg.mesh.seq
-  task = TaskInfo("classify", 257, 2, n)
-  model = build_model(cfg.model, task)
-  mesh = sharding_lib.make_mesh(cfg, jax.devices()[:seq])
-  sharding_lib.check_seq_split(mesh, n, model)
-  tx = make_optimizer(cfg)
-
-  def init(rng):
-    variables = model.init({"params": rng, "dropout": rng, "features": rng},
-                           {"inputs": jnp.ones((1, n), jnp.int32)}, train=False)
-    params = variables.pop("params")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params), collections=dict(variables))
-
-  abstract = jax.eval_shape(init, jax.random.key(0))
-  state_sharding = sharding_lib.tree_shardings(abstract, mesh, cfg.mesh.rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       abstract, state_sharding)
-  tokens = NamedSharding(mesh, P(sharding_lib.DATA, sharding_lib.SEQ))
-  rows = sharding_lib.batch_sharding(mesh)
-  batch = {"inputs": jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens),
-           "mask": jax.ShapeDtypeStruct((1, n), jnp.bool_, sharding=tokens),
-           "weight": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rows),
-           "targets": jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rows)}
-  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding_lib.replicated(mesh))
-  step = jax.jit(sharding_lib.in_seq_mesh(make_train_step(model, tx, task.kind), mesh),
-                 in_shardings=(state_sharding, sharding_lib.batch_in_sharding(mesh),
-                               sharding_lib.replicated(mesh)),
-                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
-                 donate_argnums=0)
-  init_fn = jax.jit(init, out_shardings=state_sharding)
-  return step, state, batch, rng, init_fn
-
-
 def compile_step(cfg, n: int) -> dict:
   """Compiles the train step of ``cfg`` at ``n``: per-device bytes and the compiled step."""
-  step, state, batch, rng, init_fn = build_step(cfg, n)
+  task = TaskInfo("classify", 257, 2, n)
+  step, state, batch, rng, init_fn = context_parallel.build_step(cfg, task, n)
   start = time.perf_counter()
   compiled = step.lower(state, batch, rng).compile()
   seconds = time.perf_counter() - start

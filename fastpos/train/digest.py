@@ -39,6 +39,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
 
+from fastpos.train.sharding import leaf_name
+
 FORMAT = 1
 # Every key a checkpoint's meta held before digests were recorded: a meta without a digest
 # record and with another key is damaged (e.g. a flipped byte in the name "digests").
@@ -53,18 +55,6 @@ class DigestMismatch(ValueError):
 
 
 # Arrays.
-def leaf_name(path) -> str:
-  """``params/embed/embedding``: the same name for a ``TrainState`` leaf and for the leaf of
-  the nested dicts a checkpoint restores to without a target."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-  return "/".join(parts)
-
-
 def _fmix32(h):
   """murmur3's 32-bit finalizer: a bijection of uint32 that mixes every bit into every bit
   (numpy or jax uint32 arrays; products wrap modulo 2**32 in both)."""

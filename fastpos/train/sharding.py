@@ -179,7 +179,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def _path_str(path) -> str:
+def leaf_name(path) -> str:
+  """``params/embed/embedding``: a pytree path as slash-joined keys, the same name for a
+  ``TrainState`` leaf and for the leaf of the nested dicts a checkpoint restores to."""
   parts = []
   for key in path:
     for attr in ("key", "name", "idx"):
@@ -223,7 +225,7 @@ def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
                for dim, axis in zip(np.shape(leaf), spec))
 
   def one(path, leaf):
-    name = _path_str(path)
+    name = leaf_name(path)
     for regex, spec in compiled:
       if regex.search(name) and len(spec) == np.ndim(leaf):
         if not divisible(leaf, spec):

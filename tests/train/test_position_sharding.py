@@ -30,7 +30,7 @@ def _specs(tree):
     spec = list(s.spec)
     while spec and spec[-1] is None:
       spec.pop()
-    out[sharding_lib._path_str(path)] = P(*spec)  # pylint: disable=protected-access
+    out[sharding_lib.leaf_name(path)] = P(*spec)
   return out
 
 
