@@ -134,7 +134,7 @@ def _cli(*args):
 def test_cli_needs_a_mode_and_hands_flags_to_it():
   run = _cli()
   assert run.returncode == 2 and "give --mode, one of ops, layer, train_step, all, decode, " \
-      "context_parallel." in run.stderr and "Traceback" not in run.stderr
+      "context_parallel, memory." in run.stderr and "Traceback" not in run.stderr
   run = _cli("--mode=decode", "--lengths=1024,x")  # decode's own flag, checked by decode
   assert run.returncode == 2
   assert run.stderr.startswith("fastpos.bench.decode: ") and "Traceback" not in run.stderr
