@@ -9,7 +9,10 @@
    linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
    phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
    the numerator's features); ``kv`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
-   the chunked causal path;
+   the chunked causal path. Causal sikf / favor / orf / prf layers without a table, a decay or
+   a sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``),
+   so the scan keeps a running maximum of s and no late key can overflow the stabiliser (the
+   sequence split over devices keeps the first-key stabiliser);
 3. ``output`` terms added (FastRPB's W V);
 4. output projection.
 
