@@ -9,7 +9,10 @@
    linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
    phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
    the numerator's features); ``kv`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
-   the chunked causal path;
+   the chunked causal path. Causal sikf / favor / orf / prf layers without a table, a decay or
+   a sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``),
+   so the scan keeps a running maximum of s and no late key can overflow the stabiliser (the
+   sequence split over devices keeps the first-key stabiliser);
 3. ``output`` terms added (FastRPB's W V);
 4. output projection.
 
@@ -404,6 +407,8 @@ class Attention(nn.Module):
     projection = self.feature_projection(spec, dim, state, deterministic)
     fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
                                  mask=mask, nu=spec.nu)
+    if not reference and not split and scaled_keys(cfg, post, log_table, log_decay):
+      return self._scaled_keys(fq, k, v, mask, projection, post, ctx)
     fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,
                                  mask=mask, nu=spec.nu, causal=cfg.causal)
     den = None
@@ -426,3 +431,30 @@ class Attention(nn.Module):
     return fn(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
 
 
+
+  def _scaled_keys(self, fq, k, v, mask, projection, post, ctx):
+    """The causal linear path with the keys split as ``e exp(s) + eps`` (``scaled_keys``):
+    the op keeps a running maximum of s, so a late key far above the first cannot overflow."""
+    cfg, spec = self.cfg, self.cfg.kernel
+    e, log_scale, key_eps = feature_ops.causal_key_parts(spec.name, k, projection=projection,
+                                                         mask=mask, nu=spec.nu)
+    for s in post:  # permutations: they commute with the key's scale and map eps 1 to itself
+      fq, e = s.features(fq, e, ctx)
+    return attn_ops.linear_attention(fq, e, v, mask=mask, causal=True, eps=spec.eps,
+                                     chunk_size=cfg.chunk_size, key_log_scale=log_scale,
+                                     key_eps=key_eps)
+
+
+# Kernels whose causal key features split into a bounded part and a log scale
+# (``fastpos.ops.features.causal_key_parts``), and post_phi schemes that permute features.
+SCALED_KEY_KERNELS = ("sikf", "favor", "orf", "prf")
+_PERMUTING_SCHEMES = ("permuteformer",)
+
+
+def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
+  """Whether the layer's linear path runs with ``key_log_scale`` (a running maximum of the
+  keys' scale in the causal scan): a causal layer with a stabilised random-feature kernel and
+  no relative table, decay, or post_phi scheme other than a permutation (the op does not take
+  ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``)."""
+  return (cfg.causal and cfg.kernel.name in SCALED_KEY_KERNELS and log_table is None
+          and log_decay is None and all(s.scheme_name in _PERMUTING_SCHEMES for s in post))

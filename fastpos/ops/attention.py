@@ -262,6 +262,7 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
       numerator and denominator. Causal: R is the running maximum over the keys each query
       sees (inside the chunked scan), so no key, however late and large, overflows, and no
       query's scale depends on a later key. Bidirectional: the maximum over the real keys.
+      ``eps`` guards the denominator in the keys' own scale (as without the split).
       Not built with ``rpe``, ``decay`` or ``den_features`` (ValueError).
     key_eps: see ``key_log_scale`` (only used with it).
 
@@ -313,7 +314,7 @@ def _scaled_keys(phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, deca
                 else chunk_size, n)
     if chunk < 1:
       raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
-    num, den = _causal_running_max(q, k, vals, s, k_eps, chunk)
+    num, den, ref = _causal_running_max(q, k, vals, s, k_eps, chunk)
   else:
     ref = jax.lax.stop_gradient(jnp.maximum(jnp.max(s, axis=2, keepdims=True), 0.0))
     w = jnp.exp(s - ref)  # [b, h, n], every exponent <= 0
@@ -323,7 +324,7 @@ def _scaled_keys(phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, deca
     e = jnp.exp(-ref) * jnp.sum(q, axis=-1)  # [b, h, n]: the eps part, q . (eps 1)
     num = num + e[..., None] * jnp.einsum("bhj,bhjd->bhd", k_eps, vals)[:, :, None]
     den = den + e * jnp.sum(k_eps, axis=2, keepdims=True)
-  out = num / _guard(den, eps)[..., None]
+  out = num / _scaled_guard(den, eps, ref)[..., None]
   return _head_major(out).astype(v.dtype)
 
 
@@ -373,16 +374,24 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
     ks = ks * shrink[..., None] + jnp.sum(k_w, axis=2)
     ev = ev + jnp.einsum("bhj,bhjd->bhd", e_c, v_c)
     es = es + jnp.sum(e_c, axis=-1)
-    return (kv, ks, ev, es, new), (num, den)
+    return (kv, ks, ev, es, new), (num, den, r)
 
   init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype),
           jnp.zeros((b, h, d), dtype), jnp.zeros((b, h), dtype), jnp.zeros((b, h), dtype))
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init,
-                               (split(q), split(k), split(v), split(s, -jnp.inf),
-                                split(k_eps)))
+  _, (num, den, ref) = jax.lax.scan(jax.checkpoint(body), init,
+                                    (split(q), split(k), split(v), split(s, -jnp.inf),
+                                     split(k_eps)))
   num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
   den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
-  return num, den
+  ref = jnp.moveaxis(ref, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
+  return num, den, ref
+
+
+def _scaled_guard(den, eps: float, ref):
+  """``_guard`` in the keys' own scale: ``den`` is the denominator times ``exp(-ref)``, so the
+  threshold is ``eps exp(-ref)`` (floored at the dtype's smallest normal, never 0)."""
+  t = jnp.maximum(eps * jnp.exp(-ref), jnp.finfo(den.dtype).tiny)
+  return jnp.where(jnp.abs(den) < t, jnp.where(den < 0, -t, t), den)
 
 
 def _mix(phi_q, phi_k, v, mask, *, causal, rpe, grid, decay, den_features, chunk_size, eps,

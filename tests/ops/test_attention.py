@@ -351,6 +351,27 @@ def test_key_log_scale_matches_dense_float64(causal, key_eps):
     assert rel_err(a, b) < 1e-9
 
 
+@pytest.mark.parametrize("causal", (False, True))
+def test_key_log_scale_guards_the_denominator_in_the_keys_own_scale(causal):
+  """A query nearly orthogonal to a late key whose scale is exp(100): relative to that key its
+  denominator is ~1e-12, yet in the keys' own scale it is ~1e31, so the eps guard must not act
+  (it did when it compared the rescaled denominator with eps)."""
+  n, heads, m = 12, 1, 4
+  rng = np.random.default_rng(15)
+  pq = np.full((1, n, heads, m), 1e-3)
+  pq[..., 0] = 1.0  # every query looks at feature 0, and barely at feature 1
+  pq[..., 1] = 1e-12
+  e = np.abs(rng.normal(size=(1, n, heads, m)))
+  e[:, 8, :, :] = 1e-30
+  e[:, 8, :, 1] = 1.0  # the late key lives on feature 1
+  s = np.zeros((1, n, heads))
+  s[:, 8] = 100.0
+  v = rng.normal(size=(1, n, heads, 3))
+  fast = attention.linear_attention(pq, e, v, causal=causal, key_log_scale=s, chunk_size=5)
+  dense = attention.linear_attention_reference(pq, e * np.exp(s)[..., None], v, causal=causal)
+  assert rel_err(fast, dense) < 1e-9
+
+
 def test_key_log_scale_never_sees_the_future():
   n, heads = 12, 2
   pq, e, v, s, _ = _scaled_inputs(n, heads, 12)
