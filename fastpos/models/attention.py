@@ -446,15 +446,15 @@ class Attention(nn.Module):
 
 
 # Kernels whose causal key features split into a bounded part and a log scale
-# (``fastpos.ops.features.causal_key_parts``), and post_phi schemes that permute features.
+# (``fastpos.ops.features.causal_key_parts``).
 SCALED_KEY_KERNELS = ("sikf", "favor", "orf", "prf")
-_PERMUTING_SCHEMES = ("permuteformer",)
 
 
 def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
   """Whether the layer's linear path runs with ``key_log_scale`` (a running maximum of the
   keys' scale in the causal scan): a causal layer with a stabilised random-feature kernel and
   no relative table, decay, or post_phi scheme other than a permutation (the op does not take
-  ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``)."""
+  ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``); schemes say whether
+  they only permute features (``Scheme.permutes_features``)."""
   return (cfg.causal and cfg.kernel.name in SCALED_KEY_KERNELS and log_table is None
-          and log_decay is None and all(s.scheme_name in _PERMUTING_SCHEMES for s in post))
+          and log_decay is None and all(s.permutes_features for s in post))

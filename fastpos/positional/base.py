@@ -270,6 +270,10 @@ class Scheme(nn.Module):
   supports_causal: ClassVar[bool] = True
   supports_1d: ClassVar[bool] = True
   supports_2d: ClassVar[bool] = False
+  # A post_phi features hook that only permutes each token's features: it commutes with a
+  # per-key scale and maps a constant vector to itself, so it may act on keys split as
+  # e exp(s) + eps (the causal running-maximum path of the attention layer).
+  permutes_features: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     spec = cls.__dict__.get("option_spec", {})

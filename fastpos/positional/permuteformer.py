@@ -194,6 +194,7 @@ class PermuteFormer(Scheme):
   supports_causal = True
   supports_1d = True
   supports_2d = True
+  permutes_features = True  # pi^i only (its decay is the kv hook)
 
   @classmethod
   def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
