@@ -171,7 +171,9 @@ def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path
     train_and_evaluate(changed, workdir)
   assert sorted((str(p.relative_to(workdir)), p.stat().st_mtime_ns)
                 for p in workdir.rglob("*") if p.name != "train.lock") == listing
-  with caplog.at_level(logging.INFO):
+  # The trainer logs through absl's logger, whose own level an earlier flag parse may have
+  # raised to WARNING: set it here too.
+  with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
     result = train_and_evaluate(changed, workdir, allow_config_change=True)
   assert result["step"] == 4
   assert (workdir / "config.json").read_bytes() == saved  # never rewritten by a resume
@@ -181,7 +183,8 @@ def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path
       ("num_train_steps", False), ("seed", True), ("task.seed", True)]  # constant schedule
   assert read_text(workdir / "tensorboard", "config_changes") == [
       (3, "num_train_steps 2 -> 4 (no effect on results)\nseed 0 -> 1\ntask.seed 0 -> 2")]
-  summary = caplog.records[-1].getMessage()  # the run's last line
+  (summary,) = [r.getMessage() for r in caplog.records  # the run's last line
+                if "metrics.jsonl, tensorboard/, config.json" in r.getMessage()]
   assert "; config changed at step 3: seed 0 -> 1, task.seed 0 -> 2 (config_changes.jsonl)" in (
       summary), summary
   # The same config again: nothing new to record; config.json still the start's.
