@@ -40,6 +40,7 @@ from absl import app, flags, logging
 
 from fastpos.train import config as config_lib
 from fastpos.train import config_record, errors
+from fastpos.train import workdir as workdir_lib
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
 _OVERRIDE = re.compile(r"^--?(no)?config\.([A-Za-z0-9_.]+)(?:=(.*))?$", re.DOTALL)
@@ -115,15 +116,6 @@ def _missing_file(path: str, spec: str) -> ConfigError:
           "give the path of a configs/<experiment>.py file (relative to the current folder, "
           f"{os.getcwd()}) or of a run's config.json.")
   return ConfigError(f"--config={spec}: config file {path!r} not found; {hint}")
-
-
-def _symlink_loop(path: str | os.PathLike) -> bool:
-  """Whether resolving ``path`` runs in circles (os.stat's ELOOP)."""
-  try:
-    os.stat(path)
-  except OSError as e:
-    return e.errno == errno.ELOOP
-  return False
 
 
 def _tuples(value: Any) -> Any:
@@ -266,7 +258,7 @@ def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
     raise ConfigError("--config is empty; give configs/<experiment>.py[:variant] or a run's "
                       "config.json.")
   path, arg = _split_spec(spec)
-  if _symlink_loop(path):
+  if workdir_lib.is_symlink_loop(path):
     raise ConfigError(f"--config={spec}: {path!r} is a symlink loop (its links point at each "
                       "other); fix the link or give the config file's real path.")
   if not os.path.isfile(path):
