@@ -20,20 +20,29 @@ from fastpos.train import cli, distributed, errors, evaluate
 from fastpos.train import workdir as workdir_lib
 
 _CONFIG = flags.DEFINE_string(
-    "config", None, "the config the workdir was trained with; default: <workdir>/config.json. "
-    "Override fields with --config.<field>=<value>")
+    "config",
+    None,
+    "the config the workdir was trained with; default: <workdir>/config.json. "
+    "Override fields with --config.<field>=<value>",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py")
 _SPLIT = flags.DEFINE_enum("split", "test", ["test", "validation", "train"], "split to score")
-_CHECKPOINT = flags.DEFINE_enum("checkpoint", "best", ["best", "latest"],
-                                "best on validation, or the newest checkpoint")
+_CHECKPOINT = flags.DEFINE_enum(
+    "checkpoint", "best", ["best", "latest"], "best on validation, or the newest checkpoint"
+)
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
 def main(argv: cli.Argv) -> int:
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   if not os.path.isdir(workdir):
-    what = ("is a symlink loop" if workdir_lib.is_symlink_loop(workdir) else
-            "is a file" if os.path.exists(workdir) else "does not exist")
+    what = (
+        "is a symlink loop"
+        if workdir_lib.is_symlink_loop(workdir)
+        else "is a file"
+        if os.path.exists(workdir)
+        else "does not exist"
+    )
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
   spec = _CONFIG.value
   if not spec:
@@ -41,7 +50,8 @@ def main(argv: cli.Argv) -> int:
     if not os.path.isfile(spec):
       raise errors.RunError(
           f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
-          "give the workdir of a run, or its config with --config=configs/<experiment>.py.")
+          "give the workdir of a run, or its config with --config=configs/<experiment>.py."
+      )
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices

@@ -30,19 +30,30 @@ from absl import flags
 from fastpos.train import cli, distributed, errors, train_and_evaluate
 
 _CONFIG = flags.DEFINE_string(
-    "config", None, "experiment config: configs/<experiment>.py[:variant]; override any field "
-    "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)")
+    "config",
+    None,
+    "experiment config: configs/<experiment>.py[:variant]; override any field "
+    "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
 _PRINT_CONFIG = flags.DEFINE_bool(
-    "print_config", False, "print the resolved config (after the --config.* overrides) and "
-    "exit without training")
+    "print_config",
+    False,
+    "print the resolved config (after the --config.* overrides) and " "exit without training",
+)
 _LIST_CONFIGS = flags.DEFINE_bool(
-    "list_configs", False, "print every configs/*.py with its first docstring sentence and "
-    "its arguments (--config=configs/<file>.py:<name>=<value>,...) and exit")
+    "list_configs",
+    False,
+    "print every configs/*.py with its first docstring sentence and "
+    "its arguments (--config=configs/<file>.py:<name>=<value>,...) and exit",
+)
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
-    "allow_config_change", False, "resume a workdir with a config that changes the run's "
+    "allow_config_change",
+    False,
+    "resume a workdir with a config that changes the run's "
     "results (seeds, optimizer, schedule, task, model); each change is recorded in "
-    "<workdir>/config_changes.jsonl. Without it such a resume is refused")
+    "<workdir>/config_changes.jsonl. Without it such a resume is refused",
+)
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 

@@ -42,7 +42,8 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # Feature-map options: random features m (favor/prf/trf/nprf/orf), DPFP's nu, the
   # denominator guard, and whether random projections are redrawn every training step.
   c.model.kernel_options = ml_collections.ConfigDict(
-      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0))
+      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0)
+  )
   # Positional schemes joined by "+" or ",", applied in this order at their hooks
   # (fastpos.positional.SCHEMES; "none" for no positional information).
   c.model.positional = "none"
@@ -133,8 +134,9 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   return c
 
 
-def parse_arg(arg: str | None, *, choices: Mapping[str, Iterable[str]] | None = None,
-              **defaults) -> ml_collections.ConfigDict:
+def parse_arg(
+    arg: str | None, *, choices: Mapping[str, Iterable[str]] | None = None, **defaults
+) -> ml_collections.ConfigDict:
   """Parses a ``get_config`` argument (``"tiny"``, ``"task=text,kernel=elu1"``) into fields.
 
   Bare words set a boolean field to True; ``key=value`` pairs take the type of the default.
@@ -155,15 +157,19 @@ def parse_arg(arg: str | None, *, choices: Mapping[str, Iterable[str]] | None = 
       out[key] = True
     elif isinstance(default, bool):
       if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
-        raise ValueError(f"config argument {key}={value!r} is not a boolean; valid: true, "
-                         "false (or the bare word for true).")
+        raise ValueError(
+            f"config argument {key}={value!r} is not a boolean; valid: true, "
+            "false (or the bare word for true)."
+        )
       out[key] = value.lower() in ("1", "true", "yes")
     else:
       try:
         out[key] = type(default)(value)
       except ValueError:
-        raise ValueError(f"config argument {key}={value!r} is not a {type(default).__name__} "
-                         f"(default {default!r}).") from None
+        raise ValueError(
+            f"config argument {key}={value!r} is not a {type(default).__name__} "
+            f"(default {default!r})."
+        ) from None
   for key, valid in choices.items():
     if out[key] not in valid:
       raise ValueError(f"unknown {key}={out[key]!r}; valid: {', '.join(map(str, valid))}.")
@@ -178,41 +184,88 @@ def parse_arg(arg: str | None, *, choices: Mapping[str, Iterable[str]] | None = 
 # ---------------------------------------------------------------------------------------------
 LRA_TASKS: dict[str, dict] = {
     "listops": dict(
-        task="listops", task_fields=dict(source="tsv", max_length=2000),
-        model=dict(num_layers=6, embed_dim=512, num_heads=8, mlp_dim=2048, pooling="cls",
-                   dropout_rate=0.1),
-        batch_size=32, num_train_steps=5000, warmup_steps=1000,
-        learning_rate=0.05 / math.sqrt(1000), weight_decay=0.1, eval_every_steps=500),
+        task="listops",
+        task_fields=dict(source="tsv", max_length=2000),
+        model=dict(
+            num_layers=6, embed_dim=512, num_heads=8, mlp_dim=2048, pooling="cls", dropout_rate=0.1
+        ),
+        batch_size=32,
+        num_train_steps=5000,
+        warmup_steps=1000,
+        learning_rate=0.05 / math.sqrt(1000),
+        weight_decay=0.1,
+        eval_every_steps=500,
+    ),
     "text": dict(
-        task="lra_text", task_fields=dict(max_length=4000),
-        model=dict(num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024, pooling="cls",
-                   dropout_rate=0.1),
-        batch_size=32, num_train_steps=20_000, warmup_steps=8000,
-        learning_rate=0.05 / math.sqrt(8000), weight_decay=0.1, eval_every_steps=1000),
+        task="lra_text",
+        task_fields=dict(max_length=4000),
+        model=dict(
+            num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024, pooling="cls", dropout_rate=0.1
+        ),
+        batch_size=32,
+        num_train_steps=20_000,
+        warmup_steps=8000,
+        learning_rate=0.05 / math.sqrt(8000),
+        weight_decay=0.1,
+        eval_every_steps=1000,
+    ),
     "retrieval": dict(
-        task="lra_retrieval", task_fields=dict(max_length=4000),
-        model=dict(num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, pooling="cls",
-                   dropout_rate=0.1),
+        task="lra_retrieval",
+        task_fields=dict(max_length=4000),
+        model=dict(
+            num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, pooling="cls", dropout_rate=0.1
+        ),
         # LRA: warmup 8000 > 5000 steps (the peak is never reached); here warmup 1000 to a
         # peak of LRA's learning rate at step 5000, then cosine.
-        batch_size=32, num_train_steps=5000, warmup_steps=1000,
-        learning_rate=0.05 * 5000 / 8000 / math.sqrt(8000), weight_decay=0.1,
-        eval_every_steps=500),
+        batch_size=32,
+        num_train_steps=5000,
+        warmup_steps=1000,
+        learning_rate=0.05 * 5000 / 8000 / math.sqrt(8000),
+        weight_decay=0.1,
+        eval_every_steps=500,
+    ),
     "image": dict(
-        task="lra_image", task_fields=dict(),
-        model=dict(num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64, pooling="mean",
-                   dropout_rate=0.3),
-        batch_size=256, num_train_steps=175 * 200, warmup_steps=175,
-        learning_rate=5e-4, weight_decay=0.0, grad_clip_norm=0.0, eval_every_steps=175),
+        task="lra_image",
+        task_fields=dict(),
+        model=dict(
+            num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64, pooling="mean", dropout_rate=0.3
+        ),
+        batch_size=256,
+        num_train_steps=175 * 200,
+        warmup_steps=175,
+        learning_rate=5e-4,
+        weight_decay=0.0,
+        grad_clip_norm=0.0,
+        eval_every_steps=175,
+    ),
     "pathfinder": dict(
-        task="pathfinder", task_fields=dict(),
-        model=dict(num_layers=1, embed_dim=32, num_heads=2, head_dim=8, mlp_dim=32,
-                   pooling="mean", dropout_rate=0.1),
-        batch_size=512, num_train_steps=312 * 200, warmup_steps=312,
-        learning_rate=1e-3, weight_decay=0.0, grad_clip_norm=0.0, eval_every_steps=312),
+        task="pathfinder",
+        task_fields=dict(),
+        model=dict(
+            num_layers=1,
+            embed_dim=32,
+            num_heads=2,
+            head_dim=8,
+            mlp_dim=32,
+            pooling="mean",
+            dropout_rate=0.1,
+        ),
+        batch_size=512,
+        num_train_steps=312 * 200,
+        warmup_steps=312,
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        grad_clip_norm=0.0,
+        eval_every_steps=312,
+    ),
 }
-LRA_LABELS = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
-              "pathfinder": "Pathfinder"}
+LRA_LABELS = {
+    "listops": "ListOps",
+    "text": "Text",
+    "retrieval": "Retrieval",
+    "image": "Image",
+    "pathfinder": "Pathfinder",
+}
 
 # The kernel rows of the papers' tables: argument value -> (model fields, the paper's label).
 KERNELS: dict[str, tuple[dict, str]] = {
@@ -255,8 +308,15 @@ def set_model(c: ml_collections.ConfigDict, fields: Mapping) -> None:
   c.model.update(fields)
 
 
-def set_paper(c: ml_collections.ConfigDict, *, row: str, col: str, table: str,
-              results: Mapping[str, float], metric: str = "accuracy") -> None:
+def set_paper(
+    c: ml_collections.ConfigDict,
+    *,
+    row: str,
+    col: str,
+    table: str,
+    results: Mapping[str, float],
+    metric: str = "accuracy",
+) -> None:
   """Records the run's cell in the paper's table (``config.experiment``) and the paper's
   numbers (``config.paper``) for scripts/make_tables.py."""
   c.experiment = ml_collections.ConfigDict(dict(row=row, col=col))
@@ -278,8 +338,9 @@ def results(row_labels: Iterable[str], col_labels: Iterable[str], table) -> dict
 # The repository's own small copies of a task's data, in the data root's layout: a ``:tiny``
 # run of these tasks reads them unless config.task.data_dir is set.
 FIXTURES = {"wikitext103": "wikitext", "listops": "listops", "lra_retrieval": "retrieval"}
-FIXTURES_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
-                             "testdata")
+FIXTURES_ROOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "testdata"
+)
 
 
 def make_tiny(c: ml_collections.ConfigDict) -> None:

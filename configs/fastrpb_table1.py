@@ -30,10 +30,18 @@ from configs import common
 COLUMNS: dict[str, tuple[dict, str]] = {
     "none": (dict(positional="absolute"), "None"),
     "fastrpb": (dict(positional="absolute+fastrpb"), "FastRPB"),
-    "sinspe": (dict(positional="absolute+spe", positional_options={"spe": {"kind": "sine"}},
-                    use_grid=False), "sinSPE"),
-    "convspe": (dict(positional="absolute+spe", positional_options={"spe": {"kind": "conv"}},
-                     use_grid=False), "convSPE"),
+    "sinspe": (
+        dict(
+            positional="absolute+spe", positional_options={"spe": {"kind": "sine"}}, use_grid=False
+        ),
+        "sinSPE",
+    ),
+    "convspe": (
+        dict(
+            positional="absolute+spe", positional_options={"spe": {"kind": "conv"}}, use_grid=False
+        ),
+        "convSPE",
+    ),
     # The paper's RPE column (softmax only): a learned per-offset logits bias b_{j-i}. With a
     # linear kernel the same table mixes keys by FFT (Luo et al.), a cell the paper lacks.
     "rpe": (dict(positional="absolute+kernelized_rpe"), "RPE"),
@@ -45,30 +53,50 @@ _ROW_LABELS = [label for _, label in ROWS.values()]
 _COL_LABELS = [label for _, label in COLUMNS.values()]
 # Test accuracy % per task; rows as ROWS, columns as COLUMNS; None: OOM, "-" or N/A.
 RESULTS: dict[str, dict[str, float]] = {
-    "listops": common.results(_ROW_LABELS, _COL_LABELS, [
-        (14.43, 14.6, None, None, None),
-        (20.67, 17.97, 17.57, 16.17, None),
-        (12.55, 11.47, 15.25, 17.8, None),
-        (17.58, 17.67, 17.80, 9.50, None),
-        (17.80, 17.75, 17.43, 17.80, None)]),
-    "text": common.results(_ROW_LABELS, _COL_LABELS, [
-        (62.27, 62.02, None, None, 55.7),
-        (62.78, 63.05, 62.76, 62.78, None),
-        (61.64, 62.35, 63.37, 62.24, None),
-        (58.78, 63.95, 62.39, 61.00, None),
-        (59.84, 62.66, 60.00, 57.22, None)]),
-    "retrieval": common.results(_ROW_LABELS, _COL_LABELS, [
-        (None, None, None, None, None),
-        (61.01, 64.79, 61.53, 63.52, None),
-        (59.51, 67.19, 62.0, 58.93, None),
-        (58.78, 64.94, 62.39, 61.00, None),
-        (59.84, 66.65, 60.00, 57.22, None)]),
-    "image": common.results(_ROW_LABELS, _COL_LABELS, [
-        (41.88, 39.02, None, None, None),
-        (41.79, 38.73, 41.97, 41.33, None),
-        (41.96, 38.89, 40.73, 42.94, None),
-        (42.25, 38.44, 41.21, 39.96, None),
-        (41.81, 32.26, 41.12, 40.06, None)]),
+    "listops": common.results(
+        _ROW_LABELS,
+        _COL_LABELS,
+        [
+            (14.43, 14.6, None, None, None),
+            (20.67, 17.97, 17.57, 16.17, None),
+            (12.55, 11.47, 15.25, 17.8, None),
+            (17.58, 17.67, 17.80, 9.50, None),
+            (17.80, 17.75, 17.43, 17.80, None),
+        ],
+    ),
+    "text": common.results(
+        _ROW_LABELS,
+        _COL_LABELS,
+        [
+            (62.27, 62.02, None, None, 55.7),
+            (62.78, 63.05, 62.76, 62.78, None),
+            (61.64, 62.35, 63.37, 62.24, None),
+            (58.78, 63.95, 62.39, 61.00, None),
+            (59.84, 62.66, 60.00, 57.22, None),
+        ],
+    ),
+    "retrieval": common.results(
+        _ROW_LABELS,
+        _COL_LABELS,
+        [
+            (None, None, None, None, None),
+            (61.01, 64.79, 61.53, 63.52, None),
+            (59.51, 67.19, 62.0, 58.93, None),
+            (58.78, 64.94, 62.39, 61.00, None),
+            (59.84, 66.65, 60.00, 57.22, None),
+        ],
+    ),
+    "image": common.results(
+        _ROW_LABELS,
+        _COL_LABELS,
+        [
+            (41.88, 39.02, None, None, None),
+            (41.79, 38.73, 41.97, 41.33, None),
+            (41.96, 38.89, 40.73, 42.94, None),
+            (42.25, 38.44, 41.21, 39.96, None),
+            (41.81, 32.26, 41.12, 40.06, None),
+        ],
+    ),
 }
 
 ARGS = dict(task="text", kernel="sikf", pos="fastrpb", tiny=False)
@@ -81,8 +109,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   (row_fields, row), (col_fields, col) = ROWS[a.kernel], COLUMNS[a.pos]
   common.set_model(c, row_fields)
   common.set_model(c, col_fields)
-  common.set_paper(c, row=row, col=col, table=f"FastRPB Table 1 ({common.LRA_LABELS[a.task]})",
-                   results=RESULTS[a.task])
+  common.set_paper(
+      c,
+      row=row,
+      col=col,
+      table=f"FastRPB Table 1 ({common.LRA_LABELS[a.task]})",
+      results=RESULTS[a.task],
+  )
   if a.tiny:
     common.make_tiny(c)
   return c

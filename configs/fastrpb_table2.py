@@ -22,26 +22,43 @@ import ml_collections
 from configs import common
 
 ROWS = {k: common.KERNELS[k] for k in ("softmax", "dpfp", "sikf", "elu1", "favor")}
-COLUMNS = {"none": (dict(positional="absolute"), "w/o FastRPB"),
-           "fastrpb": (dict(positional="absolute+fastrpb"), "w/ FastRPB")}
+COLUMNS = {
+    "none": (dict(positional="absolute"), "w/o FastRPB"),
+    "fastrpb": (dict(positional="absolute+fastrpb"), "w/ FastRPB"),
+}
 RESULTS = common.results(
-    [label for _, label in ROWS.values()], [label for _, label in COLUMNS.values()],
-    [(97.34, 98.27), (97.09, 97.66), (96.49, 97.37), (94.01, 96.71), (96.6, 97.52)])
+    [label for _, label in ROWS.values()],
+    [label for _, label in COLUMNS.values()],
+    [(97.34, 98.27), (97.09, 97.66), (96.49, 97.37), (94.01, 96.71), (96.6, 97.52)],
+)
 # FastRPB Table 4: the learning rate found for each (kernel, pos) cell.
 LEARNING_RATES = {
-    ("softmax", "none"): 1.05e-4, ("softmax", "fastrpb"): 1.35e-4,
-    ("dpfp", "none"): 1.3e-4, ("dpfp", "fastrpb"): 0.7e-4,
-    ("sikf", "none"): 1.25e-4, ("sikf", "fastrpb"): 1.45e-4,
-    ("elu1", "none"): 1.3e-4, ("elu1", "fastrpb"): 1.25e-4,
-    ("favor", "none"): 1.2e-4, ("favor", "fastrpb"): 1.0e-4,
+    ("softmax", "none"): 1.05e-4,
+    ("softmax", "fastrpb"): 1.35e-4,
+    ("dpfp", "none"): 1.3e-4,
+    ("dpfp", "fastrpb"): 0.7e-4,
+    ("sikf", "none"): 1.25e-4,
+    ("sikf", "fastrpb"): 1.45e-4,
+    ("elu1", "none"): 1.3e-4,
+    ("elu1", "fastrpb"): 1.25e-4,
+    ("favor", "none"): 1.2e-4,
+    ("favor", "fastrpb"): 1.0e-4,
 }
 STEPS_PER_EPOCH = 54_000 // 64
 SETTINGS = dict(
-    task="mnist", task_fields=dict(),
-    model=dict(num_layers=8, embed_dim=256, num_heads=8, mlp_dim=1024, pooling="mean",
-               dropout_rate=0.1),
-    batch_size=64, num_train_steps=STEPS_PER_EPOCH * 25, warmup_steps=500, schedule="linear",
-    learning_rate=1.3e-4, weight_decay=0.01, eval_every_steps=STEPS_PER_EPOCH)
+    task="mnist",
+    task_fields=dict(),
+    model=dict(
+        num_layers=8, embed_dim=256, num_heads=8, mlp_dim=1024, pooling="mean", dropout_rate=0.1
+    ),
+    batch_size=64,
+    num_train_steps=STEPS_PER_EPOCH * 25,
+    warmup_steps=500,
+    schedule="linear",
+    learning_rate=1.3e-4,
+    weight_decay=0.01,
+    eval_every_steps=STEPS_PER_EPOCH,
+)
 
 ARGS = dict(kernel="sikf", pos="fastrpb", tiny=False)
 CHOICES = dict(kernel=tuple(ROWS), pos=tuple(COLUMNS))

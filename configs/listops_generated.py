@@ -37,12 +37,24 @@ ROWS = common.KERNELS
 COLUMNS = fastrpb_table1.COLUMNS
 SETTINGS = dict(
     task="listops",
-    task_fields=dict(source="generated", min_length=20, max_length=100, num_train=20_000,
-                     num_validation=1000, num_test=1000),
-    model=dict(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, dropout_rate=0.1,
-               pooling="mean"),
-    batch_size=32, num_train_steps=600, warmup_steps=60, learning_rate=1e-3,
-    weight_decay=0.01, eval_every_steps=200)
+    task_fields=dict(
+        source="generated",
+        min_length=20,
+        max_length=100,
+        num_train=20_000,
+        num_validation=1000,
+        num_test=1000,
+    ),
+    model=dict(
+        num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, dropout_rate=0.1, pooling="mean"
+    ),
+    batch_size=32,
+    num_train_steps=600,
+    warmup_steps=60,
+    learning_rate=1e-3,
+    weight_decay=0.01,
+    eval_every_steps=200,
+)
 
 ARGS = dict(kernel="sikf", pos="fastrpb", tiny=False, bucket=False)
 CHOICES = dict(kernel=tuple(ROWS), pos=tuple(COLUMNS))
@@ -54,8 +66,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   (row_fields, row), (col_fields, col) = ROWS[a.kernel], COLUMNS[a.pos]
   common.set_model(c, row_fields)
   common.set_model(c, col_fields)
-  common.set_paper(c, row=row, col=col, table="FastRPB Table 1 (ListOps)",
-                   results=fastrpb_table1.RESULTS["listops"])
+  common.set_paper(
+      c,
+      row=row,
+      col=col,
+      table="FastRPB Table 1 (ListOps)",
+      results=fastrpb_table1.RESULTS["listops"],
+  )
   if a.bucket:  # length bucketing: ~2.5x the real tokens/s, 4 train-step compiles (not 1)
     c.data.bucket_lengths = (32, 48, 64)
   if a.tiny:

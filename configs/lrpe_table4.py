@@ -24,19 +24,32 @@ ROWS: dict[str, tuple[dict, str]] = {
     "base": (dict(kernel="elu1", positional="none"), "Base"),
     "rope": (dict(kernel="elu1", positional="rope"), "RoPE"),
     "per": (dict(kernel="elu1", positional="permuteformer"), "Per"),
-    "type1": (dict(kernel="elu1", positional="lrpe",
-                   positional_options={"lrpe": {"type": 1}}), "Type1"),
-    "type2": (dict(kernel="elu1", positional="lrpe",
-                   positional_options={"lrpe": {"type": 2}}), "Type2"),
-    "type3": (dict(kernel="elu1", positional="lrpe",
-                   positional_options={"lrpe": {"type": 3}}), "Type3"),
+    "type1": (
+        dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 1}}),
+        "Type1",
+    ),
+    "type2": (
+        dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 2}}),
+        "Type2",
+    ),
+    "type3": (
+        dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 3}}),
+        "Type3",
+    ),
 }
 TASKS = ("text", "listops", "retrieval", "pathfinder", "image")
 RESULTS = common.results(
-    [label for _, label in ROWS.values()], [common.LRA_LABELS[t] for t in TASKS],
-    [(64.81, 39.17, 84.71, 71.61, 41.21), (66.53, 40.57, 78.75, 72.68, 62.50),
-     (65.50, 39.17, 83.40, 69.55, 42.03), (66.80, 39.84, 82.13, 73.79, 63.43),
-     (66.52, 39.79, 81.55, 73.46, 62.35), (64.94, 39.56, 83.86, 70.78, 45.15)])
+    [label for _, label in ROWS.values()],
+    [common.LRA_LABELS[t] for t in TASKS],
+    [
+        (64.81, 39.17, 84.71, 71.61, 41.21),
+        (66.53, 40.57, 78.75, 72.68, 62.50),
+        (65.50, 39.17, 83.40, 69.55, 42.03),
+        (66.80, 39.84, 82.13, 73.79, 63.43),
+        (66.52, 39.79, 81.55, 73.46, 62.35),
+        (64.94, 39.56, 83.86, 70.78, 45.15),
+    ],
+)
 
 ARGS = dict(task="text", pe="type2", tiny=False)
 CHOICES = dict(task=TASKS, pe=tuple(ROWS))
@@ -48,8 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   fields, row = ROWS[a.pe]
   common.set_model(c, fields)
   c.model.norm = "batch"
-  common.set_paper(c, row=row, col=common.LRA_LABELS[a.task], table="LRPE Table 4",
-                   results=RESULTS)
+  common.set_paper(c, row=row, col=common.LRA_LABELS[a.task], table="LRPE Table 4", results=RESULTS)
   if a.tiny:
     common.make_tiny(c)
   return c

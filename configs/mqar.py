@@ -19,8 +19,9 @@ import ml_collections
 
 from configs import common
 
-ARGS = dict(tiny=False, kernel="softmax", pos="none", seq_len=64, pairs=4, variant="mqar",
-            steps=0, vocab=19)
+ARGS = dict(
+    tiny=False, kernel="softmax", pos="none", seq_len=64, pairs=4, variant="mqar", steps=0, vocab=19
+)
 CHOICES = dict(variant=("mqar", "copy"))
 
 
@@ -28,10 +29,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
   c = common.base_config("mqar")
   # vocab 19: 8 keys and 8 values (chance 1/8 on answers; 1/pairs knowing the context's values)
-  c.task.update(variant=a.variant, vocab_size=a.vocab, seq_len=a.seq_len, num_pairs=a.pairs,
-                num_train=10_000, num_validation=500, num_test=500)
-  c.model.update(num_layers=2, embed_dim=32, num_heads=2, mlp_dim=64, dropout_rate=0.0,
-                 norm="pre", kernel=a.kernel, positional=a.pos)
+  c.task.update(
+      variant=a.variant,
+      vocab_size=a.vocab,
+      seq_len=a.seq_len,
+      num_pairs=a.pairs,
+      num_train=10_000,
+      num_validation=500,
+      num_test=500,
+  )
+  c.model.update(
+      num_layers=2,
+      embed_dim=32,
+      num_heads=2,
+      mlp_dim=64,
+      dropout_rate=0.0,
+      norm="pre",
+      kernel=a.kernel,
+      positional=a.pos,
+  )
   c.batch_size = 32
   c.num_train_steps = 600
   c.optimizer.learning_rate = 3e-3

@@ -23,20 +23,31 @@ from configs import common
 
 ROWS: dict[str, tuple[dict, str]] = {
     "transformer": (dict(kernel="softmax", positional="absolute"), "Transformer"),
-    "sinusoidal": (dict(kernel="softmax", positional="absolute",
-                        positional_options=common.SINUSOIDAL), "w/ sinusoidal pos emb"),
+    "sinusoidal": (
+        dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
+        "w/ sinusoidal pos emb",
+    ),
     "performer": (dict(kernel="favor", positional="absolute"), "Performer"),
     "roformer": (dict(kernel="favor", positional="rope"), "RoFormer"),
     "permuteformer": (dict(kernel="relu", positional="permuteformer"), "PermuteFormer"),
-    "permuteformer_1d": (dict(kernel="relu", positional="permuteformer", use_grid=False),
-                         "w/o 2D rel pos"),
+    "permuteformer_1d": (
+        dict(kernel="relu", positional="permuteformer", use_grid=False),
+        "w/o 2D rel pos",
+    ),
 }
 TASKS = ("text", "retrieval", "image", "pathfinder")
 RESULTS = common.results(
-    [label for _, label in ROWS.values()], [common.LRA_LABELS[t] for t in TASKS],
-    [(63.99, 80.02, 42.83, 72.40), (64.06, 79.81, 43.30, 73.00),
-     (63.95, 79.82, 43.08, 72.63), (66.00, 75.27, 26.16, 58.87),
-     (65.95, 80.66, 43.02, 72.91), (65.95, 80.66, 36.10, 65.72)])
+    [label for _, label in ROWS.values()],
+    [common.LRA_LABELS[t] for t in TASKS],
+    [
+        (63.99, 80.02, 42.83, 72.40),
+        (64.06, 79.81, 43.30, 73.00),
+        (63.95, 79.82, 43.08, 72.63),
+        (66.00, 75.27, 26.16, 58.87),
+        (65.95, 80.66, 43.02, 72.91),
+        (65.95, 80.66, 36.10, 65.72),
+    ],
+)
 
 ARGS = dict(task="text", model="permuteformer", tiny=False)
 CHOICES = dict(task=TASKS, model=tuple(ROWS))
@@ -47,8 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.config_from_settings(common.LRA_TASKS[a.task])
   fields, row = ROWS[a.model]
   common.set_model(c, fields)
-  common.set_paper(c, row=row, col=common.LRA_LABELS[a.task], table="PermuteFormer Table 1",
-                   results=RESULTS)
+  common.set_paper(
+      c, row=row, col=common.LRA_LABELS[a.task], table="PermuteFormer Table 1", results=RESULTS
+  )
   if a.tiny:
     common.make_tiny(c)
   return c

@@ -32,10 +32,19 @@ import ml_collections
 from configs import common
 
 VIM_MANUAL = "/usr/share/vim/vim90/doc"
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
-                        "testdata", "wikitext")
-ARGS = dict(tiny=False, paths="", include="", level="byte", vocab=0, kernel="softmax",
-            pos="absolute", steps=0)
+FIXTURES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "testdata", "wikitext"
+)
+ARGS = dict(
+    tiny=False,
+    paths="",
+    include="",
+    level="byte",
+    vocab=0,
+    kernel="softmax",
+    pos="absolute",
+    steps=0,
+)
 CHOICES = dict(level=("byte", "word"))
 
 
@@ -48,18 +57,33 @@ def _default_vocab(level: str, tiny: bool) -> int:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
   c = common.base_config("text_lm")
-  default_paths, default_include = ((FIXTURES, "*.tokens") if a.tiny
-                                    else (VIM_MANUAL, "usr_*.txt"))
-  c.task.update(paths=a.paths or default_paths, include=a.include or default_include,
-                level=a.level, vocab_size=a.vocab or _default_vocab(a.level, a.tiny),
-                validation_fraction=0.1, test_fraction=0.0,
-                segment_length=64, eval_stride=0)
-  c.model.update(num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, dropout_rate=0.0,
-                 norm="pre", tie_embeddings=True, kernel=a.kernel, positional=a.pos)
+  default_paths, default_include = (FIXTURES, "*.tokens") if a.tiny else (VIM_MANUAL, "usr_*.txt")
+  c.task.update(
+      paths=a.paths or default_paths,
+      include=a.include or default_include,
+      level=a.level,
+      vocab_size=a.vocab or _default_vocab(a.level, a.tiny),
+      validation_fraction=0.1,
+      test_fraction=0.0,
+      segment_length=64,
+      eval_stride=0,
+  )
+  c.model.update(
+      num_layers=4,
+      embed_dim=128,
+      num_heads=4,
+      mlp_dim=512,
+      dropout_rate=0.0,
+      norm="pre",
+      tie_embeddings=True,
+      kernel=a.kernel,
+      positional=a.pos,
+  )
   c.batch_size = 12
   c.num_train_steps = 2000
-  c.optimizer.update(learning_rate=1e-3, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1,
-                     grad_clip_norm=1.0)
+  c.optimizer.update(
+      learning_rate=1e-3, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0
+  )
   c.schedule.update(name="cosine", warmup_steps=100, end_factor=0.1)
   c.log_every_steps = 100
   c.eval_every_steps = c.checkpoint_every_steps = 250

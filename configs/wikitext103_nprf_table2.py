@@ -28,24 +28,53 @@ import ml_collections
 from configs import common
 
 ROWS: dict[str, tuple[dict, str]] = {
-    "vanilla": (dict(kernel="softmax", positional="absolute",
-                     positional_options=common.SINUSOIDAL), "Vanilla Transformer"),
-    "linear": (dict(kernel="elu1", positional="absolute",
-                    positional_options=common.SINUSOIDAL), "Linear Transformer"),
-    "trf": (dict(kernel="trf", positional="absolute", positional_options=common.SINUSOIDAL),
-            "TRF-Transformer"),
-    "nprf_rpe": (dict(kernel="nprf", positional="absolute+kernelized_rpe",
-                      positional_options=common.SINUSOIDAL), "NPRF-Transformer w/ RPE"),
+    "vanilla": (
+        dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
+        "Vanilla Transformer",
+    ),
+    "linear": (
+        dict(kernel="elu1", positional="absolute", positional_options=common.SINUSOIDAL),
+        "Linear Transformer",
+    ),
+    "trf": (
+        dict(kernel="trf", positional="absolute", positional_options=common.SINUSOIDAL),
+        "TRF-Transformer",
+    ),
+    "nprf_rpe": (
+        dict(
+            kernel="nprf",
+            positional="absolute+kernelized_rpe",
+            positional_options=common.SINUSOIDAL,
+        ),
+        "NPRF-Transformer w/ RPE",
+    ),
 }
-RESULTS = common.results([label for _, label in ROWS.values()], ["WikiText-103"],
-                         [(33.0,), (38.4,), (33.6,), (30.6,)])
+RESULTS = common.results(
+    [label for _, label in ROWS.values()], ["WikiText-103"], [(33.0,), (38.4,), (33.6,), (30.6,)]
+)
 SETTINGS = dict(
-    task="wikitext103", task_fields=dict(segment_length=512, eval_stride=0),
-    model=dict(num_layers=6, embed_dim=512, num_heads=8, mlp_dim=2048, dropout_rate=0.1,
-               norm="post", tie_embeddings=True),
-    kernel_options=dict(num_features=64), optimizer=dict(eps=1e-6),
-    batch_size=64, num_train_steps=150_000, warmup_steps=6000, schedule="rsqrt",
-    learning_rate=2e-3, weight_decay=0.01, grad_clip_norm=0.0, eval_every_steps=5000)
+    task="wikitext103",
+    task_fields=dict(segment_length=512, eval_stride=0),
+    model=dict(
+        num_layers=6,
+        embed_dim=512,
+        num_heads=8,
+        mlp_dim=2048,
+        dropout_rate=0.1,
+        norm="post",
+        tie_embeddings=True,
+    ),
+    kernel_options=dict(num_features=64),
+    optimizer=dict(eps=1e-6),
+    batch_size=64,
+    num_train_steps=150_000,
+    warmup_steps=6000,
+    schedule="rsqrt",
+    learning_rate=2e-3,
+    weight_decay=0.01,
+    grad_clip_norm=0.0,
+    eval_every_steps=5000,
+)
 
 ARGS = dict(model="nprf_rpe", tiny=False)
 CHOICES = dict(model=tuple(ROWS))
@@ -56,9 +85,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.config_from_settings(SETTINGS)
   fields, row = ROWS[a.model]
   common.set_model(c, fields)
-  common.set_paper(c, row=row, col="WikiText-103",
-                   table="Luo et al. Table 2 (validation perplexity)", results=RESULTS,
-                   metric="perplexity")
+  common.set_paper(
+      c,
+      row=row,
+      col="WikiText-103",
+      table="Luo et al. Table 2 (validation perplexity)",
+      results=RESULTS,
+      metric="perplexity",
+  )
   if a.tiny:
     common.make_tiny(c)
   return c

@@ -31,25 +31,58 @@ from configs import common
 
 _PAPER_DECAY = "paper"  # permuteformer's decay option: per-head r = paper_decays(num_heads)
 ROWS: dict[str, tuple[dict, str]] = {
-    "transformer": (dict(kernel="softmax", positional="absolute",
-                         positional_options=common.SINUSOIDAL), "Transformer"),
-    "performer": (dict(kernel="favor", positional="absolute",
-                       positional_options=common.SINUSOIDAL), "Performer"),
-    "permuteformer": (dict(kernel="relu", positional="permuteformer",
-                           positional_options={"permuteformer": {"decay": _PAPER_DECAY}}),
-                      "PermuteFormer"),
+    "transformer": (
+        dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
+        "Transformer",
+    ),
+    "performer": (
+        dict(kernel="favor", positional="absolute", positional_options=common.SINUSOIDAL),
+        "Performer",
+    ),
+    "permuteformer": (
+        dict(
+            kernel="relu",
+            positional="permuteformer",
+            positional_options={"permuteformer": {"decay": _PAPER_DECAY}},
+        ),
+        "PermuteFormer",
+    ),
     "no_r": (dict(kernel="relu", positional="permuteformer"), "PermuteFormer w/o r"),
-    "no_perm": (dict(kernel="relu", positional="permuteformer", positional_options={
-        "permuteformer": {"decay": _PAPER_DECAY, "permute": False}}), "PermuteFormer w/o Ppi"),
+    "no_perm": (
+        dict(
+            kernel="relu",
+            positional="permuteformer",
+            positional_options={"permuteformer": {"decay": _PAPER_DECAY, "permute": False}},
+        ),
+        "PermuteFormer w/o Ppi",
+    ),
 }
-RESULTS = common.results([label for _, label in ROWS.values()], ["WikiText-103"],
-                         [(30.18,), (36.87,), (32.49,), (35.76,), (33.08,)])
+RESULTS = common.results(
+    [label for _, label in ROWS.values()],
+    ["WikiText-103"],
+    [(30.18,), (36.87,), (32.49,), (35.76,), (33.08,)],
+)
 SETTINGS = dict(
-    task="wikitext103", task_fields=dict(segment_length=512, eval_stride=256),
-    model=dict(num_layers=6, embed_dim=512, num_heads=8, mlp_dim=1024, dropout_rate=0.1,
-               norm="post", tie_embeddings=True),
-    batch_size=64, num_train_steps=50_000, warmup_steps=4000, schedule="rsqrt",
-    learning_rate=5e-4, weight_decay=0.01, grad_clip_norm=0.0, eval_every_steps=2000)
+    task="wikitext103",
+    task_fields=dict(segment_length=512, eval_stride=256),
+    model=dict(
+        num_layers=6,
+        embed_dim=512,
+        num_heads=8,
+        mlp_dim=1024,
+        dropout_rate=0.1,
+        norm="post",
+        tie_embeddings=True,
+    ),
+    batch_size=64,
+    num_train_steps=50_000,
+    warmup_steps=4000,
+    schedule="rsqrt",
+    learning_rate=5e-4,
+    weight_decay=0.01,
+    grad_clip_norm=0.0,
+    eval_every_steps=2000,
+)
 
 ARGS = dict(model="permuteformer", tiny=False)
 CHOICES = dict(model=tuple(ROWS))
@@ -60,9 +93,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.config_from_settings(SETTINGS)
   fields, row = ROWS[a.model]
   common.set_model(c, fields)
-  common.set_paper(c, row=row, col="WikiText-103",
-                   table="PermuteFormer Table 4 (test perplexity)", results=RESULTS,
-                   metric="perplexity")
+  common.set_paper(
+      c,
+      row=row,
+      col="WikiText-103",
+      table="PermuteFormer Table 4 (test perplexity)",
+      results=RESULTS,
+      metric="perplexity",
+  )
   if a.tiny:
     common.make_tiny(c)
   return c

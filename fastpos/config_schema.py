@@ -48,6 +48,7 @@ class Field:
       config for a field whose effect depends on another (``num_train_steps`` moves a
       decaying schedule only).
   """
+
   type: str
   low: float | None = None
   high: float | None = None
@@ -67,8 +68,14 @@ class Field:
       return "one of " + ", ".join(map(str, self.choices))
     if self.valid:
       return self.valid
-    words = {"bool": "true or false", "int": "an integer", "float": "a finite number",
-             "str": "a string", "tuple": "a tuple", "block": "a block of fields"}[self.type]
+    words = {
+        "bool": "true or false",
+        "int": "an integer",
+        "float": "a finite number",
+        "str": "a string",
+        "tuple": "a tuple",
+        "block": "a block of fields",
+    }[self.type]
     if self.low is not None and self.high is not None and self.type == "float":
       left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
       return f"{words} in {left}{_num(self.low)}, {_num(self.high)}{right}"
@@ -105,9 +112,14 @@ def _is_float(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-_TYPE_CHECKS = {"bool": lambda x: isinstance(x, bool), "int": _is_int, "float": _is_float,
-                "str": lambda x: isinstance(x, str), "tuple": lambda x: isinstance(x, tuple),
-                "block": lambda x: hasattr(x, "keys")}
+_TYPE_CHECKS = {
+    "bool": lambda x: isinstance(x, bool),
+    "int": _is_int,
+    "float": _is_float,
+    "str": lambda x: isinstance(x, str),
+    "tuple": lambda x: isinstance(x, tuple),
+    "block": lambda x: hasattr(x, "keys"),
+}
 
 
 def _decays(cfg) -> bool:
@@ -192,8 +204,9 @@ FIELDS: dict[str, Field] = {
     "data.num_threads": _int(1, trajectory=False),
     "data.prefetch": _int(0, trajectory=False),
     # Bucketing and packing regroup examples into batches: they change the data order.
-    "data.bucket_lengths": Field("tuple", valid="a tuple of increasing lengths in "
-                                 "[1, task.max_length] (() = off)"),
+    "data.bucket_lengths": Field(
+        "tuple", valid="a tuple of increasing lengths in " "[1, task.max_length] (() = off)"
+    ),
     "data.bucket_window": _int(1),
     "data.pack": _BOOL,
     # The paper's cell and numbers (configs/common.set_paper): a record, read by the tables.
@@ -218,41 +231,85 @@ KERNEL_OPTIONS: dict[str, Field] = {
 }
 
 _SPLIT_SIZES = {"num_train": _int(0), "num_validation": _int(0), "num_test": _int(0)}
-_TFDS = {"data_dir": _PATH, "cache_dir": _FREE_PATH,
-         "validation_fraction": _float(0, 1, low_open=True, high_open=True),
-         "validation_seed": _SEED}
+_TFDS = {
+    "data_dir": _PATH,
+    "cache_dir": _FREE_PATH,
+    "validation_fraction": _float(0, 1, low_open=True, high_open=True),
+    "validation_seed": _SEED,
+}
 _OVERFLOW = _str(("truncate", "error"))
 
 # config.task, by task name (each task module's default_config()); "name" is every task's.
 TASK_FIELDS: dict[str, dict[str, Field]] = {
-    "synthetic": {"vocab_size": _int(4), "num_classes": _int(2), "min_length": _int(1),
-                  "max_length": _int(1), "num_train": _int(1), "num_validation": _int(1),
-                  "num_test": _int(1), "seed": _SEED},
-    "listops": {"source": _str(("generated", "tsv")), "data_dir": _PATH,
-                "cache_dir": _FREE_PATH, "max_length": _int(1), "min_length": _int(1),
-                **_SPLIT_SIZES, "seed": _SEED, "on_overflow": _OVERFLOW, "parens": _BOOL},
+    "synthetic": {
+        "vocab_size": _int(4),
+        "num_classes": _int(2),
+        "min_length": _int(1),
+        "max_length": _int(1),
+        "num_train": _int(1),
+        "num_validation": _int(1),
+        "num_test": _int(1),
+        "seed": _SEED,
+    },
+    "listops": {
+        "source": _str(("generated", "tsv")),
+        "data_dir": _PATH,
+        "cache_dir": _FREE_PATH,
+        "max_length": _int(1),
+        "min_length": _int(1),
+        **_SPLIT_SIZES,
+        "seed": _SEED,
+        "on_overflow": _OVERFLOW,
+        "parens": _BOOL,
+    },
     "lra_text": {**_TFDS, "max_length": _int(1), "on_overflow": _OVERFLOW},
     "lra_image": dict(_TFDS),
     "mnist": dict(_TFDS),
-    "wikitext103": {"data_dir": _PATH, "cache_dir": _FREE_PATH, "segment_length": _int(1),
-                    "vocab_size": _int(4), "eval_stride": _int(0)},
-    "lra_retrieval": {"data_dir": _PATH, "cache_dir": _FREE_PATH, "max_length": _int(1),
-                      "on_overflow": _OVERFLOW, **_SPLIT_SIZES},
-    "pathfinder": {"data_dir": _PATH, "cache_dir": _FREE_PATH,
-                   "resolution": Field("int", choices=(32, 64, 128, 256)),
-                   "difficulty": _str(("easy", "intermediate", "hard")),
-                   "split_order": _str(("lra", "metadata")),
-                   "num_threads": _int(1, trajectory=False)},
-    "mqar": {"variant": _str(("mqar", "copy")), "vocab_size": _int(5), "seq_len": _int(4),
-             "num_pairs": _int(1), "num_queries": _int(0), "copy_length": _int(0),
-             "num_train": _int(1), "num_validation": _int(1), "num_test": _int(1),
-             "seed": _SEED},
-    "text_lm": {"paths": _str(valid="UTF-8 text files and / or folders, comma-separated"),
-                "include": _str(valid="comma-separated fnmatch patterns"),
-                "level": _str(("byte", "word")), "vocab_size": _int(0),
-                "validation_fraction": _float(0, 1, low_open=True, high_open=True),
-                "test_fraction": _float(0, 1, high_open=True), "cache_dir": _FREE_PATH,
-                "segment_length": _int(1), "eval_stride": _int(0)},
+    "wikitext103": {
+        "data_dir": _PATH,
+        "cache_dir": _FREE_PATH,
+        "segment_length": _int(1),
+        "vocab_size": _int(4),
+        "eval_stride": _int(0),
+    },
+    "lra_retrieval": {
+        "data_dir": _PATH,
+        "cache_dir": _FREE_PATH,
+        "max_length": _int(1),
+        "on_overflow": _OVERFLOW,
+        **_SPLIT_SIZES,
+    },
+    "pathfinder": {
+        "data_dir": _PATH,
+        "cache_dir": _FREE_PATH,
+        "resolution": Field("int", choices=(32, 64, 128, 256)),
+        "difficulty": _str(("easy", "intermediate", "hard")),
+        "split_order": _str(("lra", "metadata")),
+        "num_threads": _int(1, trajectory=False),
+    },
+    "mqar": {
+        "variant": _str(("mqar", "copy")),
+        "vocab_size": _int(5),
+        "seq_len": _int(4),
+        "num_pairs": _int(1),
+        "num_queries": _int(0),
+        "copy_length": _int(0),
+        "num_train": _int(1),
+        "num_validation": _int(1),
+        "num_test": _int(1),
+        "seed": _SEED,
+    },
+    "text_lm": {
+        "paths": _str(valid="UTF-8 text files and / or folders, comma-separated"),
+        "include": _str(valid="comma-separated fnmatch patterns"),
+        "level": _str(("byte", "word")),
+        "vocab_size": _int(0),
+        "validation_fraction": _float(0, 1, low_open=True, high_open=True),
+        "test_fraction": _float(0, 1, high_open=True),
+        "cache_dir": _FREE_PATH,
+        "segment_length": _int(1),
+        "eval_stride": _int(0),
+    },
 }
 _TASK_NAME = _str(tuple(TASK_FIELDS))
 
@@ -318,12 +375,13 @@ def _undeclared(path: str, task: str | None) -> str:
     valid = ", ".join(["name", *TASK_FIELDS[task]])
     return f"config.{path} is not a field of task {task!r}; its fields: {valid}."
   if parent == "model.kernel_options":
-    return (f"config.{path} is not a kernel option; the options: "
-            f"{', '.join(KERNEL_OPTIONS)}.")
+    return f"config.{path} is not a kernel option; the options: " f"{', '.join(KERNEL_OPTIONS)}."
   beside = [p for p in FIELDS if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
   where = f"config.{parent}" if parent else "the config"
-  return (f"config.{path} is not a field of {where}; its fields: "
-          f"{', '.join(p.rsplit('.', 1)[-1] for p in beside)}.")
+  return (
+      f"config.{path} is not a field of {where}; its fields: "
+      f"{', '.join(p.rsplit('.', 1)[-1] for p in beside)}."
+  )
 
 
 def check_flags(values: Mapping[str, Any], decls: Mapping[str, Field]) -> None:

@@ -31,10 +31,13 @@ OTHER_MODES = ("decode", "context_parallel", "memory")
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  parser = argparse.ArgumentParser(prog="python scripts/benchmark.py", add_help=False,
-                                   description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 1)[1])
+  parser = argparse.ArgumentParser(
+      prog="python scripts/benchmark.py",
+      add_help=False,
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=__doc__.split("\n\n", 1)[1],
+  )
   parser.add_argument("--mode", choices=SPEED_MODES + OTHER_MODES)
   known, rest = parser.parse_known_args(argv)
   if known.mode is None:
@@ -42,19 +45,24 @@ def main(argv=None) -> int:
       parser.print_help()
       return 0
     parser.print_usage(sys.stderr)
-    print(f"benchmark: give --mode, one of {', '.join(SPEED_MODES + OTHER_MODES)}.",
-          file=sys.stderr)
+    print(
+        f"benchmark: give --mode, one of {', '.join(SPEED_MODES + OTHER_MODES)}.", file=sys.stderr
+    )
     return 2
   if known.mode == "decode":
     from fastpos.bench import decode
+
     return decode.main(rest)
   if known.mode == "context_parallel":
     from fastpos.bench import context_parallel  # sets the host device count before JAX starts
+
     return context_parallel.main(rest)
   if known.mode == "memory":
     from fastpos.bench import memory
+
     return memory.main(rest)
   from fastpos.bench import harness
+
   return harness.main(argv)
 
 

@@ -22,8 +22,10 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CELL_ID = re.compile(r"\[(?P<kernel>[a-z0-9_]+)-(?P<schemes>[a-z0-9_+]+)(?:\[[^\]]*\])?-"
-                     r"(?P<causal>causal|bidir)-(?P<dim>1d|2d)\]$")
+CELL_ID = re.compile(
+    r"\[(?P<kernel>[a-z0-9_]+)-(?P<schemes>[a-z0-9_+]+)(?:\[[^\]]*\])?-"
+    r"(?P<causal>causal|bidir)-(?P<dim>1d|2d)\]$"
+)
 
 
 def read_junit(path: str) -> list[tuple[str, str, str, float]]:
@@ -47,16 +49,17 @@ def table(rows: list[tuple[str, str, str, float]]) -> str:
     count[kernel, schemes] += 1
   kernels = list(dict.fromkeys(k for k, _, _, _ in rows))
   schemes = sorted({s for _, s, _, _ in rows}, key=lambda s: ("+" in s, s))
-  lines = ["| kernel | " + " | ".join(schemes) + " |",
-           "|---|" + "---:|" * len(schemes)]
+  lines = ["| kernel | " + " | ".join(schemes) + " |", "|---|" + "---:|" * len(schemes)]
   for k in kernels:
     cells = [f"{worst[k, s]:.1e} ({count[k, s]})" if (k, s) in worst else "-" for s in schemes]
     lines.append(f"| {k} | " + " | ".join(cells) + " |")
   overall = max(err for *_, err in rows)
   lines.append("")
-  lines.append(f"Worst relative error (float64) in each cell over its settings (bidirectional / "
-               f"causal, 1D / 2D) and option variants; in brackets the number of cases. "
-               f"{len(rows)} cases, worst overall {overall:.1e}; '-' = incompatible.")
+  lines.append(
+      f"Worst relative error (float64) in each cell over its settings (bidirectional / "
+      f"causal, 1D / 2D) and option variants; in brackets the number of cases. "
+      f"{len(rows)} cases, worst overall {overall:.1e}; '-' = incompatible."
+  )
   return "\n".join(lines)
 
 
@@ -68,15 +71,24 @@ def main(argv=None) -> int:
   path = args.junit
   if path is None:
     path = os.path.join(tempfile.mkdtemp(), "cells.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/models/test_cells.py", "-k", "fast_equals_dense", f"--junitxml={path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/models/test_cells.py",
+        "-k",
+        "fast_equals_dense",
+        f"--junitxml={path}",
+    ]
     if args.all:
       cmd += ["-m", ""]
     print("running:", " ".join(cmd), file=sys.stderr)
     rc = subprocess.call(cmd, cwd=ROOT)
     if rc != 0:
-      print(f"pytest exited with {rc}; the table below covers the cases that ran.",
-            file=sys.stderr)
+      print(f"pytest exited with {rc}; the table below covers the cases that ran.", file=sys.stderr)
   rows = read_junit(path)
   if not rows:
     print(f"no recorded cells in {path}", file=sys.stderr)

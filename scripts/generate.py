@@ -35,26 +35,34 @@ from fastpos.train import workdir as workdir_lib  # noqa: E402
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
 _CONFIG = flags.DEFINE_string(
-    "config", None, "the config the workdir was trained with; default: <workdir>/config.json. "
-    "Override fields with --config.<field>=<value>")
+    "config",
+    None,
+    "the config the workdir was trained with; default: <workdir>/config.json. "
+    "Override fields with --config.<field>=<value>",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py (an lm task)")
-_PROMPT = flags.DEFINE_string("prompt", None, "whitespace-separated words of the task's "
-                              "vocabulary, or integer token ids")
+_PROMPT = flags.DEFINE_string(
+    "prompt", None, "whitespace-separated words of the task's " "vocabulary, or integer token ids"
+)
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 20, "tokens to sample after the prompt")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "softmax temperature; 0 = greedy")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "sample among the k likeliest tokens (0: all)")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling: the smallest set of tokens "
-                            "whose probability reaches p (1: all)")
+_TOP_P = flags.DEFINE_float(
+    "top_p",
+    1.0,
+    "nucleus sampling: the smallest set of tokens " "whose probability reaches p (1: all)",
+)
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _CHECK = flags.DEFINE_bool("check", False, "compare the cached logits with a full forward")
-_TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest relative difference --check "
-                                "accepts")
-_CHECKPOINT = flags.DEFINE_enum("checkpoint", "best", ["best", "latest"],
-                                "best on validation, or the newest checkpoint")
+_TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest relative difference --check " "accepts")
+_CHECKPOINT = flags.DEFINE_enum(
+    "checkpoint", "best", ["best", "latest"], "best on validation, or the newest checkpoint"
+)
 
 
 class CheckFailed(errors.RunError):
   """The cached logits differ from the full forward by more than the tolerance."""
+
   exit_code = errors.EXIT_FAILED
 
 
@@ -62,8 +70,10 @@ def build(cfg, workdir: str):
   """The run of ``cfg`` (task and model built and checked, nothing compiled)."""
   run = trainer_lib._Run(cfg, workdir, None)  # pylint: disable=protected-access
   if run.info.kind != "lm":
-    raise errors.RunError(f"--workdir={workdir} holds a {run.info.kind!r} model "
-                          f"(task {cfg.task.name!r}); generate.py samples from lm tasks.")
+    raise errors.RunError(
+        f"--workdir={workdir} holds a {run.info.kind!r} model "
+        f"(task {cfg.task.name!r}); generate.py samples from lm tasks."
+    )
   return run
 
 
@@ -78,13 +88,16 @@ def _restore(run, workdir, checkpoint):
   try:
     which = "best" if checkpoint == "best" and ckpts.best_step() is not None else "latest"
     if ckpts.latest_step() is None:
-      raise errors.RunError(f"no checkpoint in {ckpts.latest_dir}; train first: python "
-                            f"train.py --config=... --workdir={workdir}")
+      raise errors.RunError(
+          f"no checkpoint in {ckpts.latest_dir}; train first: python "
+          f"train.py --config=... --workdir={workdir}"
+      )
     try:
       state, meta, _ = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta)
     except CheckpointLoadError as e:
-      raise CheckpointLoadError(f"{e} Or use the newest checkpoint: --checkpoint=latest."
-                                if which == "best" else str(e)) from None
+      raise CheckpointLoadError(
+          f"{e} Or use the newest checkpoint: --checkpoint=latest." if which == "best" else str(e)
+      ) from None
   finally:
     ckpts.close()
   print(f"restored the {which} checkpoint (step {int(meta['step'])})")
@@ -104,18 +117,24 @@ def encode_prompt(text: str, vocab, vocab_size: int) -> np.ndarray:
   if all(p.lstrip("-").isdigit() for p in pieces):
     bad = [int(p) for p in pieces if not 1 <= int(p) < vocab_size]  # before int32 can overflow
     if bad:
-      raise errors.RunError(f"--prompt: token id {bad[0]} is out of range; ids are 1.."
-                            f"{vocab_size - 1} (0 is padding).")
+      raise errors.RunError(
+          f"--prompt: token id {bad[0]} is out of range; ids are 1.."
+          f"{vocab_size - 1} (0 is padding)."
+      )
     return np.asarray([int(p) for p in pieces], np.int32)
   if vocab is None:
-    raise errors.RunError(f"--prompt={text!r}: this task has no vocabulary of words; give "
-                          f"integer token ids 1..{vocab_size - 1}.")
+    raise errors.RunError(
+        f"--prompt={text!r}: this task has no vocabulary of words; give "
+        f"integer token ids 1..{vocab_size - 1}."
+    )
   lookup = {w: i for i, w in enumerate(vocab) if i}
   unknown = [p for p in pieces if p not in lookup]
   if unknown:
-    raise errors.RunError(f"--prompt: {unknown[0]!r} is not in the task's vocabulary of "
-                          f"{len(vocab)} words (they are case-sensitive; rare words are "
-                          f"<unk>).")
+    raise errors.RunError(
+        f"--prompt: {unknown[0]!r} is not in the task's vocabulary of "
+        f"{len(vocab)} words (they are case-sensitive; rare words are "
+        f"<unk>)."
+    )
   return np.asarray([lookup[p] for p in pieces], np.int32)
 
 
@@ -132,20 +151,27 @@ def sample_logits(logits, key, *, temperature: float, top_k: int, top_p: float):
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass of the likelier tokens
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
     sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
-    logits = jnp.full_like(logits, -jnp.inf).at[
-        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    logits = (
+        jnp.full_like(logits, -jnp.inf)
+        .at[jnp.arange(logits.shape[0])[:, None], order]
+        .set(sorted_logits)
+    )
   return jax.random.categorical(key, logits, axis=-1)
 
 
 def make_generate(model, num_tokens: int, **sampling):
   """``gen(variables, cache, prompt [1, P], key) -> (tokens [1, N], logits [1, P + N - 1, V])``:
   a prefill, then ``num_tokens - 1`` cached steps in one ``lax.scan``."""
+
   def apply(variables, cache, tokens):
-    logits, upd = model.apply({**variables, "cache": cache},
-                              {"inputs": tokens, "mask": jnp.ones(tokens.shape, bool)},
-                              decode=True, mutable=["cache"])
+    logits, upd = model.apply(
+        {**variables, "cache": cache},
+        {"inputs": tokens, "mask": jnp.ones(tokens.shape, bool)},
+        decode=True,
+        mutable=["cache"],
+    )
     return logits, upd["cache"]
 
   def gen(variables, cache, prompt, key):
@@ -158,10 +184,10 @@ def make_generate(model, num_tokens: int, **sampling):
       nxt = sample_logits(step_logits[:, -1], jax.random.fold_in(key, i), **sampling)
       return (cache, nxt), (nxt, step_logits[:, 0])
 
-    (_, _), (tokens, step_logits) = jax.lax.scan(body, (cache, first),
-                                                 jnp.arange(1, num_tokens))
+    (_, _), (tokens, step_logits) = jax.lax.scan(body, (cache, first), jnp.arange(1, num_tokens))
     tokens = jnp.concatenate([first[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
     return tokens, jnp.concatenate([logits, jnp.moveaxis(step_logits, 0, 1)], axis=1)
+
   return jax.jit(gen)
 
 
@@ -179,8 +205,17 @@ FLAG_SCHEMA = {
 def check_flags(num_tokens, temperature, top_k, top_p, tolerance, seed=0):
   """RunError (one line: the flag, its valid values, the value) for a flag out of range."""
   try:
-    config_schema.check_flags(dict(num_tokens=num_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, tolerance=tolerance, seed=seed), FLAG_SCHEMA)
+    config_schema.check_flags(
+        dict(
+            num_tokens=num_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            tolerance=tolerance,
+            seed=seed,
+        ),
+        FLAG_SCHEMA,
+    )
   except config_schema.ConfigValueError as e:
     raise errors.RunError(str(e)) from None
 
@@ -188,17 +223,30 @@ def check_flags(num_tokens, temperature, top_k, top_p, tolerance, seed=0):
 def main(argv: cli.Argv) -> int:
   workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   prompt_text = cli.require("prompt", _PROMPT.value, '--prompt="the game" or --prompt="5 9 2"')
-  check_flags(_NUM_TOKENS.value, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
-              _TOLERANCE.value, _SEED.value)
+  check_flags(
+      _NUM_TOKENS.value,
+      _TEMPERATURE.value,
+      _TOP_K.value,
+      _TOP_P.value,
+      _TOLERANCE.value,
+      _SEED.value,
+  )
   if not os.path.isdir(workdir):
-    what = ("is a symlink loop" if workdir_lib.is_symlink_loop(workdir) else
-            "is a file" if os.path.exists(workdir) else "does not exist")
+    what = (
+        "is a symlink loop"
+        if workdir_lib.is_symlink_loop(workdir)
+        else "is a file"
+        if os.path.exists(workdir)
+        else "does not exist"
+    )
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
   spec = _CONFIG.value or os.path.join(workdir, "config.json")
   if not _CONFIG.value and not os.path.isfile(spec):
-    raise errors.RunError(f"--workdir={workdir} has no config.json (train.py writes it when a "
-                          "run starts); give the workdir of a run, or its config with "
-                          "--config=configs/<experiment>.py.")
+    raise errors.RunError(
+        f"--workdir={workdir} has no config.json (train.py writes it when a "
+        "run starts); give the workdir of a run, or its config with "
+        "--config=configs/<experiment>.py."
+    )
   cfg = cli.load_config(spec, argv.overrides)
   cli.no_extra_args(argv)
   sharding.maybe_initialize_distributed()
@@ -209,12 +257,15 @@ def main(argv: cli.Argv) -> int:
   n = _NUM_TOKENS.value
   total = len(prompt) + n
   if total > model.attention.max_length:
-    raise errors.RunError(f"--prompt ({len(prompt)} tokens) + --num_tokens={n} = {total} "
-                          f"exceeds the model's max_length {model.attention.max_length}; "
-                          "shorten them.")
+    raise errors.RunError(
+        f"--prompt ({len(prompt)} tokens) + --num_tokens={n} = {total} "
+        f"exceeds the model's max_length {model.attention.max_length}; "
+        "shorten them."
+    )
   variables = restore(run, workdir, _CHECKPOINT.value)
-  gen = make_generate(model, n, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                      top_p=_TOP_P.value)
+  gen = make_generate(
+      model, n, temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value
+  )
   cache = model.init_cache(1, total)
   args = (variables, cache, jnp.asarray(prompt)[None], jax.random.key(_SEED.value))
   start = time.perf_counter()
@@ -224,23 +275,28 @@ def main(argv: cli.Argv) -> int:
   tokens, logits = jax.block_until_ready(compiled(*args))
   seconds = time.perf_counter() - start
   tokens = np.asarray(tokens[0])
-  words = ([vocab[int(i)] for i in tokens] if vocab is not None
-           else [str(int(i)) for i in tokens])
+  words = [vocab[int(i)] for i in tokens] if vocab is not None else [str(int(i)) for i in tokens]
   print(f"prompt: {' '.join(vocab[int(i)] for i in prompt) if vocab else prompt_text}")
   print(f"sample: {' '.join(words)}")
-  print(f"decoding: {total} tokens ({len(prompt)} prompt + {n} sampled) in {seconds:.3f} s: "
-        f"{total / seconds:.1f} tokens/s (compiled in {compile_s:.1f} s)")
+  print(
+      f"decoding: {total} tokens ({len(prompt)} prompt + {n} sampled) in {seconds:.3f} s: "
+      f"{total / seconds:.1f} tokens/s (compiled in {compile_s:.1f} s)"
+  )
   if _CHECK.value:
     seq = jnp.concatenate([jnp.asarray(prompt), jnp.asarray(tokens[:-1])])[None]
     full = model.apply(variables, {"inputs": seq, "mask": jnp.ones(seq.shape, bool)})
     full = full[0] if isinstance(full, tuple) else full
     full, cached = np.asarray(full, np.float64), np.asarray(logits, np.float64)
     err = float(np.max(np.abs(cached - full)) / np.max(np.abs(full)))
-    print(f"check: max relative difference of the cached logits from the full forward "
-          f"{err:.3g} (tolerance {_TOLERANCE.value:g})")
+    print(
+        f"check: max relative difference of the cached logits from the full forward "
+        f"{err:.3g} (tolerance {_TOLERANCE.value:g})"
+    )
     if not err <= _TOLERANCE.value:
-      raise CheckFailed(f"--check: the cached logits differ from the full forward by "
-                        f"{err:.3g} > --tolerance={_TOLERANCE.value:g}.")
+      raise CheckFailed(
+          f"--check: the cached logits differ from the full forward by "
+          f"{err:.3g} > --tolerance={_TOLERANCE.value:g}."
+      )
   return errors.EXIT_OK
 
 

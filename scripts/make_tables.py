@@ -98,8 +98,16 @@ def read_sweep(sweep_dir: Path, split: str) -> tuple[dict | None, list[dict]]:
     results_path = workdir / f"results_{split}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else None
     status = "done" if results is not None else record.get("status", "pending")
-    runs.append({"name": f"{sweep_dir}/{name}", "order": order.get(name), "config": config,
-                 "flat": flatten(config), "results": results, "status": status})
+    runs.append(
+        {
+            "name": f"{sweep_dir}/{name}",
+            "order": order.get(name),
+            "config": config,
+            "flat": flatten(config),
+            "results": results,
+            "status": status,
+        }
+    )
   return manifest, runs
 
 
@@ -107,6 +115,7 @@ def default_metric(task: str, results: list[dict]) -> str:
   """The task's validation metric (fastpos.tasks), else the first usual key present."""
   try:
     from fastpos import tasks  # pylint: disable=import-outside-toplevel
+
     return tasks.get_task_class(task).metric
   except Exception:  # not importable here, or a task this checkout does not have
     for key in ("accuracy", "f1", "perplexity", "loss"):
@@ -139,10 +148,14 @@ def format_number(mean: float, std: float | None, digits: int, latex: bool) -> s
 FAILED = ("failed", "bad_input", "nonfinite", "locked")
 
 
-def cell_text(runs: list[dict], expected: int, metric: str, scale: float, digits: int,
-              latex: bool) -> str:
-  values = [r["results"][metric] * scale for r in runs
-            if r["results"] is not None and metric in r["results"]]
+def cell_text(
+    runs: list[dict], expected: int, metric: str, scale: float, digits: int, latex: bool
+) -> str:
+  values = [
+      r["results"][metric] * scale
+      for r in runs
+      if r["results"] is not None and metric in r["results"]
+  ]
   failed = sum(r["status"] in FAILED for r in runs)
   if not values:
     return f"{MISSING} ({failed} failed)" if failed else MISSING
@@ -181,8 +194,10 @@ def build_blocks(runs: list[dict], rows: str, cols: str, seed_key: str) -> list[
   for key in (rows, cols):
     lacking = [r["name"] for r in runs if key not in r["flat"]]
     if lacking:
-      raise ValueError(f"--rows/--cols key {key!r} is not in the config of {lacking[0]}; "
-                       f"some keys: {', '.join(sorted(runs[0]['flat'])[:12])}.")
+      raise ValueError(
+          f"--rows/--cols key {key!r} is not in the config of {lacking[0]}; "
+          f"some keys: {', '.join(sorted(runs[0]['flat'])[:12])}."
+      )
   groups: dict[tuple, list[dict]] = {}
   for r in runs:  # one block per paper table (its columns may be tasks), else per task
     table = r["flat"].get("paper.table")
@@ -198,8 +213,11 @@ def build_blocks(runs: list[dict], rows: str, cols: str, seed_key: str) -> list[
       cells.setdefault((r["flat"][rows], r["flat"][cols]), []).append(r)
     keys = set().union(*(r["flat"] for r in group)) - {rows, cols, seed_key}
     keys = {k for k in keys if not k.startswith(("experiment.", "paper."))}
-    extra = sorted(k for k in keys if any(
-        len({json.dumps(r["flat"].get(k)) for r in cell}) > 1 for cell in cells.values()))
+    extra = sorted(
+        k
+        for k in keys
+        if any(len({json.dumps(r["flat"].get(k)) for r in cell}) > 1 for cell in cells.values())
+    )
     sub: dict[tuple, list[dict]] = {}
     for r in group:
       sub.setdefault(tuple((k, r["flat"].get(k)) for k in extra), []).append(r)
@@ -210,10 +228,12 @@ def build_blocks(runs: list[dict], rows: str, cols: str, seed_key: str) -> list[
           paper.update(r["config"].get("paper", {}).get("results", {}) or {})
       b = {"task": task, "table": table, "runs": block_runs, "cells": {}, "paper": paper}
       labels = [k.split("|", 1) for k in paper if "|" in k]
-      b["rows"] = _ordered([(r["flat"][rows], r["order"]) for r in block_runs],
-                           [l[0] for l in labels])
-      b["cols"] = _ordered([(r["flat"][cols], r["order"]) for r in block_runs],
-                           [l[1] for l in labels])
+      b["rows"] = _ordered(
+          [(r["flat"][rows], r["order"]) for r in block_runs], [l[0] for l in labels]
+      )
+      b["cols"] = _ordered(
+          [(r["flat"][cols], r["order"]) for r in block_runs], [l[1] for l in labels]
+      )
       for r in block_runs:
         b["cells"].setdefault((r["flat"][rows], r["flat"][cols]), []).append(r)
       b["expected"] = len({json.dumps(r["flat"].get(seed_key)) for r in block_runs})
@@ -252,8 +272,9 @@ def render(blocks: list[dict], *, fmt: str, row_name: str, digits: int, split: s
         if kind == "paper":
           cells.append(paper_text(b["paper"].get(f"{rv}|{c}"), digits, latex))
         else:
-          cells.append(cell_text(b["cells"].get((rv, c), []), b["expected"], metric, scale,
-                                 digits, latex))
+          cells.append(
+              cell_text(b["cells"].get((rv, c), []), b["expected"], metric, scale, digits, latex)
+          )
       lines.append(cells)
     heads = [row_name] + [str(c) + (" (paper)" if kind == "paper" else "") for kind, c in cols]
     unit = f"{split} {metric}" + (" (%)" if scale == 100.0 else "")
@@ -273,16 +294,27 @@ def render(blocks: list[dict], *, fmt: str, row_name: str, digits: int, split: s
     return "\n".join(out)
 
   def esc(s: str) -> str:
-    for a, r in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#"),
-                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"),
-                 ("^", r"\textasciicircum{}")):
+    for a, r in (
+        ("\\", r"\textbackslash{}"),
+        ("&", r"\&"),
+        ("%", r"\%"),
+        ("#", r"\#"),
+        ("_", r"\_"),
+        ("{", r"\{"),
+        ("}", r"\}"),
+        ("~", r"\textasciitilde{}"),
+        ("^", r"\textasciicircum{}"),
+    ):
       s = s.replace(a, r)
     return s
 
   rendered = [body(b) for b in blocks]
   width = max(len(h) for h, _, _ in rendered)
-  out = [r"% " + note.replace("±", "+-") + r"; needs \usepackage{booktabs}",
-         r"\begin{tabular}{l" + "c" * (width - 1) + "}", r"\toprule"]
+  out = [
+      r"% " + note.replace("±", "+-") + r"; needs \usepackage{booktabs}",
+      r"\begin{tabular}{l" + "c" * (width - 1) + "}",
+      r"\toprule",
+  ]
   for b, (heads, lines, unit) in zip(blocks, rendered):
     pad = [""] * (width - len(heads))
     out.append(r"\multicolumn{%d}{l}{\textbf{%s}: %s} \\" % (width, esc(b["title"]), esc(unit)))
@@ -297,16 +329,17 @@ def render(blocks: list[dict], *, fmt: str, row_name: str, digits: int, split: s
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("sweep_dirs", nargs="+", type=Path)
   p.add_argument("--format", default="markdown", choices=("markdown", "latex"))
   p.add_argument("--rows", default=None, help="default: experiment.row, else model.kernel")
-  p.add_argument("--cols", default=None,
-                 help="default: experiment.col, else model.positional")
+  p.add_argument("--cols", default=None, help="default: experiment.col, else model.positional")
   p.add_argument("--seed_key", default="seed", help="runs differing only in this are averaged")
-  p.add_argument("--metric", default=None,
-                 help="default: the config's paper.metric, else the task's metric")
+  p.add_argument(
+      "--metric", default=None, help="default: the config's paper.metric, else the task's metric"
+  )
   p.add_argument("--split", default="test")
   p.add_argument("--digits", type=int, default=2)
   args = p.parse_args(argv)
@@ -325,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in blocks:
       b["metric"] = block_metric(b, args.metric)
     row_name = "model" if rows == ROW else rows.rsplit(".", 1)[-1]
-    text = render(blocks, fmt=args.format, row_name=row_name, digits=args.digits,
-                  split=args.split)
+    text = render(blocks, fmt=args.format, row_name=row_name, digits=args.digits, split=args.split)
   except ValueError as e:
     print(f"make_tables: {e}", file=sys.stderr)
     return 2

@@ -27,8 +27,9 @@ _OUT = flags.DEFINE_string("out", None, "sweep folder (one workdir per cell)")
 _STEPS = flags.DEFINE_integer("steps", 600, "training steps per cell")
 _PAIRS = flags.DEFINE_integer("pairs", 4, "MQAR key-value pairs")
 _KERNELS = flags.DEFINE_list("kernels", ["softmax", "elu1", "sikf", "favor"], "kernels")
-_SCHEMES = flags.DEFINE_list("schemes", ["none", "rope", "fastrpb", "kernelized_rpe",
-                                         "permuteformer"], "positional schemes")
+_SCHEMES = flags.DEFINE_list(
+    "schemes", ["none", "rope", "fastrpb", "kernelized_rpe", "permuteformer"], "positional schemes"
+)
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["64", "256"], "sequence lengths")
 _EXTRA = flags.DEFINE_string("extra", "", "more configs/mqar.py arguments (a,b=c)")
 
@@ -42,8 +43,11 @@ def table(rows: list[dict], kernels, schemes, seq_lens) -> str:
     for n in seq_lens:
       for s in schemes:
         r = acc.get((k, s, int(n)))
-        cells.append("" if r is None else
-                     (f"{r['accuracy']:.3f}" if "accuracy" in r else r.get("error", "error")))
+        cells.append(
+            ""
+            if r is None
+            else (f"{r['accuracy']:.3f}" if "accuracy" in r else r.get("error", "error"))
+        )
     lines.append(f"| {k} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
@@ -57,7 +61,8 @@ def main(argv):
   if not _OUT.value:
     raise app.UsageError("--out is required")
   spec = importlib.util.spec_from_file_location(
-      "mqar_config", os.path.join(os.path.dirname(__file__), "..", "configs", "mqar.py"))
+      "mqar_config", os.path.join(os.path.dirname(__file__), "..", "configs", "mqar.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   os.makedirs(_OUT.value, exist_ok=True)

@@ -28,8 +28,17 @@ from fastpos.plots import distinct_colors, integer_ticks  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 # Config fields that never set runs apart in a legend (paths, cadence, bookkeeping).
-IGNORED = ("data.", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-           "keep_checkpoints", "async_checkpoints", "num_eval_batches", "paper.", "experiment.")
+IGNORED = (
+    "data.",
+    "log_every_steps",
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "keep_checkpoints",
+    "async_checkpoints",
+    "num_eval_batches",
+    "paper.",
+    "experiment.",
+)
 NAMES = {"train": "training", "validation": "validation"}
 
 
@@ -88,8 +97,11 @@ def labels(workdirs: list[Path]) -> list[str]:
 def default_metrics(runs: list[dict]) -> list[str]:
   """The training loss, then every validation metric all runs have."""
   shared = set.intersection(*(set(r) for r in runs)) if runs else set()
-  return [m for m in ["train/loss"] + sorted(m for m in shared if m.startswith("validation/"))
-          if m in shared]
+  return [
+      m
+      for m in ["train/loss"] + sorted(m for m in shared if m.startswith("validation/"))
+      if m in shared
+  ]
 
 
 def plot(runs: list[dict], names: list[str], metrics: list[str], title: str = ""):
@@ -101,8 +113,14 @@ def plot(runs: list[dict], names: list[str], metrics: list[str], title: str = ""
       points = sorted(run.get(metric, {}).items())
       if points:
         steps, values = zip(*points)
-        ax.plot(steps, values, label=name, color=color, marker="o" if len(points) < 20 else None,
-                markersize=3)
+        ax.plot(
+            steps,
+            values,
+            label=name,
+            color=color,
+            marker="o" if len(points) < 20 else None,
+            markersize=3,
+        )
     split, _, key = metric.partition("/")
     ax.set_title(f"{NAMES.get(split, split)} {key.replace('_', ' ')}")
     ax.set_xlabel("training step")
@@ -131,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
       if not any(m in r for r in runs):
         raise InputError(f"--metrics: no run has {m!r}; they have: {', '.join(have)}.")
     if not metrics:
-      raise InputError(f"the runs share no metric; give --metrics (they have: "
-                       f"{', '.join(have) or 'none'}).")
-    names = [s.strip() for s in args.labels.split(",")] if args.labels else labels(
-        args.workdirs)
+      raise InputError(
+          f"the runs share no metric; give --metrics (they have: " f"{', '.join(have) or 'none'})."
+      )
+    names = [s.strip() for s in args.labels.split(",")] if args.labels else labels(args.workdirs)
     if len(names) != len(runs):
       raise InputError(f"--labels has {len(names)} entries for {len(runs)} workdirs.")
     fig = plot(runs, names, metrics, args.title)

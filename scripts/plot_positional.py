@@ -59,6 +59,7 @@ def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
   import ml_collections  # pylint: disable=import-outside-toplevel
 
   from fastpos.train.checkpoint import Checkpoints  # pylint: disable=import-outside-toplevel
+
   config_path = workdir / "config.json"
   if not config_path.exists():
     raise FileNotFoundError(f"{config_path} does not exist: is {workdir} a train.py workdir?")
@@ -118,8 +119,14 @@ def offsets(table_len: int) -> np.ndarray:
   return np.arange(-(n - 1), n)
 
 
-def pixel_bias_2d(table: np.ndarray | None, grid: tuple[int, int], pixel: tuple[int, int], *,
-                  rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
+def pixel_bias_2d(
+    table: np.ndarray | None,
+    grid: tuple[int, int],
+    pixel: tuple[int, int],
+    *,
+    rows: np.ndarray | None = None,
+    cols: np.ndarray | None = None,
+) -> np.ndarray:
   """The bias ``W2d[p, q]`` seen by the query pixel p over every key pixel q: ``[H, W]``.
 
   ``W2d[p, q] = w[r_q - r_p + H-1, c_q - c_p + W-1]`` for a full table ``[2H-1, 2W-1]``
@@ -134,8 +141,9 @@ def pixel_bias_2d(table: np.ndarray | None, grid: tuple[int, int], pixel: tuple[
   dc = np.arange(w)[None, :] - c0 + w - 1
   if table is not None:
     if table.shape != (2 * h - 1, 2 * w - 1):
-      raise ValueError(f"a full 2D table for grid {grid} is [{2 * h - 1}, {2 * w - 1}]; got "
-                       f"{table.shape}.")
+      raise ValueError(
+          f"a full 2D table for grid {grid} is [{2 * h - 1}, {2 * w - 1}]; got " f"{table.shape}."
+      )
     return table[dr, dc]
   if rows is None or cols is None:
     raise ValueError("pass a full table, or both the row and the column tables.")
@@ -181,8 +189,9 @@ def _save(fig, path: Path, written: list[Path]) -> None:
   written.append(path)
 
 
-def plot_1d(entries: list[dict], key: str, title: str, ylabel: str, path: Path,
-            written: list[Path]) -> None:
+def plot_1d(
+    entries: list[dict], key: str, title: str, ylabel: str, path: Path, written: list[Path]
+) -> None:
   """One panel per layer: ``table[..., 2N-1]`` against j - i, a line per head."""
   fig, axes = _panels(len(entries))
   for ax, e in zip(axes, entries):
@@ -191,8 +200,9 @@ def plot_1d(entries: list[dict], key: str, title: str, ylabel: str, path: Path,
     for i, (row, color) in enumerate(zip(t, distinct_colors(len(t)))):
       ax.plot(x, row, lw=1, color=color, label=f"head {i + 1}" if len(t) > 1 else None)
     ax.axhline(0, color="0.7", lw=0.5)
-    ax.set(title=layer_name(e["layer"]), xlabel="relative distance j - i (key - query)",
-           ylabel=ylabel)
+    ax.set(
+        title=layer_name(e["layer"]), xlabel="relative distance j - i (key - query)", ylabel=ylabel
+    )
     integer_ticks(ax.xaxis)
     if len(t) > 1:
       ax.legend(fontsize=7, ncol=1 + len(t) // 9)
@@ -208,9 +218,15 @@ def _image(fig, ax, img, title, extent=None, xlabel="column", ylabel="row"):
   fig.colorbar(im, ax=ax, shrink=0.8)
 
 
-def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
-                    pixel: tuple[int, int], out: Path, written: list[Path],
-                    about: str = "") -> None:
+def plot_fastrpb_2d(
+    entries: list[dict],
+    grid: tuple[int, int],
+    options: dict,
+    pixel: tuple[int, int],
+    out: Path,
+    written: list[Path],
+    about: str = "",
+) -> None:
   """``about``: the run the weights come from (a second title line)."""
   h, w = grid
   mode = options.get("mode_2d", "axial")
@@ -237,15 +253,25 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
   for ax, (tag, img) in zip(axes, slices):
     _image(fig, ax, img, tag)
     ax.plot([pixel[1]], [pixel[0]], "k+", ms=10)
-  _title(fig, f"FastRPB 2D ({mode}): bias W2d[p, q] seen by pixel p = {pixel} over key "
-               f"pixels q, grid {h}x{w}" + (f"\n{about}" if about else ""))
+  _title(
+      fig,
+      f"FastRPB 2D ({mode}): bias W2d[p, q] seen by pixel p = {pixel} over key "
+      f"pixels q, grid {h}x{w}" + (f"\n{about}" if about else ""),
+  )
   _save(fig, out / f"fastrpb_2d_pixel_{pixel[0]}_{pixel[1]}.png", written)
 
   fig, axes = _panels(len(tables), width=4.0, height=3.2)
   for ax, (tag, kind, t) in zip(axes, tables):
     if kind == "full":
-      _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
-             xlabel="column offset", ylabel="row offset")
+      _image(
+          fig,
+          ax,
+          t,
+          tag,
+          extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
+          xlabel="column offset",
+          ylabel="row offset",
+      )
     else:
       rows_color, cols_color = distinct_colors(2)
       ax.plot(offsets(len(t[0])), t[0], color=rows_color, label="rows (vertical offset)")
@@ -253,22 +279,39 @@ def plot_fastrpb_2d(entries: list[dict], grid: tuple[int, int], options: dict,
       ax.set(title=tag, xlabel="offset (key - query)", ylabel="w")
       integer_ticks(ax.xaxis)
       ax.legend(fontsize=7)
-  _title(fig, f"FastRPB 2D weight tables ({mode}) against the key - query offset"
-         + (f"\n{about}" if about else ""))
+  _title(
+      fig,
+      f"FastRPB 2D weight tables ({mode}) against the key - query offset"
+      + (f"\n{about}" if about else ""),
+  )
   _save(fig, out / "fastrpb_2d_tables.png", written)
 
 
-def plot_kernelized_rpe_2d(entries: list[dict], grid: tuple[int, int], out: Path,
-                           written: list[Path], about: str = "") -> None:
+def plot_kernelized_rpe_2d(
+    entries: list[dict], grid: tuple[int, int], out: Path, written: list[Path], about: str = ""
+) -> None:
   h, w = grid
-  images = [(f"{layer_name(e['layer'])}, head {i + 1}", t) for e in entries
-            for i, t in enumerate(e["arrays"]["b"])]
+  images = [
+      (f"{layer_name(e['layer'])}, head {i + 1}", t)
+      for e in entries
+      for i, t in enumerate(e["arrays"]["b"])
+  ]
   fig, axes = _panels(len(images), width=4.0, height=3.2)
   for ax, (tag, t) in zip(axes, images):
-    _image(fig, ax, t, tag, extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
-           xlabel="column offset (key - query)", ylabel="row offset")
-  _title(fig, "Kernelized RPE 2D table b against the key - query offset (Luo et al.; keys "
-         "weighted by exp(b))" + (f"\n{about}" if about else ""))
+    _image(
+        fig,
+        ax,
+        t,
+        tag,
+        extent=(-(w - 1) - 0.5, w - 0.5, h - 0.5, -(h - 1) - 0.5),
+        xlabel="column offset (key - query)",
+        ylabel="row offset",
+    )
+  _title(
+      fig,
+      "Kernelized RPE 2D table b against the key - query offset (Luo et al.; keys "
+      "weighted by exp(b))" + (f"\n{about}" if about else ""),
+  )
   _save(fig, out / "kernelized_rpe.png", written)
 
 
@@ -280,10 +323,18 @@ def plot_lrpe(entries: list[dict], out: Path, written: list[Path], about: str = 
   for ax, e in zip(axes, entries):
     t = _heads(e["arrays"]["theta"], 1)
     for i, (row, color) in enumerate(zip(t, distinct_colors(len(t)))):
-      ax.semilogy(np.arange(len(row)), np.abs(row) + 1e-12, lw=1, marker=".", ms=3,
-                  color=color, label=f"head {i + 1}" if len(t) > 1 else None)
-    ax.set(title=layer_name(e["layer"]), xlabel="angle index k",
-           ylabel="|theta_k| (rad per position)")
+      ax.semilogy(
+          np.arange(len(row)),
+          np.abs(row) + 1e-12,
+          lw=1,
+          marker=".",
+          ms=3,
+          color=color,
+          label=f"head {i + 1}" if len(t) > 1 else None,
+      )
+    ax.set(
+        title=layer_name(e["layer"]), xlabel="angle index k", ylabel="|theta_k| (rad per position)"
+    )
     integer_ticks(ax.xaxis)
     if len(t) > 1:
       ax.legend(fontsize=7, ncol=1 + len(t) // 9)
@@ -309,10 +360,12 @@ def run_description(meta: dict) -> str:
   return f"{', '.join(parts)} ({meta.get('which', '?')} checkpoint, step {meta.get('step', '?')})"
 
 
-def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
-                 pixel: tuple[int, int] | None = None) -> list[Path]:
+def plot_workdir(
+    workdir: Path, out: Path, *, which: str = "best", pixel: tuple[int, int] | None = None
+) -> list[Path]:
   """Writes every figure that the workdir's checkpoint supports; returns the files."""
   from fastpos.train import metrics  # pylint: disable=import-outside-toplevel
+
   with metrics.quiet_library_logs():  # orbax warns that a read-only folder is read only
     params, meta = load_checkpoint(workdir, which)
   task = meta["config"]["task"]
@@ -325,16 +378,35 @@ def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
   about = run_description(meta)
   if by["fastrpb"]:
     if grid is None:
-      plot_1d(by["fastrpb"], "w", f"FastRPB 1D weights w_(j-i) against the key - query "
-              f"offset\n{about}", "w", out / "fastrpb_1d.png", written)
+      plot_1d(
+          by["fastrpb"],
+          "w",
+          f"FastRPB 1D weights w_(j-i) against the key - query " f"offset\n{about}",
+          "w",
+          out / "fastrpb_1d.png",
+          written,
+      )
     else:
-      plot_fastrpb_2d(by["fastrpb"], grid, options.get("fastrpb", {}),
-                      pixel or default_pixel(grid), out, written, about)
+      plot_fastrpb_2d(
+          by["fastrpb"],
+          grid,
+          options.get("fastrpb", {}),
+          pixel or default_pixel(grid),
+          out,
+          written,
+          about,
+      )
   if by["kernelized_rpe"]:
     if grid is None:
-      plot_1d(by["kernelized_rpe"], "b", f"Kernelized RPE b_(j-i) against the key - query "
-              f"offset (keys weighted by exp(b))\n{about}", "b", out / "kernelized_rpe.png",
-              written)
+      plot_1d(
+          by["kernelized_rpe"],
+          "b",
+          f"Kernelized RPE b_(j-i) against the key - query "
+          f"offset (keys weighted by exp(b))\n{about}",
+          "b",
+          out / "kernelized_rpe.png",
+          written,
+      )
     else:
       plot_kernelized_rpe_2d(by["kernelized_rpe"], grid, out, written, about)
   if by["lrpe"]:
@@ -343,13 +415,17 @@ def plot_workdir(workdir: Path, out: Path, *, which: str = "best",
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("workdir", type=Path)
   p.add_argument("--out", type=Path, default=None, help="default: WORKDIR/figures")
   p.add_argument("--checkpoint", default="best", choices=("best", "latest"))
-  p.add_argument("--pixel", default=None, help="2D: the query pixel ROW,COL (default 12,10 "
-                 "when on the grid, else the centre)")
+  p.add_argument(
+      "--pixel",
+      default=None,
+      help="2D: the query pixel ROW,COL (default 12,10 " "when on the grid, else the centre)",
+  )
   args = p.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a checkpoint read needs no accelerator
   pixel = None
@@ -362,14 +438,18 @@ def main(argv: list[str] | None = None) -> int:
       print(f"plot_positional: --pixel must be ROW,COL; got {args.pixel!r}.", file=sys.stderr)
       return 2
   try:
-    written = plot_workdir(args.workdir, args.out or args.workdir / "figures",
-                           which=args.checkpoint, pixel=pixel)
+    written = plot_workdir(
+        args.workdir, args.out or args.workdir / "figures", which=args.checkpoint, pixel=pixel
+    )
   except (FileNotFoundError, ValueError) as e:
     print(f"plot_positional: {e}", file=sys.stderr)
     return 2
   if not written:
-    print(f"plot_positional: {args.workdir} has no FastRPB, kernelized-RPE or LRPE parameters; "
-          "nothing written.", file=sys.stderr)
+    print(
+        f"plot_positional: {args.workdir} has no FastRPB, kernelized-RPE or LRPE parameters; "
+        "nothing written.",
+        file=sys.stderr,
+    )
   for path in written:
     print(path)
   return 0

@@ -61,8 +61,13 @@ def _loggers() -> dict[str, logging.Logger]:
 
 
 def _logger_state(logger: logging.Logger) -> tuple:
-  return (logger.level, logger.propagate, logger.disabled, tuple(logger.handlers),
-          tuple(logger.filters))
+  return (
+      logger.level,
+      logger.propagate,
+      logger.disabled,
+      tuple(logger.handlers),
+      tuple(logger.filters),
+  )
 
 
 # pytest's own: the phase of the running test.
@@ -96,8 +101,9 @@ def _restore(before: dict) -> list[str]:
   changed, loggers = [], []
   verbosity = flags.FLAGS["verbosity"].value
   if verbosity != before["absl_verbosity"]:
-    changed.append(f"absl verbosity {before['absl_verbosity']} -> {verbosity} "
-                   "(absl.logging.set_verbosity)")
+    changed.append(
+        f"absl verbosity {before['absl_verbosity']} -> {verbosity} " "(absl.logging.set_verbosity)"
+    )
   for name, logger in _loggers().items():
     if name not in before["loggers"]:
       # Created during the test: a library imported for the first time set up its own
@@ -112,8 +118,7 @@ def _restore(before: dict) -> list[str]:
   if verbosity != before["absl_verbosity"]:
     # Through the flag, as set_verbosity does (it sets logger levels: restored next).
     flags.FLAGS.verbosity = before["absl_verbosity"]
-    loggers = [(lg, before["loggers"][n]) for n, lg in _loggers().items()
-               if n in before["loggers"]]
+    loggers = [(lg, before["loggers"][n]) for n, lg in _loggers().items() if n in before["loggers"]]
   for logger, old in loggers:
     _restore_logger(logger, old)
   env = os.environ
@@ -153,5 +158,8 @@ def _process_state_guard():
   yield
   changed = _restore(before)
   if changed:
-    pytest.fail("the test left process state changed (restored now; restore it in the test "
-                "or its fixture):\n  " + "\n  ".join(changed), pytrace=False)
+    pytest.fail(
+        "the test left process state changed (restored now; restore it in the test "
+        "or its fixture):\n  " + "\n  ".join(changed),
+        pytrace=False,
+    )

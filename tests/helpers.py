@@ -28,6 +28,6 @@ def assert_causal_jacobian(jac, n: int, *, in_axis: int, rtol: float = 0.0) -> N
   jac = np.moveaxis(jac, in_axis, 1).reshape(n, n, -1)
   bound = rtol * np.max(np.abs(jac))
   for i in range(n):
-    worst = np.max(np.abs(jac[i, i + 1:]), initial=0.0)
+    worst = np.max(np.abs(jac[i, i + 1 :]), initial=0.0)
     assert worst <= bound, f"output {i} depends on a future input ({worst:.3g} > {bound:.3g})"
   assert np.any(jac[np.tril_indices(n)] != 0.0)

@@ -44,8 +44,7 @@ ALLOWED = {
     "models": {"models", "positional", "ops"},
     "tasks": {"tasks"},
     "train": {"train", "models", "positional", "ops", "tasks", "config_schema"},
-    "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots",
-              "config_schema"},
+    "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots", "config_schema"},
     "sweep": {"sweep", "train", "config_schema"},
     "plots": {"plots"},
     "config_schema": {"config_schema"},  # the config values' declarations: a leaf
@@ -72,8 +71,10 @@ def layer_of(module: str) -> str | None:
     return None
   top = parts[1]
   if top not in ALLOWED:
-    raise AssertionError(f"{module}: fastpos.{top} has no layer; add it to tests/test_layers.py "
-                         f"ALLOWED (layers: {', '.join(ALLOWED)}).")
+    raise AssertionError(
+        f"{module}: fastpos.{top} has no layer; add it to tests/test_layers.py "
+        f"ALLOWED (layers: {', '.join(ALLOWED)})."
+    )
   return top
 
 
@@ -86,7 +87,7 @@ def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
   if not node.level:
     return node.module or ""
   base = module.split(".") if is_package else module.split(".")[:-1]
-  base = base[:len(base) - node.level + 1]
+  base = base[: len(base) - node.level + 1]
   return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -102,19 +103,29 @@ def fastpos_imports(path: Path) -> list[tuple[int, str]]:
     elif isinstance(node, ast.ImportFrom):
       target = _resolve_from(module, path.name == "__init__.py", node)
       # `from pkg import sub` imports the submodule pkg.sub when there is one.
-      names = [f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target
-               for a in node.names]
-    elif isinstance(node, ast.Call) and node.args and (
-        getattr(node.func, "attr", None) == "import_module"
-        or getattr(node.func, "id", None) in ("import_module", "__import__")):
+      names = [
+          f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names
+      ]
+    elif (
+        isinstance(node, ast.Call)
+        and node.args
+        and (
+            getattr(node.func, "attr", None) == "import_module"
+            or getattr(node.func, "id", None) in ("import_module", "__import__")
+        )
+    ):
       arg = node.args[0]
       if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
         names = [arg.value]
-      elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0],
-                                                                         ast.Constant):
+      elif (
+          isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant)
+      ):
         names = [str(arg.values[0].value).rstrip(".")]  # the package the f-string names
-    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-          and _REGISTRY_STRING.fullmatch(node.value)):
+    elif (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and _REGISTRY_STRING.fullmatch(node.value)
+    ):
       names = [node.value.split(":")[0]]
     found += [(node.lineno, n) for n in names if n == "fastpos" or n.startswith("fastpos.")]
   return found
@@ -139,8 +150,10 @@ def violations(files) -> list[str]:
         continue
       if any(target == m or target.startswith(m + ".") for m in EXTRA.get(layer, ())):
         continue
-      bad.append(f"{where}: {layer} ({module}) imports {target} ({target_layer}); {layer} may "
-                 f"import {', '.join(sorted(ALLOWED[layer] | EXTRA.get(layer, set())))}")
+      bad.append(
+          f"{where}: {layer} ({module}) imports {target} ({target_layer}); {layer} may "
+          f"import {', '.join(sorted(ALLOWED[layer] | EXTRA.get(layer, set())))}"
+      )
   return bad
 
 
@@ -150,14 +163,21 @@ def test_no_layer_imports_upward():
   assert violations(files) == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from fastpos.models import build_model\n", "tasks (fastpos.tasks.bad) imports "
-     "fastpos.models (models)"),
-    ("def f():\n  import fastpos.train.trainer\n", "imports fastpos.train.trainer (train)"),
-    ("import importlib\nimportlib.import_module('fastpos.models.config')\n",
-     "imports fastpos.models.config (models)"),
-    ("REGISTRY = {'x': 'fastpos.train.cli:main'}\n", "imports fastpos.train.cli (train)"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            "from fastpos.models import build_model\n",
+            "tasks (fastpos.tasks.bad) imports " "fastpos.models (models)",
+        ),
+        ("def f():\n  import fastpos.train.trainer\n", "imports fastpos.train.trainer (train)"),
+        (
+            "import importlib\nimportlib.import_module('fastpos.models.config')\n",
+            "imports fastpos.models.config (models)",
+        ),
+        ("REGISTRY = {'x': 'fastpos.train.cli:main'}\n", "imports fastpos.train.cli (train)"),
+    ],
+)
 def test_an_upward_import_is_reported(tmp_path, monkeypatch, source, expected):
   # The check itself: an upward import planted in a copy of the tree is found and named.
   fake = tmp_path / "fastpos"
@@ -176,14 +196,20 @@ def test_an_upward_import_is_reported(tmp_path, monkeypatch, source, expected):
 
 def test_models_import_only_the_task_info_of_tasks():
   # At run time too: building models pulls in no task module, and nothing of the trainer.
-  code = ("import json, sys; import fastpos.models; "
-          "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fastpos'))))")
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        cwd=str(ROOT), timeout=120)
+  code = (
+      "import json, sys; import fastpos.models; "
+      "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fastpos'))))"
+  )
+  proc = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=120
+  )
   assert proc.returncode == 0, proc.stderr
   modules = json.loads(proc.stdout)
   assert [m for m in modules if m.startswith("fastpos.tasks")] == [
-      "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.info"]
+      "fastpos.tasks",
+      "fastpos.tasks.base",
+      "fastpos.tasks.info",
+  ]
   assert not [m for m in modules if m.startswith("fastpos.train")]
 
 
@@ -191,9 +217,13 @@ def test_schemes_import_no_sibling_scheme():
   # Shared math lives below the schemes (fastpos.ops, e.g. ops.rotations, or positional.base):
   # a scheme module imports no other scheme module, nor the registry above it.
   from fastpos import positional
+
   allowed = {"fastpos.positional.base"}
   for module in positional.SCHEME_MODULES:
     path = PACKAGE / "positional" / f"{module}.py"
-    bad = [(line, t) for line, t in fastpos_imports(path)
-           if t.startswith("fastpos.positional") and t not in allowed]
+    bad = [
+        (line, t)
+        for line, t in fastpos_imports(path)
+        if t.startswith("fastpos.positional") and t not in allowed
+    ]
     assert bad == [], f"{path.relative_to(ROOT)} imports {bad}; may import {sorted(allowed)}"

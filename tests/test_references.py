@@ -17,7 +17,8 @@ SKIP_DIRS = ("__pycache__", "node_modules", "workdirs")
 
 PATTERNS = {
     "a notes file that is not in the repository": re.compile(
-        r"\b(" + "DESIGN" + "|" + "PEERS" + "|" + "STYLE" + r")\.md\b"),
+        r"\b(" + "DESIGN" + "|" + "PEERS" + "|" + "STYLE" + r")\.md\b"
+    ),
     "a path outside the repository": re.compile(r"(?<![\w-])" + "shared" + "/"),
     "an issue number": re.compile(r"\b" + "issue" + r"\s+#?\d+", re.IGNORECASE),
 }
@@ -25,8 +26,11 @@ PATTERNS = {
 
 def _files():
   for dirpath, dirnames, filenames in os.walk(ROOT):
-    dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
-                         and not d.endswith(".egg-info"))
+    dirnames[:] = sorted(
+        d
+        for d in dirnames
+        if not d.startswith(".") and d not in SKIP_DIRS and not d.endswith(".egg-info")
+    )
     for name in sorted(filenames):
       if name.endswith(SUFFIXES):
         yield os.path.join(dirpath, name)
@@ -54,8 +58,10 @@ def test_every_reference_resolves_inside_the_repository():
 
 def test_the_scan_finds_each_kind(tmp_path):
   path = tmp_path / "bad.py"
-  path.write_text("ok\n# see " + "DESIGN" + ".md\nx = 1  # " + "Issue" + " 12\n"
-                  "# ../" + "shared" + "/papers/x.txt\n# upstream issues #6, #20 are fine\n"
-                  "# not in ``" + "shared" + "/papers``; a shared_/ or unshared/ folder is\n")
+  path.write_text(
+      "ok\n# see " + "DESIGN" + ".md\nx = 1  # " + "Issue" + " 12\n"
+      "# ../" + "shared" + "/papers/x.txt\n# upstream issues #6, #20 are fine\n"
+      "# not in ``" + "shared" + "/papers``; a shared_/ or unshared/ folder is\n"
+  )
   found = [f.split(": ", 1)[0].rsplit(":", 1)[1] for f in find_references([str(path)])]
   assert found == ["2", "3", "4", "6"]

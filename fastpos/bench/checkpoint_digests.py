@@ -46,10 +46,12 @@ from fastpos.train.config import base_config
 from fastpos.train.steps import make_train_step
 
 MODELS = {
-    "tiny (1 x 32)": dict(num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, max_length=64,
-                          batch_size=4),
-    "LRA Text size (4 x 256, MLP 1024)": dict(num_layers=4, embed_dim=256, num_heads=4,
-                                             mlp_dim=1024, max_length=1024, batch_size=4),
+    "tiny (1 x 32)": dict(
+        num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, max_length=64, batch_size=4
+    ),
+    "LRA Text size (4 x 256, MLP 1024)": dict(
+        num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024, max_length=1024, batch_size=4
+    ),
 }
 SAVE_GOAL, RESTORE_GOAL = 0.10, 0.25  # added fraction of a save's / a restore's time
 STEP_GOAL = 0.05  # the digests of one save, as a fraction of one training step
@@ -57,10 +59,20 @@ STEP_GOAL = 0.05  # the digests of one save, as a fraction of one training step
 
 def _config(spec: dict):
   c = base_config("synthetic")
-  c.task.update(max_length=spec["max_length"], min_length=spec["max_length"] // 2,
-                num_train=64, num_validation=8, num_test=8)
-  c.model.update(num_layers=spec["num_layers"], embed_dim=spec["embed_dim"],
-                 num_heads=spec["num_heads"], mlp_dim=spec["mlp_dim"], positional="absolute")
+  c.task.update(
+      max_length=spec["max_length"],
+      min_length=spec["max_length"] // 2,
+      num_train=64,
+      num_validation=8,
+      num_test=8,
+  )
+  c.model.update(
+      num_layers=spec["num_layers"],
+      embed_dim=spec["embed_dim"],
+      num_heads=spec["num_heads"],
+      mlp_dim=spec["mlp_dim"],
+      positional="absolute",
+  )
   c.batch_size, c.keep_checkpoints, c.data.num_threads = spec["batch_size"], 1000, 1
   return c
 
@@ -92,10 +104,12 @@ def measure(spec: dict, repeats: int, tmp: Path) -> dict:
   batch = sharding_lib.global_batch(next(it), run.batch_sharding)
   state = run.init_state()
   leaves = jax.tree.leaves(state)
-  out = {"parameters": run.num_params, "state_arrays": len(leaves),
-         "state_bytes": int(sum(x.nbytes for x in leaves)),
-         "arrays_on_device": sum(int(np.prod(x.shape)) > digest_lib.HOST_MAX_ELEMENTS
-                                 for x in leaves)}
+  out = {
+      "parameters": run.num_params,
+      "state_arrays": len(leaves),
+      "state_bytes": int(sum(x.nbytes for x in leaves)),
+      "arrays_on_device": sum(int(np.prod(x.shape)) > digest_lib.HOST_MAX_ELEMENTS for x in leaves),
+  }
   start = time.perf_counter()
   digest_lib.array_digests(state)
   out["digests_first_call_s"] = time.perf_counter() - start
@@ -118,13 +132,24 @@ def measure(spec: dict, repeats: int, tmp: Path) -> dict:
     for r in range(-1, repeats):  # r = -1: untimed warm-up of both ways
       for way in ("plain", "digests") if r % 2 else ("digests", "plain"):
         step = 2 * r + (way == "digests") + 3
-        meta = {"rng": [0, step], "config": config_meta(run.cfg, run.info), "step": step,
-                "data": None, "log_window": None}
+        meta = {
+            "rng": [0, step],
+            "config": config_meta(run.cfg, run.info),
+            "step": step,
+            "data": None,
+            "log_window": None,
+        }
         start = time.perf_counter()
         if way == "plain":
-          ckpts.latest.save(step, args=ocp.args.Composite(
-              state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(it),
-              meta=ocp.args.JsonSave(meta)), force=True)
+          ckpts.latest.save(
+              step,
+              args=ocp.args.Composite(
+                  state=ocp.args.StandardSave(state),
+                  data=grain.checkpoint.CheckpointSave(it),
+                  meta=ocp.args.JsonSave(meta),
+              ),
+              force=True,
+          )
         else:
           ckpts.save(step, state, it, meta)
         blocking = time.perf_counter() - start
@@ -138,8 +163,9 @@ def measure(spec: dict, repeats: int, tmp: Path) -> dict:
         start = time.perf_counter()
         if way == "plain":  # as restores read before: the meta, then the state
           ckpts.latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-          restored = ckpts.latest.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(run.abstract_state)))["state"]
+          restored = ckpts.latest.restore(
+              step, args=ocp.args.Composite(state=ocp.args.StandardRestore(run.abstract_state))
+          )["state"]
           jax.block_until_ready(restored)
         else:
           ckpts.restore(run.abstract_state, step=step)
@@ -163,13 +189,17 @@ no digest code. Timings on a shared 2-core CPU box are noisy: read the load aver
 
 
 def _table(results: dict, command: str) -> str:
-  lines = [HEADER, "",
-           f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-           f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, load average "
-           f"{os.getloadavg()[0]:.1f})", "",
-           "| model | state | save blocks: orbax / + digests | save total: orbax / + digests "
-           "| restore: orbax / + verify | digests alone (first call) | train step |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [
+      HEADER,
+      "",
+      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+      f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, load average "
+      f"{os.getloadavg()[0]:.1f})",
+      "",
+      "| model | state | save blocks: orbax / + digests | save total: orbax / + digests "
+      "| restore: orbax / + verify | digests alone (first call) | train step |",
+      "|---|---|---|---|---|---|---|",
+  ]
   for name, r in results.items():
     lines.append(
         f"| {name} | {r['state_bytes'] / 2**20:.1f} MiB, {r['state_arrays']} arrays "
@@ -180,7 +210,8 @@ def _table(results: dict, command: str) -> str:
         f"| {r['restore_plain_s'] * 1e3:.0f} / {r['restore_digests_s'] * 1e3:.0f} ms "
         f"({100 * r['restore_added']:+.0f}%) "
         f"| {r['digests_s'] * 1e3:.1f} ms ({r['digests_first_call_s']:.2f} s) "
-        f"| {r['train_step_s'] * 1e3:.0f} ms |")
+        f"| {r['train_step_s'] * 1e3:.0f} ms |"
+    )
   return "\n".join(lines)
 
 
@@ -191,8 +222,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats={args.repeats}: must be >= 1")
-  command = "python -m fastpos.bench.checkpoint_digests" + (f" --out={args.out}"
-                                                             if args.out else "")
+  command = "python -m fastpos.bench.checkpoint_digests" + (
+      f" --out={args.out}" if args.out else ""
+  )
   results = {}
   with metrics_lib.quiet_library_logs(), tempfile.TemporaryDirectory() as tmp:
     for i, (name, spec) in enumerate(MODELS.items()):
@@ -200,19 +232,37 @@ def main(argv=None) -> int:
       print(f"{name}: done", file=sys.stderr, flush=True)
   mid = results[list(MODELS)[-1]]
   targets = {
-      f"step: a save's digests take <= {STEP_GOAL:.0%} of a training step (mid-size)":
-          mid["digests_s"] <= STEP_GOAL * mid["train_step_s"],
-      f"save: digests add <= {SAVE_GOAL:.0%} to a save (mid-size)":
-          mid["save_added"] <= SAVE_GOAL,
-      f"restore: verification adds <= {RESTORE_GOAL:.0%} to a restore (mid-size)":
-          mid["restore_added"] <= RESTORE_GOAL}
-  table = _table(results, command) + "\n\n" + "\n".join(
-      f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in targets.items())
+      f"step: a save's digests take <= {STEP_GOAL:.0%} of a training step (mid-size)": mid[
+          "digests_s"
+      ]
+      <= STEP_GOAL * mid["train_step_s"],
+      f"save: digests add <= {SAVE_GOAL:.0%} to a save (mid-size)": mid["save_added"] <= SAVE_GOAL,
+      f"restore: verification adds <= {RESTORE_GOAL:.0%} to a restore (mid-size)": mid[
+          "restore_added"
+      ]
+      <= RESTORE_GOAL,
+  }
+  table = (
+      _table(results, command)
+      + "\n\n"
+      + "\n".join(f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in targets.items())
+  )
   print(table)
-  report.write(args.out, "checkpoint_digests", table, {
-      "results": results, "targets": targets, "repeats": args.repeats, "models": MODELS,
-      "jax": jax.__version__, "platform": jax.devices()[0].platform,
-      "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")})
+  report.write(
+      args.out,
+      "checkpoint_digests",
+      table,
+      {
+          "results": results,
+          "targets": targets,
+          "repeats": args.repeats,
+          "models": MODELS,
+          "jax": jax.__version__,
+          "platform": jax.devices()[0].platform,
+          "load_average": os.getloadavg()[0],
+          "date": time.strftime("%Y-%m-%d"),
+      },
+  )
   return 0 if all(targets.values()) else 1
 
 

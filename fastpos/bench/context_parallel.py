@@ -37,15 +37,25 @@ from fastpos.train.config import base_config
 from fastpos.train.state import TrainState, make_optimizer
 from fastpos.train.steps import make_train_step
 
-CELLS = {"sikf + fastrpb": ("sikf", "fastrpb"),
-         "nprf + kernelized_rpe": ("nprf", "kernelized_rpe"),
-         "causal LM elu1 + permuteformer": ("elu1", "permuteformer")}
+CELLS = {
+    "sikf + fastrpb": ("sikf", "fastrpb"),
+    "nprf + kernelized_rpe": ("nprf", "kernelized_rpe"),
+    "causal LM elu1 + permuteformer": ("elu1", "permuteformer"),
+}
 
 
 def _config(kernel: str, scheme: str, seq: int):
   c = base_config("synthetic")
-  c.model.update(kernel=kernel, positional=scheme, num_layers=4, embed_dim=256, num_heads=4,
-                 mlp_dim=1024, dropout_rate=0.1, pooling="mean")
+  c.model.update(
+      kernel=kernel,
+      positional=scheme,
+      num_layers=4,
+      embed_dim=256,
+      num_heads=4,
+      mlp_dim=1024,
+      dropout_rate=0.1,
+      pooling="mean",
+  )
   c.model.kernel_options.num_features = 32
   c.batch_size = 1
   c.mesh.seq = seq
@@ -63,32 +73,48 @@ def build_step(cfg, task: TaskInfo, n: int):
   tx = make_optimizer(cfg)
 
   def init(rng):
-    variables = model.init({"params": rng, "dropout": rng, "features": rng},
-                           {"inputs": jnp.ones((1, n), jnp.int32)}, train=False)
+    variables = model.init(
+        {"params": rng, "dropout": rng, "features": rng},
+        {"inputs": jnp.ones((1, n), jnp.int32)},
+        train=False,
+    )
     params = variables.pop("params")
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params), collections=dict(variables))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        collections=dict(variables),
+    )
 
   abstract = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding_lib.tree_shardings(abstract, mesh, cfg.mesh.rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       abstract, state_sharding)
-  tokens = NamedSharding(mesh, P(sharding_lib.DATA, sharding_lib.SEQ) if seq > 1 else
-                         P(sharding_lib.DATA))
+  state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, state_sharding
+  )
+  tokens = NamedSharding(
+      mesh, P(sharding_lib.DATA, sharding_lib.SEQ) if seq > 1 else P(sharding_lib.DATA)
+  )
   rows = sharding_lib.batch_sharding(mesh)
-  batch = {"inputs": jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens),
-           "mask": jax.ShapeDtypeStruct((1, n), jnp.bool_, sharding=tokens),
-           "weight": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rows)}
+  batch = {
+      "inputs": jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens),
+      "mask": jax.ShapeDtypeStruct((1, n), jnp.bool_, sharding=tokens),
+      "weight": jax.ShapeDtypeStruct((1,), jnp.float32, sharding=rows),
+  }
   if task.kind == "lm":
     batch["targets"] = jax.ShapeDtypeStruct((1, n), jnp.int32, sharding=tokens)
   else:
     batch["targets"] = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rows)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding_lib.replicated(mesh))
-  step = jax.jit(sharding_lib.in_seq_mesh(make_train_step(model, tx, task.kind), mesh),
-                 in_shardings=(state_sharding, sharding_lib.batch_in_sharding(mesh),
-                               sharding_lib.replicated(mesh)),
-                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
-                 donate_argnums=0)
+  step = jax.jit(
+      sharding_lib.in_seq_mesh(make_train_step(model, tx, task.kind), mesh),
+      in_shardings=(
+          state_sharding,
+          sharding_lib.batch_in_sharding(mesh),
+          sharding_lib.replicated(mesh),
+      ),
+      out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
+      donate_argnums=0,
+  )
   init_fn = jax.jit(init, out_shardings=state_sharding)
   return step, state, batch, rng, init_fn
 
@@ -102,10 +128,18 @@ def step_memory(cell: str, n: int, seq: int) -> dict:
   step, state, batch, rng, _ = build_step(_config(kernel, scheme, seq), task, n)
   start = time.perf_counter()
   m = step.lower(state, batch, rng).compile().memory_analysis()
-  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-           - m.alias_size_in_bytes)
-  return {"temp": int(m.temp_size_in_bytes), "total": int(total),
-          "arguments": int(m.argument_size_in_bytes), "compile_s": time.perf_counter() - start}
+  total = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+  )
+  return {
+      "temp": int(m.temp_size_in_bytes),
+      "total": int(total),
+      "arguments": int(m.argument_size_in_bytes),
+      "compile_s": time.perf_counter() - start,
+  }
 
 
 def longest_fitting(cell: str, seq: int, budget: float, step: int, limit: int) -> tuple:
@@ -147,9 +181,13 @@ def main(argv=None) -> int:
   parser.add_argument("--cells", default=",".join(CELLS), help=", ".join(CELLS))
   parser.add_argument("--budget", type=float, default=2.0, help="GiB per device; 0 skips")
   parser.add_argument("--step", type=int, default=4096, help="granularity of the longest N")
-  parser.add_argument("--limit", type=int, default=2 ** 20, help="longest N tried")
-  parser.add_argument("--target", type=float, default=0.5,
-                      help="largest split / unsplit memory must stay below this")
+  parser.add_argument("--limit", type=int, default=2**20, help="longest N tried")
+  parser.add_argument(
+      "--target",
+      type=float,
+      default=0.5,
+      help="largest split / unsplit memory must stay below this",
+  )
   parser.add_argument("--out", default="", help="folder for context_parallel.md / .json")
   args = parser.parse_args(argv)
   try:
@@ -173,8 +211,9 @@ def main(argv=None) -> int:
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={seqs[-1]}"
   if jax.device_count() < seqs[-1]:
-    print(f"{prog}: --seqs needs {seqs[-1]} devices; {jax.device_count()} visible.",
-          file=sys.stderr)
+    print(
+        f"{prog}: --seqs needs {seqs[-1]} devices; {jax.device_count()} visible.", file=sys.stderr
+    )
     return 2
 
   results = {c: {} for c in cells}
@@ -183,46 +222,67 @@ def main(argv=None) -> int:
       for seq in seqs:
         r = step_memory(cell, n, seq)
         results[cell][f"{n}/{seq}"] = r
-        print(f"{cell} N={n} seq={seq}: temp {_mib(r['temp'])}, total {_mib(r['total'])} per "
-              f"device (compiled in {r['compile_s']:.0f} s)", flush=True)
+        print(
+            f"{cell} N={n} seq={seq}: temp {_mib(r['temp'])}, total {_mib(r['total'])} per "
+            f"device (compiled in {r['compile_s']:.0f} s)",
+            flush=True,
+        )
   fits = {}
   if args.budget > 0:
     for cell in cells:
       for seq in sorted({1, seqs[-1]}):
-        longest, tried = longest_fitting(cell, seq, args.budget * 2 ** 30, args.step,
-                                         args.limit)
+        longest, tried = longest_fitting(cell, seq, args.budget * 2**30, args.step, args.limit)
         fits[f"{cell}/{seq}"] = {"longest": longest, "tried": tried}
-        print(f"{cell} seq={seq}: longest N within {args.budget:g} GiB per device: {longest}",
-              flush=True)
+        print(
+            f"{cell} seq={seq}: longest N within {args.budget:g} GiB per device: {longest}",
+            flush=True,
+        )
 
   command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
-  lines = [f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-           f"{jax.__version__}, {time.strftime('%Y-%m-%d')})", "",
-           "| cell | N | " + " | ".join(f"seq={s}: temp / total" for s in seqs)
-           + f" | total seq={seqs[-1]} / seq=1 |",
-           "|---|---|" + "---|" * (len(seqs) + 1)]
+  lines = [
+      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+      f"{jax.__version__}, {time.strftime('%Y-%m-%d')})",
+      "",
+      "| cell | N | "
+      + " | ".join(f"seq={s}: temp / total" for s in seqs)
+      + f" | total seq={seqs[-1]} / seq=1 |",
+      "|---|---|" + "---|" * (len(seqs) + 1),
+  ]
   ok = True
   for cell in cells:
     for n in lengths:
       row = [results[cell][f"{n}/{s}"] for s in seqs]
       ratio = row[-1]["total"] / row[0]["total"]
       ok = ok and ratio <= args.target
-      lines.append(f"| {cell} | {n} | " + " | ".join(
-          f"{_mib(r['temp'])} / {_mib(r['total'])}" for r in row) + f" | {ratio:.2f} |")
+      lines.append(
+          f"| {cell} | {n} | "
+          + " | ".join(f"{_mib(r['temp'])} / {_mib(r['total'])}" for r in row)
+          + f" | {ratio:.2f} |"
+      )
   if fits:
-    lines += ["", f"Longest N (multiple of {args.step}) whose train step fits "
-              f"{args.budget:g} GiB per device:", "",
-              "| cell | 1 device | " + f"{seqs[-1]} devices (mesh.seq={seqs[-1]}) |",
-              "|---|---|---|"]
+    lines += [
+        "",
+        f"Longest N (multiple of {args.step}) whose train step fits "
+        f"{args.budget:g} GiB per device:",
+        "",
+        "| cell | 1 device | " + f"{seqs[-1]} devices (mesh.seq={seqs[-1]}) |",
+        "|---|---|---|",
+    ]
     for cell in cells:
-      lines.append(f"| {cell} | {fits[f'{cell}/1']['longest']} | "
-                   f"{fits[f'{cell}/{seqs[-1]}']['longest']} |")
-  lines += ["", f"- {'PASS' if ok else 'FAIL'}: total memory with mesh.seq={seqs[-1]} at most "
-            f"{args.target:g} x the unsplit step's at every length"]
+      lines.append(
+          f"| {cell} | {fits[f'{cell}/1']['longest']} | "
+          f"{fits[f'{cell}/{seqs[-1]}']['longest']} |"
+      )
+  lines += [
+      "",
+      f"- {'PASS' if ok else 'FAIL'}: total memory with mesh.seq={seqs[-1]} at most "
+      f"{args.target:g} x the unsplit step's at every length",
+  ]
   table = "\n".join(lines)
   print(table)
-  report.write(args.out, "context_parallel", table,
-               {"memory": results, "fits": fits, "args": vars(args)})
+  report.write(
+      args.out, "context_parallel", table, {"memory": results, "fits": fits, "args": vars(args)}
+  )
   return 0 if ok else 1
 
 

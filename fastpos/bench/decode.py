@@ -30,9 +30,11 @@ import jax.numpy as jnp
 from fastpos.bench import report
 from fastpos.models import TaskInfo, build_model, decoding, model_config
 
-CELLS = {"softmax (KV cache)": ("softmax", "none"),
-         "linear ELU+1 (recurrent)": ("elu1", "none"),
-         "linear ELU+1 + FastRPB (value cache)": ("elu1", "fastrpb")}
+CELLS = {
+    "softmax (KV cache)": ("softmax", "none"),
+    "linear ELU+1 (recurrent)": ("elu1", "none"),
+    "linear ELU+1 + FastRPB (value cache)": ("elu1", "fastrpb"),
+}
 FLAT = 1.3  # linear: slowest / fastest per-token time across lengths must stay below this
 
 
@@ -44,8 +46,17 @@ def _model(kernel: str, scheme: str, max_length: int, width: int, layers: int, h
   return build_model(c, TaskInfo(kind="lm", vocab_size=1000, max_length=max_length))
 
 
-def measure(kernel: str, scheme: str, n: int, *, steps: int, repeats: int, width: int,
-            layers: int, heads: int) -> dict:
+def measure(
+    kernel: str,
+    scheme: str,
+    n: int,
+    *,
+    steps: int,
+    repeats: int,
+    width: int,
+    layers: int,
+    heads: int,
+) -> dict:
   """ms per token and the state's bytes when decoding at context ``n``."""
   model = _model(kernel, scheme, n, width, layers, heads)
   tok = jnp.ones((1, 1), jnp.int32)
@@ -57,11 +68,15 @@ def measure(kernel: str, scheme: str, n: int, *, steps: int, repeats: int, width
   def run(params, cache):
     def body(carry, _):
       cache, token = carry
-      logits, upd = model.apply({"params": params, "cache": cache},
-                                {"inputs": token, "mask": jnp.ones((1, 1), bool)},
-                                decode=True, mutable=["cache"])
+      logits, upd = model.apply(
+          {"params": params, "cache": cache},
+          {"inputs": token, "mask": jnp.ones((1, 1), bool)},
+          decode=True,
+          mutable=["cache"],
+      )
       nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
       return (upd["cache"], nxt), None
+
     (cache, token), _ = jax.lax.scan(body, (cache, tok), None, length=steps)
     return token
 
@@ -76,10 +91,15 @@ def measure(kernel: str, scheme: str, n: int, *, steps: int, repeats: int, width
     times.append((time.perf_counter() - start) / steps)
   # The fastest repeat: on a shared machine the slower ones measure the neighbours' load.
   per_token = min(times)
-  return {"ms_per_token": 1e3 * per_token, "tokens_per_s": 1.0 / per_token,
-          "state_bytes": decoding.cache_bytes(cache), "compile_s": compile_s,
-          "median_ms_per_token": 1e3 * statistics.median(times),
-          "spread": (max(times) - min(times)) / per_token, "runs": repeats}
+  return {
+      "ms_per_token": 1e3 * per_token,
+      "tokens_per_s": 1.0 / per_token,
+      "state_bytes": decoding.cache_bytes(cache),
+      "compile_s": compile_s,
+      "median_ms_per_token": 1e3 * statistics.median(times),
+      "spread": (max(times) - min(times)) / per_token,
+      "runs": repeats,
+  }
 
 
 def verdicts(results: dict, lengths) -> list[tuple[str, bool, str]]:
@@ -90,29 +110,45 @@ def verdicts(results: dict, lengths) -> list[tuple[str, bool, str]]:
     times = [results[name][n]["ms_per_token"] for n in lengths]
     ratio = max(times) / min(times)
     if kernel != "softmax" and scheme == "none":
-      out.append((f"{name}: time per token flat within {FLAT}x from {lo} to {hi}",
-                  ratio < FLAT, f"slowest / fastest = {ratio:.2f}"))
+      out.append(
+          (
+              f"{name}: time per token flat within {FLAT}x from {lo} to {hi}",
+              ratio < FLAT,
+              f"slowest / fastest = {ratio:.2f}",
+          )
+      )
     if kernel == "softmax":
       grow = results[name][hi]["ms_per_token"] / results[name][lo]["ms_per_token"]
-      out.append((f"{name}: time per token grows from {lo} to {hi}", grow > FLAT,
-                  f"{hi} / {lo} = {grow:.2f}"))
+      out.append(
+          (
+              f"{name}: time per token grows from {lo} to {hi}",
+              grow > FLAT,
+              f"{hi} / {lo} = {grow:.2f}",
+          )
+      )
   return out
 
 
 def _size(nbytes: int) -> str:
-  return f"{nbytes / 2 ** 20:.1f} MiB" if nbytes >= 2 ** 20 else f"{nbytes / 2 ** 10:.1f} KiB"
+  return f"{nbytes / 2 ** 20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2 ** 10:.1f} KiB"
 
 
 def markdown(results: dict, lengths, checks, command: str) -> str:
-  lines = [f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-           f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, load average "
-           f"{os.getloadavg()[0]:.1f})", "",
-           "| cell | context | ms / token | tokens / s | state |", "|---|---|---|---|---|"]
+  lines = [
+      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+      f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, load average "
+      f"{os.getloadavg()[0]:.1f})",
+      "",
+      "| cell | context | ms / token | tokens / s | state |",
+      "|---|---|---|---|---|",
+  ]
   for name in CELLS:
     for n in lengths:
       r = results[name][n]
-      lines.append(f"| {name} | {n} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.0f} | "
-                   f"{_size(r['state_bytes'])} |")
+      lines.append(
+          f"| {name} | {n} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.0f} | "
+          f"{_size(r['state_bytes'])} |"
+      )
   lines.append("")
   lines += [f"- {'PASS' if ok else 'FAIL'}: {what} ({detail})" for what, ok, detail in checks]
   return "\n".join(lines)
@@ -124,14 +160,17 @@ def _lengths(text: str) -> list[int]:
   except ValueError:
     values = []
   if len(values) < 2 or any(v < 2 for v in values) or values != sorted(set(values)):
-    raise ValueError(f"--lengths={text!r}: give two or more increasing context lengths >= 2, "
-                     "comma-separated (e.g. 1024,4096,16384,65536).")
+    raise ValueError(
+        f"--lengths={text!r}: give two or more increasing context lengths >= 2, "
+        "comma-separated (e.g. 1024,4096,16384,65536)."
+    )
   return values
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m fastpos.bench.decode",
-                                   description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m fastpos.bench.decode", description=__doc__.split("\n\n")[0]
+  )
   parser.add_argument("--lengths", default="1024,4096,16384,65536")
   parser.add_argument("--steps", type=int, default=64, help="tokens decoded per timed run")
   parser.add_argument("--repeats", type=int, default=7)
@@ -146,8 +185,9 @@ def main(argv=None) -> int:
       if getattr(args, name) < 1:
         raise ValueError(f"--{name}={getattr(args, name)}: must be >= 1.")
     if args.steps + 1 >= lengths[0]:
-      raise ValueError(f"--steps={args.steps} must be below the shortest length - 1 "
-                       f"({lengths[0] - 1}).")
+      raise ValueError(
+          f"--steps={args.steps} must be below the shortest length - 1 " f"({lengths[0] - 1})."
+      )
   except ValueError as e:
     print(f"fastpos.bench.decode: {e}", file=sys.stderr)
     return 2
@@ -155,20 +195,36 @@ def main(argv=None) -> int:
   for name, (kernel, scheme) in CELLS.items():
     results[name] = {}
     for n in lengths:
-      r = measure(kernel, scheme, n, steps=args.steps, repeats=args.repeats,
-                  width=args.width, layers=args.layers, heads=args.heads)
+      r = measure(
+          kernel,
+          scheme,
+          n,
+          steps=args.steps,
+          repeats=args.repeats,
+          width=args.width,
+          layers=args.layers,
+          heads=args.heads,
+      )
       results[name][n] = r
-      print(f"{name} n={n}: {r['ms_per_token']:.3f} ms/token, {r['tokens_per_s']:.0f} tokens/s, "
-            f"state {_size(r['state_bytes'])}", flush=True)
+      print(
+          f"{name} n={n}: {r['ms_per_token']:.3f} ms/token, {r['tokens_per_s']:.0f} tokens/s, "
+          f"state {_size(r['state_bytes'])}",
+          flush=True,
+      )
   checks = verdicts(results, lengths)
-  command = "python -m fastpos.bench.decode " + " ".join(argv if argv is not None
-                                                         else sys.argv[1:])
+  command = "python -m fastpos.bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
   table = markdown(results, lengths, checks, command.strip())
   print(table)
-  report.write(args.out, "decode", table, {
-      "results": {k: {str(n): r for n, r in v.items()} for k, v in results.items()},
-      "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in checks],
-      "args": vars(args)})
+  report.write(
+      args.out,
+      "decode",
+      table,
+      {
+          "results": {k: {str(n): r for n, r in v.items()} for k, v in results.items()},
+          "checks": [{"target": t, "pass": ok, "detail": d} for t, ok, d in checks],
+          "args": vars(args),
+      },
+  )
   return 0 if all(ok for _, ok, _ in checks) else 1
 
 

@@ -54,76 +54,148 @@ from fastpos.bench import report
 MODES = ("ops", "layer", "train_step")
 DEFAULTS = {
     # platform -> mode -> lengths
-    "cpu": {"ops": (256, 1024, 4096, 16384), "layer": (1024, 2048, 4096, 8192, 16384),
-            "cell": 1024, "cells": "each", "train_batch": 1, "train_rows": "core",
-            "max_run_s": 3.0, "target_run_s": 30.0},
-    "gpu": {"ops": (256, 1024, 4096, 16384, 65536),
-            "layer": (1024, 2048, 4096, 8192, 16384, 32768), "cell": 4096, "cells": "all",
-            "train_batch": 32, "train_rows": "all", "max_run_s": 30.0, "target_run_s": 120.0},
+    "cpu": {
+        "ops": (256, 1024, 4096, 16384),
+        "layer": (1024, 2048, 4096, 8192, 16384),
+        "cell": 1024,
+        "cells": "each",
+        "train_batch": 1,
+        "train_rows": "core",
+        "max_run_s": 3.0,
+        "target_run_s": 30.0,
+    },
+    "gpu": {
+        "ops": (256, 1024, 4096, 16384, 65536),
+        "layer": (1024, 2048, 4096, 8192, 16384, 32768),
+        "cell": 4096,
+        "cells": "all",
+        "train_batch": 32,
+        "train_rows": "all",
+        "max_run_s": 30.0,
+        "target_run_s": 120.0,
+    },
 }
-COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks")  # the tables the repository ships
-SMOKE = {"ops": (16, 64), "layer": (16, 64), "cell": 16, "cell_memory": (16, 64),
-         "train_length": 32}
+COMMITTED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
+)  # the tables the repository ships
+SMOKE = {
+    "ops": (16, 64),
+    "layer": (16, 64),
+    "cell": 16,
+    "cell_memory": (16, 64),
+    "train_length": 32,
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python scripts/benchmark.py",
-                              description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mode", required=True, choices=MODES + ("all",),
-                 help="one mode, or all of them")
-  p.add_argument("--lengths", help="comma-separated N for ops and the layer sweep "
-                 "(default: per platform, see DEFAULTS)")
-  p.add_argument("--scale", type=float, default=1.0,
-                 help="multiply every default length (ops, layer, train) by this factor")
+  p = argparse.ArgumentParser(
+      prog="python scripts/benchmark.py",
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("--mode", required=True, choices=MODES + ("all",), help="one mode, or all of them")
+  p.add_argument(
+      "--lengths",
+      help="comma-separated N for ops and the layer sweep " "(default: per platform, see DEFAULTS)",
+  )
+  p.add_argument(
+      "--scale",
+      type=float,
+      default=1.0,
+      help="multiply every default length (ops, layer, train) by this factor",
+  )
   p.add_argument("--max-length", type=int, default=0, help="drop lengths above this")
-  p.add_argument("--cell-length", type=int, default=0,
-                 help="N of the every-cell layer table (default: 1024 CPU, 4096 GPU)")
-  p.add_argument("--cell-memory-lengths", default="1024,16384",
-                 help="N at which every cell's memory is compiled for its exponent")
-  p.add_argument("--cells", default="",
-                 help="cells of the layer table: 'all' (every compatible kernel x scheme), "
-                 "'each' (every kernel with 'none', every scheme with softmax and ELU+1) or "
-                 "comma-separated kernel:scheme (default: 'each' on CPU, 'all' on GPU)")
+  p.add_argument(
+      "--cell-length",
+      type=int,
+      default=0,
+      help="N of the every-cell layer table (default: 1024 CPU, 4096 GPU)",
+  )
+  p.add_argument(
+      "--cell-memory-lengths",
+      default="1024,16384",
+      help="N at which every cell's memory is compiled for its exponent",
+  )
+  p.add_argument(
+      "--cells",
+      default="",
+      help="cells of the layer table: 'all' (every compatible kernel x scheme), "
+      "'each' (every kernel with 'none', every scheme with softmax and ELU+1) or "
+      "comma-separated kernel:scheme (default: 'each' on CPU, 'all' on GPU)",
+  )
   p.add_argument("--train-length", type=int, default=4000, help="LRA Text length")
   p.add_argument("--train-batch", type=int, default=0, help="default: 1 CPU, 32 GPU")
-  p.add_argument("--train-rows", default="",
-                 help="'all', 'core' (Transformer, linear with and without FastRPB, Performer, "
-                 "kernelized RPE, PermuteFormer) or comma-separated row names (default: "
-                 "'core' on CPU, 'all' on GPU)")
-  p.add_argument("--num-features", type=int, default=32,
-                 help="m of the random feature maps (Luo et al. use 32)")
+  p.add_argument(
+      "--train-rows",
+      default="",
+      help="'all', 'core' (Transformer, linear with and without FastRPB, Performer, "
+      "kernelized RPE, PermuteFormer) or comma-separated row names (default: "
+      "'core' on CPU, 'all' on GPU)",
+  )
+  p.add_argument(
+      "--num-features",
+      type=int,
+      default=32,
+      help="m of the random feature maps (Luo et al. use 32)",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--repeats", type=int, default=15, help="most timed runs per case")
-  p.add_argument("--min-time", type=float, default=1.0,
-                 help="seconds of timed runs to aim for per case (at least 3 runs)")
-  p.add_argument("--max-run-seconds", type=float, default=0.0,
-                 help="skip cases predicted to run longer (default: 3 CPU, 30 GPU)")
-  p.add_argument("--target-run-seconds", type=float, default=0.0,
-                 help="the same for the rows a target is read from (default: 30 CPU, 120 GPU)")
-  p.add_argument("--max-memory-gb", type=float, default=0.0,
-                 help="skip running cases whose compiled memory exceeds this (default: 60%% "
-                 "of RAM on CPU, 90%% of the device's memory on GPU)")
-  p.add_argument("--out", default="",
-                 help="output folder (default: a new temporary folder, printed; the "
-                 "repository's benchmarks/ only with --update_committed or --out naming it)")
-  p.add_argument("--update_committed", action="store_true",
-                 help="write into the repository's benchmarks/ (its tables and README.md "
-                 "sections): for measurements meant to be committed")
+  p.add_argument(
+      "--min-time",
+      type=float,
+      default=1.0,
+      help="seconds of timed runs to aim for per case (at least 3 runs)",
+  )
+  p.add_argument(
+      "--max-run-seconds",
+      type=float,
+      default=0.0,
+      help="skip cases predicted to run longer (default: 3 CPU, 30 GPU)",
+  )
+  p.add_argument(
+      "--target-run-seconds",
+      type=float,
+      default=0.0,
+      help="the same for the rows a target is read from (default: 30 CPU, 120 GPU)",
+  )
+  p.add_argument(
+      "--max-memory-gb",
+      type=float,
+      default=0.0,
+      help="skip running cases whose compiled memory exceeds this (default: 60%% "
+      "of RAM on CPU, 90%% of the device's memory on GPU)",
+  )
+  p.add_argument(
+      "--out",
+      default="",
+      help="output folder (default: a new temporary folder, printed; the "
+      "repository's benchmarks/ only with --update_committed or --out naming it)",
+  )
+  p.add_argument(
+      "--update_committed",
+      action="store_true",
+      help="write into the repository's benchmarks/ (its tables and README.md "
+      "sections): for measurements meant to be committed",
+  )
   p.add_argument("--no-readme", action="store_true", help="do not update <out>/README.md")
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny sizes and a tiny model: checks that every mode runs (tests)")
+  p.add_argument(
+      "--smoke",
+      action="store_true",
+      help="tiny sizes and a tiny model: checks that every mode runs (tests)",
+  )
   args = p.parse_args(argv)
   args.all = args.mode == "all"
   if args.update_committed and args.out and not _same_dir(args.out, COMMITTED):
-    p.error(f"--update_committed writes to {COMMITTED}; drop --out={args.out} or "
-            "--update_committed")
+    p.error(
+        f"--update_committed writes to {COMMITTED}; drop --out={args.out} or " "--update_committed"
+    )
   if args.update_committed:
     args.out = COMMITTED
   if args.smoke and args.out and _same_dir(args.out, COMMITTED):
-    p.error(f"--smoke measures tiny sizes only; its numbers do not go into the committed "
-            f"tables in {COMMITTED} (drop --smoke, or give another --out)")
+    p.error(
+        f"--smoke measures tiny sizes only; its numbers do not go into the committed "
+        f"tables in {COMMITTED} (drop --smoke, or give another --out)"
+    )
   args.argv = list(sys.argv[1:] if argv is None else argv)
   return args
 
@@ -184,22 +256,25 @@ def resolve(args) -> argparse.Namespace:
     args.ops_lengths = given or _scaled(d["ops"], args)
     args.layer_lengths = given or _scaled(d["layer"], args)
     args.cell_length = args.cell_length or _scaled((d["cell"],), args, clip=True)[0]
-    args.cell_memory = _scaled(_lengths("--cell-memory-lengths", args.cell_memory_lengths),
-                               args, clip=True)
+    args.cell_memory = _scaled(
+        _lengths("--cell-memory-lengths", args.cell_memory_lengths), args, clip=True
+    )
     args.train_length = _scaled((args.train_length,), args, clip=True)[0]
   args.train_batch = args.train_batch or d["train_batch"]
   args.cells = args.cells or d["cells"]
   args.train_rows = args.train_rows or d["train_rows"]
   stats = bm.device_memory_stats()
   if args.max_memory_gb:
-    max_mem = args.max_memory_gb * 2 ** 30
+    max_mem = args.max_memory_gb * 2**30
   elif stats and "bytes_limit" in stats:
     max_mem = 0.9 * stats["bytes_limit"]
   else:
     max_mem = 0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  args.limits = bm.Limits(max_run_s=args.max_run_seconds or d["max_run_s"],
-                          max_memory_bytes=max_mem,
-                          target_run_s=args.target_run_seconds or d["target_run_s"])
+  args.limits = bm.Limits(
+      max_run_s=args.max_run_seconds or d["max_run_s"],
+      max_memory_bytes=max_mem,
+      target_run_s=args.target_run_seconds or d["target_run_s"],
+  )
   return args
 
 
@@ -208,17 +283,25 @@ def resolve(args) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 def machine() -> dict:
   from fastpos.plots import cpu_name
+
   dev = jax.devices()[0]
   cpu = cpu_name()
-  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
   import flax
   import jaxlib
   import optax
+
   return {
-      "device": f"{dev.platform}: {dev.device_kind}", "cpu": cpu, "cpu_count": os.cpu_count(),
-      "ram_gib": round(ram, 1), "python": py_platform.python_version(),
-      "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-      "optax": optax.__version__, "numpy": np.__version__,
+      "device": f"{dev.platform}: {dev.device_kind}",
+      "cpu": cpu,
+      "cpu_count": os.cpu_count(),
+      "ram_gib": round(ram, 1),
+      "python": py_platform.python_version(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "flax": flax.__version__,
+      "optax": optax.__version__,
+      "numpy": np.__version__,
   }
 
 
@@ -227,19 +310,20 @@ def plot_table(table: bm.Table, path: str, subtitle: str):
   at the measured N) to ``path``; returns the figure (closed), or None without matplotlib."""
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from fastpos import plots
   except ImportError:
     return None
-  fig, axes = plt.subplots(1, len(table.panels), figsize=(6 * len(table.panels), 4.8),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+      1, len(table.panels), figsize=(6 * len(table.panels), 4.8), squeeze=False
+  )
   for ax, panel in zip(axes[0], table.panels):
     series = {label: pts for label, pts in panel.series.items() if pts}
     for (label, pts), color in zip(series.items(), plots.distinct_colors(len(series))):
-      ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
-                label=label)
+      ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=label)
     if series:
       plots.ticks_at(ax.xaxis, [p[0] for pts in series.values() for p in pts])
       ax.tick_params(axis="x", labelrotation=45)
@@ -263,36 +347,57 @@ def plot_subtitle(mode: str, args) -> str:
   return f"batch {batch}, {args.dtype}; {plots.machine()}"
 
 
-def write_outputs(mode: str, tables: list[bm.Table], targets: list[bm.Target], meta: dict,
-                  args) -> None:
+def write_outputs(
+    mode: str, tables: list[bm.Table], targets: list[bm.Target], meta: dict, args
+) -> None:
   folder = os.path.join(args.out, args.platform)
   os.makedirs(folder, exist_ok=True)
   plotted = []
   for t in tables:
     stem = os.path.join(folder, f"{mode}_{t.name}")
-    report.write(folder, f"{mode}_{t.name}", f"#### {t.title}\n\n{t.markdown()}",
-                 {"mode": mode, "table": t.name, "title": t.title, "meta": meta,
-                  "header": t.header, "rows": t.rows, "notes": t.notes, "data": t.data,
-                  "targets": [vars(x) | {"verdict": x.verdict} for x in targets]})
+    report.write(
+        folder,
+        f"{mode}_{t.name}",
+        f"#### {t.title}\n\n{t.markdown()}",
+        {
+            "mode": mode,
+            "table": t.name,
+            "title": t.title,
+            "meta": meta,
+            "header": t.header,
+            "rows": t.rows,
+            "notes": t.notes,
+            "data": t.data,
+            "targets": [vars(x) | {"verdict": x.verdict} for x in targets],
+        },
+    )
     if t.panels and plot_table(t, stem + ".png", plot_subtitle(mode, args)):
       plotted.append(stem + ".png")
   if tables and not plotted and any(t.panels for t in tables):
-    print(f"[{mode}] matplotlib is not installed in this environment: no PNG plots written "
-          "(the JSON files hold every number; `pip install matplotlib` to get the plots).")
+    print(
+        f"[{mode}] matplotlib is not installed in this environment: no PNG plots written "
+        "(the JSON files hold every number; `pip install matplotlib` to get the plots)."
+    )
   if not args.no_readme:
     update_readme(os.path.join(args.out, "README.md"), mode, tables, targets, meta, args)
 
 
-def section_text(mode: str, tables: list[bm.Table], targets: list[bm.Target], meta: dict,
-                 args) -> str:
+def section_text(
+    mode: str, tables: list[bm.Table], targets: list[bm.Target], meta: dict, args
+) -> str:
   m = meta["machine"]
-  lines = [f"### {args.platform.upper()}: {mode}", "",
-           f"Machine: {m['device']} ({m['cpu']}, {m['cpu_count']} cores, {m['ram_gib']} GiB); "
-           f"python {m['python']}, jax {m['jax']} / jaxlib {m['jaxlib']}, flax {m['flax']}, "
-           f"optax {m['optax']}, numpy {m['numpy']}. Date: {meta['date']}. Load average "
-           f"before / after: {meta['load_before']} / {meta['load_after']}. Wall time "
-           f"{meta['wall_s']:.0f} s.", "",
-           f"Command: `{meta['command']}`", ""]
+  lines = [
+      f"### {args.platform.upper()}: {mode}",
+      "",
+      f"Machine: {m['device']} ({m['cpu']}, {m['cpu_count']} cores, {m['ram_gib']} GiB); "
+      f"python {m['python']}, jax {m['jax']} / jaxlib {m['jaxlib']}, flax {m['flax']}, "
+      f"optax {m['optax']}, numpy {m['numpy']}. Date: {meta['date']}. Load average "
+      f"before / after: {meta['load_before']} / {meta['load_after']}. Wall time "
+      f"{meta['wall_s']:.0f} s.",
+      "",
+      f"Command: `{meta['command']}`",
+      "",
+  ]
   if targets:
     lines += ["Targets:", ""]
     lines += [f"- **{t.verdict}** {t.text}: {t.measured}" for t in targets]
@@ -328,13 +433,18 @@ def run_mode(mode: str, args) -> list[bm.Target]:
     tables, targets = bench_ops.run(args, log)
   else:
     tables, targets = (bench_models.run_layer if mode == "layer" else bench_models.run_train)(
-        args, log)
-  meta = {"machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-      "%Y-%m-%d %H:%M UTC"), "load_before": load0, "load_after": _load(),
-          "wall_s": time.time() - t0,
-          "command": "python scripts/benchmark.py " + shlex.join(args.argv),
-          "settings": {k: v for k, v in vars(args).items() if k not in ("limits", "argv")}
-          | {"limits": dataclasses.asdict(args.limits)}}
+        args, log
+    )
+  meta = {
+      "machine": machine(),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "load_before": load0,
+      "load_after": _load(),
+      "wall_s": time.time() - t0,
+      "command": "python scripts/benchmark.py " + shlex.join(args.argv),
+      "settings": {k: v for k, v in vars(args).items() if k not in ("limits", "argv")}
+      | {"limits": dataclasses.asdict(args.limits)},
+  }
   for t in tables:
     print(f"\n## {mode}: {t.title}\n\n{t.markdown()}\n", flush=True)
   for t in targets:
@@ -366,19 +476,28 @@ def main(argv=None) -> int:
     return 2
   if not args.out:
     args.out = tempfile.mkdtemp(prefix="fastpos_benchmark_")
-  print(f"fastpos benchmark on {jax.devices()[0]} ({args.dtype}); output under "
-        f"{os.path.join(args.out, args.platform)}", flush=True)
+  print(
+      f"fastpos benchmark on {jax.devices()[0]} ({args.dtype}); output under "
+      f"{os.path.join(args.out, args.platform)}",
+      flush=True,
+  )
   targets = []
   for mode in (MODES if args.all else (args.mode,)):
     try:
       targets += run_mode(mode, args)
     except KeyboardInterrupt:
-      print(f"\nbenchmark: interrupted during {mode}; the modes finished before are under "
-            f"{args.out}.", file=sys.stderr)
+      print(
+          f"\nbenchmark: interrupted during {mode}; the modes finished before are under "
+          f"{args.out}.",
+          file=sys.stderr,
+      )
       return 130
     except OSError as e:  # writing the results (the tables were printed above)
-      print(f"benchmark: cannot write {e.filename or args.out}: {e.strerror or e}; the tables "
-            f"of {mode} are printed above. Give another --out.", file=sys.stderr)
+      print(
+          f"benchmark: cannot write {e.filename or args.out}: {e.strerror or e}; the tables "
+          f"of {mode} are printed above. Give another --out.",
+          file=sys.stderr,
+      )
       return 2
   if targets:
     print("\nTargets:")

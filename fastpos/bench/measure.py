@@ -50,6 +50,7 @@ class Case:
     skip_time: a reason to report memory but not to run (e.g. minutes per run here).
     max_run_s: this case's own ``Limits.max_run_s`` (the rows a target is read from).
   """
+
   key: str
   fn: Callable
   make_inputs: Callable[[], tuple]
@@ -93,13 +94,14 @@ def pseudo_normal(seed: int, shape, dtype=jnp.float32, scale: float = 1.0):
   """Deterministic noise of mean 0 and variance ``scale**2`` (uniform, not Gaussian) from an
   integer hash of the element index: compiles in a fraction of jax.random's time."""
   size = int(np.prod(shape))
-  h = (jax.lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B1)
-       + jnp.uint32((seed * 0x85EBCA77 + 0x165667B1) % 2 ** 32))
+  h = jax.lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B1) + jnp.uint32(
+      (seed * 0x85EBCA77 + 0x165667B1) % 2**32
+  )
   for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B)):
     h = (h ^ (h >> shift)) * jnp.uint32(mult)
   h = h ^ (h >> 16)
-  u = (h >> 8).astype(jnp.float32) * (2.0 ** -24)  # uniform in [0, 1)
-  return ((u - 0.5) * (scale * 12 ** 0.5)).reshape(shape).astype(dtype)
+  u = (h >> 8).astype(jnp.float32) * (2.0**-24)  # uniform in [0, 1)
+  return ((u - 0.5) * (scale * 12**0.5)).reshape(shape).astype(dtype)
 
 
 def device_memory_stats() -> dict | None:
@@ -139,14 +141,21 @@ class Limits:
     target_run_s: the ``max_run_s`` of the rows a target is read from (modes set it as the
       case's own ``Case.max_run_s``).
   """
+
   max_run_s: float = float("inf")
   max_memory_bytes: float = float("inf")
   target_run_s: float = float("inf")
 
 
-def measure_group(cases: Sequence[Case], *, history: dict | None = None,
-                  limits: Limits = Limits(), min_time_s: float = 1.0,
-                  min_runs: int = 3, max_runs: int = 7) -> dict[str, Result]:
+def measure_group(
+    cases: Sequence[Case],
+    *,
+    history: dict | None = None,
+    limits: Limits = Limits(),
+    min_time_s: float = 1.0,
+    min_runs: int = 3,
+    max_runs: int = 7,
+) -> dict[str, Result]:
   """Measures ``cases`` side by side (see the module docstring); returns key -> Result.
 
   Each case runs ``clamp(ceil(min_time_s / warm-up time), min_runs, max_runs)`` timed runs,
@@ -157,8 +166,9 @@ def measure_group(cases: Sequence[Case], *, history: dict | None = None,
   """
   history = {} if history is None else history
   results = {c.key: Result(c.key, skipped=c.skip) for c in cases}
-  lowered = {c.key: jax.jit(c.fn).lower(*jax.eval_shape(c.make_inputs))
-             for c in cases if not c.skip}
+  lowered = {
+      c.key: jax.jit(c.fn).lower(*jax.eval_shape(c.make_inputs)) for c in cases if not c.skip
+  }
   with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
     done = dict(zip(lowered, pool.map(_compile, lowered.values())))
   compiled: dict[str, Any] = {}
@@ -168,8 +178,9 @@ def measure_group(cases: Sequence[Case], *, history: dict | None = None,
     res = results[case.key]
     exe, res.compile_s = done[case.key]
     _read_compiled(exe, res)
-    case_limits = limits if case.max_run_s is None else dataclasses.replace(
-        limits, max_run_s=case.max_run_s)
+    case_limits = (
+        limits if case.max_run_s is None else dataclasses.replace(limits, max_run_s=case.max_run_s)
+    )
     res.skipped = case.skip_time or _over_limits(res, history.get(case.key), case_limits)
     if res.skipped:
       if case.key in history and res.gflop:
@@ -235,14 +246,18 @@ def _read_compiled(exe, res: Result) -> None:
 def _over_limits(res: Result, previous, limits: Limits) -> str | None:
   mem = res.memory_bytes
   if mem is not None and mem > limits.max_memory_bytes:
-    return (f"skipped: needs {fmt_bytes(mem)} (compiled), over the "
-            f"{fmt_bytes(int(limits.max_memory_bytes))} limit")
+    return (
+        f"skipped: needs {fmt_bytes(mem)} (compiled), over the "
+        f"{fmt_bytes(int(limits.max_memory_bytes))} limit"
+    )
   if previous is not None and res.gflop:
     prev_gflop, prev_s = previous
     predicted = prev_s * res.gflop / prev_gflop
     if predicted > limits.max_run_s:
-      return (f"skipped: ~{predicted:.0f} s per run predicted (flops x the shorter length's "
-              f"time), over the {limits.max_run_s:g} s limit")
+      return (
+          f"skipped: ~{predicted:.0f} s per run predicted (flops x the shorter length's "
+          f"time), over the {limits.max_run_s:g} s limit"
+      )
   return None
 
 
@@ -284,7 +299,7 @@ def fmt_ms(seconds: float | None) -> str:
 def fmt_bytes(n: int | None) -> str:
   if n is None:
     return "-"
-  for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= size:
       return f"{n / size:.3g} {unit}"
   return f"{n} B"
@@ -296,6 +311,7 @@ def fmt_bytes(n: int | None) -> str:
 @dataclasses.dataclass
 class Panel:
   """One subplot: ``series`` label -> [(x, y)] on log-log axes."""
+
   title: str
   xlabel: str
   ylabel: str
@@ -313,8 +329,9 @@ class Table:
   panels: list[Panel] = dataclasses.field(default_factory=list)
 
   def markdown(self) -> str:
-    right = ["---:" if any(_numeric(r[i]) for r in self.rows) else "---"
-             for i in range(len(self.header))]
+    right = [
+        "---:" if any(_numeric(r[i]) for r in self.rows) else "---" for i in range(len(self.header))
+    ]
     lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join(right) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in self.rows]
     if self.notes:
@@ -332,6 +349,7 @@ class Target:
 
   ``passed`` is None when this run did not measure it (``measured`` says why).
   """
+
   text: str
   measured: str
   passed: bool | None

@@ -41,8 +41,14 @@ GOAL_DEPTH_RATIO = 1.5
 
 def model_fields(remat: str, scan: bool, layers: int = 4, smoke: bool = False) -> dict:
   """The ``config.model`` fields of the measured model (configs/lra_text_fastrpb.py's)."""
-  fields = dict(kernel="sikf", positional="absolute,fastrpb", pooling="cls", num_layers=layers,
-                remat=remat, scan_layers=scan)
+  fields = dict(
+      kernel="sikf",
+      positional="absolute,fastrpb",
+      pooling="cls",
+      num_layers=layers,
+      remat=remat,
+      scan_layers=scan,
+  )
   if smoke:
     fields.update(embed_dim=32, num_heads=2, mlp_dim=64)
   return fields
@@ -55,8 +61,10 @@ def compile_step(fields: dict, batch: int, length: int):
   task = TaskInfo("classify", vocab_size=257, num_classes=2, max_length=length)
   model = build_model(cfg, task)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(5e-4, weight_decay=0.1))
-  example = {"inputs": jax.ShapeDtypeStruct((batch, length), jnp.int32),
-             "mask": jax.ShapeDtypeStruct((batch, length), jnp.bool_)}
+  example = {
+      "inputs": jax.ShapeDtypeStruct((batch, length), jnp.int32),
+      "mask": jax.ShapeDtypeStruct((batch, length), jnp.bool_),
+  }
   variables = jax.eval_shape(model.init, jax.random.key(0), example)
   opt_state = jax.eval_shape(tx.init, variables)
   targets = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -65,20 +73,28 @@ def compile_step(fields: dict, batch: int, length: int):
     def loss_fn(v):
       logits = model.apply(v, batch_, train=True, rngs={"dropout": rng})
       return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(variables)
     updates, opt_state = tx.update(grads, opt_state, variables)
     return optax.apply_updates(variables, updates), opt_state, loss
 
   rng = jax.eval_shape(lambda: jax.random.key(0))
   start = time.perf_counter()
-  exe = jax.jit(step, donate_argnums=(0, 1)).lower(variables, opt_state, example, targets,
-                                                   rng).compile()
+  exe = (
+      jax.jit(step, donate_argnums=(0, 1))
+      .lower(variables, opt_state, example, targets, rng)
+      .compile()
+  )
   return exe.memory_analysis(), time.perf_counter() - start
 
 
 def total_bytes(mem) -> int:
-  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
+  return int(
+      mem.temp_size_in_bytes
+      + mem.argument_size_in_bytes
+      + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes
+  )
 
 
 def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: int, log):
@@ -112,16 +128,26 @@ def measure_setting(remat: str, scan: bool, args, log) -> dict:
   one, one_s = compile_step(fields, 1, args.length)
   paper, _ = compile_step(fields, *PAPER)
   per_token = one.temp_size_in_bytes / (args.length * layers)
-  log(f"  remat={remat} scan={scan}: {per_token / 1e3:.1f} KB/token/layer at N={args.length}, "
-      f"paper setting {fmt_bytes(total_bytes(paper))}")
+  log(
+      f"  remat={remat} scan={scan}: {per_token / 1e3:.1f} KB/token/layer at N={args.length}, "
+      f"paper setting {fmt_bytes(total_bytes(paper))}"
+  )
   points = [(args.length, total_bytes(one)), (PAPER[0] * PAPER[1], total_bytes(paper))]
-  n, at_n, above, compiles = longest(fields, points, args.budget_gib * 2 ** 30,
-                                     args.granularity, log)
-  return {"remat": remat, "scan_layers": scan, "bytes_per_token_layer": per_token,
-          "temp_bytes": int(one.temp_size_in_bytes), "total_bytes": total_bytes(one),
-          "paper_bytes": total_bytes(paper), "paper_temp_bytes": int(paper.temp_size_in_bytes),
-          "longest_n": n, "bytes_at_longest": at_n, "bytes_above_longest": above,
-          "longest_compiles": compiles, "compile_s": one_s}
+  n, at_n, above, compiles = longest(fields, points, args.budget_gib * 2**30, args.granularity, log)
+  return {
+      "remat": remat,
+      "scan_layers": scan,
+      "bytes_per_token_layer": per_token,
+      "temp_bytes": int(one.temp_size_in_bytes),
+      "total_bytes": total_bytes(one),
+      "paper_bytes": total_bytes(paper),
+      "paper_temp_bytes": int(paper.temp_size_in_bytes),
+      "longest_n": n,
+      "bytes_at_longest": at_n,
+      "bytes_above_longest": above,
+      "longest_compiles": compiles,
+      "compile_s": one_s,
+  }
 
 
 def measure_depth(args, log) -> list[dict]:
@@ -137,11 +163,23 @@ def measure_depth(args, log) -> list[dict]:
 
 
 def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
-  head = ["remat", "scan_layers", "temp KB / token / layer", "paper setting (b=32, N=4000)",
-          f"longest batch-1 N in {args.budget_gib:g} GiB"]
-  rows = [[s["remat"], str(s["scan_layers"]), f"{s['bytes_per_token_layer'] / 1e3:.1f}",
-           f"{fmt_bytes(s['paper_bytes'])} ({s['paper_bytes'] / 1e9:.2f} GB)",
-           f"{s['longest_n']:,}"] for s in settings]
+  head = [
+      "remat",
+      "scan_layers",
+      "temp KB / token / layer",
+      "paper setting (b=32, N=4000)",
+      f"longest batch-1 N in {args.budget_gib:g} GiB",
+  ]
+  rows = [
+      [
+          s["remat"],
+          str(s["scan_layers"]),
+          f"{s['bytes_per_token_layer'] / 1e3:.1f}",
+          f"{fmt_bytes(s['paper_bytes'])} ({s['paper_bytes'] / 1e9:.2f} GB)",
+          f"{s['longest_n']:,}",
+      ]
+      for s in settings
+  ]
   base = next((s for s in settings if s["remat"] == "none" and not s["scan_layers"]), None)
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -152,33 +190,48 @@ def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
     best_paper = min(settings, key=lambda s: s["paper_bytes"])
     best_long = max(settings, key=lambda s: s["longest_n"])
     targets = [
-        (f"LRA Text paper setting (batch 32, N=4000) under {GOAL_PAPER_BYTES / 1e9:g} GB",
-         f"{best_paper['paper_bytes'] / 1e9:.2f} GB (remat={best_paper['remat']}, "
-         f"scan={best_paper['scan_layers']})", best_paper["paper_bytes"] < GOAL_PAPER_BYTES),
-        (f"longest batch-1 train step in {args.budget_gib:g} GiB over {GOAL_LONGEST:,} tokens",
-         f"{best_long['longest_n']:,} (remat={best_long['remat']}, "
-         f"scan={best_long['scan_layers']})", best_long["longest_n"] > GOAL_LONGEST)]
+        (
+            f"LRA Text paper setting (batch 32, N=4000) under {GOAL_PAPER_BYTES / 1e9:g} GB",
+            f"{best_paper['paper_bytes'] / 1e9:.2f} GB (remat={best_paper['remat']}, "
+            f"scan={best_paper['scan_layers']})",
+            best_paper["paper_bytes"] < GOAL_PAPER_BYTES,
+        ),
+        (
+            f"longest batch-1 train step in {args.budget_gib:g} GiB over {GOAL_LONGEST:,} tokens",
+            f"{best_long['longest_n']:,} (remat={best_long['remat']}, "
+            f"scan={best_long['scan_layers']})",
+            best_long["longest_n"] > GOAL_LONGEST,
+        ),
+    ]
   if len(depth) >= 2:
     r = depth[-1]["scan_s"] / depth[0]["scan_s"]
-    targets.append((f"scanned compile time flat in depth: {depth[-1]['layers']} layers within "
-                    f"{GOAL_DEPTH_RATIO}x of {depth[0]['layers']}", f"{r:.2f}x",
-                    r <= GOAL_DEPTH_RATIO))
+    targets.append(
+        (
+            f"scanned compile time flat in depth: {depth[-1]['layers']} layers within "
+            f"{GOAL_DEPTH_RATIO}x of {depth[0]['layers']}",
+            f"{r:.2f}x",
+            r <= GOAL_DEPTH_RATIO,
+        )
+    )
   if base is not None:
     for s in settings:
       s["memory_vs_baseline"] = s["total_bytes"] / base["total_bytes"]
-  lines += ["", "Targets:"] + [f"- {t}: {m} **{'PASS' if ok else 'FAIL'}**"
-                               for t, m, ok in targets]
+  lines += ["", "Targets:"] + [f"- {t}: {m} **{'PASS' if ok else 'FAIL'}**" for t, m, ok in targets]
   return "\n".join(lines), targets
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python scripts/benchmark.py --mode=memory",
-                              description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(
+      prog="python scripts/benchmark.py --mode=memory", description=__doc__.split("\n\n")[0]
+  )
   p.add_argument("--length", type=int, default=16384, help="batch-1 N of the per-token figure")
   p.add_argument("--budget-gib", type=float, default=16.0)
   p.add_argument("--granularity", type=int, default=4096, help="longest-N search step")
-  p.add_argument("--settings", default="none:0,block:0,save_matmuls:0,none:1,block:1,"
-                 "save_matmuls:1", help="remat:scan pairs, scan 0 or 1")
+  p.add_argument(
+      "--settings",
+      default="none:0,block:0,save_matmuls:0,none:1,block:1," "save_matmuls:1",
+      help="remat:scan pairs, scan 0 or 1",
+  )
   p.add_argument("--depths", default="2,4,8,16")
   p.add_argument("--depth-length", type=int, default=1024)
   p.add_argument("--smoke", action="store_true", help="a width-32 model (a check, no figures)")
@@ -190,8 +243,10 @@ def main(argv=None) -> int:
     for part in filter(None, args.settings.split(",")):
       remat, _, scan = part.partition(":")
       if remat not in REMAT_POLICIES or scan not in ("0", "1"):
-        raise ValueError(f"--settings: bad pair {part!r}; give remat:scan with remat in "
-                         f"{', '.join(REMAT_POLICIES)} and scan 0 or 1.")
+        raise ValueError(
+            f"--settings: bad pair {part!r}; give remat:scan with remat in "
+            f"{', '.join(REMAT_POLICIES)} and scan 0 or 1."
+        )
       settings.append((remat, scan == "1"))
     args.depths = [int(d) for d in args.depths.split(",") if d]
     if any(d < 1 for d in args.depths) or args.length < 1 or args.granularity < 1:
@@ -204,16 +259,29 @@ def main(argv=None) -> int:
   measured = [measure_setting(r, s, args, log) for r, s in settings]
   depth = measure_depth(args, log)
   table, targets = _tables(measured, depth, args)
-  title = ("# Train-step memory: model.remat x model.scan_layers (LRA Text, SIKF + absolute + "
-           "FastRPB, 4 x 256)\n\n" + f"{platform.processor() or platform.machine()}, "
-           f"jax {jax.__version__}, {jax.devices()[0].platform}; compiled only "
-           "(memory_analysis: temp + arguments + outputs - aliased; float32).\n\n")
+  title = (
+      "# Train-step memory: model.remat x model.scan_layers (LRA Text, SIKF + absolute + "
+      "FastRPB, 4 x 256)\n\n" + f"{platform.processor() or platform.machine()}, "
+      f"jax {jax.__version__}, {jax.devices()[0].platform}; compiled only "
+      "(memory_analysis: temp + arguments + outputs - aliased; float32).\n\n"
+  )
   print(title + table)
-  report.write(args.out, args.name, title + table, {
-      "settings": measured, "depth": depth, "length": args.length,
-      "budget_gib": args.budget_gib, "granularity": args.granularity, "smoke": args.smoke,
-      "targets": [{"target": t, "measured": m, "passed": ok} for t, m, ok in targets],
-      "jax": jax.__version__, "platform": jax.devices()[0].platform})
+  report.write(
+      args.out,
+      args.name,
+      title + table,
+      {
+          "settings": measured,
+          "depth": depth,
+          "length": args.length,
+          "budget_gib": args.budget_gib,
+          "granularity": args.granularity,
+          "smoke": args.smoke,
+          "targets": [{"target": t, "measured": m, "passed": ok} for t, m, ok in targets],
+          "jax": jax.__version__,
+          "platform": jax.devices()[0].platform,
+      },
+  )
   return 0 if all(ok for _, _, ok in targets) else 1
 
 

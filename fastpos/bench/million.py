@@ -43,21 +43,34 @@ from fastpos.models import TaskInfo
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.config import base_config
 
-GIB = 2 ** 30
+GIB = 2**30
 # One-layer compiles without a part of the layer: model field overrides.
-ABLATIONS = {"FastRPB (ring Toeplitz product)": {"positional": "absolute"},
-             "dropout (rate 0.1 -> 0)": {"dropout_rate": 0.0},
-             "MLP hidden 1024 -> 256": {"mlp_dim": 256}}
+ABLATIONS = {
+    "FastRPB (ring Toeplitz product)": {"positional": "absolute"},
+    "dropout (rate 0.1 -> 0)": {"dropout_rate": 0.0},
+    "MLP hidden 1024 -> 256": {"mlp_dim": 256},
+}
 # Variant name -> (absolute table kind, position table sharded over "seq").
-POSITIONS = {"learned": ("learned", True), "learned-replicated": ("learned", False),
-             "sinusoidal": ("sinusoidal", True)}
+POSITIONS = {
+    "learned": ("learned", True),
+    "learned-replicated": ("learned", False),
+    "sinusoidal": ("sinusoidal", True),
+}
 
 
 def make_config(n: int, seq: int, positions: str, remat: str | None, layers: int = 4):
   """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``."""
   c = base_config("synthetic")
-  c.model.update(kernel="sikf", positional="absolute,fastrpb", num_layers=layers,
-                 embed_dim=256, num_heads=4, mlp_dim=1024, dropout_rate=0.1, pooling="mean")
+  c.model.update(
+      kernel="sikf",
+      positional="absolute,fastrpb",
+      num_layers=layers,
+      embed_dim=256,
+      num_heads=4,
+      mlp_dim=1024,
+      dropout_rate=0.1,
+      pooling="mean",
+  )
   c.model.positional_options = {"absolute": {"kind": POSITIONS[positions][0]}}
   c.model.kernel_options.num_features = 32
   if remat is not None:
@@ -81,8 +94,13 @@ def _state_parts(state) -> dict:
   parts = {"position table": 0, "fastrpb tables": 0, "other parameters": 0}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = sharding_lib.leaf_name(path)
-    key = ("position table" if "pos_absolute/" in name else
-           "fastrpb tables" if "pos_fastrpb/" in name else "other parameters")
+    key = (
+        "position table"
+        if "pos_absolute/" in name
+        else "fastrpb tables"
+        if "pos_fastrpb/" in name
+        else "other parameters"
+    )
     parts[key] += _shard_bytes(leaf)
   return parts
 
@@ -95,12 +113,22 @@ def compile_step(cfg, n: int) -> dict:
   compiled = step.lower(state, batch, rng).compile()
   seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
-  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-           - m.alias_size_in_bytes)
-  return {"temp": int(m.temp_size_in_bytes), "arguments": int(m.argument_size_in_bytes),
-          "outputs": int(m.output_size_in_bytes), "alias": int(m.alias_size_in_bytes),
-          "total": int(total), "state": _state_parts(state), "compile_s": seconds,
-          "_run": (compiled, state, batch, init_fn)}
+  total = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+  )
+  return {
+      "temp": int(m.temp_size_in_bytes),
+      "arguments": int(m.argument_size_in_bytes),
+      "outputs": int(m.output_size_in_bytes),
+      "alias": int(m.alias_size_in_bytes),
+      "total": int(total),
+      "state": _state_parts(state),
+      "compile_s": seconds,
+      "_run": (compiled, state, batch, init_fn),
+  }
 
 
 def available_bytes() -> int:
@@ -123,9 +151,12 @@ def run_once(compiled, state, batch, init_fn, n: int) -> dict:
   jax.block_until_ready(real)
   init_s = time.perf_counter() - start
   rng_np = np.random.default_rng(0)
-  host = {"inputs": rng_np.integers(1, 257, (1, n), dtype=np.int32),
-          "mask": np.ones((1, n), bool), "weight": np.ones((1,), np.float32),
-          "targets": np.zeros((1,), np.int32)}
+  host = {
+      "inputs": rng_np.integers(1, 257, (1, n), dtype=np.int32),
+      "mask": np.ones((1, n), bool),
+      "weight": np.ones((1,), np.float32),
+      "targets": np.zeros((1,), np.int32),
+  }
   data = {k: jax.device_put(v, batch[k].sharding) for k, v in host.items()}
   rng = jax.device_put(jax.random.key_data(jax.random.key(1)), state.step.sharding)
   start = time.perf_counter()
@@ -144,25 +175,41 @@ def _gib(nbytes: float) -> str:
 def _parse(argv):
   prog = "python -m fastpos.bench.million"
   parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-  parser.add_argument("--length", type=int, default=2 ** 20, help="tokens per sequence")
+  parser.add_argument("--length", type=int, default=2**20, help="tokens per sequence")
   parser.add_argument("--seq", type=int, default=8, help="mesh.seq (devices)")
-  parser.add_argument("--positions", default="learned,learned-replicated,sinusoidal",
-                      help=f"variants, comma-separated: {', '.join(POSITIONS)}")
-  parser.add_argument("--remat", default="", help="model.remat policies, comma-separated "
-                      "(each with the first --positions variant); empty: none")
+  parser.add_argument(
+      "--positions",
+      default="learned,learned-replicated,sinusoidal",
+      help=f"variants, comma-separated: {', '.join(POSITIONS)}",
+  )
+  parser.add_argument(
+      "--remat",
+      default="",
+      help="model.remat policies, comma-separated "
+      "(each with the first --positions variant); empty: none",
+  )
   parser.add_argument("--layers", type=int, default=4)
-  parser.add_argument("--breakdown", type=int, default=1,
-                      help="1: compile the first variant with one layer too (per-layer bytes)")
+  parser.add_argument(
+      "--breakdown",
+      type=int,
+      default=1,
+      help="1: compile the first variant with one layer too (per-layer bytes)",
+  )
   parser.add_argument("--budget", type=float, default=2.5, help="goal, GiB per device")
-  parser.add_argument("--run", default="auto", choices=("auto", "never", "always"),
-                      help="run the first variant's step once (auto: if free memory allows)")
+  parser.add_argument(
+      "--run",
+      default="auto",
+      choices=("auto", "never", "always"),
+      help="run the first variant's step once (auto: if free memory allows)",
+  )
   parser.add_argument("--out", default="", help="folder for million.md / .json")
   args = parser.parse_args(argv)
   positions = [p.strip() for p in args.positions.split(",") if p.strip()]
   for p in positions:
     if p not in POSITIONS:
-      raise ValueError(f"--positions: unknown variant {p!r}; valid choices: "
-                       f"{', '.join(POSITIONS)}.")
+      raise ValueError(
+          f"--positions: unknown variant {p!r}; valid choices: " f"{', '.join(POSITIONS)}."
+      )
   if not positions:
     raise ValueError(f"--positions is empty; valid choices: {', '.join(POSITIONS)}.")
   if args.seq < 2 or args.length < args.seq or args.length % args.seq:
@@ -193,8 +240,7 @@ def main(argv=None) -> int:
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.seq}"
   if jax.device_count() < args.seq:
-    print(f"{prog}: --seq needs {args.seq} devices; {jax.device_count()} visible.",
-          file=sys.stderr)
+    print(f"{prog}: --seq needs {args.seq} devices; {jax.device_count()} visible.", file=sys.stderr)
     return 2
   n = args.length
   results = {}
@@ -205,9 +251,11 @@ def main(argv=None) -> int:
         cfg.mesh.rules = ((r"pos_absolute/table$", (None, None)),)  # the old replication
       res = compile_step(cfg, n)
       results[label] = res
-      print(f"{label}: temp {_gib(res['temp'])}, arguments {_gib(res['arguments'])}, total "
-            f"{_gib(res['total'])} per device (compiled in {res['compile_s']:.0f} s)",
-            flush=True)
+      print(
+          f"{label}: temp {_gib(res['temp'])}, arguments {_gib(res['arguments'])}, total "
+          f"{_gib(res['total'])} per device (compiled in {res['compile_s']:.0f} s)",
+          flush=True,
+      )
   except ValueError as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
@@ -220,8 +268,11 @@ def main(argv=None) -> int:
     one.pop("_run")
     per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
     results["one layer"] = one
-    print(f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
-          f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)", flush=True)
+    print(
+        f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
+        f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)",
+        flush=True,
+    )
     for part, fields in ABLATIONS.items():
       cfg = make_config(n, args.seq, head_pos, head_remat, 1)
       cfg.model.update(fields)
@@ -235,54 +286,84 @@ def main(argv=None) -> int:
   if args.run == "never":
     why = "not run (--run=never)"
   elif args.run == "auto" and avail < need:
-    why = (f"not run: {_gib(avail)} available, the run needs {args.seq} x "
-           f"{_gib(head['total'])} + 4 GiB = {_gib(need)}")
+    why = (
+        f"not run: {_gib(avail)} available, the run needs {args.seq} x "
+        f"{_gib(head['total'])} + 4 GiB = {_gib(need)}"
+    )
   else:
     run = run_once(*head["_run"], n)
-    why = (f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
-           f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
-           f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}")
+    why = (
+        f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
+        f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
+        f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}"
+    )
   print(why, flush=True)
   for r in results.values():
     r.pop("_run", None)
 
   ok = head["total"] <= args.budget * GIB
   command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
-  lines = [f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-           f"{jax.__version__}, {time.strftime('%Y-%m-%d')})", "",
-           f"N = {n:,} tokens over mesh.seq = {args.seq} devices ({n // args.seq:,} each), "
-           "per device:", "",
-           "| variant | position table + moments | other state | temp | total | compile |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
+      f"{jax.__version__}, {time.strftime('%Y-%m-%d')})",
+      "",
+      f"N = {n:,} tokens over mesh.seq = {args.seq} devices ({n // args.seq:,} each), "
+      "per device:",
+      "",
+      "| variant | position table + moments | other state | temp | total | compile |",
+      "|---|---|---|---|---|---|",
+  ]
   for label, r in results.items():
     if label == "one layer":
       continue
     s = r["state"]
-    lines.append(f"| {label} | {_gib(s['position table'])} | "
-                 f"{_gib(s['fastrpb tables'] + s['other parameters'])} | {_gib(r['temp'])} | "
-                 f"{_gib(r['total'])} | {r['compile_s']:.0f} s |")
+    lines.append(
+        f"| {label} | {_gib(s['position table'])} | "
+        f"{_gib(s['fastrpb tables'] + s['other parameters'])} | {_gib(r['temp'])} | "
+        f"{_gib(r['total'])} | {r['compile_s']:.0f} s |"
+    )
   if per_layer is not None:
     tokens = n / args.seq
     one = results["one layer"]["temp"]
-    lines += ["", f"Breakdown of {head_label}: each further layer adds {_gib(per_layer)} per "
-              f"device ({per_layer / tokens / 1024:.1f} KiB per token: temp with "
-              f"{args.layers} layers minus temp with 1, over {args.layers - 1}); the step with "
-              f"one layer has {_gib(one)} of temporaries ({one / tokens / 1024:.1f} KiB per "
-              "token), of which:", "",
-              "| part of the layer | one-layer temp without it | its share | per token |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        f"Breakdown of {head_label}: each further layer adds {_gib(per_layer)} per "
+        f"device ({per_layer / tokens / 1024:.1f} KiB per token: temp with "
+        f"{args.layers} layers minus temp with 1, over {args.layers - 1}); the step with "
+        f"one layer has {_gib(one)} of temporaries ({one / tokens / 1024:.1f} KiB per "
+        "token), of which:",
+        "",
+        "| part of the layer | one-layer temp without it | its share | per token |",
+        "|---|---|---|---|",
+    ]
     for part, r in parts.items():
-      lines.append(f"| {part} | {_gib(r['temp'])} | {_gib(r['share'])} | "
-                   f"{r['share'] / tokens / 1024:.1f} KiB |")
-  lines += ["", f"Run: {why}.", "",
-            f"- {'PASS' if ok else 'FAIL'}: {head_label}: {_gib(head['total'])} per device "
-            f"(goal <= {args.budget:g} GiB)"]
+      lines.append(
+          f"| {part} | {_gib(r['temp'])} | {_gib(r['share'])} | "
+          f"{r['share'] / tokens / 1024:.1f} KiB |"
+      )
+  lines += [
+      "",
+      f"Run: {why}.",
+      "",
+      f"- {'PASS' if ok else 'FAIL'}: {head_label}: {_gib(head['total'])} per device "
+      f"(goal <= {args.budget:g} GiB)",
+  ]
   table = "\n".join(lines)
   print(table)
-  report.write(args.out, "million", table, {"memory": results, "per_layer": per_layer,
-                                            "parts": parts,
-                                            "run": run, "run_note": why, "args": vars(args),
-                                            "pass": ok})
+  report.write(
+      args.out,
+      "million",
+      table,
+      {
+          "memory": results,
+          "per_layer": per_layer,
+          "parts": parts,
+          "run": run,
+          "run_note": why,
+          "args": vars(args),
+          "pass": ok,
+      },
+  )
   return 0 if ok else 1
 
 

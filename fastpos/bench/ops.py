@@ -46,6 +46,7 @@ def grid_for(n: int) -> tuple[int, int]:
 
 def with_backward(fn: Callable, make_inputs: Callable, argnums: tuple[int, ...]):
   """``(g, make)``: g(*inputs, ct) = grad of sum(fn(*inputs) * ct) w.r.t. ``argnums``."""
+
   def g(*args):
     *primal, ct = args
     loss = lambda *p: jnp.sum(fn(*p).astype(jnp.float32) * ct)
@@ -55,6 +56,7 @@ def with_backward(fn: Callable, make_inputs: Callable, argnums: tuple[int, ...])
     inputs = make_inputs()
     out = jax.eval_shape(fn, *inputs)
     return (*inputs, bm.pseudo_normal(99, out.shape))
+
   return g, make
 
 
@@ -66,6 +68,7 @@ class Impl:
   with the same key are measured once per length (the floors and the dense matmul that
   several variants and tables share).
   """
+
   label: str
   build: Callable[[int, jnp.dtype], tuple[Callable, Callable, tuple[int, ...]]]
   key: str | None = None
@@ -74,6 +77,7 @@ class Impl:
 @dataclasses.dataclass
 class Variant:
   """A fast path with its FFT floor (None if it has no FFT) and its dense reference."""
+
   fast: Impl
   floor: Impl | None
   dense: Impl
@@ -104,6 +108,7 @@ def _toeplitz_1d(causal: bool):
     fn = lambda w, x: toeplitz.toeplitz_matmul(w, x, causal=causal)
     make = lambda: (_normal(0, (2 * n - 1,), dtype, 1.0 / n), _x(n, dtype))
     return fn, make, (0, 1)
+
   return build
 
 
@@ -111,24 +116,26 @@ def _toeplitz_2d(causal: bool):
   def build(n, dtype):
     h, w = grid_for(n)
     fn = lambda t, x: toeplitz.toeplitz_matmul_2d(t, x, (h, w), causal=causal)
-    make = lambda: (_normal(0, (2 * h - 1, 2 * w - 1), dtype, 1.0 / n),
-                        _x(n, dtype))
+    make = lambda: (_normal(0, (2 * h - 1, 2 * w - 1), dtype, 1.0 / n), _x(n, dtype))
     return fn, make, (0, 1)
+
   return build
 
 
 def _fastrpb_2d(n, dtype):
   h, w = grid_for(n)
   fn = lambda wr, wc, x: toeplitz.fastrpb_2d_matmul(wr, wc, x, (h, w))
-  make = lambda: (_normal(0, (2 * h - 1,), dtype, 1.0 / n),
-                      _normal(2, (2 * w - 1,), dtype, 1.0 / n), _x(n, dtype))
+  make = lambda: (
+      _normal(0, (2 * h - 1,), dtype, 1.0 / n),
+      _normal(2, (2 * w - 1,), dtype, 1.0 / n),
+      _x(n, dtype),
+  )
   return fn, make, (0, 1, 2)
 
 
 def _dense_product(n, dtype):
   fn = lambda t, x: jnp.einsum("ij,bhjc->bhic", t, x)
-  make = lambda: (toeplitz.dense_toeplitz(_normal(0, (2 * n - 1,), dtype, 1.0 / n)),
-                      _x(n, dtype))
+  make = lambda: (toeplitz.dense_toeplitz(_normal(0, (2 * n - 1,), dtype, 1.0 / n)), _x(n, dtype))
   return fn, make, (0, 1)
 
 
@@ -137,11 +144,12 @@ def _round_trip_1d(channels: int):
     length = toeplitz.fft_size(2 * n - 1)
 
     def fn(x):
-      y = jnp.fft.irfft(jnp.fft.rfft(x.astype(jnp.float32), n=length, axis=-1), n=length,
-                        axis=-1)
+      y = jnp.fft.irfft(jnp.fft.rfft(x.astype(jnp.float32), n=length, axis=-1), n=length, axis=-1)
       return y[..., :n]
+
     make = lambda: (_normal(1, (1, HEADS, channels, n), dtype),)
     return fn, make, (0,)
+
   return build
 
 
@@ -150,9 +158,9 @@ def _round_trip_2d(n, dtype):
   s = (toeplitz.fft_size(2 * h - 1), toeplitz.fft_size(2 * w - 1))
 
   def fn(x):
-    y = jnp.fft.irfft2(jnp.fft.rfft2(x.astype(jnp.float32), s=s, axes=(-2, -1)), s=s,
-                       axes=(-2, -1))
+    y = jnp.fft.irfft2(jnp.fft.rfft2(x.astype(jnp.float32), s=s, axes=(-2, -1)), s=s, axes=(-2, -1))
     return y[..., :h, :w]
+
   make = lambda: (_normal(1, (1, HEADS, DIM, h, w), dtype),)
   return fn, make, (0,)
 
@@ -178,6 +186,7 @@ def _linear_inputs(n, m, dtype, rpe: bool):
     if rpe:
       out += (jnp.exp(_normal(3, (HEADS, 2 * n - 1), jnp.float32, 0.1)),)
     return out
+
   return make
 
 
@@ -191,6 +200,7 @@ def _linear(causal: bool, rpe: bool, reference: bool = False):
       return fn, _linear_inputs(n, m, dtype, True), (0, 1, 2, 3)
     fn = lambda q, k, v: op(q, k, v, causal=causal)
     return fn, _linear_inputs(n, m, dtype, False), (0, 1, 2)
+
   return build
 
 
@@ -200,33 +210,58 @@ def tables() -> list[OpTable]:
   floor_rpe = Impl("rfft+irfft m*d+m ch.", _round_trip_1d(RPE_FEATURES * DIM + RPE_FEATURES))
 
   def linear(variant, label, causal, rpe):
-    return Variant(Impl(label, _linear(causal, rpe)), floor_rpe if rpe else None,
-                   Impl(f"dense reference {variant}", _linear(causal, rpe, reference=True)))
+    return Variant(
+        Impl(label, _linear(causal, rpe)),
+        floor_rpe if rpe else None,
+        Impl(f"dense reference {variant}", _linear(causal, rpe, reference=True)),
+    )
+
   return [
-      OpTable("toeplitz_matmul", "toeplitz_matmul (1D)",
-              {"bidirectional": Variant(Impl("fft", _toeplitz_1d(False)), floor_1d, dense),
-               "causal": Variant(Impl("fft causal", _toeplitz_1d(True)), floor_1d, dense)},
-              "bare rfft+irfft of [1, 8, 64, N] at L = fft_size(2N-1)",
-              "T [N, N] prebuilt, T @ x (1D and 2D share it)"),
-      OpTable("toeplitz_matmul_2d", "toeplitz_matmul_2d (square grid H x W = N)",
-              {"bidirectional": Variant(Impl("fft2", _toeplitz_2d(False)),
-                                        Impl("rfft2+irfft2", _round_trip_2d), dense)},
-              "bare rfft2+irfft2 of [1, 8, 64, H, W] at fft_size(2H-1) x fft_size(2W-1)",
-              "T [N, N] prebuilt, T @ x (the same matmul as 1D)"),
-      OpTable("fastrpb_2d_matmul", "fastrpb_2d_matmul (axial 2D, square grid)",
-              {"axial": Variant(Impl("axial", _fastrpb_2d),
-                                Impl("2 x rfft+irfft", _round_trip_axial), dense)},
-              "bare 1D round trips of [1, 8, 64, H] and [1, 8, 64, W] (its two Toeplitz "
-              "products; the O(N) sums over rows and columns are not in the floor)",
-              "T [N, N] prebuilt, T @ x (the same matmul as 1D)"),
-      OpTable("linear_attention", "linear_attention (m = 64; with rpe m = 32, Luo et al.)",
-              {"bidirectional": linear("bidirectional", "linear", False, False),
-               "causal (chunked)": linear("causal", "linear causal", True, False),
-               "rpe": linear("rpe", "linear rpe", False, True)},
-              "rpe row only: bare rfft+irfft of [1, 8, m*d+m = 2080, N] at fft_size(2N-1) "
-              "(Luo et al.'s FFT over m*d channels plus the denominator's m)",
-              "linear_attention_reference (materialised [1, 8, N, N] scores) of the same "
-              "variant"),
+      OpTable(
+          "toeplitz_matmul",
+          "toeplitz_matmul (1D)",
+          {
+              "bidirectional": Variant(Impl("fft", _toeplitz_1d(False)), floor_1d, dense),
+              "causal": Variant(Impl("fft causal", _toeplitz_1d(True)), floor_1d, dense),
+          },
+          "bare rfft+irfft of [1, 8, 64, N] at L = fft_size(2N-1)",
+          "T [N, N] prebuilt, T @ x (1D and 2D share it)",
+      ),
+      OpTable(
+          "toeplitz_matmul_2d",
+          "toeplitz_matmul_2d (square grid H x W = N)",
+          {
+              "bidirectional": Variant(
+                  Impl("fft2", _toeplitz_2d(False)), Impl("rfft2+irfft2", _round_trip_2d), dense
+              )
+          },
+          "bare rfft2+irfft2 of [1, 8, 64, H, W] at fft_size(2H-1) x fft_size(2W-1)",
+          "T [N, N] prebuilt, T @ x (the same matmul as 1D)",
+      ),
+      OpTable(
+          "fastrpb_2d_matmul",
+          "fastrpb_2d_matmul (axial 2D, square grid)",
+          {
+              "axial": Variant(
+                  Impl("axial", _fastrpb_2d), Impl("2 x rfft+irfft", _round_trip_axial), dense
+              )
+          },
+          "bare 1D round trips of [1, 8, 64, H] and [1, 8, 64, W] (its two Toeplitz "
+          "products; the O(N) sums over rows and columns are not in the floor)",
+          "T [N, N] prebuilt, T @ x (the same matmul as 1D)",
+      ),
+      OpTable(
+          "linear_attention",
+          "linear_attention (m = 64; with rpe m = 32, Luo et al.)",
+          {
+              "bidirectional": linear("bidirectional", "linear", False, False),
+              "causal (chunked)": linear("causal", "linear causal", True, False),
+              "rpe": linear("rpe", "linear rpe", False, True),
+          },
+          "rpe row only: bare rfft+irfft of [1, 8, m*d+m = 2080, N] at fft_size(2N-1) "
+          "(Luo et al.'s FFT over m*d channels plus the denominator's m)",
+          "linear_attention_reference (materialised [1, 8, N, N] scores) of the same " "variant",
+      ),
   ]
 
 
@@ -236,11 +271,16 @@ def tables() -> list[OpTable]:
 # The rows the targets are read from, by length: they run under Limits.target_run_s.
 TARGET_ROWS = {
     1024: ("toeplitz_matmul/bidirectional/fwd", "toeplitz_matmul/floor/fwd"),
-    4096: ("toeplitz_matmul/bidirectional/fwd", "toeplitz_matmul/floor/fwd", "dense_product/fwd",
-           "linear_attention/bidirectional/fwd", "linear_attention/bidirectional/fwd+bwd",
-           "linear_attention/causal (chunked)/fwd", "linear_attention/causal (chunked)/fwd+bwd"),
-    16384: ("toeplitz_matmul/bidirectional/fwd", "toeplitz_matmul/floor/fwd",
-            "dense_product/fwd"),
+    4096: (
+        "toeplitz_matmul/bidirectional/fwd",
+        "toeplitz_matmul/floor/fwd",
+        "dense_product/fwd",
+        "linear_attention/bidirectional/fwd",
+        "linear_attention/bidirectional/fwd+bwd",
+        "linear_attention/causal (chunked)/fwd",
+        "linear_attention/causal (chunked)/fwd+bwd",
+    ),
+    16384: ("toeplitz_matmul/bidirectional/fwd", "toeplitz_matmul/floor/fwd", "dense_product/fwd"),
 }
 
 
@@ -255,8 +295,10 @@ def _case(key: str, impl: Impl, n: int, dtype, pass_: str, limits: bm.Limits) ->
 def _roles(table: OpTable, variant: str, pass_: str) -> dict[str, tuple[str, Impl]]:
   """role ("fast", "floor", "dense") -> (measurement key, implementation)."""
   v = table.variants[variant]
-  out = {"fast": (f"{table.name}/{variant}/{pass_}", v.fast),
-         "dense": (f"{v.dense.key or f'{table.name}/{variant}/dense'}/{pass_}", v.dense)}
+  out = {
+      "fast": (f"{table.name}/{variant}/{pass_}", v.fast),
+      "dense": (f"{v.dense.key or f'{table.name}/{variant}/dense'}/{pass_}", v.dense),
+  }
   if v.floor is not None:
     out["floor"] = (f"{v.floor.key or f'{table.name}/floor'}/{pass_}", v.floor)
   return out
@@ -276,12 +318,19 @@ def run(args, log) -> tuple[list[bm.Table], list[bm.Target]]:
           for key, impl in _roles(t, variant, p).values():
             if key not in cases:
               cases[key] = _case(key, impl, n, dtype, p, args.limits)
-    got = bm.measure_group(list(cases.values()), history=history, limits=args.limits,
-                           min_time_s=args.min_time, max_runs=args.repeats)
+    got = bm.measure_group(
+        list(cases.values()),
+        history=history,
+        limits=args.limits,
+        min_time_s=args.min_time,
+        max_runs=args.repeats,
+    )
     for key, res in got.items():
       results.setdefault(key, {})[n] = res
-    log(f"ops N={n}: " + ", ".join(
-        f"{k}={bm.fmt_ms(r.time_s)}" for k, r in got.items() if k.endswith("/fwd")))
+    log(
+        f"ops N={n}: "
+        + ", ".join(f"{k}={bm.fmt_ms(r.time_s)}" for k, r in got.items() if k.endswith("/fwd"))
+    )
   out = [_table(t, results, args.ops_lengths) for t in specs]
   return out, _targets(results, args.ops_lengths)
 
@@ -312,36 +361,68 @@ def _table(t: OpTable, results, lengths) -> bm.Table:
   for variant in t.variants:
     for p in PASSES:
       roles = _roles(t, variant, p)
-      data[f"{variant}/{p}"] = {role: {n: results[k][n].as_dict() for n in lengths}
-                                for role, (k, _) in roles.items()}
+      data[f"{variant}/{p}"] = {
+          role: {n: results[k][n].as_dict() for n in lengths} for role, (k, _) in roles.items()
+      }
       for n in lengths:
         r = {role: results[k][n] for role, (k, _) in roles.items()}
         fast, floor, dense = r["fast"], r.get("floor"), r["dense"]
-        rows.append([variant, str(n), p, notes.time(fast), notes.time(floor),
-                     _fmt_ratio(_ratio(fast, floor)), notes.time(dense),
-                     _fmt_ratio(_ratio(dense, fast)), notes.memory(fast), notes.memory(floor),
-                     notes.memory(dense)])
+        rows.append(
+            [
+                variant,
+                str(n),
+                p,
+                notes.time(fast),
+                notes.time(floor),
+                _fmt_ratio(_ratio(fast, floor)),
+                notes.time(dense),
+                _fmt_ratio(_ratio(dense, fast)),
+                notes.memory(fast),
+                notes.memory(floor),
+                notes.memory(dense),
+            ]
+        )
       for k, impl in roles.values():
         label = f"{impl.label} {p}"
         if label in time_series:
           continue
-        time_series[label] = [(n, results[k][n].time_s * 1e3) for n in lengths
-                              if results[k][n].time_s is not None]
-        mem_series[label] = [(n, results[k][n].memory_bytes / 2 ** 20) for n in lengths
-                             if results[k][n].memory_bytes is not None]
+        time_series[label] = [
+            (n, results[k][n].time_s * 1e3) for n in lengths if results[k][n].time_s is not None
+        ]
+        mem_series[label] = [
+            (n, results[k][n].memory_bytes / 2**20)
+            for n in lengths
+            if results[k][n].memory_bytes is not None
+        ]
         mems = [results[k][n].memory_bytes for n in fit_n]
         e = bm.fit_exponent(fit_n, mems) if None not in mems else None
         if e is not None:
           exps.append(f"{label} {e:.2f}")
-  note_lines = [f"Lower bound (floor): {t.floor_note}.", f"Dense: {t.dense_note}.",
-                "fast/floor: time over the floor (1.00x = the FFT's cost alone); dense/fast: "
-                "speed-up over the dense product. Memory: compiled temp + argument + output.",
-                f"Memory exponent (fit of log memory on log N over N = "
-                f"{', '.join(map(str, fit_n))}): " + "; ".join(exps) + "."]
-  header = ["variant", "N", "pass", "fast ms", "floor ms", "fast/floor", "dense ms",
-            "dense/fast", "fast mem", "floor mem", "dense mem"]
-  panels = [bm.Panel(t.title, "N", "median ms", time_series),
-            bm.Panel("memory (compiled)", "N", "MiB", mem_series)]
+  note_lines = [
+      f"Lower bound (floor): {t.floor_note}.",
+      f"Dense: {t.dense_note}.",
+      "fast/floor: time over the floor (1.00x = the FFT's cost alone); dense/fast: "
+      "speed-up over the dense product. Memory: compiled temp + argument + output.",
+      f"Memory exponent (fit of log memory on log N over N = "
+      f"{', '.join(map(str, fit_n))}): " + "; ".join(exps) + ".",
+  ]
+  header = [
+      "variant",
+      "N",
+      "pass",
+      "fast ms",
+      "floor ms",
+      "fast/floor",
+      "dense ms",
+      "dense/fast",
+      "fast mem",
+      "floor mem",
+      "dense mem",
+  ]
+  panels = [
+      bm.Panel(t.title, "N", "median ms", time_series),
+      bm.Panel("memory (compiled)", "N", "MiB", mem_series),
+  ]
   return bm.Table(t.name, t.title, header, rows, note_lines + notes.notes(), data, panels)
 
 
@@ -355,24 +436,48 @@ def _targets(results, lengths) -> list[bm.Target]:
     text = f"toeplitz_matmul within 1.2x of the bare FFT round trip at N={n} (fwd)"
     fast, floor = get("toeplitz_matmul/bidirectional/fwd", n), get("toeplitz_matmul/floor/fwd", n)
     r = _ratio(fast, floor)
-    out.append(_target(text, r, r is not None and r <= 1.2, n, lengths,
-                       lambda: f"{r:.2f}x (fft {bm.fmt_ms(fast.time_s)} ms, floor "
-                               f"{bm.fmt_ms(floor.time_s)} ms)"))
+    out.append(
+        _target(
+            text,
+            r,
+            r is not None and r <= 1.2,
+            n,
+            lengths,
+            lambda: f"{r:.2f}x (fft {bm.fmt_ms(fast.time_s)} ms, floor "
+            f"{bm.fmt_ms(floor.time_s)} ms)",
+        )
+    )
   for n, need in ((4096, 4.0), (16384, 10.0)):
     text = f"toeplitz_matmul >= {need:g}x faster than the prebuilt dense T @ x at N={n} (fwd)"
     fast, dense = get("toeplitz_matmul/bidirectional/fwd", n), get("dense_product/fwd", n)
     r = _ratio(dense, fast)
-    out.append(_target(text, r, r is not None and r >= need, n, lengths,
-                       lambda: f"{r:.2f}x (dense {bm.fmt_ms(dense.time_s)} ms, fft "
-                               f"{bm.fmt_ms(fast.time_s)} ms)"))
+    out.append(
+        _target(
+            text,
+            r,
+            r is not None and r >= need,
+            n,
+            lengths,
+            lambda: f"{r:.2f}x (dense {bm.fmt_ms(dense.time_s)} ms, fft "
+            f"{bm.fmt_ms(fast.time_s)} ms)",
+        )
+    )
   for p in ("fwd+bwd", "fwd"):
     text = f"causal linear attention (chunked) <= 2x the bidirectional one at N=4096 ({p})"
     c = get(f"linear_attention/causal (chunked)/{p}", 4096)
     b = get(f"linear_attention/bidirectional/{p}", 4096)
     r = _ratio(c, b)
-    out.append(_target(text, r, r is not None and r <= 2.0, 4096, lengths,
-                       lambda: f"{r:.2f}x (causal {bm.fmt_ms(c.time_s)} ms, bidirectional "
-                               f"{bm.fmt_ms(b.time_s)} ms)"))
+    out.append(
+        _target(
+            text,
+            r,
+            r is not None and r <= 2.0,
+            4096,
+            lengths,
+            lambda: f"{r:.2f}x (causal {bm.fmt_ms(c.time_s)} ms, bidirectional "
+            f"{bm.fmt_ms(b.time_s)} ms)",
+        )
+    )
   fit_n = exponent_lengths(lengths)
   worst = None
   for key, by_n in results.items():

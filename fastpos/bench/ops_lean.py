@@ -75,8 +75,7 @@ def _previous_linear(phi_q, phi_k, v, *, causal: bool, chunk: int = 64):
     return (kv, ks), (jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1)))
 
   init = (jnp.zeros((b, h, m, d), v.dtype), jnp.zeros((b, h, m), v.dtype))
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, (split(phi_q), split(phi_k),
-                                                            split(v)))
+  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, (split(phi_q), split(phi_k), split(v)))
   num = jnp.moveaxis(num, 0, 1).reshape(b, g * chunk, h, d)[:, :n]
   den = jnp.moveaxis(den, 0, 1).reshape(b, g * chunk, h)[:, :n]
   return num / den[..., None]
@@ -137,17 +136,24 @@ def _features(seed, n, m):
 
 def _fwd_bwd(fn, argnums):
   """grad of sum(fn(*inputs) * ct) w.r.t. ``argnums``; the cotangent is the last input."""
+
   def g(*args):
     *primal, ct = args
     return jax.grad(lambda *p: jnp.sum(fn(*p) * ct), argnums)(*primal)
+
   return g
 
 
 def _linear_case(key, fn, n):
   def make():
     v = bm.pseudo_normal(2, (BATCH, n, HEADS, DIM))
-    return (_features(0, n, FEATURES), _features(1, n, FEATURES), v,
-            bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)))
+    return (
+        _features(0, n, FEATURES),
+        _features(1, n, FEATURES),
+        v,
+        bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)),
+    )
+
   return bm.Case(key, _fwd_bwd(fn, (0, 1, 2)), make)
 
 
@@ -157,8 +163,10 @@ def linear_flops(n: int) -> float:
 
 
 def _peak_case():
-  make = lambda: (bm.pseudo_normal(0, (PEAK_SIZE, PEAK_SIZE)),
-                  bm.pseudo_normal(1, (PEAK_SIZE, PEAK_SIZE)))
+  make = lambda: (
+      bm.pseudo_normal(0, (PEAK_SIZE, PEAK_SIZE)),
+      bm.pseudo_normal(1, (PEAK_SIZE, PEAK_SIZE)),
+  )
   return bm.Case("matmul peak", jnp.dot, make)
 
 
@@ -178,17 +186,25 @@ def measure_linear(lengths, log, rounds: int) -> dict:
   for n in lengths:
     cases = [_peak_case()] + [_linear_case(k, f, n) for k, f in LINEAR_ROWS.items()]
     got = bm.measure_group(cases, min_time_s=0.0, min_runs=rounds, max_runs=rounds)
-    peak = 2.0 * PEAK_SIZE ** 3 / got["matmul peak"].time_s / 1e9
+    peak = 2.0 * PEAK_SIZE**3 / got["matmul peak"].time_s / 1e9
     row = {"peak_gflops": peak, "rows": {}}
     for key in LINEAR_ROWS:
       t = got[key].time_s
       gf = linear_flops(n) / t / 1e9
-      row["rows"][key] = {"ms": 1e3 * t, "gflops": gf, "fraction_of_peak": gf / peak,
-                          "temp_mib": got[key].temp_bytes / 2 ** 20}
+      row["rows"][key] = {
+          "ms": 1e3 * t,
+          "gflops": gf,
+          "fraction_of_peak": gf / peak,
+          "temp_mib": got[key].temp_bytes / 2**20,
+      }
     out[n] = row
-    log(f"N={n}: peak {peak:.1f} GFLOP/s; " + ", ".join(
-        f"{k} {r['ms']:.1f} ms ({100 * r['fraction_of_peak']:.0f}%)"
-        for k, r in row["rows"].items()))
+    log(
+        f"N={n}: peak {peak:.1f} GFLOP/s; "
+        + ", ".join(
+            f"{k} {r['ms']:.1f} ms ({100 * r['fraction_of_peak']:.0f}%)"
+            for k, r in row["rows"].items()
+        )
+    )
   return out
 
 
@@ -197,16 +213,21 @@ def measure_linear(lengths, log, rounds: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _rpe_inputs(n):
   def make():
-    return (_features(0, n, RPE_FEATURES), _features(1, n, RPE_FEATURES),
-            bm.pseudo_normal(2, (BATCH, n, HEADS, DIM)),
-            jnp.exp(bm.pseudo_normal(4, (HEADS, 2 * n - 1), scale=0.1)),
-            bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)))
+    return (
+        _features(0, n, RPE_FEATURES),
+        _features(1, n, RPE_FEATURES),
+        bm.pseudo_normal(2, (BATCH, n, HEADS, DIM)),
+        jnp.exp(bm.pseudo_normal(4, (HEADS, 2 * n - 1), scale=0.1)),
+        bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)),
+    )
+
   return make
 
 
 def _krpe(path: str, causal: bool = False):
   """linear_attention(rpe=...) on the path it picks by shape ("auto"), or forced to the FFT
   path ("fft", by lifting the dense limit while tracing) or the dense one ("dense")."""
+
   def fn(q, k, v, c):
     saved = attention._RPE_DENSE_UP_TO
     attention._RPE_DENSE_UP_TO = {"auto": saved, "fft": 0, "dense": 1 << 30}[path]
@@ -214,6 +235,7 @@ def _krpe(path: str, causal: bool = False):
       return attention.linear_attention(q, k, v, rpe=c, causal=causal)
     finally:
       attention._RPE_DENSE_UP_TO = saved
+
   return fn
 
 
@@ -227,14 +249,16 @@ def _softmax_inputs(n):
   def make():
     return tuple(bm.pseudo_normal(i, (BATCH, n, HEADS, DIM)) for i in range(3)) + (
         jnp.exp(bm.pseudo_normal(4, (HEADS, 2 * n - 1), scale=0.1)),
-        bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)))
+        bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)),
+    )
+
   return make
 
 
 def _temp_mib(fn, make) -> float:
   specs = jax.eval_shape(make)
   exe = jax.jit(fn).lower(*specs).compile()
-  return exe.memory_analysis().temp_size_in_bytes / 2 ** 20
+  return exe.memory_analysis().temp_size_in_bytes / 2**20
 
 
 def measure_rpe_memory(lengths, log) -> dict:
@@ -245,17 +269,27 @@ def measure_rpe_memory(lengths, log) -> dict:
     row = {}
     for causal in (False, True):
       krpe = _temp_mib(_fwd_bwd(_krpe("fft", causal), (0, 1, 2, 3)), _rpe_inputs(n))
-      tp = _temp_mib(_fwd_bwd(lambda w, x, c=causal: toeplitz.toeplitz_matmul(w, x, causal=c),
-                              (0, 1)),
-                     lambda n=n: (bm.pseudo_normal(0, (2 * n - 1,)),
-                                  bm.pseudo_normal(1, (BATCH, HEADS, n, DIM)),
-                                  bm.pseudo_normal(2, (BATCH, HEADS, n, DIM))))
-      row["causal" if causal else "bidirectional"] = {"krpe_mib": krpe, "toeplitz_mib": tp,
-                                                      "ratio": krpe / tp}
+      tp = _temp_mib(
+          _fwd_bwd(lambda w, x, c=causal: toeplitz.toeplitz_matmul(w, x, causal=c), (0, 1)),
+          lambda n=n: (
+              bm.pseudo_normal(0, (2 * n - 1,)),
+              bm.pseudo_normal(1, (BATCH, HEADS, n, DIM)),
+              bm.pseudo_normal(2, (BATCH, HEADS, n, DIM)),
+          ),
+      )
+      row["causal" if causal else "bidirectional"] = {
+          "krpe_mib": krpe,
+          "toeplitz_mib": tp,
+          "ratio": krpe / tp,
+      }
     out[n] = row
-    log(f"N={n}: kRPE/toeplitz temp " + ", ".join(
-        f"{k} {r['krpe_mib']:.1f}/{r['toeplitz_mib']:.1f} MiB = {r['ratio']:.2f}x"
-        for k, r in row.items()))
+    log(
+        f"N={n}: kRPE/toeplitz temp "
+        + ", ".join(
+            f"{k} {r['krpe_mib']:.1f}/{r['toeplitz_mib']:.1f} MiB = {r['ratio']:.2f}x"
+            for k, r in row.items()
+        )
+    )
   return out
 
 
@@ -264,17 +298,24 @@ def measure_rpe_time(lengths, log, rounds: int) -> dict:
   the bias, one interleaved group per length."""
   out = {}
   for n in lengths:
-    cases = [bm.Case(f"kRPE {p}", _fwd_bwd(_krpe(p), (0, 1, 2, 3)), _rpe_inputs(n))
-             for p in ("auto", "fft", "dense")]
-    cases.append(bm.Case("softmax + bias", _fwd_bwd(_softmax_bias, (0, 1, 2, 3)),
-                         _softmax_inputs(n)))
+    cases = [
+        bm.Case(f"kRPE {p}", _fwd_bwd(_krpe(p), (0, 1, 2, 3)), _rpe_inputs(n))
+        for p in ("auto", "fft", "dense")
+    ]
+    cases.append(
+        bm.Case("softmax + bias", _fwd_bwd(_softmax_bias, (0, 1, 2, 3)), _softmax_inputs(n))
+    )
     got = bm.measure_group(cases, min_time_s=0.0, min_runs=rounds, max_runs=rounds)
     soft = got["softmax + bias"].time_s
-    row = {c.key: {"ms": 1e3 * got[c.key].time_s, "vs_softmax": got[c.key].time_s / soft}
-           for c in cases}
+    row = {
+        c.key: {"ms": 1e3 * got[c.key].time_s, "vs_softmax": got[c.key].time_s / soft}
+        for c in cases
+    }
     out[n] = row
-    log(f"N={n}: " + ", ".join(f"{k} {r['ms']:.0f} ms ({r['vs_softmax']:.2f}x)"
-                               for k, r in row.items()))
+    log(
+        f"N={n}: "
+        + ", ".join(f"{k} {r['ms']:.0f} ms ({r['vs_softmax']:.2f}x)" for k, r in row.items())
+    )
   return out
 
 
@@ -290,63 +331,105 @@ def goals(linear, memory, timing) -> list[dict]:
 
   for n, row in linear.items():
     frac = row["rows"]["bidirectional"]["fraction_of_peak"]
-    goal(f"bidirectional linear attention fwd+bwd >= 50% of the matmul peak at N={n}",
-         f"{100 * frac:.0f}% ({row['rows']['bidirectional']['gflops']:.1f} of "
-         f"{row['peak_gflops']:.1f} GFLOP/s)", frac >= 0.5)
+    goal(
+        f"bidirectional linear attention fwd+bwd >= 50% of the matmul peak at N={n}",
+        f"{100 * frac:.0f}% ({row['rows']['bidirectional']['gflops']:.1f} of "
+        f"{row['peak_gflops']:.1f} GFLOP/s)",
+        frac >= 0.5,
+    )
     r = row["rows"]["causal"]["ms"] / row["rows"]["causal Performer scan"]["ms"]
-    goal(f"causal linear attention fwd+bwd faster than the Performer per-token scan at N={n}",
-         f"{r:.2f}x the scan's time", r < 1.0)
+    goal(
+        f"causal linear attention fwd+bwd faster than the Performer per-token scan at N={n}",
+        f"{r:.2f}x the scan's time",
+        r < 1.0,
+    )
   for n, row in memory.items():
     worst = max(r["ratio"] for r in row.values())
-    goal(f"kernelized RPE backward temp memory within 2x of the Toeplitz product at N={n}",
-         ", ".join(f"{k} {r['ratio']:.2f}x" for k, r in row.items()), worst <= 2.0)
+    goal(
+        f"kernelized RPE backward temp memory within 2x of the Toeplitz product at N={n}",
+        ", ".join(f"{k} {r['ratio']:.2f}x" for k, r in row.items()),
+        worst <= 2.0,
+    )
   above = [n for n in timing if n >= 2048]
   for n in above:
     r = timing[n]["kRPE auto"]["vs_softmax"]
-    goal(f"kernelized RPE fwd+bwd no slower than dense softmax + bias at N={n} (crossover "
-         f"at N <= 2K)", f"{r:.2f}x softmax's time", r <= 1.0)
+    goal(
+        f"kernelized RPE fwd+bwd no slower than dense softmax + bias at N={n} (crossover "
+        f"at N <= 2K)",
+        f"{r:.2f}x softmax's time",
+        r <= 1.0,
+    )
   return out
 
 
 def markdown(result) -> str:
-  lines = ["# Linear attention at matmul speed, kernelized RPE as lean as the Toeplitz product",
-           "", f"`{result['command']}` on {result['machine']}, float32, batch {BATCH}, "
-           f"{HEADS} heads, head dim {DIM}, m = {FEATURES} (kRPE m = {RPE_FEATURES}); "
-           f"{result['date']}. Times are medians of interleaved runs in one process; the "
-           "machine was shared (load average at start "
-           f"{result['load_average']}), so compare within a row group only.", "",
-           "## Goals", "", "| goal | measured | result |", "|---|---|---|"]
-  lines += [f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |"
-            for g in result["goals"]]
-  lines += ["", "## Linear attention fwd+bwd against the matmul peak", "",
-            f"Flops counted: 12 N m (d + 1) per batch and head (module docstring). Peak: one "
-            f"{PEAK_SIZE}^3 `jnp.dot`, measured in the same group as each length's rows. "
-            "\"previous\": the implementation before this change (einsums in the "
-            "[b, n, h, .] layout; causal: serial scan with per-chunk transposes), kept in "
-            "the benchmark module for this comparison.", "",
-            "| N | peak GFLOP/s | row | ms | GFLOP/s | % of peak | temp MiB |",
-            "|---|---|---|---|---|---|---|"]
+  lines = [
+      "# Linear attention at matmul speed, kernelized RPE as lean as the Toeplitz product",
+      "",
+      f"`{result['command']}` on {result['machine']}, float32, batch {BATCH}, "
+      f"{HEADS} heads, head dim {DIM}, m = {FEATURES} (kRPE m = {RPE_FEATURES}); "
+      f"{result['date']}. Times are medians of interleaved runs in one process; the "
+      "machine was shared (load average at start "
+      f"{result['load_average']}), so compare within a row group only.",
+      "",
+      "## Goals",
+      "",
+      "| goal | measured | result |",
+      "|---|---|---|",
+  ]
+  lines += [
+      f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |"
+      for g in result["goals"]
+  ]
+  lines += [
+      "",
+      "## Linear attention fwd+bwd against the matmul peak",
+      "",
+      f"Flops counted: 12 N m (d + 1) per batch and head (module docstring). Peak: one "
+      f"{PEAK_SIZE}^3 `jnp.dot`, measured in the same group as each length's rows. "
+      '"previous": the implementation before this change (einsums in the '
+      "[b, n, h, .] layout; causal: serial scan with per-chunk transposes), kept in "
+      "the benchmark module for this comparison.",
+      "",
+      "| N | peak GFLOP/s | row | ms | GFLOP/s | % of peak | temp MiB |",
+      "|---|---|---|---|---|---|---|",
+  ]
   for n, row in result["linear"].items():
     for k, r in row["rows"].items():
-      lines.append(f"| {n} | {row['peak_gflops']:.1f} | {k} | {r['ms']:.1f} | "
-                   f"{r['gflops']:.1f} | {100 * r['fraction_of_peak']:.0f}% | "
-                   f"{r['temp_mib']:.1f} |")
-  lines += ["", "## Kernelized RPE: backward temporary memory against the Toeplitz product",
-            "", "Compiled `jax.grad` of kernelized RPE (FFT path; B=1, 8 heads, m=32, d=64) "
-            "against `toeplitz_matmul` over `[1, 8, N, 64]` (the channels of v), "
-            "`memory_analysis().temp_size_in_bytes`. Before this change (7b4ba12, measured "
-            "by the same function in this session): 5.14x / 4.49x (bidirectional / causal) "
-            "at 4K and 5.14x / 4.14x at 16K.", "",
-            "| N | variant | kRPE MiB | Toeplitz MiB | ratio |", "|---|---|---|---|---|"]
+      lines.append(
+          f"| {n} | {row['peak_gflops']:.1f} | {k} | {r['ms']:.1f} | "
+          f"{r['gflops']:.1f} | {100 * r['fraction_of_peak']:.0f}% | "
+          f"{r['temp_mib']:.1f} |"
+      )
+  lines += [
+      "",
+      "## Kernelized RPE: backward temporary memory against the Toeplitz product",
+      "",
+      "Compiled `jax.grad` of kernelized RPE (FFT path; B=1, 8 heads, m=32, d=64) "
+      "against `toeplitz_matmul` over `[1, 8, N, 64]` (the channels of v), "
+      "`memory_analysis().temp_size_in_bytes`. Before this change (7b4ba12, measured "
+      "by the same function in this session): 5.14x / 4.49x (bidirectional / causal) "
+      "at 4K and 5.14x / 4.14x at 16K.",
+      "",
+      "| N | variant | kRPE MiB | Toeplitz MiB | ratio |",
+      "|---|---|---|---|---|",
+  ]
   for n, row in result["rpe_memory"].items():
     for k, r in row.items():
-      lines.append(f"| {n} | {k} | {r['krpe_mib']:.1f} | {r['toeplitz_mib']:.1f} | "
-                   f"{r['ratio']:.2f}x |")
-  lines += ["", "## Kernelized RPE fwd+bwd against dense softmax with a bias", "",
-            "\"auto\": the path the op picks by shape (dense up to N = "
-            f"{attention._RPE_DENSE_UP_TO}, FFT above); \"fft\" and \"dense\" force one "
-            "path. Softmax: `softmax_attention` with the table's log as a [h, N, N] bias.", "",
-            "| N | row | ms | time / softmax |", "|---|---|---|---|"]
+      lines.append(
+          f"| {n} | {k} | {r['krpe_mib']:.1f} | {r['toeplitz_mib']:.1f} | " f"{r['ratio']:.2f}x |"
+      )
+  lines += [
+      "",
+      "## Kernelized RPE fwd+bwd against dense softmax with a bias",
+      "",
+      '"auto": the path the op picks by shape (dense up to N = '
+      f'{attention._RPE_DENSE_UP_TO}, FFT above); "fft" and "dense" force one '
+      "path. Softmax: `softmax_attention` with the table's log as a [h, N, N] bias.",
+      "",
+      "| N | row | ms | time / softmax |",
+      "|---|---|---|---|",
+  ]
   for n, row in result["rpe_time"].items():
     for k, r in row.items():
       lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r['vs_softmax']:.2f}x |")
@@ -364,18 +447,22 @@ def main(argv=None) -> int:
   p.add_argument("--name", default="ops_lean", help="output file stem (<out>/<name>.md, .json)")
   args = p.parse_args(argv)
   try:
-    lengths = [[int(x) for x in a.split(",") if x.strip()] for a in
-               (args.linear_lengths, args.memory_lengths, args.time_lengths)]
+    lengths = [
+        [int(x) for x in a.split(",") if x.strip()]
+        for a in (args.linear_lengths, args.memory_lengths, args.time_lengths)
+    ]
   except ValueError:
     print("lengths must be comma-separated integers, e.g. 4096,8192", file=sys.stderr)
     return 2
   log = lambda text: print(text, flush=True)
-  result = {"command": "python -m fastpos.bench.ops_lean " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       f"{jax.devices()[0].platform}",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+  result = {
+      "command": "python -m fastpos.bench.ops_lean "
+      + " ".join(sys.argv[1:] if argv is None else argv),
+      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+      f"{jax.devices()[0].platform}",
+      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+      "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+  }
   result["linear"] = measure_linear(lengths[0], log, args.rounds)
   result["rpe_memory"] = measure_rpe_memory(lengths[1], log)
   result["rpe_time"] = measure_rpe_time(lengths[2], log, args.rounds)

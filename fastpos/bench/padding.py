@@ -44,6 +44,7 @@ SPEED_GOAL = 1.5  # real tokens/s with bucketing over without
 
 def _configs(buckets: tuple[int, ...], window: int):
   from configs import listops_generated  # the repository root is on the path (python -m)
+
   before = listops_generated.get_config()
   after = listops_generated.get_config("bucket")
   if buckets:
@@ -57,20 +58,33 @@ def cell_table() -> tuple[str, list[dict]]:
   decision, ``fastpos.ops.segments.packing_refusal``)."""
   from configs import common
   from fastpos import positional
-  rows, lines = [], ["| kernel | scheme | causal | packing (lm: causal) | bucketing "
-                     "(classify, retrieval) | why it does not pack |",
-                     "|---|---|---|---|---|---|"]
+
+  rows, lines = [], [
+      "| kernel | scheme | causal | packing (lm: causal) | bucketing "
+      "(classify, retrieval) | why it does not pack |",
+      "|---|---|---|---|---|---|",
+  ]
   schemes = [s for s in positional.SCHEMES if s != "transformer_xl"]
   for kernel in common.KERNELS:
     for scheme in schemes:
       for causal in (False, True):
         why = segments.packing_refusal(kernel, [scheme], causal=causal)
-        rows.append({"kernel": kernel, "scheme": scheme, "causal": causal,
-                     "packs": why is None, "buckets": not causal, "why_not": why})
+        rows.append(
+            {
+                "kernel": kernel,
+                "scheme": scheme,
+                "causal": causal,
+                "packs": why is None,
+                "buckets": not causal,
+                "why_not": why,
+            }
+        )
         packs = "packs" if causal else "exact in the layer; packed classification not built"
-        lines.append(f"| {kernel} | {scheme} | {'yes' if causal else 'no'} | "
-                     f"{packs if why is None else 'refuses'} | "
-                     f"{'buckets' if not causal else '-'} | {why or ''} |")
+        lines.append(
+            f"| {kernel} | {scheme} | {'yes' if causal else 'no'} | "
+            f"{packs if why is None else 'refuses'} | "
+            f"{'buckets' if not causal else '-'} | {why or ''} |"
+        )
   return "\n".join(lines), rows
 
 
@@ -85,29 +99,43 @@ def _take(it, n: int) -> list[dict]:
 
 def _measure(args) -> dict:
   before, after = _configs(tuple(args.buckets), args.window)
-  runs = {"before": trainer._Run(before, "/tmp/unused", None),
-          "after": trainer._Run(after, "/tmp/unused", None)}
-  rec = {"buckets": list(bucket_lengths(runs["after"].cfg, runs["after"].info.max_length)),
-         "window": args.window, "batch_size": before.batch_size,
-         "num_train_steps": before.num_train_steps, "variants": {}}
+  runs = {
+      "before": trainer._Run(before, "/tmp/unused", None),
+      "after": trainer._Run(after, "/tmp/unused", None),
+  }
+  rec = {
+      "buckets": list(bucket_lengths(runs["after"].cfg, runs["after"].info.max_length)),
+      "window": args.window,
+      "batch_size": before.batch_size,
+      "num_train_steps": before.num_train_steps,
+      "variants": {},
+  }
   src = runs["before"].task.source("train")
   val = runs["before"].task.source("validation")
   # One jitted step per variant: each compiles its own shapes (its compile times are its own).
-  fns = {name: jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
-         for name, run in runs.items()}
+  fns = {
+      name: jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
+      for name, run in runs.items()
+  }
   for name, run in runs.items():
     count = _take(data_lib.train_iterator(src, run.cfg), args.count_steps)
     real, slots = _slots(count)
     v_real, v_slots = _slots(list(data_lib.eval_iterator(val, run.cfg)))
     widths = sorted({b["inputs"].shape[1] for b in count})
-    rec["variants"][name] = {"train_real_tokens": real, "train_slots": slots,
-                             "train_fraction": real / slots, "eval_fraction": v_real / v_slots,
-                             "widths": widths,
-                             "width_share": {w: sum(b["inputs"].shape[1] == w for b in count)
-                                             / len(count) for w in widths}}
+    rec["variants"][name] = {
+        "train_real_tokens": real,
+        "train_slots": slots,
+        "train_fraction": real / slots,
+        "eval_fraction": v_real / v_slots,
+        "widths": widths,
+        "width_share": {
+            w: sum(b["inputs"].shape[1] == w for b in count) / len(count) for w in widths
+        },
+    }
   states = {name: run.init_state() for name, run in runs.items()}
-  batches = {name: _take(data_lib.train_iterator(src, run.cfg), args.steps)
-             for name, run in runs.items()}
+  batches = {
+      name: _take(data_lib.train_iterator(src, run.cfg), args.steps) for name, run in runs.items()
+  }
   rng = runs["before"].train_rng
   for name, bs in batches.items():
     compile_s, fn = {}, fns[name]
@@ -138,28 +166,42 @@ def _measure(args) -> dict:
     v["step_ms"] = 1e3 * statistics.median(times[name]) / len(bs)
     # Every bucket the full run meets compiles once (the timed steps may meet fewer).
     per_compile = statistics.mean(v["compile_s"].values())
-    v["estimated_run_s"] = (len(v["widths"]) * per_compile +
-                            rec["num_train_steps"] * v["step_ms"] / 1e3)
+    v["estimated_run_s"] = (
+        len(v["widths"]) * per_compile + rec["num_train_steps"] * v["step_ms"] / 1e3
+    )
   return rec
 
 
 def _table(rec: dict, verdicts: list[tuple[str, bool]]) -> str:
   b, a = rec["variants"]["before"], rec["variants"]["after"]
   rows = [
-      ("token slots filled, training (first %d batches)" % rec["num_train_steps"],
-       f"{b['train_fraction']:.3f}", f"{a['train_fraction']:.3f}"),
-      ("token slots filled, validation", f"{b['eval_fraction']:.3f}",
-       f"{a['eval_fraction']:.3f}"),
-      ("batch widths (share of batches)",
-       ", ".join(f"{w} ({s:.0%})" for w, s in b["width_share"].items()),
-       ", ".join(f"{w} ({s:.0%})" for w, s in a["width_share"].items())),
-      ("real tokens/s (train step, median of rounds)", f"{b['real_tokens_per_s']:,.0f}",
-       f"{a['real_tokens_per_s']:,.0f}"),
+      (
+          "token slots filled, training (first %d batches)" % rec["num_train_steps"],
+          f"{b['train_fraction']:.3f}",
+          f"{a['train_fraction']:.3f}",
+      ),
+      ("token slots filled, validation", f"{b['eval_fraction']:.3f}", f"{a['eval_fraction']:.3f}"),
+      (
+          "batch widths (share of batches)",
+          ", ".join(f"{w} ({s:.0%})" for w, s in b["width_share"].items()),
+          ", ".join(f"{w} ({s:.0%})" for w, s in a["width_share"].items()),
+      ),
+      (
+          "real tokens/s (train step, median of rounds)",
+          f"{b['real_tokens_per_s']:,.0f}",
+          f"{a['real_tokens_per_s']:,.0f}",
+      ),
       ("ms per step (median)", f"{b['step_ms']:.1f}", f"{a['step_ms']:.1f}"),
-      ("compile s per batch width", ", ".join(f"{w}: {s:.1f}" for w, s in b["compile_s"].items()),
-       ", ".join(f"{w}: {s:.1f}" for w, s in a["compile_s"].items())),
-      ("estimated main-job wall: compiles + %d steps (s)" % rec["num_train_steps"],
-       f"{b['estimated_run_s']:.0f}", f"{a['estimated_run_s']:.0f}"),
+      (
+          "compile s per batch width",
+          ", ".join(f"{w}: {s:.1f}" for w, s in b["compile_s"].items()),
+          ", ".join(f"{w}: {s:.1f}" for w, s in a["compile_s"].items()),
+      ),
+      (
+          "estimated main-job wall: compiles + %d steps (s)" % rec["num_train_steps"],
+          f"{b['estimated_run_s']:.0f}",
+          f"{a['estimated_run_s']:.0f}",
+      ),
   ]
   lines = ["| measure | padded to 100 | bucketed %s |" % rec["buckets"], "|---|---|---|"]
   lines += [f"| {m} | {x} | {y} |" for m, x, y in rows]
@@ -172,16 +214,23 @@ def _verdicts(rec: dict) -> list[tuple[str, bool]]:
   b, a = rec["variants"]["before"], rec["variants"]["after"]
   speed = a["real_tokens_per_s"] / b["real_tokens_per_s"]
   rec["speedup"] = speed
-  return [(f"token slots filled with bucketing {a['train_fraction']:.3f} >= {SLOT_GOAL}",
-           a["train_fraction"] >= SLOT_GOAL),
-          (f"real tokens/s with bucketing {speed:.2f}x without >= {SPEED_GOAL}x",
-           speed >= SPEED_GOAL)]
+  return [
+      (
+          f"token slots filled with bucketing {a['train_fraction']:.3f} >= {SLOT_GOAL}",
+          a["train_fraction"] >= SLOT_GOAL,
+      ),
+      (f"real tokens/s with bucketing {speed:.2f}x without >= {SPEED_GOAL}x", speed >= SPEED_GOAL),
+  ]
 
 
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[],
-                 help="bucket lengths (default: those of listops_generated.py:bucket)")
+  p.add_argument(
+      "--buckets",
+      type=lambda s: [int(x) for x in s.split(",")],
+      default=[],
+      help="bucket lengths (default: those of listops_generated.py:bucket)",
+  )
   p.add_argument("--window", type=int, default=16)
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--rounds", type=int, default=3)
@@ -201,13 +250,22 @@ def main(argv: list[str]) -> int:
     return 2
   verdicts = _verdicts(rec)
   load = os.getloadavg()[0]
-  rec.update(command="python -m fastpos.bench.padding " + " ".join(argv), load_average=load,
-             machine=platform.node(), jax=jax.__version__, platform=jax.default_backend(),
-             date=time.strftime("%Y-%m-%d"))
+  rec.update(
+      command="python -m fastpos.bench.padding " + " ".join(argv),
+      load_average=load,
+      machine=platform.node(),
+      jax=jax.__version__,
+      platform=jax.default_backend(),
+      date=time.strftime("%Y-%m-%d"),
+  )
   cells, rec["cells"] = cell_table()
-  table = (f"`{rec['command']}` ({jax.default_backend()}, jax {jax.__version__}, "
-           f"{rec['date']}, load average {load:.1f})\n\n" + _table(rec, verdicts) +
-           "\n\nWhich cells pack and which bucket:\n\n" + cells)
+  table = (
+      f"`{rec['command']}` ({jax.default_backend()}, jax {jax.__version__}, "
+      f"{rec['date']}, load average {load:.1f})\n\n"
+      + _table(rec, verdicts)
+      + "\n\nWhich cells pack and which bucket:\n\n"
+      + cells
+  )
   print(table)
   report.write(args.out, "padding", table, rec)
   return 0 if all(ok for _, ok in verdicts) else 1

@@ -34,13 +34,16 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
     if key not in names:
       raise ValueError(
           f"positional_options has options for {key!r}, which is not in model.positional="
-          f"{cfg.positional!r}.")
+          f"{cfg.positional!r}."
+      )
   kopts = cfg.get("kernel_options", None)
   kopts = kopts.to_dict() if isinstance(kopts, ml_collections.ConfigDict) else dict(kopts or {})
   kernel = KernelSpec.from_config(cfg.kernel, kopts)
   if cfg.embed_dim % cfg.num_heads and not cfg.get("head_dim", 0):
-    raise ValueError(f"embed_dim={cfg.embed_dim} is not divisible by num_heads="
-                     f"{cfg.num_heads}; set head_dim.")
+    raise ValueError(
+        f"embed_dim={cfg.embed_dim} is not divisible by num_heads="
+        f"{cfg.num_heads}; set head_dim."
+    )
   head_dim = cfg.get("head_dim", 0) or cfg.embed_dim // cfg.num_heads
   pooling = cfg.get("pooling", "mean")
   if pooling not in POOLINGS:
@@ -49,8 +52,10 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
   # the image as its raster sequence (1D schemes; PermuteFormer's "w/o 2D rel. pos.").
   grid = tuple(task.grid) if task.grid is not None and cfg.get("use_grid", True) else None
   if pooling == "cls" and grid is not None:
-    raise ValueError("pooling='cls' prepends a token, which breaks the image grid "
-                     f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False).")
+    raise ValueError(
+        "pooling='cls' prepends a token, which breaks the image grid "
+        f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False)."
+    )
   max_length = cfg.get("max_length", 0) or task.max_length
   if max_length <= 0:
     raise ValueError("model.max_length is 0 and the task gives no max_length.")
@@ -58,13 +63,20 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
     max_length += 1
   chunk_size = cfg.get("chunk_size", 0)
   if not isinstance(chunk_size, int) or chunk_size < 0:
-    raise ValueError(f"model.chunk_size must be an int >= 0 (0 picks it from the shape); "
-                     f"got {chunk_size!r}.")
+    raise ValueError(
+        f"model.chunk_size must be an int >= 0 (0 picks it from the shape); " f"got {chunk_size!r}."
+    )
   return AttentionConfig(
-      num_heads=cfg.num_heads, head_dim=head_dim, embed_dim=cfg.embed_dim, kernel=kernel,
+      num_heads=cfg.num_heads,
+      head_dim=head_dim,
+      embed_dim=cfg.embed_dim,
+      kernel=kernel,
       positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
-      max_length=max_length, grid=grid,
-      causal=task.kind == "lm", chunk_size=chunk_size or None)
+      max_length=max_length,
+      grid=grid,
+      causal=task.kind == "lm",
+      chunk_size=chunk_size or None,
+  )
 
 
 def build_model(cfg, task: TaskInfo):
@@ -83,28 +95,55 @@ def build_model(cfg, task: TaskInfo):
   shared = [s.name for s in attn.positional if s.option_dict().get("share_across_layers")]
   if scan_layers and shared:
     # nn.scan would stack the shared table per layer: one table for all layers is not scanned.
-    raise ValueError(f"model.scan_layers=True cannot share a scheme across layers "
-                     f"(share_across_layers of {', '.join(shared)}); set model.scan_layers="
-                     "False (model.remat works without it) or share_across_layers=False.")
-  common = dict(attention=attn, vocab_size=task.vocab_size, num_layers=cfg.num_layers,
-                mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, norm=cfg.norm,
-                dtype=DTYPES[cfg.dtype], remat=remat, scan_layers=scan_layers)
+    raise ValueError(
+        f"model.scan_layers=True cannot share a scheme across layers "
+        f"(share_across_layers of {', '.join(shared)}); set model.scan_layers="
+        "False (model.remat works without it) or share_across_layers=False."
+    )
+  common = dict(
+      attention=attn,
+      vocab_size=task.vocab_size,
+      num_layers=cfg.num_layers,
+      mlp_dim=cfg.mlp_dim,
+      dropout_rate=cfg.dropout_rate,
+      norm=cfg.norm,
+      dtype=DTYPES[cfg.dtype],
+      remat=remat,
+      scan_layers=scan_layers,
+  )
   memory_length = cfg.get("memory_length", 0)
   pooling = cfg.get("pooling", "mean")
   if memory_length and task.kind != "lm":
     raise ValueError("memory_length > 0 (Transformer-XL memory) is for lm tasks only.")
   if task.kind == "lm":
     if pooling != "mean":
-      raise ValueError(f"model.pooling={pooling!r} is for encoders (classify / retrieval "
-                       f"tasks); a language model has no pooling: leave it at 'mean'.")
-    return DecoderLM(**common, tie_embeddings=cfg.get("tie_embeddings", True),
-                     memory_length=memory_length)
+      raise ValueError(
+          f"model.pooling={pooling!r} is for encoders (classify / retrieval "
+          f"tasks); a language model has no pooling: leave it at 'mean'."
+      )
+    return DecoderLM(
+        **common, tie_embeddings=cfg.get("tie_embeddings", True), memory_length=memory_length
+    )
   if task.num_classes < 2:
     raise ValueError(f"a {task.kind} task needs num_classes >= 2; got {task.num_classes}.")
   return (DualEncoder if task.kind == "retrieval" else Classifier)(
-      **common, pooling=pooling, num_classes=task.num_classes)
+      **common, pooling=pooling, num_classes=task.num_classes
+  )
 
 
-__all__ = ["REMAT_POLICIES", "Attention", "AttentionConfig", "Block", "Classifier", "DecoderLM",
-           "DualEncoder", "KernelSpec", "PositionalSpec", "TaskInfo", "Tower", "attention_config",
-           "build_model", "model_config"]
+__all__ = [
+    "REMAT_POLICIES",
+    "Attention",
+    "AttentionConfig",
+    "Block",
+    "Classifier",
+    "DecoderLM",
+    "DualEncoder",
+    "KernelSpec",
+    "PositionalSpec",
+    "TaskInfo",
+    "Tower",
+    "attention_config",
+    "build_model",
+    "model_config",
+]

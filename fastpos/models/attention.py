@@ -65,6 +65,7 @@ class KernelSpec:
       fixed draw per layer from ``seed`` and the layer's path.
     seed: seed of the fixed projection.
   """
+
   name: str = "softmax"
   num_features: int = _OPTIONS["num_features"]
   nu: int = _OPTIONS["nu"]
@@ -90,8 +91,13 @@ class KernelSpec:
         others = ", ".join(o for o in _OPTIONS if o not in kernel.options)
         raise ValueError(
             f"unknown kernel option {key!r} for kernel {name!r}; {name!r} takes: {own}"
-            + (f" (kernel_options may also hold other kernels' options, unused by {name!r}: "
-               f"{others})." if others else "."))
+            + (
+                f" (kernel_options may also hold other kernels' options, unused by {name!r}: "
+                f"{others})."
+                if others
+                else "."
+            )
+        )
     return cls(name=name, **options)
 
   @property
@@ -113,6 +119,7 @@ class KernelSpec:
 @dataclasses.dataclass(frozen=True)
 class PositionalSpec:
   """A scheme name and its options (a hashable tuple of (key, value) pairs)."""
+
   name: str
   options: tuple = ()
 
@@ -120,8 +127,7 @@ class PositionalSpec:
   def make(cls, name: str, options: Mapping | None = None) -> "PositionalSpec":
     options = dict(options or {})
     positional.check_options(name, options)
-    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                          for k, v in options.items()))
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
     return cls(name, frozen)
 
   @property
@@ -135,6 +141,7 @@ class PositionalSpec:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Static description of an attention layer (hashable, so it can be a linen field)."""
+
   num_heads: int
   head_dim: int
   embed_dim: int
@@ -148,16 +155,22 @@ class AttentionConfig:
   def __post_init__(self):
     _check_sizes(self)
     names = [p.name for p in self.positional]
-    compatibility.check(self.kernel.name, names, causal=self.causal, two_d=self.grid is not None,
-                 options={p.name: p.option_dict() for p in self.positional})
+    compatibility.check(
+        self.kernel.name,
+        names,
+        causal=self.causal,
+        two_d=self.grid is not None,
+        options={p.name: p.option_dict() for p in self.positional},
+    )
 
   def scheme_dims(self) -> dict[str, positional.Dims]:
     """The Dims each attention-level scheme is built with (feature_dim = the size its
     features hook sees, following pre_phi schemes that change it)."""
     info = self.kernel.info()
     dims, dim = {}, self.head_dim
-    stages = [p for p in self.positional if "features" in p.cls.hooks
-              and p.cls.feature_stage == "pre_phi"]
+    stages = [
+        p for p in self.positional if "features" in p.cls.hooks and p.cls.feature_stage == "pre_phi"
+    ]
     for p in stages:
       dims[p.name] = self._dims(dim, info)
       dim = p.cls.feature_out_dim(dim, p.option_dict())
@@ -172,16 +185,23 @@ class AttentionConfig:
     return dims
 
   def _dims(self, feature_dim: int, info) -> positional.Dims:
-    return positional.Dims(num_heads=self.num_heads, head_dim=self.head_dim,
-                           feature_dim=feature_dim, embed_dim=self.embed_dim,
-                           max_length=self.max_length, grid=self.grid, causal=self.causal,
-                           kernel=info)
+    return positional.Dims(
+        num_heads=self.num_heads,
+        head_dim=self.head_dim,
+        feature_dim=feature_dim,
+        embed_dim=self.embed_dim,
+        max_length=self.max_length,
+        grid=self.grid,
+        causal=self.causal,
+        kernel=info,
+    )
 
   def attention_only(self) -> "AttentionConfig":
     """This config without its embed-hook schemes: what ``Attention`` and ``Block`` take (the
     model's ``Tower`` runs the embed hook on the token embeddings before the blocks)."""
-    return dataclasses.replace(self, positional=tuple(
-        p for p in self.positional if "embed" not in p.cls.hooks))
+    return dataclasses.replace(
+        self, positional=tuple(p for p in self.positional if "embed" not in p.cls.hooks)
+    )
 
   def pre_phi_dim(self) -> int:
     dim = self.head_dim
@@ -199,18 +219,23 @@ def _check_sizes(cfg: AttentionConfig) -> None:
   """Raises ValueError naming the first size of ``cfg`` out of its range."""
   for name in ("num_heads", "head_dim", "embed_dim", "max_length"):
     if not _is_int(getattr(cfg, name), 1):
-      raise ValueError(f"AttentionConfig: {name} must be an int >= 1; got "
-                       f"{getattr(cfg, name)!r}.")
+      raise ValueError(
+          f"AttentionConfig: {name} must be an int >= 1; got " f"{getattr(cfg, name)!r}."
+      )
   if cfg.chunk_size is not None and not _is_int(cfg.chunk_size, 1):
-    raise ValueError(f"AttentionConfig: chunk_size must be None (chosen by shape) or an int "
-                     f">= 1; got {cfg.chunk_size!r}.")
+    raise ValueError(
+        f"AttentionConfig: chunk_size must be None (chosen by shape) or an int "
+        f">= 1; got {cfg.chunk_size!r}."
+    )
   if not isinstance(cfg.causal, bool):
     raise ValueError(f"AttentionConfig: causal must be True or False; got {cfg.causal!r}.")
   grid = cfg.grid
-  if grid is not None and (not isinstance(grid, tuple) or len(grid) != 2
-                           or not all(_is_int(g, 1) for g in grid)):
-    raise ValueError(f"AttentionConfig: grid must be None (1D) or a tuple (H, W) of ints >= 1; "
-                     f"got {grid!r}.")
+  if grid is not None and (
+      not isinstance(grid, tuple) or len(grid) != 2 or not all(_is_int(g, 1) for g in grid)
+  ):
+    raise ValueError(
+        f"AttentionConfig: grid must be None (1D) or a tuple (H, W) of ints >= 1; " f"got {grid!r}."
+    )
 
 
 def check_layer_schemes(cfg: AttentionConfig, shared: tuple, layer: str) -> None:
@@ -226,19 +251,23 @@ def check_layer_schemes(cfg: AttentionConfig, shared: tuple, layer: str) -> None
         f"(fastpos.models.Tower, inside Classifier, DualEncoder and DecoderLM). Use a Tower, or "
         f"apply the scheme's embed to your embeddings yourself and give {layer} "
         f"cfg.attention_only() (the schemes {layer} runs: "
-        f"{', '.join(p.name for p in attention_schemes(cfg)) or 'none'}).")
+        f"{', '.join(p.name for p in attention_schemes(cfg)) or 'none'})."
+    )
   given = [type(s).scheme_name for s in shared]
   names = [p.name for p in cfg.positional]
   for name in given:
     if name not in names:
-      raise ValueError(f"{layer}: a shared module for positional scheme {name!r}, which the "
-                       f"config does not use; its schemes: {', '.join(names) or 'none'}.")
+      raise ValueError(
+          f"{layer}: a shared module for positional scheme {name!r}, which the "
+          f"config does not use; its schemes: {', '.join(names) or 'none'}."
+      )
   for p in cfg.positional:
     if p.option_dict().get("share_across_layers") and p.name not in given:
       raise ValueError(
           f"{layer}: positional scheme {p.name!r} has share_across_layers=True but {layer} got "
           f"no shared module for it, so each layer would build its own. Build it once and pass "
-          f"it as shared=(module,) (Tower does), or set share_across_layers=False.")
+          f"it as shared=(module,) (Tower does), or set share_across_layers=False."
+      )
 
 
 def attention_schemes(cfg: AttentionConfig) -> list[PositionalSpec]:
@@ -269,6 +298,7 @@ class Attention(nn.Module):
       ``share_across_layers``); matched by scheme name.
     dtype: activation dtype of the projections.
   """
+
   cfg: AttentionConfig
   shared: tuple = ()
   dtype: Any = jnp.float32
@@ -291,19 +321,28 @@ class Attention(nn.Module):
     return feature_ops.make_projection(spec.name, key, spec.num_features, dim, dtype=dtype)
 
   @nn.compact
-  def __call__(self, x, *, mask=None, grid=None, memory=None, deterministic: bool = True,
-               reference: bool = False, decode=None):
+  def __call__(
+      self,
+      x,
+      *,
+      mask=None,
+      grid=None,
+      memory=None,
+      deterministic: bool = True,
+      reference: bool = False,
+      decode=None,
+  ):
     """Args:
-      x: ``[batch, N, D]``.
-      mask: ``[batch, N]`` bool, True for real tokens (``[batch, M+N]`` with memory). Boolean
-        only: any other dtype or shape raises ValueError (``fastpos.ops.masks``).
-      grid: (H, W) with H * W == N for 2D inputs; required iff the layer was built 2D.
-      memory: ``[batch, M, D]`` earlier states (Transformer-XL): keys and values are computed
-        over ``[memory, x]``; softmax kernel only.
-      deterministic: no feature redraw.
-      reference: dense O(N^2) references instead of the fast paths.
-      decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
-        layer's ``cache`` collection (``fastpos.models.decoding``).
+    x: ``[batch, N, D]``.
+    mask: ``[batch, N]`` bool, True for real tokens (``[batch, M+N]`` with memory). Boolean
+      only: any other dtype or shape raises ValueError (``fastpos.ops.masks``).
+    grid: (H, W) with H * W == N for 2D inputs; required iff the layer was built 2D.
+    memory: ``[batch, M, D]`` earlier states (Transformer-XL): keys and values are computed
+      over ``[memory, x]``; softmax kernel only.
+    deterministic: no feature redraw.
+    reference: dense O(N^2) references instead of the fast paths.
+    decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
+      layer's ``cache`` collection (``fastpos.models.decoding``).
     """
     cfg = self.cfg
     b, n, _ = x.shape
@@ -316,18 +355,28 @@ class Attention(nn.Module):
         raise ValueError(f"grid {grid} does not cover the sequence length {n}.")
     m_len = 0 if memory is None else memory.shape[1]
     if memory is not None and not cfg.kernel.is_softmax:
-      raise ValueError("memory (Transformer-XL) needs the softmax kernel; got kernel "
-                       f"{cfg.kernel.name!r}.")
+      raise ValueError(
+          "memory (Transformer-XL) needs the softmax kernel; got kernel " f"{cfg.kernel.name!r}."
+      )
     segs = segments.active()  # a packed batch: keep its sequences apart (or refuse)
     if segs is not None:
-      segments.check_packable(cfg.kernel.name, [p.name for p in cfg.positional],
-                              causal=cfg.causal, grid=cfg.grid, memory_length=m_len,
-                              split=cp.seq_size() > 1 and not reference)
+      segments.check_packable(
+          cfg.kernel.name,
+          [p.name for p in cfg.positional],
+          causal=cfg.causal,
+          grid=cfg.grid,
+          memory_length=m_len,
+          split=cp.seq_size() > 1 and not reference,
+      )
     if memory is None:
       mask = check_mask(mask, (b, n), against=f"x of shape {x.shape}")
     else:
-      mask = check_mask(mask, (b, m_len + n), layout="[batch, M+N]",
-                        against=f"memory {memory.shape} and x {x.shape}")
+      mask = check_mask(
+          mask,
+          (b, m_len + n),
+          layout="[batch, M+N]",
+          against=f"memory {memory.shape} and x {x.shape}",
+      )
 
     dense = lambda name: nn.DenseGeneral((h, d), dtype=self.dtype, name=name)
     q = dense("query")(x)
@@ -339,8 +388,15 @@ class Attention(nn.Module):
       # Padded keys and values contribute nothing anywhere (also to output terms like W V).
       v = jnp.where(key_mask[:, :, None, None], v, jnp.zeros((), v.dtype))
 
-    ctx = positional.Context(mask=key_mask, grid=grid, causal=cfg.causal, reference=reference,
-                             deterministic=deterministic, length=n, memory_length=m_len)
+    ctx = positional.Context(
+        mask=key_mask,
+        grid=grid,
+        causal=cfg.causal,
+        reference=reference,
+        deterministic=deterministic,
+        length=n,
+        memory_length=m_len,
+    )
     dims = cfg.scheme_dims()
     shared = {type(s).scheme_name: s for s in self.shared}
     schemes = []
@@ -348,17 +404,26 @@ class Attention(nn.Module):
       if spec.name in shared:
         schemes.append(shared[spec.name])
       else:
-        schemes.append(positional.build(spec.name, dims[spec.name], spec.option_dict(),
-                                        name=f"pos_{spec.name}"))
+        schemes.append(
+            positional.build(
+                spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
+            )
+        )
     if decode is not None:
-      out = decoding.attention_step(self, q, k, v, key_mask, schemes, decode,
-                                    deterministic=deterministic, reference=reference)
+      out = decoding.attention_step(
+          self, q, k, v, key_mask, schemes, decode, deterministic=deterministic, reference=reference
+      )
       return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(
-          out.astype(self.dtype))
+          out.astype(self.dtype)
+      )
     split = cp.seq_size() > 1 and not reference  # the sequence is split over devices
     if split:
-      cp.check(cfg.kernel.name, [p.name for p in cfg.positional], two_d=cfg.grid is not None,
-               seq=cp.seq_size())
+      cp.check(
+          cfg.kernel.name,
+          [p.name for p in cfg.positional],
+          two_d=cfg.grid is not None,
+          seq=cp.seq_size(),
+      )
     pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
     post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
     mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]
@@ -380,10 +445,11 @@ class Attention(nn.Module):
         terms.append(segments.segment_bias(segs.ids, q.dtype))
       bias = decoding.sum_terms(terms)
       fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
-      out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d ** -0.5)
+      out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d**-0.5)
     else:
-      out = self._linear(q, k, v, key_mask, grid, post, log_table, log_decay, ctx,
-                         deterministic, reference, split)
+      out = self._linear(
+          q, k, v, key_mask, grid, post, log_table, log_decay, ctx, deterministic, reference, split
+      )
 
     for s in schemes:
       if "output" in s.hooks:
@@ -392,25 +458,46 @@ class Attention(nn.Module):
     out = out.astype(self.dtype)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
-  def _linear(self, q, k, v, mask, grid, post, log_table, log_decay, ctx, deterministic,
-              reference, split=False):
+  def _linear(
+      self,
+      q,
+      k,
+      v,
+      mask,
+      grid,
+      post,
+      log_table,
+      log_decay,
+      ctx,
+      deterministic,
+      reference,
+      split=False,
+  ):
     cfg, spec = self.cfg, self.cfg.kernel
     dim = q.shape[-1]
     state = jnp.promote_types(q.dtype, jnp.float32)  # feature maps: float32 at least
     q, k = q.astype(state), k.astype(state)
     if spec.kernel.estimates_softmax:  # phi(q).phi(k) ~ exp(q.k / sqrt(d)), as softmax
-      q, k = q * dim ** -0.25, k * dim ** -0.25
+      q, k = q * dim**-0.25, k * dim**-0.25
     if mask is not None:
       # Zero padded rows before phi: exp of garbage could overflow and poison gradients.
       q = jnp.where(mask[:, :, None, None], q, 0)
       k = jnp.where(mask[:, :, None, None], k, 0)
     projection = self.feature_projection(spec, dim, state, deterministic)
-    fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
-                                 mask=mask, nu=spec.nu)
+    fq = feature_ops.feature_map(
+        spec.name, q, projection=projection, is_query=True, mask=mask, nu=spec.nu
+    )
     if not reference and not split and scaled_keys(cfg, post, log_table, log_decay):
       return self._scaled_keys(fq, k, v, mask, projection, post, ctx)
-    fk = feature_ops.feature_map(spec.name, k, projection=projection, is_query=False,
-                                 mask=mask, nu=spec.nu, causal=cfg.causal)
+    fk = feature_ops.feature_map(
+        spec.name,
+        k,
+        projection=projection,
+        is_query=False,
+        mask=mask,
+        nu=spec.nu,
+        causal=cfg.causal,
+    )
     den = None
     for s in post:
       if s.keeps_nonnegative:
@@ -422,27 +509,40 @@ class Attention(nn.Module):
           den = (fq, fk)  # the denominator keeps the positive, untransformed features
         fq, fk = s.features(fq, fk, ctx)
     rpe = None if log_table is None else jnp.exp(log_table.astype(state))
-    kw = dict(mask=mask, causal=cfg.causal, rpe=rpe, grid=grid if rpe is not None else None,
-              decay=None if log_decay is None else log_decay.astype(state),
-              den_features=den, eps=spec.eps)
+    kw = dict(
+        mask=mask,
+        causal=cfg.causal,
+        rpe=rpe,
+        grid=grid if rpe is not None else None,
+        decay=None if log_decay is None else log_decay.astype(state),
+        den_features=den,
+        eps=spec.eps,
+    )
     if reference:
       return attn_ops.linear_attention_reference(fq, fk, v, **kw)
     fn = cp.linear_attention if split else attn_ops.linear_attention
     return fn(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
 
-
-
   def _scaled_keys(self, fq, k, v, mask, projection, post, ctx):
     """The causal linear path with the keys split as ``e exp(s) + eps`` (``scaled_keys``):
     the op keeps a running maximum of s, so a late key far above the first cannot overflow."""
     cfg, spec = self.cfg, self.cfg.kernel
-    e, log_scale, key_eps = feature_ops.causal_key_parts(spec.name, k, projection=projection,
-                                                         mask=mask, nu=spec.nu)
+    e, log_scale, key_eps = feature_ops.causal_key_parts(
+        spec.name, k, projection=projection, mask=mask, nu=spec.nu
+    )
     for s in post:  # permutations: they commute with the key's scale and map eps 1 to itself
       fq, e = s.features(fq, e, ctx)
-    return attn_ops.linear_attention(fq, e, v, mask=mask, causal=True, eps=spec.eps,
-                                     chunk_size=cfg.chunk_size, key_log_scale=log_scale,
-                                     key_eps=key_eps)
+    return attn_ops.linear_attention(
+        fq,
+        e,
+        v,
+        mask=mask,
+        causal=True,
+        eps=spec.eps,
+        chunk_size=cfg.chunk_size,
+        key_log_scale=log_scale,
+        key_eps=key_eps,
+    )
 
 
 # Kernels whose causal key features split into a bounded part and a log scale
@@ -456,5 +556,10 @@ def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
   no relative table, decay, or post_phi scheme other than a permutation (the op does not take
   ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``); schemes say whether
   they only permute features (``Scheme.permutes_features``)."""
-  return (cfg.causal and cfg.kernel.name in SCALED_KEY_KERNELS and log_table is None
-          and log_decay is None and all(s.permutes_features for s in post))
+  return (
+      cfg.causal
+      and cfg.kernel.name in SCALED_KEY_KERNELS
+      and log_table is None
+      and log_decay is None
+      and all(s.permutes_features for s in post)
+  )

@@ -31,11 +31,15 @@ REMAT_POLICIES = ("none", "block", "save_matmuls", "save_dots")
 def remat_policy(name: str):
   """The ``jax.checkpoint`` policy of a ``model.remat`` value (None for "none")."""
   if name not in REMAT_POLICIES:
-    raise ValueError(f"unknown model.remat {name!r}; valid choices: "
-                     f"{', '.join(REMAT_POLICIES)}.")
-  return {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
-          "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-          "save_dots": jax.checkpoint_policies.checkpoint_dots}[name]
+    raise ValueError(
+        f"unknown model.remat {name!r}; valid choices: " f"{', '.join(REMAT_POLICIES)}."
+    )
+  return {
+      "none": None,
+      "block": jax.checkpoint_policies.nothing_saveable,
+      "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+      "save_dots": jax.checkpoint_policies.checkpoint_dots,
+  }[name]
 
 
 def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> None:
@@ -45,8 +49,9 @@ def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> Non
   for name, value in (("mlp_dim", mlp_dim), ("num_layers", num_layers)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{layer}: {name} must be an int >= 1; got {value!r}.")
-  if isinstance(dropout_rate, bool) or not (isinstance(dropout_rate, (int, float))
-                                            and 0 <= dropout_rate < 1):
+  if isinstance(dropout_rate, bool) or not (
+      isinstance(dropout_rate, (int, float)) and 0 <= dropout_rate < 1
+  ):
     raise ValueError(f"{layer}: dropout_rate must be a number in [0, 1); got {dropout_rate!r}.")
   if norm not in NORMS:
     raise ValueError(f"{layer}: unknown norm {norm!r}; valid choices: {', '.join(NORMS)}.")
@@ -74,6 +79,7 @@ masked_scale.defvjp(_masked_scale_fwd, _masked_scale_bwd)
 class Dropout(nn.Module):
   """``nn.Dropout`` (its name, rng stream and masks: a run's numbers do not change) whose
   backward pass keeps a boolean mask, not a float copy (``masked_scale``)."""
+
   rate: float
 
   def make_mask(self, shape, *, deterministic: bool):
@@ -94,6 +100,7 @@ class _GeluDropDense(nn.Dense):
   under ``nn.remat`` (the same parameters as ``nn.Dense``): its backward pass recomputes the
   GELU from ``h`` instead of keeping the GELU's intermediates and the dropped activations
   (five ``[b, N, mlp_dim]`` float arrays)."""
+
   keep: float = 1.0
 
   @nn.compact
@@ -107,6 +114,7 @@ class _GeluDropDense(nn.Dense):
 class MLP(nn.Module):
   """``[b, N, D] -> [b, N, D]``: Dense(mlp_dim) -> GELU -> Dropout -> Dense(D). Its backward
   pass keeps the first layer's output and the boolean dropout mask (``_GeluDropDense``)."""
+
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
@@ -117,14 +125,16 @@ class MLP(nn.Module):
     if self.dropout_rate == 1.0 and not deterministic:
       return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(jnp.zeros_like(h))
     mask = Dropout(self.dropout_rate).make_mask(h.shape, deterministic=deterministic)
-    return nn.remat(_GeluDropDense)(x.shape[-1], dtype=self.dtype, keep=1.0 - self.dropout_rate,
-                                    name="fc2")(h, mask)
+    return nn.remat(_GeluDropDense)(
+        x.shape[-1], dtype=self.dtype, keep=1.0 - self.dropout_rate, name="fc2"
+    )(h, mask)
 
 
 class Block(nn.Module):
   """One transformer layer. ``shared``: scheme modules shared across layers. Its attention
   config holds attention-level schemes only (``AttentionConfig.attention_only``); bad fields
   raise ValueError at construction."""
+
   attention: AttentionConfig
   mlp_dim: int
   dropout_rate: float = 0.0
@@ -139,8 +149,7 @@ class Block(nn.Module):
 
   def _make_norm(self, name: str, train: bool):
     if self.norm == "batch":
-      return nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
-                          name=name)
+      return nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype, name=name)
     # Rematerialised: its backward keeps the input, not the centred, squared and scaled copies.
     return nn.remat(nn.LayerNorm)(dtype=self.dtype, name=name)
 
@@ -151,8 +160,18 @@ class Block(nn.Module):
     return norm(x)
 
   @nn.compact
-  def __call__(self, x, *, mask=None, grid=None, memory=None, memory_mask=None,
-               train: bool = False, reference: bool = False, decode=None):
+  def __call__(
+      self,
+      x,
+      *,
+      mask=None,
+      grid=None,
+      memory=None,
+      memory_mask=None,
+      train: bool = False,
+      reference: bool = False,
+      decode=None,
+  ):
     """``x [b, N, D] -> [b, N, D]``; ``mask [b, N]`` True for real tokens (all real when
     None); ``memory [b, M, D]`` (Transformer-XL) is this layer's input of the previous
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
@@ -166,8 +185,13 @@ class Block(nn.Module):
     if memory is None and memory_mask is not None:
       raise ValueError("Block: memory_mask given without memory (it masks the memory keys).")
     if memory is not None:
-      memory_mask = check_mask(memory_mask, memory.shape[:2], name="memory_mask",
-                               layout="[batch, M]", against=f"memory of shape {memory.shape}")
+      memory_mask = check_mask(
+          memory_mask,
+          memory.shape[:2],
+          name="memory_mask",
+          layout="[batch, M]",
+          against=f"memory of shape {memory.shape}",
+      )
     attn = Attention(self.attention, shared=self.shared, dtype=self.dtype, name="attention")
     drop = Dropout(self.dropout_rate)
     mlp = MLP(self.mlp_dim, self.dropout_rate, dtype=self.dtype, name="mlp")
@@ -176,17 +200,16 @@ class Block(nn.Module):
     amask = mask
     if memory is not None and (mask is not None or memory_mask is not None):
       mm = jnp.ones(memory.shape[:2], bool) if memory_mask is None else memory_mask
-      amask = jnp.concatenate([mm, jnp.ones(x.shape[:2], bool) if mask is None else mask],
-                              axis=1)
+      amask = jnp.concatenate([mm, jnp.ones(x.shape[:2], bool) if mask is None else mask], axis=1)
     kw = dict(mask=amask, grid=grid, deterministic=not train, reference=reference)
     if decode is not None:  # a decoding step (fastpos.models.decoding)
       kw["decode"] = decode
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
-      x = x + drop(attn(self._apply(norm1, x, mask), memory=mem, **kw),
-                   deterministic=not train)
-      return x + drop(mlp(self._apply(norm2, x, mask), deterministic=not train),
-                      deterministic=not train)
+      x = x + drop(attn(self._apply(norm1, x, mask), memory=mem, **kw), deterministic=not train)
+      return x + drop(
+          mlp(self._apply(norm2, x, mask), deterministic=not train), deterministic=not train
+      )
     y = attn(x, memory=memory, **kw)
     x = self._apply(norm1, x + drop(y, deterministic=not train), mask)
     y = mlp(x, deterministic=not train)
@@ -200,6 +223,7 @@ class Layer(Block):
   ``(y, new_memory)``: ``new_memory`` is the layer's Transformer-XL memory for the next
   segment (its input appended to ``memory``, the last M kept, stop-gradient; None without
   memory); ``offset`` is the decoding slot when ``decoding`` (``fastpos.models.decoding``)."""
+
   train: bool = False
   reference: bool = False
   decoding: bool = False
@@ -210,10 +234,12 @@ class Layer(Block):
     new_memory = None
     if memory is not None:
       new_memory = jax.lax.stop_gradient(
-          jnp.concatenate([memory, x.astype(memory.dtype)], axis=1)[:, -memory.shape[1]:])
+          jnp.concatenate([memory, x.astype(memory.dtype)], axis=1)[:, -memory.shape[1] :]
+      )
     decode = None
     if self.decoding:
       decode = decoding.Step(offset=offset, cache_length=self.cache_length)
-    y = self._forward(x, mask, self.attention.grid, memory, memory_mask, self.train,
-                      self.reference, decode)
+    y = self._forward(
+        x, mask, self.attention.grid, memory, memory_mask, self.train, self.reference, decode
+    )
     return y, new_memory

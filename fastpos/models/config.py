@@ -15,7 +15,8 @@ def model_config() -> ml_collections.ConfigDict:
   # Feature-map options: random features m (favor/prf/trf/nprf/orf), DPFP's nu, the
   # denominator guard, and whether random projections are redrawn every training step.
   c.kernel_options = ml_collections.ConfigDict(
-      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0))
+      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0)
+  )
   # Positional schemes, comma-separated, applied in this order at their hooks
   # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
   # fastpos.positional.compatibility` prints which kernels each works with.

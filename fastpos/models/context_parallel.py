@@ -73,7 +73,8 @@ def check(kernel: str, schemes, *, two_d: bool, seq: int) -> None:
     raise ValueError(
         f"mesh.seq={seq} splits each sequence over {seq} devices, which this model cannot "
         f"do: {why}. Split sequences support the kernels {', '.join(kernels)} with the 1D "
-        f"schemes {', '.join(ok)}; use mesh.seq=1 otherwise.")
+        f"schemes {', '.join(ok)}; use mesh.seq=1 otherwise."
+    )
 
 
 def _pad_seq(x, pad: int, value=0):
@@ -96,8 +97,20 @@ def _split(fn, args: dict, specs: dict, out_spec):
   return jax.shard_map(fn, in_specs=(specs,), out_specs=out_spec, axis_names={SEQ})(args)
 
 
-def linear_attention(phi_q, phi_k, v, *, mask=None, causal=False, rpe=None, grid=None,
-                     decay=None, den_features=None, chunk_size=None, eps):
+def linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    causal=False,
+    rpe=None,
+    grid=None,
+    decay=None,
+    den_features=None,
+    chunk_size=None,
+    eps,
+):
   """``fastpos.ops.attention.linear_attention`` over the sequence split on ``seq`` (global
   view in and out; ``fastpos.ops.context_parallel.linear_attention`` on each block)."""
   if grid is not None:
@@ -122,9 +135,18 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal=False, rpe=None, grid
   def block(a):
     den = (a["den_q"], a["den_k"]) if "den_q" in a else None
     return cp_ops.linear_attention(
-        a["q"], a["k"], a["v"], axis_name=SEQ, mask=a.get("mask"), causal=causal,
-        rpe=a.get("rpe"), decay=a.get("decay"), den_features=den, chunk_size=chunk_size,
-        eps=eps)
+        a["q"],
+        a["k"],
+        a["v"],
+        axis_name=SEQ,
+        mask=a.get("mask"),
+        causal=causal,
+        rpe=a.get("rpe"),
+        decay=a.get("decay"),
+        den_features=den,
+        chunk_size=chunk_size,
+        eps=eps,
+    )
 
   return _split(block, args, specs, seq)[:, :n]
 

@@ -38,6 +38,7 @@ from fastpos.ops import features as feature_ops
 class Step:
   """What a layer needs to know in a decoding call: ``offset``, the slot of the first new token
   (int32 scalar, traced under jit), and ``cache_length`` (T, only when the cache is created)."""
+
   offset: Any
   cache_length: int | None = None
 
@@ -63,9 +64,11 @@ class _Cache:
     name = f"cached_{name}"  # apart from the layer's submodules (key, value, ...)
     layer = self.layer
     if not layer.is_initializing() and not layer.has_variable("cache", name):
-      raise ValueError(f"decoding needs a cache: build it with model.init_cache(batch_size, "
-                       f"max_length) and pass it as the 'cache' collection (no cache variable "
-                       f"{name!r} in {'/'.join(layer.scope.path)}).")
+      raise ValueError(
+          f"decoding needs a cache: build it with model.init_cache(batch_size, "
+          f"max_length) and pass it as the 'cache' collection (no cache variable "
+          f"{name!r} in {'/'.join(layer.scope.path)})."
+      )
     if any(s is None for s in shape):
       shape = (0,)  # the variable exists: its stored shape is used
     return layer.variable("cache", name, jnp.zeros, tuple(shape), dtype)
@@ -81,8 +84,9 @@ class _Cache:
     return var.value
 
 
-def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: bool,
-                   reference: bool):
+def attention_step(
+    layer, q, k, v, mask, schemes, step: Step, *, deterministic: bool, reference: bool
+):
   """The decoding form of ``Attention``: q, k, v ``[b, L, h, d]`` projections of the L new
   tokens (v zero at padding), ``mask [b, L]`` or None, the layer's schemes. Returns the
   attention output ``[b, L, h, d]`` before the output projection; updates the layer's cache."""
@@ -95,21 +99,25 @@ def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: 
   real = jnp.ones((b, n), bool) if mask is None else mask
   cache = _Cache(layer, step)
   t = step.cache_length
-  ctx = positional.Context(causal=True, reference=reference, deterministic=deterministic,
-                           length=n, offset=step.offset)
+  ctx = positional.Context(
+      causal=True, reference=reference, deterministic=deterministic, length=n, offset=step.offset
+  )
   pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
   post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
   kv_schemes = [s for s in schemes if "kv" in s.hooks]
-  log_decay = sum_terms([s.kv(positional.Context(causal=True, length=1)).log_decay
-                    for s in kv_schemes])
-  has_table = any(s.kv(positional.Context(causal=True, length=1)).log_table is not None
-                  for s in kv_schemes)
+  log_decay = sum_terms(
+      [s.kv(positional.Context(causal=True, length=1)).log_decay for s in kv_schemes]
+  )
+  has_table = any(
+      s.kv(positional.Context(causal=True, length=1)).log_table is not None for s in kv_schemes
+  )
   needs_values = any("output" in s.hooks for s in schemes)
 
   def table_rows(length):
-    table = sum_terms([s.kv(positional.Context(causal=True, length=length)).log_table
-                  for s in kv_schemes])
-    return positional.offset_rows(table, step.offset, n)          # [h, L, T]
+    table = sum_terms(
+        [s.kv(positional.Context(causal=True, length=length)).log_table for s in kv_schemes]
+    )
+    return positional.offset_rows(table, step.offset, n)  # [h, L, T]
 
   for s in pre:
     q, k = s.features(q, k, ctx)
@@ -131,11 +139,26 @@ def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: 
     if log_decay is not None:
       dist = jnp.maximum((step.offset + jnp.arange(n))[:, None] - jnp.arange(t)[None, :], 0)
       terms.append((log_decay[:, None, None] * dist[None].astype(log_decay.dtype))[None])
-    out = dec_ops.softmax_step(q, keys, values, real_all, offset=step.offset,
-                               bias=sum_terms(terms), scale=d ** -0.5)
+    out = dec_ops.softmax_step(
+        q, keys, values, real_all, offset=step.offset, bias=sum_terms(terms), scale=d**-0.5
+    )
   else:
-    out = _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay,
-                  table_rows(t) if has_table else None, deterministic, real_all, values)
+    out = _linear(
+        layer,
+        cache,
+        q,
+        k,
+        v,
+        real,
+        post,
+        ctx,
+        step,
+        log_decay,
+        table_rows(t) if has_table else None,
+        deterministic,
+        real_all,
+        values,
+    )
 
   for s in schemes:
     if "output" in s.hooks:
@@ -143,22 +166,37 @@ def attention_step(layer, q, k, v, mask, schemes, step: Step, *, deterministic: 
   return out
 
 
-def _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay, log_rows, deterministic,
-            real_all, values):
+def _linear(
+    layer,
+    cache,
+    q,
+    k,
+    v,
+    real,
+    post,
+    ctx,
+    step,
+    log_decay,
+    log_rows,
+    deterministic,
+    real_all,
+    values,
+):
   spec = layer.cfg.kernel
   b, n, h, d = v.shape
   dim = q.shape[-1]
   state = jnp.promote_types(q.dtype, jnp.float32)
   q, k = q.astype(state), k.astype(state)
   if spec.kernel.estimates_softmax:
-    q, k = q * dim ** -0.25, k * dim ** -0.25
+    q, k = q * dim**-0.25, k * dim**-0.25
   q = jnp.where(real[:, :, None, None], q, 0)
   k = jnp.where(real[:, :, None, None], k, 0)
   if spec.kernel.needs_projection and spec.redraw and not deterministic:
     raise ValueError("decoding draws no features: call it with train=False.")
   projection = layer.feature_projection(spec, dim, state, deterministic=True)
-  fq = feature_ops.feature_map(spec.name, q, projection=projection, is_query=True,
-                               mask=real, nu=spec.nu)
+  fq = feature_ops.feature_map(
+      spec.name, q, projection=projection, is_query=True, mask=real, nu=spec.nu
+  )
   e, s_log, eps_add = dec_ops.key_parts(spec.name, k, projection=projection, nu=spec.nu)
   # Key features as a exp(s - c) + b (b = eps_add, after the map); the hooks are linear.
   num = [fq, e, None if not eps_add else jnp.full_like(e, eps_add)]
@@ -193,17 +231,27 @@ def _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay, log_rows, d
       shape = (b, t, h) + part.shape[3:]
       full[name] = cache.write(cache.get(f"phi_{name}", shape, state), part)
     full["real"], full["v"] = real_all, values
-    return dec_ops.linear_cached_step(full, num[0], den[0], log_rows=log_rows,
-                                      log_decay=log_decay, offset=step.offset, eps=eps)
+    return dec_ops.linear_cached_step(
+        full, num[0], den[0], log_rows=log_rows, log_decay=log_decay, offset=step.offset, eps=eps
+    )
 
-  shapes = dict(num_a=(b, h, mq, d), num_b=(b, h, mq, d), den_a=(b, h, md), den_b=(b, h, md),
-                scale=(b, h), seen=(b,))
-  variables = {name: cache.get(name, shape, bool if name == "seen" else state)
-               for name, shape in shapes.items()
-               if not (name.endswith("_b") and keys[name] is None)}
+  shapes = dict(
+      num_a=(b, h, mq, d),
+      num_b=(b, h, mq, d),
+      den_a=(b, h, md),
+      den_b=(b, h, md),
+      scale=(b, h),
+      seen=(b,),
+  )
+  variables = {
+      name: cache.get(name, shape, bool if name == "seen" else state)
+      for name, shape in shapes.items()
+      if not (name.endswith("_b") and keys[name] is None)
+  }
   current = {name: (variables[name].value if name in variables else None) for name in shapes}
-  out, new = dec_ops.linear_step(current, num[0], den[0], keys, v, real,
-                                 log_decay=log_decay, eps=eps)
+  out, new = dec_ops.linear_step(
+      current, num[0], den[0], keys, v, real, log_decay=log_decay, eps=eps
+  )
   for name, var in variables.items():
     var.value = new[name].astype(var.value.dtype)
   return out
@@ -215,11 +263,17 @@ def _linear(layer, cache, q, k, v, real, post, ctx, step, log_decay, log_rows, d
 def step_fn(model):
   """``step(params, cache, tokens [b, L], mask [b, L]) -> (logits [b, L, V], cache)``, jitted
   (prefill with L = prompt length, then L = 1 per token)."""
+
   @jax.jit
   def step(params, cache, tokens, mask):
-    logits, upd = model.apply({"params": params, "cache": cache},
-                              {"inputs": tokens, "mask": mask}, decode=True, mutable=["cache"])
+    logits, upd = model.apply(
+        {"params": params, "cache": cache},
+        {"inputs": tokens, "mask": mask},
+        decode=True,
+        mutable=["cache"],
+    )
     return logits, upd["cache"]
+
   return step
 
 

@@ -33,8 +33,12 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
   mask = batch.get(key_mask)
   if mask is None:
     return inputs, inputs != 0
-  return inputs, check_mask(mask, jnp.shape(inputs), name=f"batch[{key_mask!r}]",
-                            against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}")
+  return inputs, check_mask(
+      mask,
+      jnp.shape(inputs),
+      name=f"batch[{key_mask!r}]",
+      against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}",
+  )
 
 
 def stack_layers(tree, num_layers: int):
@@ -56,8 +60,9 @@ def unstack_layers(tree, num_layers: int):
     return tree
   out = {k: unstack_layers(v, num_layers) for k, v in tree.items() if k != "layers"}
   if "layers" in tree:
-    out.update({f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"])
-                for i in range(num_layers)})
+    out.update(
+        {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"]) for i in range(num_layers)}
+    )
   return out
 
 
@@ -69,6 +74,7 @@ class Tower(nn.Module):
   on a leading axis; ``stack_layers`` converts an unrolled tree): compile time flat in depth,
   and the only form in which XLA:CPU honours the remat policy (unrolled, it schedules the
   recomputation away); schemes shared across layers are refused with it."""
+
   attention: AttentionConfig
   num_layers: int
   mlp_dim: int
@@ -89,21 +95,29 @@ class Tower(nn.Module):
     """The layers as one ``nn.scan`` body, parameters (and batch statistics, decoding caches)
     stacked on a leading layer axis under ``layers``: ``(x, mask, memory [L, b, M, D] or
     None, memory_mask, offset) -> (x, new memory [L, b, M, D] or None)``."""
-    scan = nn.scan(self._layer_class(decoding),
-                   variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
-                   split_rngs={"params": True, "dropout": True},
-                   in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
-                   length=self.num_layers)
+    scan = nn.scan(
+        self._layer_class(decoding),
+        variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
+        length=self.num_layers,
+    )
     return scan(**settings, name="layers")
 
   def __post_init__(self):
-    check_stack("Tower", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
-                num_layers=self.num_layers)
+    check_stack(
+        "Tower",
+        mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate,
+        norm=self.norm,
+        num_layers=self.num_layers,
+    )
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x, mask, *, train: bool = False, reference: bool = False, memory=None,
-               decode=None):
+  def __call__(
+      self, x, mask, *, train: bool = False, reference: bool = False, memory=None, decode=None
+  ):
     """``mask``: ``[b, N]`` bool, True for real tokens. ``memory``: ``(states, memory_mask)``
     with a list of per-layer ``[b, M, D]`` states (each layer's input over the previous
     segments; Transformer-XL) and a bool ``[b, M]`` True where a real token sits, or None.
@@ -116,45 +130,74 @@ class Tower(nn.Module):
     if memory is not None:
       states, mmask = memory
       if len(states) != self.num_layers:
-        raise ValueError(f"Tower: memory holds {len(states)} states; one per layer "
-                         f"({self.num_layers}) is needed.")
+        raise ValueError(
+            f"Tower: memory holds {len(states)} states; one per layer "
+            f"({self.num_layers}) is needed."
+        )
       m_shape = jnp.shape(states[0]) if states else (x.shape[0], None)
-      memory = (states, check_mask(mmask, (x.shape[0], m_shape[1]), name="memory_mask",
-                                   layout="[batch, M]", against=f"memory states {m_shape}"))
+      memory = (
+          states,
+          check_mask(
+              mmask,
+              (x.shape[0], m_shape[1]),
+              name="memory_mask",
+              layout="[batch, M]",
+              against=f"memory states {m_shape}",
+          ),
+      )
     cfg = self.attention
     grid = cfg.grid
-    ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1],
-                             deterministic=not train, reference=reference,
-                             offset=None if decode is None else decode.offset)
+    ctx = positional.Context(
+        mask=mask,
+        grid=grid,
+        causal=cfg.causal,
+        length=x.shape[1],
+        deterministic=not train,
+        reference=reference,
+        offset=None if decode is None else decode.offset,
+    )
     dims = cfg.scheme_dims()
     for spec in cfg.positional:
       if "embed" in spec.cls.hooks:
-        scheme = positional.build(spec.name, dims[spec.name], spec.option_dict(),
-                                  name=f"pos_{spec.name}")
+        scheme = positional.build(
+            spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
+        )
         x = scheme.embed(x, ctx)
     shared = tuple(
-        positional.build(spec.name, dims[spec.name], spec.option_dict(),
-                         name=f"pos_{spec.name}_shared")
+        positional.build(
+            spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}_shared"
+        )
         for spec in cfg.positional
-        if spec.option_dict().get("share_across_layers"))
+        if spec.option_dict().get("share_across_layers")
+    )
     cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
-    settings = dict(attention=cfg, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
-                    norm=self.norm, shared=shared, dtype=self.dtype, train=train,
-                    reference=reference, decoding=decode is not None,
-                    cache_length=None if decode is None else decode.cache_length)
+    settings = dict(
+        attention=cfg,
+        mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate,
+        norm=self.norm,
+        shared=shared,
+        dtype=self.dtype,
+        train=train,
+        reference=reference,
+        decoding=decode is not None,
+        cache_length=None if decode is None else decode.cache_length,
+    )
     offset = None if decode is None else decode.offset
     if self.scan_layers:
       x, new_states = self._scanned(settings, decode is not None)(
-          x, mask, None if states is None else jnp.stack(states), mmask, offset)
+          x, mask, None if states is None else jnp.stack(states), mmask, offset
+      )
       new_states = None if states is None else list(new_states)
     else:
       layer = self._layer_class(decode is not None)
       new_states = [] if memory is not None else None
       for i in range(self.num_layers):
         x, new = layer(**settings, name=f"block_{i}")(
-            x, mask, None if states is None else states[i], mmask, offset)
+            x, mask, None if states is None else states[i], mmask, offset
+        )
         if new_states is not None:
           new_states.append(new)
     if self.norm == "pre":
@@ -181,13 +224,19 @@ class _Base(nn.Module):
 
   def __post_init__(self):
     name = type(self).__name__
-    check_stack(name, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm,
-                num_layers=self.num_layers)
+    check_stack(
+        name,
+        mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate,
+        norm=self.norm,
+        num_layers=self.num_layers,
+    )
     if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
       raise ValueError(f"{name}: vocab_size must be an int >= 1; got {self.vocab_size!r}.")
     if self.pooling not in POOLINGS:
-      raise ValueError(f"{name}: unknown pooling {self.pooling!r}; valid choices: "
-                       f"{', '.join(POOLINGS)}.")
+      raise ValueError(
+          f"{name}: unknown pooling {self.pooling!r}; valid choices: " f"{', '.join(POOLINGS)}."
+      )
     self._check_head()
     super().__post_init__()
 
@@ -197,31 +246,46 @@ class _Base(nn.Module):
     if not isinstance(self.num_classes, int) or self.num_classes < 2:
       raise ValueError(f"{name}: num_classes must be an int >= 2; got {self.num_classes!r}.")
     if self.pooling == "cls" and self.attention.grid is not None:
-      raise ValueError(f"{name}: pooling='cls' prepends a token, which breaks the image grid "
-                       f"{self.attention.grid}; use pooling='mean'.")
+      raise ValueError(
+          f"{name}: pooling='cls' prepends a token, which breaks the image grid "
+          f"{self.attention.grid}; use pooling='mean'."
+      )
 
   def _tower(self, name="encoder"):
-    return Tower(self.attention, self.num_layers, self.mlp_dim, self.dropout_rate, self.norm,
-                 dtype=self.dtype, remat=self.remat, scan_layers=self.scan_layers, name=name)
+    return Tower(
+        self.attention,
+        self.num_layers,
+        self.mlp_dim,
+        self.dropout_rate,
+        self.norm,
+        dtype=self.dtype,
+        remat=self.remat,
+        scan_layers=self.scan_layers,
+        name=name,
+    )
 
   def _embed(self):
-    return nn.Embed(self.vocab_size, self.attention.embed_dim,
-                    embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+    return nn.Embed(
+        self.vocab_size,
+        self.attention.embed_dim,
+        embedding_init=nn.initializers.normal(stddev=1.0),
+        name="embed",
+    )
 
   def _cls_token(self):
     """The learned CLS token ``[1, 1, D]`` (one per model, shared by both towers of the dual
     encoder), or None with mean pooling."""
     if self.pooling != "cls":
       return None
-    return self.param("cls", nn.initializers.normal(stddev=0.02),
-                      (1, 1, self.attention.embed_dim))
+    return self.param("cls", nn.initializers.normal(stddev=0.02), (1, 1, self.attention.embed_dim))
 
   def _encode(self, embed, tower, cls, inputs, mask, train, reference):
     """Embeds, runs the tower, pools (masked mean or CLS) -> ``[b, D]``."""
     x = embed(inputs).astype(self.dtype)
     if cls is not None:
-      x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])).astype(x.dtype),
-                           x], axis=1)
+      x = jnp.concatenate(
+          [jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])).astype(x.dtype), x], axis=1
+      )
       mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
     y, _ = tower(x, mask, train=train, reference=reference)
     if cls is not None:
@@ -232,8 +296,7 @@ class _Base(nn.Module):
   def _head(self, x, name="head"):
     """LRA's classifier head: Dense(mlp_dim) -> ReLU -> Dense(num_classes), float32 logits."""
     x = nn.relu(nn.Dense(self.mlp_dim, dtype=self.dtype, name=f"{name}_hidden")(x))
-    return nn.Dense(self.num_classes, dtype=self.dtype, name=f"{name}_out")(x).astype(
-        jnp.float32)
+    return nn.Dense(self.num_classes, dtype=self.dtype, name=f"{name}_out")(x).astype(jnp.float32)
 
 
 class Classifier(_Base):
@@ -242,8 +305,9 @@ class Classifier(_Base):
   @nn.compact
   def __call__(self, batch, *, train: bool = False, reference: bool = False):
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
-    pooled = self._encode(self._embed(), self._tower(), self._cls_token(), inputs, mask,
-                          train, reference)
+    pooled = self._encode(
+        self._embed(), self._tower(), self._cls_token(), inputs, mask, train, reference
+    )
     return self._head(pooled)
 
 
@@ -281,6 +345,7 @@ class DecoderLM(_Base):
   ``decode=True``: incremental decoding from the ``cache`` collection (``init_cache``;
   ``fastpos.models.decoding``); returns the new tokens' logits only.
   """
+
   tie_embeddings: bool = True
   memory_length: int = 0
 
@@ -288,37 +353,58 @@ class DecoderLM(_Base):
     """An LM is causal by construction and has no pooling or classes: refuse what it would
     ignore (a bidirectional attention config would let every token see the future)."""
     if not self.attention.causal:
-      raise ValueError("DecoderLM: the attention config is bidirectional (causal=False), so "
-                       "every position would see the tokens it predicts; build it with "
-                       "AttentionConfig(..., causal=True).")
+      raise ValueError(
+          "DecoderLM: the attention config is bidirectional (causal=False), so "
+          "every position would see the tokens it predicts; build it with "
+          "AttentionConfig(..., causal=True)."
+      )
     if self.pooling != "mean" or self.num_classes != 0:
-      raise ValueError(f"DecoderLM: pooling and num_classes are encoder fields; leave them at "
-                       f"their defaults ('mean', 0); got pooling={self.pooling!r}, "
-                       f"num_classes={self.num_classes!r}.")
+      raise ValueError(
+          f"DecoderLM: pooling and num_classes are encoder fields; leave them at "
+          f"their defaults ('mean', 0); got pooling={self.pooling!r}, "
+          f"num_classes={self.num_classes!r}."
+      )
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
-      raise ValueError(f"DecoderLM: memory_length must be an int >= 0 (0: no memory); got "
-                       f"{self.memory_length!r}.")
+      raise ValueError(
+          f"DecoderLM: memory_length must be an int >= 0 (0: no memory); got "
+          f"{self.memory_length!r}."
+      )
 
   def init_cache(self, batch_size: int, max_length: int):
     """An empty decoding state (the ``cache`` collection) for ``batch_size`` rows of at most
     ``max_length`` tokens (``fastpos.models.decoding``): zeros, shaped without any compute."""
     if max_length < 1 or max_length > self.attention.max_length:
-      raise ValueError(f"init_cache: max_length must be in [1, {self.attention.max_length}] "
-                       f"(the model's max_length); got {max_length}.")
-    batch = {"inputs": jnp.zeros((batch_size, 1), jnp.int32),
-             "mask": jnp.ones((batch_size, 1), bool)}
+      raise ValueError(
+          f"init_cache: max_length must be in [1, {self.attention.max_length}] "
+          f"(the model's max_length); got {max_length}."
+      )
+    batch = {
+        "inputs": jnp.zeros((batch_size, 1), jnp.int32),
+        "mask": jnp.ones((batch_size, 1), bool),
+    }
     shapes = jax.eval_shape(
-        lambda: self.init(jax.random.key(0), batch, decode=True, cache_length=max_length))
+        lambda: self.init(jax.random.key(0), batch, decode=True, cache_length=max_length)
+    )
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
 
   def init_memory(self, batch_size: int):
-    states = [jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
-              for _ in range(self.num_layers)]
+    states = [
+        jnp.zeros((batch_size, self.memory_length, self.attention.embed_dim), self.dtype)
+        for _ in range(self.num_layers)
+    ]
     return states, jnp.zeros((batch_size, self.memory_length), bool)
 
   @nn.compact
-  def __call__(self, batch, *, train: bool = False, reference: bool = False, memory=None,
-               decode: bool = False, cache_length: int | None = None):
+  def __call__(
+      self,
+      batch,
+      *,
+      train: bool = False,
+      reference: bool = False,
+      memory=None,
+      decode: bool = False,
+      cache_length: int | None = None,
+  ):
     if decode:
       if memory is not None:
         raise ValueError("DecoderLM: decode=True reads the cache; memory is not used there.")
@@ -342,8 +428,9 @@ class DecoderLM(_Base):
     output projection of the full forward and of decoding."""
     out = jnp.promote_types(self.dtype, jnp.float32)
     if self.tie_embeddings:
-      scale = self.param("logit_scale", nn.initializers.constant(1 / self.attention.embed_dim),
-                         (), jnp.float32)
+      scale = self.param(
+          "logit_scale", nn.initializers.constant(1 / self.attention.embed_dim), (), jnp.float32
+      )
       logits = embed.attend(y.astype(out)) * scale.astype(out)
     else:
       logits = nn.Dense(self.vocab_size, dtype=self.dtype, name="lm_head")(y)
@@ -356,9 +443,11 @@ class DecoderLM(_Base):
       raise ValueError("decoding runs with train=False.")
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
     if not self.is_initializing() and not self.has_variable("cache", "index"):
-      raise ValueError("decoding needs a cache: build it with model.init_cache(batch_size, "
-                       "max_length) and apply with {'params': ..., 'cache': cache}, "
-                       "mutable=['cache'].")
+      raise ValueError(
+          "decoding needs a cache: build it with model.init_cache(batch_size, "
+          "max_length) and apply with {'params': ..., 'cache': cache}, "
+          "mutable=['cache']."
+      )
     index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
     step = decoding.Step(offset=index.value, cache_length=cache_length)
     embed = self._embed()

@@ -38,26 +38,30 @@ DEFAULT_EPS = 1e-6
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
-def _check_qkv(q, k, v, names=("q", "k", "v"), *, same_length: bool = True
-               ) -> tuple[int, int, int]:
+def _check_qkv(q, k, v, names=("q", "k", "v"), *, same_length: bool = True) -> tuple[int, int, int]:
   """Validates ranks and shapes; returns (batch, query length, heads). With
   ``same_length=False`` keys may be longer than queries (memory keys first)."""
   for name, a in zip(names, (q, k, v)):
     if jnp.ndim(a) != 4:
       raise ValueError(
-          f"{name} must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(a)}.")
+          f"{name} must be [batch, length, heads, dim] (rank 4); got shape {jnp.shape(a)}."
+      )
   b, n, h, _ = q.shape
   nk = k.shape[1] if not same_length else n
-  if (k.shape[:3] != (b, nk, h) or v.shape[:3] != (b, nk, h)
-      or (not same_length and nk < n)):
-    what = "[batch, length, heads]" if same_length else (
-        "batch and heads, with key length >= query length")
+  if k.shape[:3] != (b, nk, h) or v.shape[:3] != (b, nk, h) or (not same_length and nk < n):
+    what = (
+        "[batch, length, heads]"
+        if same_length
+        else ("batch and heads, with key length >= query length")
+    )
     raise ValueError(
         f"{names[0]}, {names[1]}, {names[2]} must share {what}; got "
-        f"{q.shape}, {k.shape}, {v.shape}.")
+        f"{q.shape}, {k.shape}, {v.shape}."
+    )
   if k.shape[-1] != q.shape[-1]:
     raise ValueError(
-        f"{names[0]} and {names[1]} must have the same last dim; got {q.shape} and {k.shape}.")
+        f"{names[0]} and {names[1]} must have the same last dim; got {q.shape} and {k.shape}."
+    )
   return b, n, h
 
 
@@ -91,7 +95,8 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
     if bias.ndim != 4 or bias.shape[-2:] != (n, nk):
       raise ValueError(
           f"bias must be [heads, Lq, Lk] or [batch, heads, Lq, Lk] (broadcastable) with "
-          f"Lq={n}, Lk={nk}; got shape {bias.shape}.")
+          f"Lq={n}, Lk={nk}; got shape {bias.shape}."
+      )
   allowed = None if mask is None else mask[:, None, None, :]
   if causal:
     cm = (jnp.arange(nk)[None, :] <= (nk - n) + jnp.arange(n)[:, None])[None, None]
@@ -99,8 +104,9 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
   return bias, allowed
 
 
-def softmax_attention(q, k, v, *, bias=None, mask=None, causal: bool = False,
-                      scale: float | None = None):
+def softmax_attention(
+    q, k, v, *, bias=None, mask=None, causal: bool = False, scale: float | None = None
+):
   """Exact softmax attention ``softmax(q k^T * scale + bias) v`` (padded keys excluded).
 
   Runs through ``jax.nn.dot_product_attention`` so that GPUs reach the fused (cuDNN) kernel
@@ -130,8 +136,9 @@ def softmax_attention(q, k, v, *, bias=None, mask=None, causal: bool = False,
   return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(logits, axis=-1), v)
 
 
-def softmax_attention_reference(q, k, v, *, bias=None, mask=None, causal: bool = False,
-                                scale: float | None = None):
+def softmax_attention_reference(
+    q, k, v, *, bias=None, mask=None, causal: bool = False, scale: float | None = None
+):
   """Dense reference written out step by step: scores, a 0/1 visibility matrix multiplying
   ``exp(s - max)``, explicit normalisation. Computed in float64 when x64 is enabled."""
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
@@ -159,21 +166,24 @@ def _check_rpe(rpe, h: int, n: int, grid) -> None:
     if jnp.shape(rpe) != expected:
       raise ValueError(
           f"rpe must be [heads, 2N-1]={expected} (c_(j-i) = exp(b_(j-i)) by offset j-i); "
-          f"got shape {jnp.shape(rpe)}.")
+          f"got shape {jnp.shape(rpe)}."
+      )
   else:
     gh, gw = toeplitz._check_grid(grid, n)
     expected = (h, 2 * gh - 1, 2 * gw - 1)
     if jnp.shape(rpe) != expected:
       raise ValueError(
           f"rpe with grid {tuple(grid)} must be [heads, 2H-1, 2W-1]={expected}; got shape "
-          f"{jnp.shape(rpe)}.")
+          f"{jnp.shape(rpe)}."
+      )
   # Positivity can only be checked on concrete values; under jit the caller guarantees it
   # (the positional modules pass exp(b)).
   if not isinstance(rpe, jax.core.Tracer):
     bad = np.min(np.asarray(rpe))
     if not bad > 0:
       raise ValueError(
-          f"rpe must be a table of positive weights c = exp(b) > 0; its minimum is {float(bad)}.")
+          f"rpe must be a table of positive weights c = exp(b) > 0; its minimum is {float(bad)}."
+      )
 
 
 def _apply_key_mask(phi_k, mask, dtype):
@@ -192,12 +202,14 @@ def _check_decay(decay, h: int, causal: bool) -> None:
     raise ValueError("decay r^(i-j) is defined for causal attention only; got causal=False.")
   if jnp.shape(decay) != (h,):
     raise ValueError(
-        f"decay must be [heads]=({h},) log-decays log r <= 0; got shape {jnp.shape(decay)}.")
+        f"decay must be [heads]=({h},) log-decays log r <= 0; got shape {jnp.shape(decay)}."
+    )
   if not isinstance(decay, jax.core.Tracer):
     worst = np.max(np.asarray(decay))
     if not worst <= 0:
       raise ValueError(
-          f"decay holds log r and must be <= 0 (0 < r <= 1); its maximum is {float(worst)}.")
+          f"decay holds log r and must be <= 0 (0 < r <= 1); its maximum is {float(worst)}."
+      )
 
 
 def _check_den_features(den_features, phi_q, phi_k) -> None:
@@ -210,10 +222,12 @@ def _check_den_features(den_features, phi_q, phi_k) -> None:
     if jnp.ndim(a) != 4 or jnp.shape(a)[:3] != jnp.shape(ref)[:3]:
       raise ValueError(
           f"{name} must be [batch, N, heads, m'] matching {jnp.shape(ref)[:3]}; got "
-          f"{jnp.shape(a)}.")
+          f"{jnp.shape(a)}."
+      )
   if jnp.shape(dq)[-1] != jnp.shape(dk)[-1]:
-    raise ValueError(f"phi_q_den and phi_k_den must share m'; got {jnp.shape(dq)}, "
-                     f"{jnp.shape(dk)}.")
+    raise ValueError(
+        f"phi_q_den and phi_k_den must share m'; got {jnp.shape(dq)}, " f"{jnp.shape(dk)}."
+    )
 
 
 def causal_chunk_size(m: int, d: int) -> int:
@@ -227,10 +241,22 @@ def causal_chunk_size(m: int, d: int) -> int:
   return 32 if m * d >= 48 * (m + d) else 64
 
 
-def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
-                     grid: Sequence[int] | None = None, decay=None, den_features=None,
-                     chunk_size: int | None = None, eps: float = DEFAULT_EPS,
-                     key_log_scale=None, key_eps: float = 0.0):
+def linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    causal: bool = False,
+    rpe=None,
+    grid: Sequence[int] | None = None,
+    decay=None,
+    den_features=None,
+    chunk_size: int | None = None,
+    eps: float = DEFAULT_EPS,
+    key_log_scale=None,
+    key_eps: float = 0.0,
+):
   """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
 
   Args:
@@ -284,23 +310,52 @@ def linear_attention(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=No
   if grid is not None and rpe is None:
     raise ValueError("grid is only used together with a 2D rpe table; got rpe=None.")
   if key_log_scale is not None:
-    return _scaled_keys(phi_q, phi_k, v, mask, key_log_scale, key_eps, causal=causal, rpe=rpe,
-                        decay=decay, den_features=den_features, chunk_size=chunk_size, eps=eps)
-  return _mix(phi_q, phi_k, v, mask, causal=causal, rpe=rpe, grid=grid, decay=decay,
-              den_features=den_features, chunk_size=chunk_size, eps=eps, length=n)
+    return _scaled_keys(
+        phi_q,
+        phi_k,
+        v,
+        mask,
+        key_log_scale,
+        key_eps,
+        causal=causal,
+        rpe=rpe,
+        decay=decay,
+        den_features=den_features,
+        chunk_size=chunk_size,
+        eps=eps,
+    )
+  return _mix(
+      phi_q,
+      phi_k,
+      v,
+      mask,
+      causal=causal,
+      rpe=rpe,
+      grid=grid,
+      decay=decay,
+      den_features=den_features,
+      chunk_size=chunk_size,
+      eps=eps,
+      length=n,
+  )
 
 
-def _scaled_keys(phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, decay,
-                 den_features, chunk_size, eps):
+def _scaled_keys(
+    phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, decay, den_features, chunk_size, eps
+):
   """``linear_attention`` with keys ``phi_k * exp(log_scale) + key_eps`` (see there)."""
   b, n, h = phi_q.shape[:3]
   if jnp.shape(log_scale) != (b, n, h):
-    raise ValueError(f"key_log_scale must be [batch, N, heads]=({b}, {n}, {h}); got shape "
-                     f"{jnp.shape(log_scale)}.")
+    raise ValueError(
+        f"key_log_scale must be [batch, N, heads]=({b}, {n}, {h}); got shape "
+        f"{jnp.shape(log_scale)}."
+    )
   for name, value in (("rpe", rpe), ("decay", decay), ("den_features", den_features)):
     if value is not None:
-      raise ValueError(f"key_log_scale is not built together with {name}; pass {name}=None "
-                       "(or features without a separate scale).")
+      raise ValueError(
+          f"key_log_scale is not built together with {name}; pass {name}=None "
+          "(or features without a separate scale)."
+      )
   dtype = _state_dtype(phi_q, phi_k, v)
   q, k, vals = (_head_major(a.astype(dtype)) for a in (phi_q, phi_k, v))
   s = jnp.transpose(log_scale.astype(dtype), (0, 2, 1))  # [b, h, n]
@@ -310,8 +365,9 @@ def _scaled_keys(phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, deca
   s = jnp.where(real, s, -jnp.inf)  # padded keys: weight 0, and no say in the reference
   k_eps = jnp.where(real, jnp.asarray(key_eps, dtype), jnp.zeros((), dtype))
   if causal:
-    chunk = min(causal_chunk_size(k.shape[-1], v.shape[-1]) if chunk_size is None
-                else chunk_size, n)
+    chunk = min(
+        causal_chunk_size(k.shape[-1], v.shape[-1]) if chunk_size is None else chunk_size, n
+    )
     if chunk < 1:
       raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
     num, den, ref = _causal_running_max(q, k, vals, s, k_eps, chunk)
@@ -362,11 +418,16 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
     old = jnp.exp(ref[..., None] - r)  # [b, h, chunk]: the carry's scale for each query
     eps_w = jnp.exp(-r) * jnp.sum(q_c, axis=-1)  # the eps part's scale times q . 1
     e_in = jnp.einsum("ij,bhj->bhi", tri, e_c)  # sum of eps over keys j <= i in the chunk
-    num = (old[..., None] * jnp.einsum("bhim,bhmd->bhid", q_c, kv)
-           + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
-           + eps_w[..., None] * (ev[:, :, None] + jnp.einsum("ij,bhj,bhjd->bhid", tri, e_c, v_c)))
-    den = (old * jnp.einsum("bhim,bhm->bhi", q_c, ks) + jnp.sum(scores, axis=-1)
-           + eps_w * (es[..., None] + e_in))
+    num = (
+        old[..., None] * jnp.einsum("bhim,bhmd->bhid", q_c, kv)
+        + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
+        + eps_w[..., None] * (ev[:, :, None] + jnp.einsum("ij,bhj,bhjd->bhid", tri, e_c, v_c))
+    )
+    den = (
+        old * jnp.einsum("bhim,bhm->bhi", q_c, ks)
+        + jnp.sum(scores, axis=-1)
+        + eps_w * (es[..., None] + e_in)
+    )
     new = r[..., -1]
     k_w = k_c * jnp.exp(s_c - new[..., None])[..., None]
     shrink = jnp.exp(ref - new)
@@ -376,11 +437,16 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
     es = es + jnp.sum(e_c, axis=-1)
     return (kv, ks, ev, es, new), (num, den, r)
 
-  init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype),
-          jnp.zeros((b, h, d), dtype), jnp.zeros((b, h), dtype), jnp.zeros((b, h), dtype))
-  _, (num, den, ref) = jax.lax.scan(jax.checkpoint(body), init,
-                                    (split(q), split(k), split(v), split(s, -jnp.inf),
-                                     split(k_eps)))
+  init = (
+      jnp.zeros((b, h, m, d), dtype),
+      jnp.zeros((b, h, m), dtype),
+      jnp.zeros((b, h, d), dtype),
+      jnp.zeros((b, h), dtype),
+      jnp.zeros((b, h), dtype),
+  )
+  _, (num, den, ref) = jax.lax.scan(
+      jax.checkpoint(body), init, (split(q), split(k), split(v), split(s, -jnp.inf), split(k_eps))
+  )
   num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
   den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
   ref = jnp.moveaxis(ref, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
@@ -394,8 +460,22 @@ def _scaled_guard(den, eps: float, ref):
   return jnp.where(jnp.abs(den) < t, jnp.where(den < 0, -t, t), den)
 
 
-def _mix(phi_q, phi_k, v, mask, *, causal, rpe, grid, decay, den_features, chunk_size, eps,
-         length, split=None):
+def _mix(
+    phi_q,
+    phi_k,
+    v,
+    mask,
+    *,
+    causal,
+    rpe,
+    grid,
+    decay,
+    den_features,
+    chunk_size,
+    eps,
+    length,
+    split=None,
+):
   """The body of ``linear_attention`` after its checks, shared with its context-parallel form.
 
   ``length`` is the whole sequence's (the rpe table's) length. ``split`` is None on one
@@ -466,7 +546,7 @@ def _decay_table(log_decay, n: int, grid):
     offsets = jnp.arange(-(n - 1), n)  # j - i
   else:
     gh, gw = grid
-    offsets = (jnp.arange(-(gh - 1), gh)[:, None] * gw + jnp.arange(-(gw - 1), gw)[None, :])
+    offsets = jnp.arange(-(gh - 1), gh)[:, None] * gw + jnp.arange(-(gw - 1), gw)[None, :]
   dist = jnp.maximum(-offsets, 0).astype(log_decay.dtype)
   return log_decay.reshape((-1,) + (1,) * dist.ndim) * dist[None]
 
@@ -510,7 +590,7 @@ def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
 # inputs' own [b, n, h, .] layout (one head's slice is contiguous after the gather: no layout
 # copies) and accumulated into outputs of that layout. The forward keeps nothing but the
 # inputs for the backward (a custom VJP), which rebuilds each group's channels.
-_RPE_GROUP_BYTES = 2 * 2 ** 20
+_RPE_GROUP_BYTES = 2 * 2**20
 
 
 def _rpe_group(b: int, n: int, m: int, d: int, itemsize: int) -> int:
@@ -548,8 +628,7 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   def add(acc, hh, x):  # acc[:, :, hh] += x, x [b, 1, n, e] (or [b, 1, n])
     x = x.reshape((b, n, 1) + x.shape[3:])
     start = (0, 0, hh) + (0,) * (x.ndim - 3)
-    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, start, x.shape) + x,
-                                        start)
+    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, start, x.shape) + x, start)
 
   def unpack(s, fq_all, fk_all, vals_all, table):
     hh, gi = s // per_head, s % per_head
@@ -562,14 +641,16 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
     return jnp.concatenate([kv, fk], axis=-1)
 
   def split(y):  # [b, 1, n, g d + g] -> [b, 1, n, g, d], [b, 1, n, g]
-    return y[..., :group * d].reshape(b, 1, n, group, d), y[..., group * d:]
+    return y[..., : group * d].reshape(b, 1, n, group, d), y[..., group * d :]
 
   def forward(*args):
     def body(s, carry):
       hh, fq, fk, vals, w = unpack(s, *args)
       y_kv, y_k = split(product(w, channels(fk, vals)))
-      return (add(carry[0], hh, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
-              add(carry[1], hh, jnp.einsum("bhig,bhig->bhi", fq, y_k)))
+      return (
+          add(carry[0], hh, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
+          add(carry[1], hh, jnp.einsum("bhig,bhig->bhi", fq, y_k)),
+      )
 
     init = mark((jnp.zeros((b, n, h, d), v.dtype), jnp.zeros((b, n, h), v.dtype)))
     return jax.lax.fori_loop(0, h * per_head, body, init)
@@ -586,18 +667,26 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
       g_q, g_k, g_v, g_t = carry
       hh, fq, fk, vals, w = unpack(s, *res)
       g_num, g_den = head(ct[0], hh), head(ct[1][..., None], hh)[..., 0]
-      cot = jnp.concatenate([(fq[..., :, None] * g_num[..., None, :]).reshape(b, 1, n, -1),
-                             fq * g_den[..., None]], axis=-1)
+      cot = jnp.concatenate(
+          [(fq[..., :, None] * g_num[..., None, :]).reshape(b, 1, n, -1), fq * g_den[..., None]],
+          axis=-1,
+      )
       y, vjp = jax.vjp(product, w, channels(fk, vals))
       g_w, g_x = vjp(cot)
       (y_kv, y_k), (gx_kv, gx_k) = split(y), split(g_x)
       gq = jnp.einsum("bhid,bhigd->bhig", g_num, y_kv) + g_den[..., None] * y_k
       gk = jnp.einsum("bhigd,bhid->bhig", gx_kv, vals) + gx_k
       put = lambda acc, x: jax.lax.dynamic_update_slice(
-          acc, x.reshape(b, n, 1, group), (0, 0, hh, (s % per_head) * group))
-      return (put(g_q, gq), put(g_k, gk), add(g_v, hh, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
-              jax.lax.dynamic_update_index_in_dim(
-                  g_t, jax.lax.dynamic_index_in_dim(g_t, hh, axis=0) + g_w, hh, axis=0))
+          acc, x.reshape(b, n, 1, group), (0, 0, hh, (s % per_head) * group)
+      )
+      return (
+          put(g_q, gq),
+          put(g_k, gk),
+          add(g_v, hh, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
+          jax.lax.dynamic_update_index_in_dim(
+              g_t, jax.lax.dynamic_index_in_dim(g_t, hh, axis=0) + g_w, hh, axis=0
+          ),
+      )
 
     init = tuple(jnp.zeros_like(a) for a in res)  # zeros_like keeps each input's device type
     return jax.lax.fori_loop(0, h * per_head, body, init)
@@ -641,8 +730,11 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
   if log_decay is not None:
     t = jnp.arange(chunk, dtype=dtype)
     dist = jnp.maximum(t[:, None] - t[None, :], 0)
-    intra = jnp.where(mask[None], jnp.exp(log_decay[:, None, None] * dist[None]),
-                      jnp.zeros((), dtype))[None]  # [1, h, chunk, chunk]
+    intra = jnp.where(
+        mask[None], jnp.exp(log_decay[:, None, None] * dist[None]), jnp.zeros((), dtype)
+    )[
+        None
+    ]  # [1, h, chunk, chunk]
     # Keys weighted by r^(chunk - t) toward the end of their chunk; queries by r^t.
     k_w = jnp.exp(log_decay[:, None] * (chunk - t)[None, :])[None, :, :, None]
     q_w = jnp.exp(log_decay[:, None] * t[None, :])[None, :, :, None]
@@ -659,8 +751,7 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
       scores = scores * intra
       q_in, k_in = q_c * q_w, k_c * k_w
       kv, ks = kv * step[..., None], ks * step
-    num = (jnp.einsum("bhim,bhmd->bhid", q_in, carry[0])
-           + jnp.einsum("bhij,bhjd->bhid", scores, v_c))
+    num = jnp.einsum("bhim,bhmd->bhid", q_in, carry[0]) + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
     den = jnp.einsum("bhim,bhm->bhi", q_in, carry[1]) + jnp.sum(scores, axis=-1)
     kv = kv + jnp.einsum("bhjm,bhjd->bhmd", k_in, v_c)
     ks = ks + jnp.sum(k_in, axis=2)
@@ -668,16 +759,25 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
 
   if init is None:
     init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init,
-                               (split(phi_q), split(phi_k), split(v)))
+  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, (split(phi_q), split(phi_k), split(v)))
   num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
   den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
   return num, den
 
 
-def linear_attention_reference(phi_q, phi_k, v, *, mask=None, causal: bool = False, rpe=None,
-                               grid: Sequence[int] | None = None, decay=None,
-                               den_features=None, eps: float = DEFAULT_EPS):
+def linear_attention_reference(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    mask=None,
+    causal: bool = False,
+    rpe=None,
+    grid: Sequence[int] | None = None,
+    decay=None,
+    den_features=None,
+    eps: float = DEFAULT_EPS,
+):
   """Dense reference: materialises ``A = (phi_q phi_k^T) * C * R * masks`` of [b, h, N, N]
   (C the rpe Toeplitz matrix, R_ij = r^(i-j) the decay) and normalises by the row sums of the
   same matrix built from ``den_features`` when given."""

@@ -72,13 +72,15 @@ def toeplitz_matmul(w, x, *, axis_name, causal: bool = False):
   num, _ = _axis(axis_name)
   n = x.shape[-2]
   if jnp.ndim(x) < 2 or jnp.ndim(w) < 1:
-    raise ValueError(f"w must be [..., 2N-1] and x [..., n, C]; got {jnp.shape(w)}, "
-                     f"{jnp.shape(x)}.")
+    raise ValueError(
+        f"w must be [..., 2N-1] and x [..., n, C]; got {jnp.shape(w)}, " f"{jnp.shape(x)}."
+    )
   if w.shape[-1] != 2 * n * num - 1:
     raise ValueError(
         f"w has {w.shape[-1]} entries along its last axis; a sequence of N = {n} x {num} "
         f"devices = {n * num} needs 2N-1 = {2 * n * num - 1} (the global table, offsets j-i "
-        f"from -(N-1) to N-1).")
+        f"from -(N-1) to N-1)."
+    )
   return _ring_toeplitz(w, x, axis_name, causal)
 
 
@@ -92,10 +94,12 @@ def _varying(tree, axis_name):
   scan's zero carry must have its body's type, and a vjp taken inside shard_map sums the
   cotangent of an invariant (replicated) input over the axis, where the ring's backward pass
   wants each device's own table gradient, summed once at the end."""
+
   def one(x):
     if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
       return x
     return jax.lax.pcast(x, axis_name, to="varying")
+
   return jax.tree.map(one, tree)
 
 
@@ -107,14 +111,16 @@ def _ring_perm(num: int):
 def _block_product(w, s, xq, n: int, num: int, causal: bool):
   """``T_s x_q``: the diagonal block (s = 0) causal when ``causal``, later blocks (s > 0)
   zero when ``causal``. ``s`` is traced: the branches are chosen at run time."""
+
   def off_diagonal(xq):
     y = toeplitz.toeplitz_matmul(_block_table(w, s, n, num), xq, remat=False)
     return jnp.where(s < 0, y, jnp.zeros((), y.dtype)) if causal else y
 
   if not causal:
     return off_diagonal(xq)
-  diagonal = lambda xq: toeplitz.toeplitz_matmul(_block_table(w, 0, n, num), xq, causal=True,
-                                                 remat=False)
+  diagonal = lambda xq: toeplitz.toeplitz_matmul(
+      _block_table(w, 0, n, num), xq, causal=True, remat=False
+  )
   return jax.lax.cond(s == 0, diagonal, off_diagonal, xq)
 
 
@@ -128,13 +134,13 @@ def _ring_toeplitz(w, x, axis_name, causal):
   # whole sequence on each device.
   def step(t, carry):
     xq, y = carry
-    xq = jax.lax.cond(t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)),
-                      lambda a: a, xq)
+    xq = jax.lax.cond(
+        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, xq
+    )
     return xq, y + _block_product(w, (p + t) % num - p, xq, n, num, causal).astype(y.dtype)
 
   dtype = jnp.result_type(w, x)
-  y = _varying(jnp.zeros(jnp.broadcast_shapes(w.shape[:-1] + (1, 1), x.shape), dtype),
-               axis_name)
+  y = _varying(jnp.zeros(jnp.broadcast_shapes(w.shape[:-1] + (1, 1), x.shape), dtype), axis_name)
   return jax.lax.fori_loop(0, num, step, (x, y))[1]
 
 
@@ -154,7 +160,8 @@ def _ring_toeplitz_bwd(axis_name, causal, res, dy):
   def step(t, carry):
     xq, dx, dw = carry
     xq, dx = jax.lax.cond(
-        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, (xq, dx))
+        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, (xq, dx)
+    )
     s = (p + t) % num - p
     _, vjp = jax.vjp(lambda a, b: _block_product(a, s, b, n, num, causal), w, xq)
     dws, dxq = vjp(dy)
@@ -207,9 +214,20 @@ def exclusive_scan(x, *, axis_name, log_decay=None, block: int = 1):
 # ---------------------------------------------------------------------------------------------
 # Linear attention over a split sequence
 # ---------------------------------------------------------------------------------------------
-def linear_attention(phi_q, phi_k, v, *, axis_name, mask=None, causal: bool = False,
-                     rpe=None, decay=None, den_features=None, chunk_size: int | None = None,
-                     eps: float = attn.DEFAULT_EPS):
+def linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    axis_name,
+    mask=None,
+    causal: bool = False,
+    rpe=None,
+    decay=None,
+    den_features=None,
+    chunk_size: int | None = None,
+    eps: float = attn.DEFAULT_EPS,
+):
   """``fastpos.ops.attention.linear_attention`` on this device's block of a split sequence.
 
   Same arguments and result as the unsplit op, restricted to the block: ``phi_q, phi_k``
@@ -232,14 +250,27 @@ def linear_attention(phi_q, phi_k, v, *, axis_name, mask=None, causal: bool = Fa
   attn._check_rpe(rpe, h, total, None)
   attn._check_decay(decay, h, causal)
   attn._check_den_features(den_features, phi_q, phi_k)
-  return attn._mix(phi_q, phi_k, v, mask, causal=causal, rpe=rpe, grid=None, decay=decay,
-                   den_features=den_features, chunk_size=chunk_size, eps=eps, length=total,
-                   split=_Split(axis_name))
+  return attn._mix(
+      phi_q,
+      phi_k,
+      v,
+      mask,
+      causal=causal,
+      rpe=rpe,
+      grid=None,
+      decay=decay,
+      den_features=den_features,
+      chunk_size=chunk_size,
+      eps=eps,
+      length=total,
+      split=_Split(axis_name),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
   """The device-axis operations ``fastpos.ops.attention._mix`` uses on a split sequence."""
+
   axis_name: str
 
   def toeplitz(self, rpe, causal: bool):  # the ring product in place of the FFT one

@@ -35,9 +35,9 @@ from fastpos.ops.attention import _guard
 # z whose max is subtracted, and what is added after the exponential).
 _FAVOR_EPS = inspect.signature(feature_ops.favor.__wrapped__).parameters["eps"].default
 STABILISED = {
-  "sikf": (lambda x, w: feature_ops._upcast(x), 0.0, False),
-  "favor": (feature_ops._prf_exponent, _FAVOR_EPS, True),
-  "orf": (feature_ops._prf_exponent, _FAVOR_EPS, True),
+    "sikf": (lambda x, w: feature_ops._upcast(x), 0.0, False),
+    "favor": (feature_ops._prf_exponent, _FAVOR_EPS, True),
+    "orf": (feature_ops._prf_exponent, _FAVOR_EPS, True),
 }
 
 
@@ -69,9 +69,9 @@ def _prefix_scale(s, real, prev, seen):
   """Per query i: c_i = the first real key's s (``prev`` if one was seen before this block,
   else s_j of the block's first real j <= i) ``[b, L, h]`` (0 where no key has been seen;
   every weight is then 0 anyway), and whether any was seen ``[b, L, h]``."""
-  first = jnp.argmax(real, axis=1)                                  # [b]
-  s_first = jnp.take_along_axis(s, first[:, None, None], axis=1)    # [b, 1, h]
-  here = jnp.cumsum(real.astype(jnp.int32), axis=1) > 0             # [b, L]
+  first = jnp.argmax(real, axis=1)  # [b]
+  s_first = jnp.take_along_axis(s, first[:, None, None], axis=1)  # [b, 1, h]
+  here = jnp.cumsum(real.astype(jnp.int32), axis=1) > 0  # [b, L]
   c = jnp.where(seen[:, None, None], prev[:, None, :], jnp.where(here[:, :, None], s_first, 0.0))
   any_ = jnp.broadcast_to((seen[:, None] | here)[:, :, None], c.shape)
   return c, any_
@@ -98,23 +98,25 @@ def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-
   fq, dq, v = fq.astype(dtype), dq.astype(dtype), v.astype(dtype)
   c, any_ = _prefix_scale(key["s"].astype(dtype), real, state["scale"], state["seen"])
   i = jnp.arange(n)
-  tri = (i[None, :] <= i[:, None])[None, None]                     # [1, 1, L(i), L(j)]
-  vis = tri & real[:, None, None, :]                               # [b, 1, i, j]
-  ct = jnp.transpose(c, (0, 2, 1))                                 # [b, h, L]
+  tri = (i[None, :] <= i[:, None])[None, None]  # [1, 1, L(i), L(j)]
+  vis = tri & real[:, None, None, :]  # [b, 1, i, j]
+  ct = jnp.transpose(c, (0, 2, 1))  # [b, h, L]
   st = jnp.transpose(key["s"].astype(dtype), (0, 2, 1))
   # Intra-block weight of key j for query i: exp(s_j - c_i) r^(i-j); old state: exp(c_old -
   # c_i) r^(i+1) (c_old = c_i once a key was seen).
   lw = st[:, :, None, :] - ct[:, :, :, None]
   w_b = jnp.where(vis, 1.0, 0.0)
   if log_decay is not None:
-    log_rel = log_decay.astype(dtype)[:, None, None] * jnp.maximum(
-        i[:, None] - i[None, :], 0).astype(dtype)[None]             # [h, i, j]
+    log_rel = (
+        log_decay.astype(dtype)[:, None, None]
+        * jnp.maximum(i[:, None] - i[None, :], 0).astype(dtype)[None]
+    )  # [h, i, j]
     lw = lw + log_rel[None]
     w_b = jnp.where(vis, jnp.exp(log_rel)[None], 0.0)
   w_a = jnp.where(vis, jnp.exp(jnp.where(vis, lw, 0.0)), 0.0)
-  prev = jnp.where(state["seen"][:, None], state["scale"], 0.0)    # [b, h]
+  prev = jnp.where(state["seen"][:, None], state["scale"], 0.0)  # [b, h]
   old = jnp.where(state["seen"][:, None, None], jnp.exp(prev[:, :, None] - ct), 0.0)  # [b,h,L]
-  step = _pos_weights(log_decay, i + 1, dtype)                     # [h, L]
+  step = _pos_weights(log_decay, i + 1, dtype)  # [h, L]
   if step is not None:
     old = old * step[None]
 
@@ -128,13 +130,14 @@ def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-
       if b_state is not None:
         carry = 1.0 if step is None else step[None]
         total = total + carry * jnp.einsum("bihm,bhm->bhi", qf, b_state)
-      return jnp.transpose(total, (0, 2, 1))                       # [b, L, h]
-    total = (jnp.einsum("bhij,bjhd->bhid", sc, vals)
-             + old[..., None] * jnp.einsum("bihm,bhmd->bhid", qf, a_state))
+      return jnp.transpose(total, (0, 2, 1))  # [b, L, h]
+    total = jnp.einsum("bhij,bjhd->bhid", sc, vals) + old[..., None] * jnp.einsum(
+        "bihm,bhmd->bhid", qf, a_state
+    )
     if b_state is not None:
       carry = 1.0 if step is None else step[None, :, :, None]
       total = total + carry * jnp.einsum("bihm,bhmd->bhid", qf, b_state)
-    return jnp.transpose(total, (0, 2, 1, 3))                      # [b, L, h, d]
+    return jnp.transpose(total, (0, 2, 1, 3))  # [b, L, h, d]
 
   num = contract(fq, key["num_a"], key["num_b"], state["num_a"], state["num_b"], v)
   den = contract(dq, key["den_a"], key["den_b"], state["den_a"], state["den_b"], None)
@@ -142,13 +145,16 @@ def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-
 
   # The state at the block's last position, taken at c_new = c_{L-1}.
   c_new, seen_new = c[:, -1], any_[:, -1, :].any(axis=-1) | state["seen"]
-  keep = jnp.where(state["seen"][:, None], jnp.exp(prev - c_new), 0.0)     # [b, h]
-  tail = _pos_weights(log_decay, n - 1 - i, dtype)                          # [h, L]
+  keep = jnp.where(state["seen"][:, None], jnp.exp(prev - c_new), 0.0)  # [b, h]
+  tail = _pos_weights(log_decay, n - 1 - i, dtype)  # [h, L]
   carry_all = None if log_decay is None else jnp.exp(log_decay.astype(dtype) * n)[None]
   if carry_all is not None:
     keep = keep * carry_all
-  wk = jnp.where(real[:, :, None], jnp.exp(jnp.where(real[:, :, None], key["s"].astype(dtype)
-                                                     - c_new[:, None, :], 0.0)), 0.0)
+  wk = jnp.where(
+      real[:, :, None],
+      jnp.exp(jnp.where(real[:, :, None], key["s"].astype(dtype) - c_new[:, None, :], 0.0)),
+      0.0,
+  )
   wb = jnp.broadcast_to(real[:, :, None].astype(dtype), (b, n, h))
   if tail is not None:
     wk, wb = wk * tail.T[None], wb * tail.T[None]
@@ -162,15 +168,18 @@ def linear_step(state, fq, dq, key, v, real, *, log_decay=None, eps: float = 1e-
     if b_key is None:
       new[f"{part}_b"] = None
     else:
-      carry = 1.0 if carry_all is None else (carry_all[..., None, None] if vals is not None
-                                              else carry_all[..., None])
+      carry = (
+          1.0
+          if carry_all is None
+          else (carry_all[..., None, None] if vals is not None else carry_all[..., None])
+      )
       new[f"{part}_b"] = carry * state[f"{part}_b"] + jnp.einsum(
-          spec, wb, b_key.astype(dtype), *args)
+          spec, wb, b_key.astype(dtype), *args
+      )
   return out, new
 
 
-def linear_cached_step(cache, fq, dq, *, log_rows, log_decay=None, offset=0,
-                       eps: float = 1e-6):
+def linear_cached_step(cache, fq, dq, *, log_rows, log_decay=None, offset=0, eps: float = 1e-6):
   """L new tokens of causal linear attention with relative weights ``exp(log_rows)`` inside
   numerator and denominator, over caches that already hold the new tokens.
 
@@ -187,16 +196,16 @@ def linear_cached_step(cache, fq, dq, *, log_rows, log_decay=None, offset=0,
   pos = offset + jnp.arange(n)
   j = jnp.arange(t)
   vis = (j[None, :] <= pos[:, None])[None, None] & cache["real"][:, None, None, :]  # [b,1,L,T]
-  st = jnp.transpose(cache["s"].astype(dtype), (0, 2, 1))           # [b, h, T]
-  first = jnp.argmax(cache["real"], axis=1)                          # the first real slot
-  c = jnp.take_along_axis(st, first[:, None, None], axis=-1)         # [b, h, 1]: every query
+  st = jnp.transpose(cache["s"].astype(dtype), (0, 2, 1))  # [b, h, T]
+  first = jnp.argmax(cache["real"], axis=1)  # the first real slot
+  c = jnp.take_along_axis(st, first[:, None, None], axis=-1)  # [b, h, 1]: every query
   rows = log_rows.astype(dtype)[None]
   if log_decay is not None:
     rows = rows + log_decay.astype(dtype)[None, :, None, None] * jnp.maximum(
-        pos[:, None] - j[None, :], 0)[None, None].astype(dtype)
+        pos[:, None] - j[None, :], 0
+    )[None, None].astype(dtype)
   w_b = jnp.where(vis, jnp.exp(jnp.where(vis, rows, 0.0)), 0.0)
-  w_a = jnp.where(vis, jnp.exp(jnp.where(vis, rows + st[:, :, None, :] - c[..., None], 0.0)),
-                  0.0)
+  w_a = jnp.where(vis, jnp.exp(jnp.where(vis, rows + st[:, :, None, :] - c[..., None], 0.0)), 0.0)
 
   def contract(qf, part, vals):
     qf = qf.astype(dtype)

@@ -61,14 +61,16 @@ def _check_projection(projection, x, name: str = "this feature map") -> None:
   if projection is None:
     raise ValueError(
         f"{name} is a random feature map and needs a projection [m, dim] or [heads, m, dim] "
-        "(see make_projection); got None.")
+        "(see make_projection); got None."
+    )
   shape = tuple(jnp.shape(projection))
   if len(shape) not in (2, 3):
     raise ValueError(f"projection must be [m, dim] or [heads, m, dim]; got shape {shape}.")
   if shape[-1] != x.shape[-1]:
     raise ValueError(
         f"projection has last dim {shape[-1]} but x has dim={x.shape[-1]}; expected "
-        f"[m, {x.shape[-1]}] or [heads, m, {x.shape[-1]}].")
+        f"[m, {x.shape[-1]}] or [heads, m, {x.shape[-1]}]."
+    )
   if len(shape) == 3 and shape[0] != x.shape[2]:
     raise ValueError(f"projection has {shape[0]} heads but x has heads={x.shape[2]}.")
 
@@ -76,8 +78,10 @@ def _check_projection(projection, x, name: str = "this feature map") -> None:
 def _check_nu(nu, dim: int) -> None:
   valid = isinstance(nu, numbers.Integral) and not isinstance(nu, bool)
   if not valid or not 1 <= nu <= 2 * dim - 1:
-    raise ValueError(f"dpfp nu must be an integer in [1, 2*dim-1] = [1, {2 * dim - 1}] for "
-                     f"dim={dim}; got {nu!r}.")
+    raise ValueError(
+        f"dpfp nu must be an integer in [1, 2*dim-1] = [1, {2 * dim - 1}] for "
+        f"dim={dim}; got {nu!r}."
+    )
 
 
 def _check_sizes(num_features, dim) -> None:
@@ -136,9 +140,12 @@ def _stabilizer(z, *, is_query: bool, mask, causal: bool = False):
   if is_query:
     m = jnp.max(z, axis=-1, keepdims=True)
   elif causal:
-    top = jnp.max(z, axis=-1)                                      # [b, l, h]
-    first = (jnp.zeros(top.shape[:1], jnp.int32) if mask is None
-             else jnp.argmax(jnp.asarray(mask, bool), axis=1))     # [b] the first real key
+    top = jnp.max(z, axis=-1)  # [b, l, h]
+    first = (
+        jnp.zeros(top.shape[:1], jnp.int32)
+        if mask is None
+        else jnp.argmax(jnp.asarray(mask, bool), axis=1)
+    )  # [b] the first real key
     m = jnp.take_along_axis(top, first[:, None, None], axis=1)[..., None]  # [b, 1, h, 1]
   else:
     if mask is not None:
@@ -257,8 +264,7 @@ def prf(x, projection):
 
 
 @functools.partial(jax.jit, static_argnames=("is_query", "eps", "causal"))
-def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6,
-          causal: bool = False):
+def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6, causal: bool = False):
   """Performer FAVOR+: PRF (Luo Eq. 5) with the Performer stabiliser, plus eps.
 
   phi(x) = exp(w_i.x - |x|^2/2 - c) / sqrt(m) + eps, c from ``_stabilizer`` (per token for
@@ -307,7 +313,8 @@ def nprf(x, projection, *, eps: float = 1e-6):
 # Every option a kernel can take, with its default (``KernelSpec`` in ``fastpos.models`` takes
 # its defaults from here).
 OPTION_DEFAULTS = types.MappingProxyType(
-    {"num_features": 64, "nu": 1, "eps": 1e-6, "redraw": False, "seed": 0})
+    {"num_features": 64, "nu": 1, "eps": 1e-6, "redraw": False, "seed": 0}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +334,7 @@ class Kernel:
     out_dim: ``out_dim(dim, num_features, nu) -> m``, the size of phi(x) for inputs of size dim.
     options: the names of ``OPTION_DEFAULTS`` this kernel reads.
   """
+
   name: str
   phi: Callable | None
   out_dim: Callable[[int, int | None, int], int]
@@ -361,37 +369,83 @@ _RANDOM_OPTIONS = ("num_features", "eps", "redraw", "seed")
 
 # Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
 # (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one.
-_REGISTRY = {k.name: k for k in (
-    Kernel("softmax", phi=None, out_dim=_same, options=()),
-    Kernel("elu1", phi=lambda x, w, is_query, mask, nu, causal: elu1(x), out_dim=_same,
-           options=("eps",)),
-    Kernel("relu", phi=lambda x, w, is_query, mask, nu, causal: relu(x), out_dim=_same,
-           options=("eps",)),
-    Kernel("sikf",
-           phi=lambda x, w, is_query, mask, nu, causal: sikf(x, is_query=is_query, mask=mask,
-                                                             causal=causal),
-           out_dim=_same, options=("eps",)),
-    Kernel("dpfp", phi=lambda x, w, is_query, mask, nu, causal: dpfp(x, nu=nu),
-           out_dim=lambda dim, num_features, nu: 2 * dim * nu, options=("nu", "eps")),
-    Kernel("favor",
-           phi=lambda x, w, is_query, mask, nu, causal: favor(x, w, is_query=is_query, mask=mask,
-                                                             causal=causal),
-           out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=gaussian_projection,
-           estimates_softmax=True),
-    Kernel("prf", phi=lambda x, w, is_query, mask, nu, causal: prf(x, w), out_dim=_per_feature,
-           options=_RANDOM_OPTIONS, projection=gaussian_projection, estimates_softmax=True),
-    Kernel("trf", phi=lambda x, w, is_query, mask, nu, causal: trf(x, w),
-           out_dim=lambda dim, num_features, nu: 2 * num_features, options=_RANDOM_OPTIONS,
-           projection=gaussian_projection, estimates_softmax=True, nonnegative=False),
-    # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
-    Kernel("nprf", phi=lambda x, w, is_query, mask, nu, causal: nprf(x, w), out_dim=_per_feature,
-           options=_RANDOM_OPTIONS, projection=gaussian_projection),
-    Kernel("orf",
-           phi=lambda x, w, is_query, mask, nu, causal: favor(x, w, is_query=is_query, mask=mask,
-                                                             causal=causal),
-           out_dim=_per_feature, options=_RANDOM_OPTIONS, projection=orthogonal_projection,
-           estimates_softmax=True),
-)}
+_REGISTRY = {
+    k.name: k
+    for k in (
+        Kernel("softmax", phi=None, out_dim=_same, options=()),
+        Kernel(
+            "elu1",
+            phi=lambda x, w, is_query, mask, nu, causal: elu1(x),
+            out_dim=_same,
+            options=("eps",),
+        ),
+        Kernel(
+            "relu",
+            phi=lambda x, w, is_query, mask, nu, causal: relu(x),
+            out_dim=_same,
+            options=("eps",),
+        ),
+        Kernel(
+            "sikf",
+            phi=lambda x, w, is_query, mask, nu, causal: sikf(
+                x, is_query=is_query, mask=mask, causal=causal
+            ),
+            out_dim=_same,
+            options=("eps",),
+        ),
+        Kernel(
+            "dpfp",
+            phi=lambda x, w, is_query, mask, nu, causal: dpfp(x, nu=nu),
+            out_dim=lambda dim, num_features, nu: 2 * dim * nu,
+            options=("nu", "eps"),
+        ),
+        Kernel(
+            "favor",
+            phi=lambda x, w, is_query, mask, nu, causal: favor(
+                x, w, is_query=is_query, mask=mask, causal=causal
+            ),
+            out_dim=_per_feature,
+            options=_RANDOM_OPTIONS,
+            projection=gaussian_projection,
+            estimates_softmax=True,
+        ),
+        Kernel(
+            "prf",
+            phi=lambda x, w, is_query, mask, nu, causal: prf(x, w),
+            out_dim=_per_feature,
+            options=_RANDOM_OPTIONS,
+            projection=gaussian_projection,
+            estimates_softmax=True,
+        ),
+        Kernel(
+            "trf",
+            phi=lambda x, w, is_query, mask, nu, causal: trf(x, w),
+            out_dim=lambda dim, num_features, nu: 2 * num_features,
+            options=_RANDOM_OPTIONS,
+            projection=gaussian_projection,
+            estimates_softmax=True,
+            nonnegative=False,
+        ),
+        # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
+        Kernel(
+            "nprf",
+            phi=lambda x, w, is_query, mask, nu, causal: nprf(x, w),
+            out_dim=_per_feature,
+            options=_RANDOM_OPTIONS,
+            projection=gaussian_projection,
+        ),
+        Kernel(
+            "orf",
+            phi=lambda x, w, is_query, mask, nu, causal: favor(
+                x, w, is_query=is_query, mask=mask, causal=causal
+            ),
+            out_dim=_per_feature,
+            options=_RANDOM_OPTIONS,
+            projection=orthogonal_projection,
+            estimates_softmax=True,
+        ),
+    )
+}
 KERNELS = tuple(_REGISTRY)
 FEATURE_MAPS = tuple(n for n, k in _REGISTRY.items() if not k.is_softmax)
 
@@ -409,8 +463,16 @@ def _feature_kernel(name: str) -> Kernel:
   return _REGISTRY[name]
 
 
-def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=None,
-                nu: int = 1, causal: bool = False):
+def feature_map(
+    name: str,
+    x,
+    *,
+    projection=None,
+    is_query: bool = False,
+    mask=None,
+    nu: int = 1,
+    causal: bool = False,
+):
   """Applies the feature map ``name`` (one of ``FEATURE_MAPS``) to ``x [b, l, h, d]``.
 
   ``projection`` is required by the random maps (build it with ``make_projection``) and refused
@@ -423,8 +485,10 @@ def feature_map(name: str, x, *, projection=None, is_query: bool = False, mask=N
   if kernel.needs_projection:
     _check_projection(projection, x, name)
   elif projection is not None:
-    raise ValueError(f"feature map {name!r} is deterministic and takes no projection; got one "
-                     f"of shape {jnp.shape(projection)}.")
+    raise ValueError(
+        f"feature map {name!r} is deterministic and takes no projection; got one "
+        f"of shape {jnp.shape(projection)}."
+    )
   return kernel.phi(x, projection, is_query, mask, nu, causal)
 
 
@@ -445,14 +509,14 @@ def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int
     _check_nu(nu, dim)
   if kernel.needs_projection:
     if num_features is None:
-      raise ValueError(f"feature map {name!r} is random; feature_dim needs num_features, got "
-                       "None.")
+      raise ValueError(
+          f"feature map {name!r} is random; feature_dim needs num_features, got " "None."
+      )
     _check_sizes(num_features, dim)
   return kernel.out_dim(dim, num_features, nu)
 
 
-def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1,
-                     eps: float = 1e-6):
+def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1, eps: float = 1e-6):
   """The causal keys' features split for ``linear_attention(key_log_scale=, key_eps=)``.
 
   Returns ``(e [b, l, h, m], log_scale [b, l, h], key_eps)`` with

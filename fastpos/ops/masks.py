@@ -19,8 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_mask(mask, shape: Sequence[int | None] | None, *, name: str = "mask",
-               layout: str = "[batch, length]", against: str = ""):
+def check_mask(
+    mask,
+    shape: Sequence[int | None] | None,
+    *,
+    name: str = "mask",
+    layout: str = "[batch, length]",
+    against: str = "",
+):
   """Validates a boolean mask; returns it (array-likes such as nested lists as a jax array).
 
   Args:
@@ -42,7 +48,8 @@ def check_mask(mask, shape: Sequence[int | None] | None, *, name: str = "mask",
     raise ValueError(
         f"{name} must be a boolean array {layout} (True = real token); got {mask.dtype}. "
         f"Convert a 0/1 mask with {name}.astype(bool); an additive 0/-inf mask with "
-        f"{name} == 0.")
+        f"{name} == 0."
+    )
   got = tuple(mask.shape)
   if shape is not None:
     shape = tuple(shape)
@@ -52,5 +59,6 @@ def check_mask(mask, shape: Sequence[int | None] | None, *, name: str = "mask",
       source = f" to match {against}" if against else ""
       raise ValueError(
           f"{name} must be {layout}={expected} with True for real tokens{source}; got shape "
-          f"{got}.")
+          f"{got}."
+      )
   return mask

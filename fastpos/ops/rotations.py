@@ -46,8 +46,10 @@ def check_feature_dim(lrpe_type: int, f: int, two_d: bool, scheme: str) -> None:
   need = per_axis * (2 if two_d else 1)
   if f < need:
     where = "2D (rows and columns each need their own features)" if two_d else "1D"
-    raise ValueError(f"{scheme}: type {lrpe_type} needs a feature dim >= {need} in {where}; "
-                     f"got feature dim {f}.")
+    raise ValueError(
+        f"{scheme}: type {lrpe_type} needs a feature dim >= {need} in {where}; "
+        f"got feature dim {f}."
+    )
 
 
 def slot_axes(n: int, two_d: bool) -> np.ndarray:
@@ -66,8 +68,9 @@ def inverse_frequencies(lrpe_type: int, f: int, *, two_d: bool, base: float) -> 
   if not two_d:
     return float(base) ** (-2.0 * np.arange(n) / f)
   width = 2 if lrpe_type == 2 else 1
-  return np.concatenate([float(base) ** (-2.0 * np.arange(g) / (width * g))
-                         for g in group_sizes(n, two_d)])
+  return np.concatenate(
+      [float(base) ** (-2.0 * np.arange(g) / (width * g)) for g in group_sizes(n, two_d)]
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +123,8 @@ def apply_p(x, p: str, *, householder_v=None, p_index=None, dft=None):
     return x, None
   if p == "householder":
     v = householder_v.astype(x.dtype)
-    v = v / jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))   # v / |v|: Eq. 73
-    v = v[None, None]                                           # [1, 1, h|1, f]
+    v = v / jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))  # v / |v|: Eq. 73
+    v = v[None, None]  # [1, 1, h|1, f]
     return x - 2.0 * jnp.sum(x * v, axis=-1, keepdims=True) * v, None
   if p in ("permutation", "random_permutation"):
     idx = jnp.broadcast_to(jnp.asarray(p_index)[None, None], x.shape)
@@ -141,13 +144,13 @@ def rotate_pairs(x, angles):
   feature as it is (the identity block)."""
   b, n, h, f = x.shape
   npairs = angles.shape[-1]
-  pairs = x[..., :2 * npairs].reshape(b, n, h, npairs, 2)
+  pairs = x[..., : 2 * npairs].reshape(b, n, h, npairs, 2)
   x0, x1 = pairs[..., 0], pairs[..., 1]
-  cos, sin = jnp.cos(angles)[None], jnp.sin(angles)[None]    # [1, N, h|1, npairs]
+  cos, sin = jnp.cos(angles)[None], jnp.sin(angles)[None]  # [1, N, h|1, npairs]
   y = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
   y = y.reshape(b, n, h, 2 * npairs)
   if 2 * npairs < f:
-    y = jnp.concatenate([y, x[..., 2 * npairs:]], axis=-1)
+    y = jnp.concatenate([y, x[..., 2 * npairs :]], axis=-1)
   return y
 
 
@@ -166,15 +169,25 @@ def permute_powers(x, slot_pos, cycles):
   x ``[batch, N, heads, f]``, slot_pos ``[N, f]`` int (the power of each feature: its row or
   column in 2D), cycles: ``permutation_cycles`` tables ``[1 or heads, f]``."""
   flat, start, offset, length = (jnp.asarray(c) for c in cycles)
-  s = jnp.asarray(slot_pos)[:, None, :]                          # [N, 1, f]
-  where = start[None] + (offset[None] + s) % length[None]        # [N, h|1, f]
+  s = jnp.asarray(slot_pos)[:, None, :]  # [N, 1, f]
+  where = start[None] + (offset[None] + s) % length[None]  # [N, h|1, f]
   idx = jnp.take_along_axis(jnp.broadcast_to(flat[None], where.shape), where, axis=-1)
   idx = jnp.broadcast_to(idx[None], x.shape)
   return jnp.take_along_axis(x, idx, axis=-1)
 
 
-def lrpe_apply(x, slot_pos, *, lrpe_type: int, p: str, theta=None, householder_v=None,
-               p_index=None, dft=None, cycles=None):
+def lrpe_apply(
+    x,
+    slot_pos,
+    *,
+    lrpe_type: int,
+    p: str,
+    theta=None,
+    householder_v=None,
+    p_index=None,
+    dft=None,
+    cycles=None,
+):
   """``realise(M_s x)`` with ``M_s = Lambda^(s) P`` (App. D.1, Eq. 75).
 
   Args:
@@ -189,11 +202,10 @@ def lrpe_apply(x, slot_pos, *, lrpe_type: int, p: str, theta=None, householder_v
   """
   dtype = x.dtype
   compute = jnp.promote_types(dtype, jnp.float32)  # angles s * alpha need float32 at least
-  re, im = apply_p(x.astype(compute), p, householder_v=householder_v, p_index=p_index,
-                   dft=dft)
+  re, im = apply_p(x.astype(compute), p, householder_v=householder_v, p_index=p_index, dft=dft)
   if lrpe_type in (1, 2):
-    pos = jnp.asarray(slot_pos).astype(compute)[:, None, :]       # [N, 1, n]
-    angles = pos * theta.astype(compute)[None]                     # [N, h|1, n]
+    pos = jnp.asarray(slot_pos).astype(compute)[:, None, :]  # [N, 1, n]
+    angles = pos * theta.astype(compute)[None]  # [N, h|1, n]
     if lrpe_type == 1:
       re, im = phase(re, im, angles)
     else:
@@ -204,7 +216,6 @@ def lrpe_apply(x, slot_pos, *, lrpe_type: int, p: str, theta=None, householder_v
     im = None if im is None else permute_powers(im, slot_pos, cycles)
   out = re if im is None else jnp.concatenate([re, im], axis=-1)
   return out.astype(dtype)
-
 
 
 def transform_qk(q, k, pos_q, pos_k, *, lrpe_type: int, p: str, two_d: bool, **arrays):

@@ -34,8 +34,7 @@ class Segments(NamedTuple):
   positions: object  # [b, N] int32, in-segment positions
 
 
-_ACTIVE: contextvars.ContextVar[Segments | None] = contextvars.ContextVar("segments",
-                                                                            default=None)
+_ACTIVE: contextvars.ContextVar[Segments | None] = contextvars.ContextVar("segments", default=None)
 
 
 @contextlib.contextmanager
@@ -46,8 +45,9 @@ def packed(segment_ids, positions) -> Iterator[None]:
     yield
     return
   if positions is None:
-    raise ValueError("a packed batch needs 'positions' (in-segment positions) beside "
-                     "'segment_ids'.")
+    raise ValueError(
+        "a packed batch needs 'positions' (in-segment positions) beside " "'segment_ids'."
+    )
   token = _ACTIVE.set(Segments(jnp.asarray(segment_ids), jnp.asarray(positions)))
   try:
     yield
@@ -60,14 +60,24 @@ def active() -> Segments | None:
   return _ACTIVE.get()
 
 
-def packing_refusal(kernel: str, schemes: list[str], *, causal: bool, grid=None,
-                    memory_length: int = 0, split: bool = False) -> str | None:
+def packing_refusal(
+    kernel: str,
+    schemes: list[str],
+    *,
+    causal: bool,
+    grid=None,
+    memory_length: int = 0,
+    split: bool = False,
+) -> str | None:
   """Why a (kernel, schemes, causal) cell cannot pack exactly, or None when it packs."""
   if split:
     return "the sequence is split over the mesh's seq axis"
   if kernel != "softmax":
-    state = ("its key-value state spans the whole row" if not causal else
-             "its causal state would need a reset at each segment start (not built)")
+    state = (
+        "its key-value state spans the whole row"
+        if not causal
+        else "its causal state would need a reset at each segment start (not built)"
+    )
     return f"kernel {kernel!r} is linear: {state}"
   if grid is not None:
     return "2D (grid) inputs have no sequences to pack"
@@ -80,16 +90,26 @@ def packing_refusal(kernel: str, schemes: list[str], *, causal: bool, grid=None,
   return None
 
 
-def check_packable(kernel: str, schemes: list[str], *, causal: bool, grid=None,
-                   memory_length: int = 0, split: bool = False) -> None:
+def check_packable(
+    kernel: str,
+    schemes: list[str],
+    *,
+    causal: bool,
+    grid=None,
+    memory_length: int = 0,
+    split: bool = False,
+) -> None:
   """Raises ValueError naming the reason when the cell cannot pack (``packing_refusal``)."""
-  reason = packing_refusal(kernel, schemes, causal=causal, grid=grid,
-                           memory_length=memory_length, split=split)
+  reason = packing_refusal(
+      kernel, schemes, causal=causal, grid=grid, memory_length=memory_length, split=split
+  )
   if reason is not None:
-    raise ValueError(f"packed batches (segment_ids) cannot run exactly on this model: "
-                     f"{reason}. Packing runs the softmax kernel with schemes "
-                     f"{', '.join(PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
-                     "config.data.bucket_lengths).")
+    raise ValueError(
+        f"packed batches (segment_ids) cannot run exactly on this model: "
+        f"{reason}. Packing runs the softmax kernel with schemes "
+        f"{', '.join(PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
+        "config.data.bucket_lengths)."
+    )
 
 
 def segment_bias(ids, dtype) -> jnp.ndarray:

@@ -62,8 +62,7 @@ def _conv_fft_size(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 def _check_rank(name: str, a, min_rank: int, what: str) -> None:
   if jnp.ndim(a) < min_rank:
-    raise ValueError(
-        f"{name} must have rank >= {min_rank} ({what}); got shape {jnp.shape(a)}.")
+    raise ValueError(f"{name} must have rank >= {min_rank} ({what}); got shape {jnp.shape(a)}.")
 
 
 def _broadcast_batch(name_w: str, w_batch: tuple, x_batch: tuple) -> tuple:
@@ -131,7 +130,8 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
   if w.shape[-1] != 2 * n - 1:
     raise ValueError(
         f"w has {w.shape[-1]} entries along its last axis; a sequence of N={n} needs "
-        f"2N-1={2 * n - 1} (offsets j-i from -(N-1) to N-1).")
+        f"2N-1={2 * n - 1} (offsets j-i from -(N-1) to N-1)."
+    )
   batch = _broadcast_batch("w", w.shape[:-1], x.shape[:-2])
   out_dtype, dtype = _compute_dtype(w, x)
   fft_len = _conv_fft_size(2 * n - 1)
@@ -151,8 +151,13 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
 
   y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * fft_len, remat)
   if causal:
-    y = _refine_causal_head(y, lambda k: toeplitz_matmul(
-        w[..., n - k: n + k - 1], x[..., :k, :], causal=True, remat=remat), n // _REFINE_FACTOR)
+    y = _refine_causal_head(
+        y,
+        lambda k: toeplitz_matmul(
+            w[..., n - k : n + k - 1], x[..., :k, :], causal=True, remat=remat
+        ),
+        n // _REFINE_FACTOR,
+    )
   return y.astype(out_dtype)
 
 
@@ -169,7 +174,7 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
 # 16384 run 1.3-1.5x faster than the same code over the whole batch at once, mostly because
 # XLA:CPU allocates an executable's temporaries afresh per call and every fresh page costs a
 # fault.
-_GROUP_BYTES = 4 * 2 ** 20
+_GROUP_BYTES = 4 * 2**20
 
 
 def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int, remat: bool):
@@ -179,15 +184,15 @@ def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int, remat: 
   ``len(batch)`` that broadcast to ``batch``; ``item_elems`` is the number of complex
   elements of one batch entry's spectrum (sets the group size). Returns ``[batch..., N, C]``.
   """
-  tail = kernel_f.shape[len(batch):]
+  tail = kernel_f.shape[len(batch) :]
   size = int(np.prod(batch, dtype=np.int64))
   itemsize = jnp.dtype(kernel_f.dtype).itemsize
   group = int(max(1, min(size, _GROUP_BYTES // max(item_elems * itemsize, 1))))
   steps = -(-size // group)
   group = -(-size // steps)
   # Which table each batch entry uses (static): tables are gathered per group, not broadcast.
-  w_size = int(np.prod(kernel_f.shape[:len(batch)], dtype=np.int64))
-  table = np.broadcast_to(np.arange(w_size).reshape(kernel_f.shape[:len(batch)]), batch)
+  w_size = int(np.prod(kernel_f.shape[: len(batch)], dtype=np.int64))
+  table = np.broadcast_to(np.arange(w_size).reshape(kernel_f.shape[: len(batch)]), batch)
   table = np.concatenate([table.reshape(-1), np.zeros(steps * group - size, np.int64)])
   kf = kernel_f.reshape((w_size,) + tail)
   xs = jnp.broadcast_to(x, batch + x.shape[-2:]).reshape((size,) + x.shape[-2:])
@@ -198,9 +203,13 @@ def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int, remat: 
     y = body(jnp.asarray(table), xs)
   else:
     xs = jnp.pad(xs, ((0, steps * group - size), (0, 0), (0, 0)))
-    y = jax.lax.map(lambda args: body(*args),
-                    (jnp.asarray(table.reshape(steps, group).astype(np.int32)),
-                     xs.reshape((steps, group) + xs.shape[1:])))
+    y = jax.lax.map(
+        lambda args: body(*args),
+        (
+            jnp.asarray(table.reshape(steps, group).astype(np.int32)),
+            xs.reshape((steps, group) + xs.shape[1:]),
+        ),
+    )
     y = y.reshape((steps * group,) + y.shape[2:])[:size]
   return y.reshape(batch + y.shape[1:])
 
@@ -258,7 +267,7 @@ def dense_toeplitz(w):
   # gradient is then a reshape and a sum.
   u = jnp.concatenate([w, jnp.zeros(w.shape[:-1] + (1,), w.dtype)], axis=-1)
   tiled = jnp.tile(u, (1,) * (w.ndim - 1) + (n,))[..., : n * (2 * n - 1)]
-  return tiled.reshape(w.shape[:-1] + (n, 2 * n - 1))[..., n - 1: 2 * n - 1]
+  return tiled.reshape(w.shape[:-1] + (n, 2 * n - 1))[..., n - 1 : 2 * n - 1]
 
 
 def causal_mask(n: int):
@@ -277,7 +286,8 @@ def _check_grid(grid: Sequence[int], n: int) -> tuple[int, int]:
   if h < 1 or wd < 1 or h * wd != n:
     raise ValueError(
         f"grid {tuple(grid)} does not match the sequence: H*W={h * wd} but N={n} "
-        f"(x is the image flattened row-major, N = H*W).")
+        f"(x is the image flattened row-major, N = H*W)."
+    )
   return h, wd
 
 
@@ -292,8 +302,7 @@ def raster_causal_mask_2d(grid: Sequence[int]):
   return (dr < 0) | ((dr == 0) & (dc <= 0))
 
 
-def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False,
-                       remat: bool = True):
+def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False, remat: bool = True):
   """2D relative product ``out[(r,c)] = sum_{r',c'} w[r'-r+H-1, c'-c+W-1] x[(r',c')]``.
 
   Args:
@@ -314,7 +323,8 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False,
   if w.shape[-2:] != (2 * h - 1, 2 * wd - 1):
     raise ValueError(
         f"w has trailing shape {w.shape[-2:]}; grid (H, W)=({h}, {wd}) needs "
-        f"(2H-1, 2W-1)=({2 * h - 1}, {2 * wd - 1}).")
+        f"(2H-1, 2W-1)=({2 * h - 1}, {2 * wd - 1})."
+    )
   batch = _broadcast_batch("w", w.shape[:-2], x.shape[:-2])
   out_dtype, dtype = _compute_dtype(w, x)
   lh, lw = _conv_fft_size(2 * h - 1), _conv_fft_size(2 * wd - 1)
@@ -344,8 +354,9 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False,
     # than _REFINE_FACTOR rows, the first row alone is a 1D causal product along the columns.
     hk = h // _REFINE_FACTOR
     if hk >= 1:
-      head = lambda k: toeplitz_matmul_2d(w[..., h - hk: h + hk - 1, :], x[..., :k, :],
-                                          (hk, wd), causal=True)
+      head = lambda k: toeplitz_matmul_2d(
+          w[..., h - hk : h + hk - 1, :], x[..., :k, :], (hk, wd), causal=True
+      )
     else:
       head = lambda k: toeplitz_matmul(w[..., h - 1, :], x[..., :k, :], causal=True)
     y = _refine_causal_head(y, head, max(hk, 1) * wd)
@@ -359,7 +370,8 @@ def dense_toeplitz_2d(w, grid: Sequence[int]):
   h, wd = (int(g) for g in grid)
   if w.shape[-2:] != (2 * h - 1, 2 * wd - 1):
     raise ValueError(
-        f"w has trailing shape {w.shape[-2:]}; grid ({h}, {wd}) needs ({2 * h - 1}, {2 * wd - 1}).")
+        f"w has trailing shape {w.shape[-2:]}; grid ({h}, {wd}) needs ({2 * h - 1}, {2 * wd - 1})."
+    )
   r = jnp.repeat(jnp.arange(h), wd)
   c = jnp.tile(jnp.arange(wd), h)
   dr = r[None, :] - r[:, None] + (h - 1)

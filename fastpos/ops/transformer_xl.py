@@ -35,11 +35,9 @@ import jax.numpy as jnp
 def _check_inputs(q, rel_k, pos_bias, two_sided: bool = False) -> tuple[int, int]:
   """Validates shapes; returns (L, M)."""
   if jnp.ndim(q) != 4:
-    raise ValueError(
-        f"q must have rank 4 [batch, L, heads, dim]; got shape {jnp.shape(q)}.")
+    raise ValueError(f"q must have rank 4 [batch, L, heads, dim]; got shape {jnp.shape(q)}.")
   if jnp.ndim(rel_k) != 3:
-    raise ValueError(
-        f"rel_k must have rank 3 [M+L, heads, dim]; got shape {jnp.shape(rel_k)}.")
+    raise ValueError(f"rel_k must have rank 3 [M+L, heads, dim]; got shape {jnp.shape(rel_k)}.")
   _, length, heads, dim = jnp.shape(q)
   # One-sided: distances M+L-1..0 (M+L rows); two-sided: M+L-1..-(L-1) (M+2L-1 rows).
   extra = length - 1 if two_sided else 0
@@ -47,19 +45,21 @@ def _check_inputs(q, rel_k, pos_bias, two_sided: bool = False) -> tuple[int, int
     rows = "M + 2L - 1" if two_sided else "M + L"
     raise ValueError(
         f"rel_k must have at least {length + extra} rows ({rows} with memory M >= 0, "
-        f"two_sided={two_sided}); got shape {jnp.shape(rel_k)} for q of shape {jnp.shape(q)}.")
+        f"two_sided={two_sided}); got shape {jnp.shape(rel_k)} for q of shape {jnp.shape(q)}."
+    )
   if tuple(jnp.shape(rel_k)[1:]) != (heads, dim):
     raise ValueError(
         f"rel_k must have shape [M+L, heads, dim] = [M+L, {heads}, {dim}] to match q "
-        f"{jnp.shape(q)}; got shape {jnp.shape(rel_k)}.")
+        f"{jnp.shape(q)}; got shape {jnp.shape(rel_k)}."
+    )
   if pos_bias is not None:
     if jnp.ndim(pos_bias) != 2:
-      raise ValueError(
-          f"pos_bias must have rank 2 [heads, dim]; got shape {jnp.shape(pos_bias)}.")
+      raise ValueError(f"pos_bias must have rank 2 [heads, dim]; got shape {jnp.shape(pos_bias)}.")
     if tuple(jnp.shape(pos_bias)) != (heads, dim):
       raise ValueError(
           f"pos_bias must have shape [heads, dim] = [{heads}, {dim}] to match q "
-          f"{jnp.shape(q)}; got shape {jnp.shape(pos_bias)}.")
+          f"{jnp.shape(q)}; got shape {jnp.shape(pos_bias)}."
+      )
   return length, jnp.shape(rel_k)[0] - length - extra
 
 
@@ -125,14 +125,15 @@ def rel_shift(x, *, two_sided: bool = False):
     want = "[..., L, M+2L-1]" if two_sided else "[..., L, M+L]"
     raise ValueError(
         f"x must be {want} with M >= 0 (two_sided={two_sided}); got shape {x.shape}, "
-        f"i.e. M = {memory}.")
+        f"i.e. M = {memory}."
+    )
   lead = tuple(lead)
   keys = memory + length
-  padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])       # [..., L, T+1]
-  padded = padded.reshape(lead + (cols + 1, length))                  # [..., T+1, L]
-  shifted = padded[..., 1:, :].reshape(lead + (length, cols))         # [..., L, T]
+  padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])  # [..., L, T+1]
+  padded = padded.reshape(lead + (cols + 1, length))  # [..., T+1, L]
+  shifted = padded[..., 1:, :].reshape(lead + (length, cols))  # [..., L, T]
   if two_sided:
-    return shifted[..., :keys]                                        # [..., L, M+L]
+    return shifted[..., :keys]  # [..., L, M+L]
   return jnp.where(_visible(shifted.shape, memory), shifted, jnp.zeros_like(shifted))
 
 
@@ -161,7 +162,7 @@ def relative_logits(q, rel_k, *, pos_bias=None, two_sided: bool = False):
   """
   _check_inputs(q, rel_k, pos_bias, two_sided)
   q, rel_k = _biased_queries(q, rel_k, pos_bias)
-  unshifted = jnp.einsum("bihd,thd->bhit", q, rel_k)                  # [b, h, L, T]
+  unshifted = jnp.einsum("bihd,thd->bhit", q, rel_k)  # [b, h, L, T]
   return rel_shift(unshifted, two_sided=two_sided)
 
 
@@ -176,9 +177,9 @@ def relative_logits_reference(q, rel_k, *, pos_bias=None, two_sided: bool = Fals
   keys = memory + length
   i = jnp.arange(length)[:, None]
   j = jnp.arange(keys)[None, :]
-  distance = (memory + i) - j                                         # [L, M+L]
+  distance = (memory + i) - j  # [L, M+L]
   visible = jnp.ones_like(distance, bool) if two_sided else distance >= 0
-  t = jnp.where(visible, (keys - 1) - distance, 0)                    # row of rel_k; any for future
-  pair_keys = rel_k[t]                                                # [L, M+L, heads, dim]
+  t = jnp.where(visible, (keys - 1) - distance, 0)  # row of rel_k; any for future
+  pair_keys = rel_k[t]  # [L, M+L, heads, dim]
   out = jnp.einsum("bihd,ijhd->bhij", q, pair_keys)
   return jnp.where(visible[None, None], out, jnp.zeros_like(out))

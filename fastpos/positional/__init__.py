@@ -11,21 +11,31 @@ import re
 from typing import Mapping
 
 from fastpos.positional.base import (
-  Context,
-  Dims,
-  KernelInfo,
-  KVMix,
-  Option,
-  Scheme,
-  center_slice,
-  center_slice_2d,
-  offset_rows,
-  positions_2d,
+    Context,
+    Dims,
+    KernelInfo,
+    KVMix,
+    Option,
+    Scheme,
+    center_slice,
+    center_slice_2d,
+    offset_rows,
+    positions_2d,
 )
 
 # Modules holding schemes, in the order of the compatibility table.
-SCHEME_MODULES = ("none", "absolute", "fastrpb", "kernelized_rpe", "rope", "lrpe",
-                  "permuteformer", "spe", "t5_bias", "transformer_xl")
+SCHEME_MODULES = (
+    "none",
+    "absolute",
+    "fastrpb",
+    "kernelized_rpe",
+    "rope",
+    "lrpe",
+    "permuteformer",
+    "spe",
+    "t5_bias",
+    "transformer_xl",
+)
 
 
 def _collect() -> dict[str, type[Scheme]]:
@@ -44,8 +54,7 @@ SCHEMES: dict[str, type[Scheme]] = _collect()
 
 def get_class(name: str) -> type[Scheme]:
   if name not in SCHEMES:
-    raise ValueError(
-        f"unknown positional scheme {name!r}; valid choices: {', '.join(SCHEMES)}.")
+    raise ValueError(f"unknown positional scheme {name!r}; valid choices: {', '.join(SCHEMES)}.")
   return SCHEMES[name]
 
 
@@ -84,6 +93,21 @@ def parse_names(positional: str | tuple | list) -> tuple[str, ...]:
   return tuple(n for n in names if n != "none")
 
 
-__all__ = ["Context", "Dims", "KernelInfo", "KVMix", "Option", "Scheme", "SCHEMES", "build",
-           "center_slice", "center_slice_2d", "check_options", "get_class", "offset_rows",
-           "option_names", "parse_names", "positions_2d"]
+__all__ = [
+    "Context",
+    "Dims",
+    "KernelInfo",
+    "KVMix",
+    "Option",
+    "Scheme",
+    "SCHEMES",
+    "build",
+    "center_slice",
+    "center_slice_2d",
+    "check_options",
+    "get_class",
+    "offset_rows",
+    "option_names",
+    "parse_names",
+    "positions_2d",
+]

@@ -41,8 +41,9 @@ def sinusoid_table(positions, dim: int, *, base: float = 10000.0):
 class AbsolutePositional(Scheme):
   """Absolute embeddings (options: ``option_spec``)."""
 
-  option_spec = {"kind": Option("learned", "a learned table or fixed sinusoids", type="str",
-                                choices=KINDS)}
+  option_spec = {
+      "kind": Option("learned", "a learned table or fixed sinusoids", type="str", choices=KINDS)
+  }
 
   scheme_name = "absolute"
   hooks = ("embed",)
@@ -54,15 +55,20 @@ class AbsolutePositional(Scheme):
 
   def setup(self):
     if self.kind == "learned":
-      shape = ((self.dims.max_length, self.dims.embed_dim) if self.dims.grid is None
-               else (*self.dims.grid, self.dims.embed_dim))
+      shape = (
+          (self.dims.max_length, self.dims.embed_dim)
+          if self.dims.grid is None
+          else (*self.dims.grid, self.dims.embed_dim)
+      )
       self.table = self.param("table", nn.initializers.normal(stddev=0.02), shape)
 
   def _table(self, n: int, grid):
     d = self.dims.embed_dim
     if (grid is None) != (self.dims.grid is None):
-      raise ValueError(f"absolute: built for grid {self.dims.grid} but called with grid {grid}; "
-                       f"build and call it with the same (1D: None; 2D: the task's grid).")
+      raise ValueError(
+          f"absolute: built for grid {self.dims.grid} but called with grid {grid}; "
+          f"build and call it with the same (1D: None; 2D: the task's grid)."
+      )
     if grid is None:
       if n > self.dims.max_length:
         raise ValueError(f"absolute: length {n} exceeds max_length {self.dims.max_length}.")
@@ -72,8 +78,9 @@ class AbsolutePositional(Scheme):
     h, w = grid
     if self.kind == "learned":
       if self.dims.grid is None or h > self.dims.grid[0] or w > self.dims.grid[1]:
-        raise ValueError(f"absolute: grid {tuple(grid)} exceeds the table's grid "
-                         f"{self.dims.grid}.")
+        raise ValueError(
+            f"absolute: grid {tuple(grid)} exceeds the table's grid " f"{self.dims.grid}."
+        )
       return self.table[:h, :w].reshape(h * w, d)
     rows = sinusoid_table(jnp.arange(h), d // 2)
     cols = sinusoid_table(jnp.arange(w), d - d // 2)
@@ -91,10 +98,11 @@ class AbsolutePositional(Scheme):
     segs = segments.active()
     if segs is not None and ctx.grid is None:  # a packed row: each sequence from position 0
       if self.kind == "learned":
-        table = jnp.take(self.table[:x.shape[1]], segs.positions, axis=0, mode="clip")
+        table = jnp.take(self.table[: x.shape[1]], segs.positions, axis=0, mode="clip")
       else:
         table = sinusoid_table(segs.positions.reshape(-1), self.dims.embed_dim).reshape(
-            (*segs.positions.shape, -1))
+            (*segs.positions.shape, -1)
+        )
       return x + table.astype(x.dtype)
     return x + self._table(x.shape[1], ctx.grid)[None].astype(x.dtype)
 

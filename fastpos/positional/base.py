@@ -49,6 +49,7 @@ class KernelInfo:
     name: ``"softmax"`` or a feature-map name of ``fastpos.ops.features.FEATURE_MAPS``.
     nonnegative: phi(x) >= 0 always (True for softmax, whose exp is positive).
   """
+
   name: str
   nonnegative: bool = True
 
@@ -73,6 +74,7 @@ class Dims:
     causal: whether the model is causal (a decoder).
     kernel: the kernel the layer uses.
   """
+
   num_heads: int
   head_dim: int
   feature_dim: int
@@ -105,6 +107,7 @@ class Context:
       ``logits`` and ``output`` see the whole cache as keys / values at slots 0..Lk-1 (slot =
       position; slots after a query's position are masked by the layer).
   """
+
   mask: Any = None
   grid: tuple[int, int] | None = None
   causal: bool = False
@@ -130,6 +133,7 @@ class KVMix:
       it is added to the logits (a T5-style bias; exact).
     log_decay: ``[heads]`` log r <= 0 of a causal decay ``r^(i-j)`` (j <= i), or None.
   """
+
   log_table: Any = None
   log_decay: Any = None
 
@@ -146,13 +150,20 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-  return (isinstance(x, (int, float, np.integer, np.floating))
-          and not isinstance(x, (bool, np.bool_)) and math.isfinite(x))
+  return (
+      isinstance(x, (int, float, np.integer, np.floating))
+      and not isinstance(x, (bool, np.bool_))
+      and math.isfinite(x)
+  )
 
 
-_TYPE_CHECKS = {"bool": lambda x: isinstance(x, (bool, np.bool_)), "int": _is_int,
-                "number": _is_number, "str": lambda x: isinstance(x, str),
-                "any": lambda x: True}
+_TYPE_CHECKS = {
+    "bool": lambda x: isinstance(x, (bool, np.bool_)),
+    "int": _is_int,
+    "number": _is_number,
+    "str": lambda x: isinstance(x, str),
+    "any": lambda x: True,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +187,7 @@ class Option:
       refused (``Scheme.check_used``) rather than ignored.
     used_doc: when the option takes effect, in words (for that error).
   """
+
   default: Any
   doc: str
   type: str = "any"
@@ -208,8 +220,13 @@ class Option:
       return "one of " + self.choice_list()
     if self.valid:
       return self.valid
-    words = {"bool": "True or False", "int": "an even integer" if self.even else "an integer",
-             "number": "a finite number", "str": "a string", "any": "a valid value"}[self.type]
+    words = {
+        "bool": "True or False",
+        "int": "an even integer" if self.even else "an integer",
+        "number": "a finite number",
+        "str": "a string",
+        "any": "a valid value",
+    }[self.type]
     if self.low is not None:
       words += f" {'>' if self.low_open else '>='} {self.low:g}"
     if self.high is not None:
@@ -221,8 +238,9 @@ class Option:
 
   def choice_list(self) -> str:
     if isinstance(self.choices, Mapping):
-      return ", ".join(f"{v!r} ({d})" if isinstance(v, str) else f"{v} ({d})"
-                       for v, d in self.choices.items())
+      return ", ".join(
+          f"{v!r} ({d})" if isinstance(v, str) else f"{v} ({d})" for v, d in self.choices.items()
+      )
     return ", ".join(str(c) for c in self.choices)
 
   def is_valid(self, value) -> bool:
@@ -281,13 +299,16 @@ class Scheme(nn.Module):
       annotations = dict(cls.__dict__.get("__annotations__", {}))
       for name, option in spec.items():
         if name in annotations:
-          raise TypeError(f"{cls.__name__}: option {name!r} is declared in option_spec; drop "
-                          f"its field.")
+          raise TypeError(
+              f"{cls.__name__}: option {name!r} is declared in option_spec; drop " f"its field."
+          )
         annotations[name] = option.field_annotation
         setattr(cls, name, option.default)
       cls.__annotations__ = annotations
-    for name, wrap in (("compatibility", _validating_compatibility),
-                       ("feature_out_dim", _validating_out_dim)):
+    for name, wrap in (
+        ("compatibility", _validating_compatibility),
+        ("feature_out_dim", _validating_out_dim),
+    ):
       if name in cls.__dict__:
         setattr(cls, name, classmethod(wrap(cls.__dict__[name].__func__)))
     if "setup" in cls.__dict__:
@@ -301,7 +322,8 @@ class Scheme(nn.Module):
       if key not in valid:
         raise ValueError(
             f"unknown option {key!r} for positional scheme {cls.scheme_name!r}; valid options: "
-            f"{', '.join(valid) or '(none)'}.")
+            f"{', '.join(valid) or '(none)'}."
+        )
 
   @classmethod
   def resolve_options(cls, options: Mapping | None = None) -> dict:
@@ -328,7 +350,8 @@ class Scheme(nn.Module):
       raise ValueError(
           f"{cls.scheme_name}: option {name}={options[name]!r} would be ignored: it acts "
           f"{option.used_doc} (this layer: {where}). Drop it or leave it at "
-          f"{option.default!r}.")
+          f"{option.default!r}."
+      )
 
   @classmethod
   def unused_options(cls, options: Mapping | None, *, two_d: bool) -> list[str]:
@@ -336,10 +359,13 @@ class Scheme(nn.Module):
     they have no effect (``Option.used_when``)."""
     options = dict(options or {})
     resolved = cls.resolve_options(options)
-    return [name for name, value in options.items()
-            if cls.option_spec[name].used_when is not None
-            and value != cls.option_spec[name].default
-            and not cls.option_spec[name].used_when(resolved, two_d)]
+    return [
+        name
+        for name, value in options.items()
+        if cls.option_spec[name].used_when is not None
+        and value != cls.option_spec[name].default
+        and not cls.option_spec[name].used_when(resolved, two_d)
+    ]
 
   @classmethod
   def check_relations(cls, options: dict) -> None:
@@ -354,8 +380,9 @@ class Scheme(nn.Module):
     type(self).resolve_options(self.option_values())
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     """None when the scheme works with this kernel / setting, else the reason it does not.
 
     The generic checks (causal, 1D, 2D support) are made by
@@ -392,6 +419,7 @@ def _validating_compatibility(method):
   @functools.wraps(method)
   def wrapper(cls, kernel, *, causal: bool, two_d: bool, options: Mapping | None = None):
     return method(cls, kernel, causal=causal, two_d=two_d, options=cls.resolve_options(options))
+
   return wrapper
 
 
@@ -399,6 +427,7 @@ def _validating_out_dim(method):
   @functools.wraps(method)
   def wrapper(cls, dim: int, options: Mapping | None = None):
     return method(cls, dim, cls.resolve_options(options))
+
   return wrapper
 
 
@@ -407,6 +436,7 @@ def _validating_setup(setup):
   def wrapper(self):
     type(self).resolve_options(self.option_values())
     return setup(self)
+
   return wrapper
 
 
@@ -420,8 +450,9 @@ def center_slice(table, n: int, max_length: int):
   if n > max_length:
     raise ValueError(
         f"sequence length {n} exceeds the maximum length {max_length} the positional tables "
-        f"were built for; raise model.max_length.")
-  return table[..., max_length - n: max_length + n - 1]
+        f"were built for; raise model.max_length."
+    )
+  return table[..., max_length - n : max_length + n - 1]
 
 
 def offset_rows(table, offset, num_queries: int):
@@ -439,8 +470,9 @@ def center_slice_2d(table, grid: Sequence[int], max_grid: Sequence[int]):
     raise ValueError(
         f"grid {tuple(grid)} exceeds the largest grid {tuple(max_grid)} the positional tables "
         f"were built for (the task's grid, TaskInfo.grid): build the model for the larger "
-        f"grid.")
-  return table[..., mh - h: mh + h - 1, mw - w: mw + w - 1]
+        f"grid."
+    )
+  return table[..., mh - h : mh + h - 1, mw - w : mw + w - 1]
 
 
 def positions_2d(grid: Sequence[int]):
@@ -457,14 +489,18 @@ def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
   lq, lk = q.shape[1], k.shape[1]
   if ctx.offset is not None:  # decoding: the new tokens' queries and keys share positions
     if two_d or lq != lk:
-      raise ValueError(f"{scheme}: a decoding step is 1D with one key per query; got queries "
-                       f"{q.shape}, keys {k.shape}, grid {ctx.grid}.")
+      raise ValueError(
+          f"{scheme}: a decoding step is 1D with one key per query; got queries "
+          f"{q.shape}, keys {k.shape}, grid {ctx.grid}."
+      )
     pos = (ctx.offset + jnp.arange(lq, dtype=jnp.int32))[:, None]
     return pos, pos
   memory = lk - lq
   if memory != ctx.memory_length:
-    raise ValueError(f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
-                     f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+    raise ValueError(
+        f"{scheme}: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+        f"M = {memory}, but ctx.memory_length = {ctx.memory_length}."
+    )
   if ctx.grid is None:
     if two_d:
       raise ValueError(f"{scheme}: built for a 2D grid but called without one.")
@@ -472,13 +508,13 @@ def query_key_positions(q, k, ctx: Context, *, two_d: bool, scheme: str):
   if not two_d:
     raise ValueError(f"{scheme}: called with a grid but built for 1D (dims.grid is None).")
   if memory:
-    raise ValueError(f"{scheme}: memory (M = {memory}) is only defined for 1D sequences; got "
-                     f"grid {ctx.grid}.")
+    raise ValueError(
+        f"{scheme}: memory (M = {memory}) is only defined for 1D sequences; got "
+        f"grid {ctx.grid}."
+    )
   h, w = (int(g) for g in ctx.grid)
   if h * w != lq:
     raise ValueError(f"{scheme}: grid {tuple(ctx.grid)} does not cover length {lq}.")
   idx = np.arange(lq)
   pos = np.stack([idx // w, idx % w], axis=-1)
   return pos, pos
-
-

@@ -27,8 +27,14 @@ def kernel_info(kernel: str) -> positional.KernelInfo:
   return positional.KernelInfo(entry.name, nonnegative=entry.nonnegative)
 
 
-def problem(kernel: str, scheme: str, *, causal: bool = False, two_d: bool = False,
-            options: Mapping | None = None) -> str | None:
+def problem(
+    kernel: str,
+    scheme: str,
+    *,
+    causal: bool = False,
+    two_d: bool = False,
+    options: Mapping | None = None,
+) -> str | None:
   """None when ``kernel`` x ``scheme`` works in this setting, else the reason it does not."""
   info = kernel_info(kernel)
   cls = positional.get_class(scheme)
@@ -44,8 +50,10 @@ def problem(kernel: str, scheme: str, *, causal: bool = False, two_d: bool = Fal
   if not two_d and not cls.supports_1d:
     return f"{scheme!r} has no 1D form"
   if "logits" in cls.hooks and not info.is_softmax:
-    return (f"{scheme!r} adds a bias to the attention logits, which only the softmax kernel "
-            f"materialises")
+    return (
+        f"{scheme!r} adds a bias to the attention logits, which only the softmax kernel "
+        f"materialises"
+    )
   return cls.compatibility(info, causal=causal, two_d=two_d, options=options)
 
 
@@ -57,8 +65,14 @@ def compatible_schemes(kernel: str, **setting) -> list[str]:
   return [s for s in positional.SCHEMES if problem(kernel, s, **setting) is None]
 
 
-def check(kernel: str, schemes: Sequence[str], *, causal: bool = False, two_d: bool = False,
-          options: Mapping | None = None) -> None:
+def check(
+    kernel: str,
+    schemes: Sequence[str],
+    *,
+    causal: bool = False,
+    two_d: bool = False,
+    options: Mapping | None = None,
+) -> None:
   """Raises ValueError for the first incompatible pair (``options``: per-scheme dicts)."""
   options = options or {}
   for scheme in schemes:
@@ -71,7 +85,8 @@ def check(kernel: str, schemes: Sequence[str], *, causal: bool = False, two_d: b
           f"kernel {kernel!r} x positional scheme {scheme!r} is incompatible ({where}): {why}. "
           f"Kernels that work with {scheme!r} here: "
           f"{', '.join(compatible_kernels(scheme, **setting)) or '(none)'}. Schemes that work "
-          f"with {kernel!r} here: {', '.join(compatible_schemes(kernel, **setting))}.")
+          f"with {kernel!r} here: {', '.join(compatible_schemes(kernel, **setting))}."
+      )
   embeds = [s for s in schemes if "embed" in positional.get_class(s).hooks]
   if len(embeds) > 1:
     raise ValueError(f"at most one embedding scheme per model; got {embeds}.")
@@ -107,8 +122,10 @@ def markdown(*, causal: bool, two_d: bool) -> str:
 
 def main(argv=None) -> int:
   del argv
-  print("Kernel x positional scheme. 'ok': supported and tested against dense references; "
-        "'-n': incompatible, for reason n (a configuration error).\n")
+  print(
+      "Kernel x positional scheme. 'ok': supported and tested against dense references; "
+      "'-n': incompatible, for reason n (a configuration error).\n"
+  )
   for causal in (False, True):
     for two_d in (False, True):
       print(f"## {'causal' if causal else 'bidirectional'}, {'2D' if two_d else '1D'}\n")

@@ -31,13 +31,13 @@ import jax.numpy as jnp
 
 from fastpos.ops import toeplitz
 from fastpos.positional.base import (
-  Context,
-  KernelInfo,
-  Option,
-  Scheme,
-  center_slice,
-  center_slice_2d,
-  offset_rows,
+    Context,
+    KernelInfo,
+    Option,
+    Scheme,
+    center_slice,
+    center_slice_2d,
+    offset_rows,
 )
 
 MODES_2D = ("axial", "full")
@@ -47,15 +47,22 @@ class FastRPB(Scheme):
   """Options: ``option_spec``."""
 
   option_spec = {
-      "per_head": Option(False, "one table per head (else one shared by the heads)",
-                         type="bool"),
-      "mode_2d": Option("axial", "2D: the paper's row + column tables, or one full 2D table",
-                        type="str", choices=MODES_2D, used_when=lambda o, two_d: two_d,
-                        used_doc="on a 2D grid only"),
-      "shared_axes": Option(False, "axial 2D: one table for rows and columns (square grids)",
-                            type="bool",
-                            used_when=lambda o, two_d: two_d and o["mode_2d"] == "axial",
-                            used_doc="on a 2D grid with mode_2d='axial' only"),
+      "per_head": Option(False, "one table per head (else one shared by the heads)", type="bool"),
+      "mode_2d": Option(
+          "axial",
+          "2D: the paper's row + column tables, or one full 2D table",
+          type="str",
+          choices=MODES_2D,
+          used_when=lambda o, two_d: two_d,
+          used_doc="on a 2D grid only",
+      ),
+      "shared_axes": Option(
+          False,
+          "axial 2D: one table for rows and columns (square grids)",
+          type="bool",
+          used_when=lambda o, two_d: two_d and o["mode_2d"] == "axial",
+          used_doc="on a 2D grid with mode_2d='axial' only",
+      ),
   }
 
   scheme_name = "fastrpb"
@@ -63,11 +70,14 @@ class FastRPB(Scheme):
   supports_2d = True
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     if two_d and causal and options["mode_2d"] == "axial":
-      return ("the paper's axial 2D bias (vertical + horizontal tables) is not causal in "
-              "raster order; use positional_options.fastrpb.mode_2d='full'")
+      return (
+          "the paper's axial 2D bias (vertical + horizontal tables) is not causal in "
+          "raster order; use positional_options.fastrpb.mode_2d='full'"
+      )
     return None
 
   def setup(self):
@@ -90,8 +100,10 @@ class FastRPB(Scheme):
 
   def _tables(self, n: int, grid):
     """The batch's tables, each ``[h|1, ...]`` so they broadcast over ``[b, h, N, d]``."""
+
     def lead(t):
       return t if self.per_head else t[None]
+
     if grid is None:
       if self.dims.grid is not None:
         raise ValueError("fastrpb: built for a 2D grid but called without one.")
@@ -148,7 +160,6 @@ class FastRPB(Scheme):
         y = toeplitz.fastrpb_2d_matmul(w_rows, w_cols, x, ctx.grid)
     return jnp.transpose(y, (0, 2, 1, 3)).astype(v.dtype)
 
-
   def _output_at(self, v, ctx: Context):
     """Decoding: ``sum_{j <= p} w_{j-p} v_j`` for the ``ctx.length`` queries at
     ``p = ctx.offset + i`` over the value cache ``v [b, T, h, d]`` (slot = position; zero at
@@ -156,8 +167,8 @@ class FastRPB(Scheme):
     if ctx.grid is not None or self.dims.grid is not None:
       raise ValueError("fastrpb: decoding is 1D only.")
     t, lq = v.shape[1], ctx.length
-    (w,) = self._tables(t, None)                                       # [h|1, 2T-1]
-    rows = offset_rows(w, ctx.offset, lq)                              # [h|1, Lq, T]
+    (w,) = self._tables(t, None)  # [h|1, 2T-1]
+    rows = offset_rows(w, ctx.offset, lq)  # [h|1, Lq, T]
     pos = ctx.offset + jnp.arange(lq)
     seen = (jnp.arange(t)[None, :] <= pos[:, None])[None]
     rows = jnp.where(seen, rows, jnp.zeros((), rows.dtype))

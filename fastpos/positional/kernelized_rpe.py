@@ -27,38 +27,43 @@ from __future__ import annotations
 import flax.linen as nn
 
 from fastpos.positional.base import (
-  Context,
-  KernelInfo,
-  KVMix,
-  Option,
-  Scheme,
-  center_slice,
-  center_slice_2d,
+    Context,
+    KernelInfo,
+    KVMix,
+    Option,
+    Scheme,
+    center_slice,
+    center_slice_2d,
 )
 
 
 class KernelizedRPE(Scheme):
   """Options: ``option_spec``."""
 
-  option_spec = {"share_across_layers": Option(False, "one table for the whole model",
-                                               type="bool")}
+  option_spec = {"share_across_layers": Option(False, "one table for the whole model", type="bool")}
 
   scheme_name = "kernelized_rpe"
   hooks = ("kv",)
   supports_2d = True
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     if causal and not kernel.nonnegative:
-      return (f"causal kernelized RPE needs non-negative features; {kernel.name!r} features "
-              f"can be negative, so the reweighted prefix denominators can vanish")
+      return (
+          f"causal kernelized RPE needs non-negative features; {kernel.name!r} features "
+          f"can be negative, so the reweighted prefix denominators can vanish"
+      )
     return None
 
   def setup(self):
     h = self.dims.num_heads
-    shape = ((h, 2 * self.dims.max_length - 1) if self.dims.grid is None else
-             (h, 2 * self.dims.grid[0] - 1, 2 * self.dims.grid[1] - 1))
+    shape = (
+        (h, 2 * self.dims.max_length - 1)
+        if self.dims.grid is None
+        else (h, 2 * self.dims.grid[0] - 1, 2 * self.dims.grid[1] - 1)
+    )
     self.b = self.param("b", nn.initializers.zeros, shape)
 
   def kv(self, ctx: Context) -> KVMix:

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.ops.rotations import (
-  P_CHOICES,
-  check_feature_dim,
-  dft_parts,
-  group_sizes,
-  interleave_index,
-  inverse_frequencies,
-  is_complex,
-  permutation_cycles,
-  transform_qk,
+    P_CHOICES,
+    check_feature_dim,
+    dft_parts,
+    group_sizes,
+    interleave_index,
+    inverse_frequencies,
+    is_complex,
+    permutation_cycles,
+    transform_qk,
 )
 from fastpos.positional.base import Context, Option, Scheme, query_key_positions
 
@@ -55,8 +55,9 @@ _STREAM_HOUSEHOLDER, _STREAM_P_PERMUTATION, _STREAM_LAMBDA_PERMUTATION = 0, 1, 2
 # Fixed matrices (numpy, static)
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=128)
-def fixed_arrays(lrpe_type: int, p: str, f: int, heads: int, seed: int, two_d: bool,
-                 fixed_householder: bool) -> dict[str, Any]:
+def fixed_arrays(
+    lrpe_type: int, p: str, f: int, heads: int, seed: int, two_d: bool, fixed_householder: bool
+) -> dict[str, Any]:
   """The static (non-learned) arrays of a configuration, numpy, ``heads`` = 1 or h:
 
   ``p_index`` ``[heads, f]`` (permutation P), ``householder_v`` ``[heads, f]`` (fixed v),
@@ -100,18 +101,27 @@ class LRPE(Scheme):
   """Options: ``option_spec``."""
 
   option_spec = {
-      "type": Option(DEFAULT_TYPE, "Lambda^(s): 1 phases (Eq. 22), 2 rotations (Eq. 23), 3 "
-                     "permutation powers (Eq. 24)", type="int", choices=TYPES),
+      "type": Option(
+          DEFAULT_TYPE,
+          "Lambda^(s): 1 phases (Eq. 22), 2 rotations (Eq. 23), 3 " "permutation powers (Eq. 24)",
+          type="int",
+          choices=TYPES,
+      ),
       "p": Option(DEFAULT_P, "the fixed unitary P (App. D.1)", type="str", choices=P_CHOICES),
-      "learnable_theta": Option(None, "learn the angles (None: yes for types 1 and 2)",
-                                type="bool", none_ok=True),
-      "learnable_p": Option(None, "learn householder's v (None: yes)", type="bool",
-                            none_ok=True),
+      "learnable_theta": Option(
+          None, "learn the angles (None: yes for types 1 and 2)", type="bool", none_ok=True
+      ),
+      "learnable_p": Option(None, "learn householder's v (None: yes)", type="bool", none_ok=True),
       "per_head": Option(False, "one parameter set per head (else one per layer)", type="bool"),
-      "base": Option(10000.0, "the angles' init ladder base^(-2k/f)", type="number", low=0,
-                     low_open=True, note="RoPE: 10000"),
-      "seed": Option(0, "draws the fixed permutations / householder vector", type="int",
-                     low=0),
+      "base": Option(
+          10000.0,
+          "the angles' init ladder base^(-2k/f)",
+          type="number",
+          low=0,
+          low_open=True,
+          note="RoPE: 10000",
+      ),
+      "seed": Option(0, "draws the fixed permutations / householder vector", type="int", low=0),
   }
 
   scheme_name = "lrpe"
@@ -125,11 +135,15 @@ class LRPE(Scheme):
   @classmethod
   def check_relations(cls, options: dict) -> None:
     if options["learnable_theta"] and options["type"] == 3:
-      raise ValueError("lrpe: learnable_theta=True needs type 1 or 2; type 3 (permutation) has "
-                       "no angles (leave learnable_theta at None).")
+      raise ValueError(
+          "lrpe: learnable_theta=True needs type 1 or 2; type 3 (permutation) has "
+          "no angles (leave learnable_theta at None)."
+      )
     if options["learnable_p"] and options["p"] != "householder":
-      raise ValueError(f"lrpe: learnable_p=True needs p='householder' (the only P with "
-                       f"parameters); got p={options['p']!r}.")
+      raise ValueError(
+          f"lrpe: learnable_p=True needs p='householder' (the only P with "
+          f"parameters); got p={options['p']!r}."
+      )
 
   @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:
@@ -147,15 +161,19 @@ class LRPE(Scheme):
       else:
         self.theta = jnp.asarray(values)
     if self.p == "householder" and _resolve(self.learnable_p, True):
-      self.householder_v = self.param("householder_v", nn.initializers.normal(stddev=1.0),
-                                      (heads, f))
+      self.householder_v = self.param(
+          "householder_v", nn.initializers.normal(stddev=1.0), (heads, f)
+      )
 
   def _arrays(self) -> dict[str, Any]:
     f, two_d = self.dims.feature_dim, self.dims.grid is not None
     heads = self.dims.num_heads if self.per_head else 1
     learned_v = self.p == "householder" and _resolve(self.learnable_p, True)
-    arrays = dict(fixed_arrays(self.type, self.p, f, heads, self.seed, two_d,
-                               self.p == "householder" and not learned_v))
+    arrays = dict(
+        fixed_arrays(
+            self.type, self.p, f, heads, self.seed, two_d, self.p == "householder" and not learned_v
+        )
+    )
     if learned_v:
       arrays["householder_v"] = self.householder_v
     elif "householder_v" in arrays:
@@ -170,12 +188,15 @@ class LRPE(Scheme):
     f, h = self.dims.feature_dim, self.dims.num_heads
     for name, x in (("q", q), ("k", k)):
       if x.ndim != 4 or x.shape[-1] != f or x.shape[2] != h:
-        raise ValueError(f"lrpe: {name} must be [batch, length, {h}, {f}] (heads, "
-                         f"dims.feature_dim); got {x.shape}.")
+        raise ValueError(
+            f"lrpe: {name} must be [batch, length, {h}, {f}] (heads, "
+            f"dims.feature_dim); got {x.shape}."
+        )
     two_d = self.dims.grid is not None
     pos_q, pos_k = query_key_positions(q, k, ctx, two_d=two_d, scheme="lrpe")
-    return transform_qk(q, k, pos_q, pos_k, lrpe_type=self.type, p=self.p, two_d=two_d,
-                        **self._arrays())
+    return transform_qk(
+        q, k, pos_q, pos_k, lrpe_type=self.type, p=self.p, two_d=two_d, **self._arrays()
+    )
 
 
 SCHEMES = {"lrpe": LRPE}

@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.positional.base import (
-  Context,
-  KernelInfo,
-  KVMix,
-  Option,
-  Scheme,
-  query_key_positions,
+    Context,
+    KernelInfo,
+    KVMix,
+    Option,
+    Scheme,
+    query_key_positions,
 )
 
 SCHEME = "permuteformer"
@@ -66,8 +66,7 @@ def decays(decay, num_heads: int = 1) -> tuple[float, ...]:
 def paper_decays(num_heads: int) -> tuple[float, ...]:
   """Per-head r spanning the paper's WikiText-103 range (Sec. 4.2.1, r in [0.88, 0.99]) as the
   authors' released code sets it: ``sigmoid(2 + 3 k / h)``, k = 0..h-1."""
-  return tuple(float(1.0 / (1.0 + np.exp(-(2.0 + 3.0 * k / num_heads))))
-               for k in range(num_heads))
+  return tuple(float(1.0 / (1.0 + np.exp(-(2.0 + 3.0 * k / num_heads)))) for k in range(num_heads))
 
 
 def group_sizes(f: int, two_d: bool) -> tuple[int, ...]:
@@ -117,7 +116,7 @@ def draw_permutations(f: int, heads: int, seed: int, two_d: bool) -> np.ndarray:
     seen.add(signature)
     lo = 0
     for axis, (g, perm) in enumerate(zip(sizes, parts)):
-      out[axis, h, lo:lo + g] = lo + perm
+      out[axis, h, lo : lo + g] = lo + perm
       lo += g
   out.setflags(write=False)
   return out
@@ -128,17 +127,18 @@ def power_table(perm: np.ndarray, n: int) -> np.ndarray:
   (``pi_h(a) = perm[h, a]``), by doubling: rows s..2s-1 are ``pi^s o pi^i``, i < s, then
   ``pi^2s = pi^s o pi^s``: O(n heads f) work in log2(n) numpy gathers."""
   heads, f = perm.shape
-  dtype = np.int16 if f < 2 ** 15 else np.int32
+  dtype = np.int16 if f < 2**15 else np.int32
   table = np.empty((max(n, 0), heads, f), dtype)
   if n > 0:
     table[0] = np.arange(f)
-  done, step = min(n, 1), np.asarray(perm, np.int64)              # step = pi^done
+  done, step = min(n, 1), np.asarray(perm, np.int64)  # step = pi^done
   while done < n:
     take = min(done, n - done)
-    block = table[:take].astype(np.int64)                          # pi^i, i < take
-    table[done:done + take] = np.take_along_axis(
-        np.broadcast_to(step[None], block.shape), block, axis=-1)  # pi^done o pi^i
-    step = np.take_along_axis(step, step, axis=-1)                 # pi^(2 done)
+    block = table[:take].astype(np.int64)  # pi^i, i < take
+    table[done : done + take] = np.take_along_axis(
+        np.broadcast_to(step[None], block.shape), block, axis=-1
+    )  # pi^done o pi^i
+    step = np.take_along_axis(step, step, axis=-1)  # pi^(2 done)
     done += take
   table.setflags(write=False)
   return table
@@ -178,13 +178,20 @@ class PermuteFormer(Scheme):
   """Options: ``option_spec``."""
 
   option_spec = {
-      "decay": Option(1.0, "r of the causal decay r^(i-j) (Eq. 10), one or per head",
-                      check=_valid_decay, annotation="float | tuple[float, ...]",
-                      valid=f"a number r in (0, 1], a non-empty sequence of per-head r in "
-                      f"(0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's per-head ladder)"),
+      "decay": Option(
+          1.0,
+          "r of the causal decay r^(i-j) (Eq. 10), one or per head",
+          check=_valid_decay,
+          annotation="float | tuple[float, ...]",
+          valid=f"a number r in (0, 1], a non-empty sequence of per-head r in "
+          f"(0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's per-head ladder)",
+      ),
       "seed": Option(0, "draws the permutations", type="int", low=0),
-      "permute": Option(True, "False keeps only the decay r^(i-j): the paper's \"w/o P_pi\" "
-                        "ablation (Table 4)", type="bool"),
+      "permute": Option(
+          True,
+          'False keeps only the decay r^(i-j): the paper\'s "w/o P_pi" ' "ablation (Table 4)",
+          type="bool",
+      ),
   }
 
   scheme_name = SCHEME
@@ -197,26 +204,34 @@ class PermuteFormer(Scheme):
   permutes_features = True  # pi^i only (its decay is the kv hook)
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     if not kernel.is_softmax and not kernel.nonnegative:
-      return (f"PermuteFormer needs non-negative features (its Property 3); {kernel.name!r} "
-              f"has signed features, so the linear-attention denominator can vanish")
+      return (
+          f"PermuteFormer needs non-negative features (its Property 3); {kernel.name!r} "
+          f"has signed features, so the linear-attention denominator can vanish"
+      )
     if not causal and min(decays(options["decay"])) < 1.0:
-      return (f"decay r = {options.get('decay')!r} < 1 needs a causal model: the paper sets "
-              f"r = 1 for bidirectional models (Eq. 10), since r^(i-j) is unbounded for keys "
-              f"after the query (Property 2)")
+      return (
+          f"decay r = {options.get('decay')!r} < 1 needs a causal model: the paper sets "
+          f"r = 1 for bidirectional models (Eq. 10), since r^(i-j) is unbounded for keys "
+          f"after the query (Property 2)"
+      )
     return None
 
   def setup(self):
     h, f = self.dims.num_heads, self.dims.feature_dim
     self._decays = decays(self.decay, h)
     if len(self._decays) not in (1, h):
-      raise ValueError(f"{SCHEME}: decay has {len(self._decays)} values; give one r or one per "
-                       f"head ({h}).")
+      raise ValueError(
+          f"{SCHEME}: decay has {len(self._decays)} values; give one r or one per " f"head ({h})."
+      )
     if not self.dims.causal and min(self._decays) < 1.0:
-      raise ValueError(f"{SCHEME}: decay {self.decay!r} < 1 needs a causal model (Eq. 10: "
-                       f"r = 1 for bidirectional models).")
+      raise ValueError(
+          f"{SCHEME}: decay {self.decay!r} < 1 needs a causal model (Eq. 10: "
+          f"r = 1 for bidirectional models)."
+      )
     two_d = self.dims.grid is not None
     check_feature_dim(f, two_d)
     sizes = tuple(int(g) for g in self.dims.grid) if two_d else (self.dims.max_length,)
@@ -224,8 +239,9 @@ class PermuteFormer(Scheme):
 
   def permutations(self) -> np.ndarray:
     """The base permutations ``[axes, heads, f]`` (see ``draw_permutations``)."""
-    return draw_permutations(self.dims.feature_dim, self.dims.num_heads, self.seed,
-                             self.dims.grid is not None)
+    return draw_permutations(
+        self.dims.feature_dim, self.dims.num_heads, self.seed, self.dims.grid is not None
+    )
 
   def index(self, pos: np.ndarray) -> np.ndarray:
     """``[L, heads, f]`` gather index of ``P^pos`` for integer positions ``pos [L, c]`` (c = 1:
@@ -237,7 +253,8 @@ class PermuteFormer(Scheme):
         raise ValueError(
             f"{SCHEME}: position {top} (sequence length {top + 1}, memory included) exceeds "
             f"the table of pi^i built for positions < dims.max_length = "
-            f"{self.dims.max_length}; raise model.max_length.")
+            f"{self.dims.max_length}; raise model.max_length."
+        )
       return self._powers[0][p]
     rows, cols = self._powers
     # Disjoint supports: composing the row and column gathers in either order is P_row^r P_col^c.
@@ -249,18 +266,21 @@ class PermuteFormer(Scheme):
     f, h = self.dims.feature_dim, self.dims.num_heads
     for name, x in (("q", q), ("k", k)):
       if x.ndim != 4 or x.shape[2] != h or x.shape[-1] != f:
-        raise ValueError(f"{SCHEME}: {name} must be [batch, length, {h}, {f}] (heads, "
-                         f"dims.feature_dim); got {x.shape}.")
+        raise ValueError(
+            f"{SCHEME}: {name} must be [batch, length, {h}, {f}] (heads, "
+            f"dims.feature_dim); got {x.shape}."
+        )
     if ctx.grid is not None and self.dims.grid is not None:
       (gh, gw), (mh, mw) = tuple(ctx.grid), tuple(self.dims.grid)
       if gh > mh or gw > mw:
-        raise ValueError(f"{SCHEME}: grid {tuple(ctx.grid)} exceeds the largest grid "
-                         f"{tuple(self.dims.grid)} the permutation tables were built for; "
-                         f"build the model for the larger grid (TaskInfo.grid).")
+        raise ValueError(
+            f"{SCHEME}: grid {tuple(ctx.grid)} exceeds the largest grid "
+            f"{tuple(self.dims.grid)} the permutation tables were built for; "
+            f"build the model for the larger grid (TaskInfo.grid)."
+        )
     if not self.permute:  # "w/o P_pi": positions enter only through the decay (kv)
       return q, k
-    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=self.dims.grid is not None,
-                                       scheme=SCHEME)
+    pos_q, pos_k = query_key_positions(q, k, ctx, two_d=self.dims.grid is not None, scheme=SCHEME)
     apply = permute_dense if ctx.reference else permute
     if ctx.offset is not None:  # decoding: traced positions gather rows of the power table
       index = jnp.take(jnp.asarray(self._powers[0]), pos_q[:, 0], axis=0, mode="clip")

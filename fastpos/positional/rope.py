@@ -33,8 +33,16 @@ from fastpos.positional.base import Context, Option, Scheme, query_key_positions
 class RoPE(Scheme):
   """Options: ``option_spec``."""
 
-  option_spec = {"base": Option(10000.0, "the angle ladder base^(-2k/f)", type="number", low=0,
-                                low_open=True, note="RoPE: 10000")}
+  option_spec = {
+      "base": Option(
+          10000.0,
+          "the angle ladder base^(-2k/f)",
+          type="number",
+          low=0,
+          low_open=True,
+          note="RoPE: 10000",
+      )
+  }
 
   scheme_name = "rope"
   hooks = ("features",)
@@ -50,13 +58,16 @@ class RoPE(Scheme):
     f = self.dims.feature_dim
     for name, x in (("q", q), ("k", k)):
       if x.ndim != 4 or x.shape[-1] != f:
-        raise ValueError(f"rope: {name} must be [batch, length, heads, {f}] "
-                         f"(dims.feature_dim); got {x.shape}.")
+        raise ValueError(
+            f"rope: {name} must be [batch, length, heads, {f}] "
+            f"(dims.feature_dim); got {x.shape}."
+        )
     two_d = self.dims.grid is not None
     theta = inverse_frequencies(2, f, two_d=two_d, base=self.base)[None]  # [1, f // 2]
     pos_q, pos_k = query_key_positions(q, k, ctx, two_d=two_d, scheme="rope")
-    return transform_qk(q, k, pos_q, pos_k, lrpe_type=2, p="identity", two_d=two_d,
-                        theta=jnp.asarray(theta))
+    return transform_qk(
+        q, k, pos_q, pos_k, lrpe_type=2, p="identity", two_d=two_d, theta=jnp.asarray(theta)
+    )
 
 
 SCHEMES = {"rope": RoPE}

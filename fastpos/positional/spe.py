@@ -44,6 +44,7 @@ def _const_init(value: float):
   def init(key, shape, dtype=jnp.float32):
     del key
     return jnp.full(shape, value, dtype)
+
   return init
 
 
@@ -51,12 +52,14 @@ def _const_init(value: float):
 def _normal_init(mean: float, std: float):
   def init(key, shape, dtype=jnp.float32):
     return mean + std * jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape)
+
   return init
 
 
 def _uniform_init(high: float):
   def init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, (math.prod(shape),), dtype, 0.0, high).reshape(shape)
+
   return init
 
 
@@ -64,20 +67,39 @@ class SPE(Scheme):
   """Options: ``option_spec`` (see the module docstring)."""
 
   option_spec = {
-      "kind": Option("sine", "sineSPE (periodic) or convSPE (a learned filter)", type="str",
-                     choices=KINDS),
-      "num_realizations": Option(64, "R, the features per head (the output size)", type="int",
-                                 low=1, note="the authors' LRA setting: 64"),
-      "num_sines": Option(10, "sine: sinusoids per feature", type="int", low=1,
-                          note="default 10", used_when=lambda o, two_d: o["kind"] == "sine",
-                          used_doc="with kind='sine' only"),
-      "kernel_size": Option(128, "conv: the filter length", type="int", low=1,
-                            note="default 128", used_when=lambda o, two_d: o["kind"] == "conv",
-                            used_doc="with kind='conv' only"),
+      "kind": Option(
+          "sine", "sineSPE (periodic) or convSPE (a learned filter)", type="str", choices=KINDS
+      ),
+      "num_realizations": Option(
+          64,
+          "R, the features per head (the output size)",
+          type="int",
+          low=1,
+          note="the authors' LRA setting: 64",
+      ),
+      "num_sines": Option(
+          10,
+          "sine: sinusoids per feature",
+          type="int",
+          low=1,
+          note="default 10",
+          used_when=lambda o, two_d: o["kind"] == "sine",
+          used_doc="with kind='sine' only",
+      ),
+      "kernel_size": Option(
+          128,
+          "conv: the filter length",
+          type="int",
+          low=1,
+          note="default 128",
+          used_when=lambda o, two_d: o["kind"] == "conv",
+          used_doc="with kind='conv' only",
+      ),
       "gated": Option(True, "mix in a position-free part by a learned gate", type="bool"),
       "seed": Option(0, "the fixed noise draw (per seed and layer path)", type="int"),
-      "share_across_layers": Option(False, "one set of parameters and noise for the model",
-                                    type="bool"),
+      "share_across_layers": Option(
+          False, "one set of parameters and noise for the model", type="bool"
+      ),
   }
 
   scheme_name = "spe"
@@ -141,10 +163,10 @@ class SPE(Scheme):
   # -------------------------------------------------------------------------------------------
   def _omega(self, positions, dtype, *, with_phase: bool):
     """``[n, h, d, 2K]``: [lambda cos(2 pi f m + theta), lambda sin(2 pi f m + theta)]."""
-    f = jax.nn.sigmoid(self.frequencies.astype(dtype)) / 2.0            # [h, d, K]
-    lam = jax.nn.softplus(self.gains.astype(dtype))                      # [h, d, K]
+    f = jax.nn.sigmoid(self.frequencies.astype(dtype)) / 2.0  # [h, d, K]
+    lam = jax.nn.softplus(self.gains.astype(dtype))  # [h, d, K]
     pos = jnp.asarray(positions, dtype).reshape(-1, 1, 1, 1)
-    angle = 2.0 * np.pi * f[None] * pos                                  # [n, h, d, K]
+    angle = 2.0 * np.pi * f[None] * pos  # [n, h, d, K]
     if with_phase:
       angle = angle + self.phases.astype(dtype)[None]
     lam = lam[None]
@@ -162,10 +184,14 @@ class SPE(Scheme):
     contraction over (d, 2K) against the noise z ``[h, d, 2K, R]`` (the reference path)."""
     b, n, h, d = x.shape
     dtype = x.dtype
-    omega = self._omega(positions, dtype, with_phase=query)              # [n, h, d, 2K]
-    u = x[..., None] * omega[None]                                       # [b, n, h, d, 2K]
-    return jnp.einsum("bnhc,hcr->bnhr", u.reshape(b, n, h, -1),
-                      z.reshape(h, -1, self.num_realizations), precision=_HIGHEST)
+    omega = self._omega(positions, dtype, with_phase=query)  # [n, h, d, 2K]
+    u = x[..., None] * omega[None]  # [b, n, h, d, 2K]
+    return jnp.einsum(
+        "bnhc,hcr->bnhr",
+        u.reshape(b, n, h, -1),
+        z.reshape(h, -1, self.num_realizations),
+        precision=_HIGHEST,
+    )
 
   # -------------------------------------------------------------------------------------------
   # convSPE
@@ -176,30 +202,34 @@ class SPE(Scheme):
     h, d = self.dims.num_heads, self.dims.head_dim
     r, ks = self.num_realizations, self.kernel_size
     filt = (self.filter_q if query else self.filter_k).astype(dtype).reshape(h * d, ks)
-    z = z[:, :, :n + ks - 1]                                             # [R, hd, n + L - 1]
+    z = z[:, :, : n + ks - 1]  # [R, hd, n + L - 1]
     if reference:
-      idx = np.arange(n)[:, None] + np.arange(ks)[None, :]               # [n, L]: m + t
-      windows = z[:, :, idx]                                             # [R, hd, n, L]
+      idx = np.arange(n)[:, None] + np.arange(ks)[None, :]  # [n, L]: m + t
+      windows = z[:, :, idx]  # [R, hd, n, L]
       out = jnp.einsum("rcnt,ct->rcn", windows, filt, precision=_HIGHEST)
     else:
       out = jax.lax.conv_general_dilated(
-          z, filt[:, None, :], window_strides=(1,), padding="VALID",
-          dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=h * d,
-          precision=_HIGHEST)                                            # [R, hd, n]
-    return jnp.transpose(out.reshape(r, h, d, n), (3, 1, 2, 0))          # [n, h, d, R]
+          z,
+          filt[:, None, :],
+          window_strides=(1,),
+          padding="VALID",
+          dimension_numbers=("NCH", "OIH", "NCH"),
+          feature_group_count=h * d,
+          precision=_HIGHEST,
+      )  # [R, hd, n]
+    return jnp.transpose(out.reshape(r, h, d, n), (3, 1, 2, 0))  # [n, h, d, R]
 
   # -------------------------------------------------------------------------------------------
   # The hook
   # -------------------------------------------------------------------------------------------
-  def _encode(self, x, noise, positions, n_total: int, *, query: bool, reference: bool,
-              codes=None):
+  def _encode(self, x, noise, positions, n_total: int, *, query: bool, reference: bool, codes=None):
     """``[b, n, h, R]``: R^-1/2 sum_d x_md Qbar_d(pos_m) (gated), for x ``[b, n, h, d]`` at
     ``positions`` (the last n of 0..n_total-1); noise from ``_noise``."""
     dtype = x.dtype
     z, eps = noise
     r = self.num_realizations
     gates = self._gate_weights(dtype)
-    x_pos = x if gates is None else x * gates[0][None, None]             # sqrt(1 - b) x
+    x_pos = x if gates is None else x * gates[0][None, None]  # sqrt(1 - b) x
     if codes is not None:  # given by a decoding step
       out = jnp.einsum("bnhd,nhdr->bnhr", x_pos, codes, precision=_HIGHEST)
     elif self.kind == "sine" and reference:
@@ -208,12 +238,12 @@ class SPE(Scheme):
       if self.kind == "sine":
         codes = self._sine_codes(z, positions, dtype, query=query)
       else:
-        codes = self._conv_codes(z, n_total, dtype, query=query,
-                                 reference=reference)[n_total - x.shape[1]:]
+        codes = self._conv_codes(z, n_total, dtype, query=query, reference=reference)[
+            n_total - x.shape[1] :
+        ]
       out = jnp.einsum("bnhd,nhdr->bnhr", x_pos, codes, precision=_HIGHEST)
     if gates is not None:
-      out = out + jnp.einsum("bnhd,hdr->bnhr", x * gates[1][None, None],
-                             eps, precision=_HIGHEST)
+      out = out + jnp.einsum("bnhd,hdr->bnhr", x * gates[1][None, None], eps, precision=_HIGHEST)
     return out / math.sqrt(r)
 
   def features(self, q, k, ctx: Context):
@@ -223,8 +253,10 @@ class SPE(Scheme):
     h, d = self.dims.num_heads, self.dims.head_dim
     for name, x in (("q", q), ("k", k)):
       if x.ndim != 4 or x.shape[2] != h or x.shape[3] != d:
-        raise ValueError(f"spe: {name} must be [batch, length, {h}, {d}] (heads, "
-                         f"dims.head_dim; spe acts pre_phi on raw q, k); got {x.shape}.")
+        raise ValueError(
+            f"spe: {name} must be [batch, length, {h}, {d}] (heads, "
+            f"dims.head_dim; spe acts pre_phi on raw q, k); got {x.shape}."
+        )
     if ctx.grid is not None:
       raise ValueError(f"spe: only 1D sequences are supported; got grid {ctx.grid}.")
     lq, lk = q.shape[1], k.shape[1]
@@ -232,19 +264,23 @@ class SPE(Scheme):
       return self._features_at(q, k, ctx)
     memory = lk - lq
     if memory != ctx.memory_length:
-      raise ValueError(f"spe: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
-                       f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+      raise ValueError(
+          f"spe: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+          f"M = {memory}, but ctx.memory_length = {ctx.memory_length}."
+      )
     if self.kind == "conv" and lk > self.dims.max_length:
-      raise ValueError(f"spe: sequence length {lk} exceeds the maximum length "
-                       f"{self.dims.max_length} the convSPE noise was drawn for; raise "
-                       f"model.max_length.")
+      raise ValueError(
+          f"spe: sequence length {lk} exceeds the maximum length "
+          f"{self.dims.max_length} the convSPE noise was drawn for; raise "
+          f"model.max_length."
+      )
     dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
     positions = np.arange(lk)
     noise = self._noise(dtype)
-    qhat = self._encode(q.astype(dtype), noise, positions[memory:], lk, query=True,
-                        reference=ctx.reference)
-    khat = self._encode(k.astype(dtype), noise, positions, lk, query=False,
-                        reference=ctx.reference)
+    qhat = self._encode(
+        q.astype(dtype), noise, positions[memory:], lk, query=True, reference=ctx.reference
+    )
+    khat = self._encode(k.astype(dtype), noise, positions, lk, query=False, reference=ctx.reference)
     return qhat.astype(q.dtype), khat.astype(k.dtype)
 
   def _features_at(self, q, k, ctx: Context):
@@ -256,35 +292,42 @@ class SPE(Scheme):
     noise = self._noise(dtype)
     positions = ctx.offset + jnp.arange(n)
     if self.kind == "sine":
-      codes = {query: self._sine_codes(noise[0], positions, dtype, query=query)
-               for query in (True, False)}
+      codes = {
+          query: self._sine_codes(noise[0], positions, dtype, query=query)
+          for query in (True, False)
+      }
     else:  # the noise window of positions offset..offset+n-1: samples offset..offset+n+L-2
       z = jax.lax.dynamic_slice_in_dim(noise[0], ctx.offset, n + self.kernel_size - 1, axis=2)
-      codes = {query: self._conv_codes(z, n, dtype, query=query, reference=False)
-               for query in (True, False)}
+      codes = {
+          query: self._conv_codes(z, n, dtype, query=query, reference=False)
+          for query in (True, False)
+      }
     out = []
     for x, query in ((q, True), (k, False)):
-      y = self._encode(x.astype(dtype), noise, None, n, query=query, reference=False,
-                       codes=codes[query])
+      y = self._encode(
+          x.astype(dtype), noise, None, n, query=query, reference=False, codes=codes[query]
+      )
       out.append(y.astype(x.dtype))
     return tuple(out)
 
   def offset_kernel(self, n: int, dtype=jnp.float32):
     """``[h, d, 2n-1]``: the (gated) kernel E[Qbar_d(i) Kbar_d(j)] = P~_d(i - j) at index
     ``j - i + n - 1`` (the layout of ``fastpos.ops.toeplitz``), in closed form."""
-    delta = -np.arange(-(n - 1), n)                                      # i - j per index
+    delta = -np.arange(-(n - 1), n)  # i - j per index
     if self.kind == "sine":
       f = jax.nn.sigmoid(self.frequencies.astype(dtype)) / 2.0
       lam2 = jax.nn.softplus(self.gains.astype(dtype)) ** 2
-      angle = (2.0 * np.pi * f[..., None] * jnp.asarray(delta, dtype)[None, None, None]
-               + self.phases.astype(dtype)[..., None])                   # [h, d, K, 2n-1]
+      angle = (
+          2.0 * np.pi * f[..., None] * jnp.asarray(delta, dtype)[None, None, None]
+          + self.phases.astype(dtype)[..., None]
+      )  # [h, d, K, 2n-1]
       p = jnp.sum(lam2[..., None] * jnp.cos(angle), axis=2)
     else:
       ks = self.kernel_size
       fq, fk = self.filter_q.astype(dtype), self.filter_k.astype(dtype)
       fk_pad = jnp.pad(fk, ((0, 0), (0, 0), (n + ks, n + ks)))
       # P(delta) = sum_t fq(t) fk(t + delta): gather fk at t + delta (zero outside [0, L)).
-      idx = np.arange(ks)[:, None] + delta[None, :] + n + ks              # [L, 2n-1]
+      idx = np.arange(ks)[:, None] + delta[None, :] + n + ks  # [L, 2n-1]
       p = jnp.einsum("hdt,hdto->hdo", fq, fk_pad[:, :, idx], precision=_HIGHEST)
     if self.gated:
       b = jax.nn.sigmoid(self.gate.astype(dtype))[..., None]

@@ -26,18 +26,19 @@ import numpy as np
 
 from fastpos.ops import toeplitz
 from fastpos.positional.base import (
-  Context,
-  KernelInfo,
-  Option,
-  Scheme,
-  center_slice,
-  center_slice_2d,
-  offset_rows,
+    Context,
+    KernelInfo,
+    Option,
+    Scheme,
+    center_slice,
+    center_slice_2d,
+    offset_rows,
 )
 
 
-def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> np.ndarray:
+def relative_position_bucket(
+    offset, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
   """T5's bucket of each relative offset ``j - i`` (key minus query position).
 
   Args:
@@ -50,19 +51,20 @@ def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
     int32 array like ``offset`` with values in ``[0, num_buckets)`` (see the module docstring
     for the formula). Pure numpy: offsets are static.
   """
-  n = -np.asarray(offset, np.int64)                       # i - j: >= 0 for past keys
+  n = -np.asarray(offset, np.int64)  # i - j: >= 0 for past keys
   ret = np.zeros_like(n)
   if bidirectional:
     num_buckets //= 2
-    ret = ret + (n < 0) * num_buckets                     # keys after the query: upper half
+    ret = ret + (n < 0) * num_buckets  # keys after the query: upper half
     n = np.abs(n)
   else:
     n = np.maximum(n, 0)
   max_exact = num_buckets // 2
   is_small = n < max_exact
   ratio = np.maximum(n, max_exact).astype(np.float64) / max_exact  # >= 1: log defined
-  large = max_exact + (np.log(ratio) / math.log(max_distance / max_exact)
-                       * (num_buckets - max_exact)).astype(np.int64)
+  large = max_exact + (
+      np.log(ratio) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+  ).astype(np.int64)
   large = np.minimum(large, num_buckets - 1)
   return (ret + np.where(is_small, n, large)).astype(np.int32)
 
@@ -70,8 +72,9 @@ def relative_position_bucket(offset, *, bidirectional: bool, num_buckets: int,
 def _t5_init(key, shape, dtype=None):
   """Normal with variance 1 / (entries per head): T5X's ``default_embed_init`` on a
   ``[heads, buckets]`` table, extended to the other tables."""
-  init = nn.initializers.variance_scaling(1.0, "fan_in", "normal",
-                                          in_axis=tuple(range(1, len(shape))), out_axis=0)
+  init = nn.initializers.variance_scaling(
+      1.0, "fan_in", "normal", in_axis=tuple(range(1, len(shape))), out_axis=0
+  )
   return init(key, shape) if dtype is None else init(key, shape, dtype)
 
 
@@ -80,10 +83,17 @@ class T5Bias(Scheme):
 
   option_spec = {
       "bucketed": Option(True, "T5's log buckets (else one scalar per offset)", type="bool"),
-      "num_buckets": Option(32, "bucketed: B, split by sign when bidirectional", type="int",
-                            low=4, even=True, note="T5: 32"),
-      "max_distance": Option(128, "bucketed: distances >= it share the last bucket",
-                             type="int", low=1, note="T5: 128"),
+      "num_buckets": Option(
+          32,
+          "bucketed: B, split by sign when bidirectional",
+          type="int",
+          low=4,
+          even=True,
+          note="T5: 32",
+      ),
+      "max_distance": Option(
+          128, "bucketed: distances >= it share the last bucket", type="int", low=1, note="T5: 128"
+      ),
       "share_across_layers": Option(False, "one table for the whole model", type="bool"),
   }
 
@@ -92,20 +102,25 @@ class T5Bias(Scheme):
   supports_2d = True
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     if not kernel.is_softmax:
-      return (f"t5_bias adds a bias to the softmax logits, which the linear kernel "
-              f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
-              f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)")
+      return (
+          f"t5_bias adds a bias to the softmax logits, which the linear kernel "
+          f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
+          f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)"
+      )
     return None
 
   @classmethod
   def check_relations(cls, options: dict) -> None:
     if options["bucketed"] and options["max_distance"] <= options["num_buckets"] // 2:
-      raise ValueError(f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
-                       f"{options['num_buckets'] // 2} (T5: 128), the end of the exact buckets; "
-                       f"got {options['max_distance']!r}.")
+      raise ValueError(
+          f"t5_bias: max_distance must be an integer > num_buckets // 2 = "
+          f"{options['num_buckets'] // 2} (T5: 128), the end of the exact buckets; "
+          f"got {options['max_distance']!r}."
+      )
 
   def setup(self):
     h, grid = self.dims.num_heads, self.dims.grid
@@ -119,9 +134,12 @@ class T5Bias(Scheme):
 
   def _buckets(self, n: int, bidirectional: bool) -> np.ndarray:
     """``[2n-1]`` buckets of the offsets -(n-1)..(n-1)."""
-    return relative_position_bucket(np.arange(-(n - 1), n), bidirectional=bidirectional,
-                                    num_buckets=self.num_buckets,
-                                    max_distance=self.max_distance)
+    return relative_position_bucket(
+        np.arange(-(n - 1), n),
+        bidirectional=bidirectional,
+        num_buckets=self.num_buckets,
+        max_distance=self.max_distance,
+    )
 
   def offset_table(self, n: int, causal: bool):
     """``[heads, 2n-1]``: the bias of offset ``j - i`` at index ``j - i + n - 1`` (1D)."""
@@ -137,8 +155,8 @@ class T5Bias(Scheme):
       raise ValueError("t5_bias: called with a grid but built for 1D (dims.grid is None).")
     if not self.bucketed:
       return center_slice_2d(self.rel_bias, grid, self.dims.grid)
-    rows = self._buckets(grid[0], not causal)      # raster causal: earlier rows only
-    cols = self._buckets(grid[1], True)            # ... but any column in an earlier row
+    rows = self._buckets(grid[0], not causal)  # raster causal: earlier rows only
+    cols = self._buckets(grid[1], True)  # ... but any column in an earlier row
     return self.rel_bias[:, rows[:, None], cols[None, :]]
 
   def logits(self, q, k, ctx: Context):
@@ -149,14 +167,18 @@ class T5Bias(Scheme):
       return offset_rows(self.offset_table(lk, ctx.causal), ctx.offset, lq)[None]
     memory = lk - lq
     if memory != ctx.memory_length:
-      raise ValueError(f"t5_bias: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
-                       f"M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+      raise ValueError(
+          f"t5_bias: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply memory "
+          f"M = {memory}, but ctx.memory_length = {ctx.memory_length}."
+      )
     if ctx.grid is None:
-      t = toeplitz.dense_toeplitz(self.offset_table(lk, ctx.causal))    # [h, Lk, Lk]
-      return t[None, :, memory:, :]                                      # queries at M + i
+      t = toeplitz.dense_toeplitz(self.offset_table(lk, ctx.causal))  # [h, Lk, Lk]
+      return t[None, :, memory:, :]  # queries at M + i
     if memory:
-      raise ValueError(f"t5_bias: memory (M = {memory}) is only defined for 1D sequences; "
-                       f"got grid {ctx.grid}.")
+      raise ValueError(
+          f"t5_bias: memory (M = {memory}) is only defined for 1D sequences; "
+          f"got grid {ctx.grid}."
+      )
     grid = tuple(int(g) for g in ctx.grid)
     return toeplitz.dense_toeplitz_2d(self.offset_table_2d(grid, ctx.causal), grid)[None]
 

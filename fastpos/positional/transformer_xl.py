@@ -34,7 +34,7 @@ def sinusoids(distances, dim: int, dtype=jnp.float32):
   """``[len(distances), dim]``: ``R_t = [sin(t w), cos(t w)]``, ``w_k = 10000^(-2k/dim)``.
 
   ``distances`` may be negative (two-sided tables)."""
-  inv = 10000.0 ** (-jnp.arange(0, dim, 2, dtype=dtype) / dim)                  # [dim/2]
+  inv = 10000.0 ** (-jnp.arange(0, dim, 2, dtype=dtype) / dim)  # [dim/2]
   ang = jnp.asarray(distances, dtype)[:, None] * inv[None, :]
   return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
 
@@ -42,21 +42,32 @@ def sinusoids(distances, dim: int, dtype=jnp.float32):
 class TransformerXL(Scheme):
   """Options: ``option_spec``."""
 
-  option_spec = {"rel_dim": Option(
-      None, "width d_R of the sinusoids R (None: dims.embed_dim)", type="int", none_ok=True,
-      even=True, low=2, valid="None (use dims.embed_dim) or a positive even integer (half "
-      "sines, half cosines)")}
+  option_spec = {
+      "rel_dim": Option(
+          None,
+          "width d_R of the sinusoids R (None: dims.embed_dim)",
+          type="int",
+          none_ok=True,
+          even=True,
+          low=2,
+          valid="None (use dims.embed_dim) or a positive even integer (half "
+          "sines, half cosines)",
+      )
+  }
 
   scheme_name = "transformer_xl"
   hooks = ("logits",)
   supports_2d = False
 
   @classmethod
-  def compatibility(cls, kernel: KernelInfo, *, causal: bool, two_d: bool,
-                    options: dict) -> str | None:
+  def compatibility(
+      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
+  ) -> str | None:
     if not kernel.is_softmax:
-      return (f"transformer_xl adds relative terms to the softmax logits, which the linear "
-              f"kernel {kernel.name!r} never forms; use the softmax kernel")
+      return (
+          f"transformer_xl adds relative terms to the softmax logits, which the linear "
+          f"kernel {kernel.name!r} never forms; use the softmax kernel"
+      )
     return None
 
   @property
@@ -66,9 +77,11 @@ class TransformerXL(Scheme):
 
   def setup(self):
     if self.rel_dim is None and (self.dims.embed_dim < 2 or self.dims.embed_dim % 2):
-      raise ValueError(f"transformer_xl: the sinusoid width defaults to dims.embed_dim = "
-                       f"{self.dims.embed_dim}, which is not a positive even integer; set "
-                       f"rel_dim to one.")
+      raise ValueError(
+          f"transformer_xl: the sinusoid width defaults to dims.embed_dim = "
+          f"{self.dims.embed_dim}, which is not a positive even integer; set "
+          f"rel_dim to one."
+      )
     h, d = self.dims.num_heads, self.dims.head_dim
     init = nn.initializers.normal(INIT_STD)
     self.w_kr = self.param("w_kr", init, (self.width, h, d))
@@ -77,9 +90,9 @@ class TransformerXL(Scheme):
 
   def rel_keys(self, length: int, memory: int, two_sided: bool, dtype):
     """``rel_k[t] = W_{k,R} R_{M+L-1-t}``: ``[M+L, h, d]``, two-sided ``[M+2L-1, h, d]``."""
-    last = -length if two_sided else -1            # distances M+L-1 down to -(L-1) or 0
+    last = -length if two_sided else -1  # distances M+L-1 down to -(L-1) or 0
     distances = np.arange(memory + length - 1, last, -1)
-    r = sinusoids(distances, self.width, dtype)                                   # [T, d_R]
+    r = sinusoids(distances, self.width, dtype)  # [T, d_R]
     return jnp.einsum("tr,rhd->thd", r, self.w_kr.astype(dtype))
 
   def logits(self, q, k, ctx: Context):
@@ -91,23 +104,26 @@ class TransformerXL(Scheme):
       raise ValueError(f"transformer_xl is 1D only; got grid {ctx.grid}.")
     h, d = self.dims.num_heads, self.dims.head_dim
     if q.shape[2:] != (h, d) or k.shape[2:] != (h, d):
-      raise ValueError(f"transformer_xl: q {q.shape} and k {k.shape} must be "
-                       f"[batch, length, heads={h}, head_dim={d}].")
+      raise ValueError(
+          f"transformer_xl: q {q.shape} and k {k.shape} must be "
+          f"[batch, length, heads={h}, head_dim={d}]."
+      )
     lq, lk = q.shape[1], k.shape[1]
     if ctx.offset is not None:
       return self._logits_at(q, k, ctx)
     memory = lk - lq
     if memory != ctx.memory_length:
-      raise ValueError(f"transformer_xl: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply "
-                       f"memory M = {memory}, but ctx.memory_length = {ctx.memory_length}.")
+      raise ValueError(
+          f"transformer_xl: keys [b, {lk}, ...] and queries [b, {lq}, ...] imply "
+          f"memory M = {memory}, but ctx.memory_length = {ctx.memory_length}."
+      )
     dtype = jnp.result_type(q, k, self.w_kr)
     two_sided = not ctx.causal
     rel_k = self.rel_keys(lq, memory, two_sided, dtype)
     fn = txl.relative_logits_reference if ctx.reference else txl.relative_logits
     terms_bd = fn(q.astype(dtype), rel_k, pos_bias=self.v.astype(dtype), two_sided=two_sided)
     term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))  # [b, h, Lk]
-    return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
-
+    return (terms_bd + term_c[:, :, None, :]) * (d**-0.5)
 
   def _logits_at(self, q, k, ctx: Context):
     """Decoding: queries at ``ctx.offset + i``, keys at cache slots 0..Lk-1 (distance
@@ -116,13 +132,13 @@ class TransformerXL(Scheme):
     d = self.dims.head_dim
     lq, lk = q.shape[1], k.shape[1]
     dtype = jnp.result_type(q, k, self.w_kr)
-    dist = (ctx.offset + jnp.arange(lq))[:, None] - jnp.arange(lk)[None, :]        # [Lq, Lk]
+    dist = (ctx.offset + jnp.arange(lq))[:, None] - jnp.arange(lk)[None, :]  # [Lq, Lk]
     r = sinusoids(dist.reshape(-1), self.width, dtype).reshape(lq, lk, self.width)
     qv = q.astype(dtype) + self.v.astype(dtype)[None, None]
     proj = jnp.einsum("bihd,rhd->bihr", qv, self.w_kr.astype(dtype))
     terms_bd = jnp.einsum("bihr,ijr->bhij", proj, r)
     term_c = jnp.einsum("bjhd,hd->bhj", k.astype(dtype), self.u.astype(dtype))
-    return (terms_bd + term_c[:, :, None, :]) * (d ** -0.5)
+    return (terms_bd + term_c[:, :, None, :]) * (d**-0.5)
 
 
 SCHEMES = {"transformer_xl": TransformerXL}

@@ -75,4 +75,3 @@ SIGTERM (a preempted job) and SIGINT (Ctrl-C) are passed on to the running train
 save a checkpoint and stop; their runs are recorded as interrupted and the next invocation
 resumes them.
 """
-

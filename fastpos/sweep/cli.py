@@ -16,18 +16,20 @@ from fastpos.sweep import report
 from fastpos.sweep.manifest import Manifest
 from fastpos.sweep.plan import config_flag, finished, parse_grid, split_config_spec, validate
 from fastpos.sweep.runner import (
-  LOG,
-  NoGpuError,
-  Runner,
-  check_checkout,
-  discover_gpus,
-  run_on_gpus,
-  run_sequential,
+    LOG,
+    NoGpuError,
+    Runner,
+    check_checkout,
+    discover_gpus,
+    run_on_gpus,
+    run_sequential,
 )
 
 MODES = ("sequential", "gpus", "print")
-DESCRIPTION = ("Runs a grid of config overrides: every combination trains, then is scored on "
-               "the test split.")
+DESCRIPTION = (
+    "Runs a grid of config overrides: every combination trains, then is scored on "
+    "the test split."
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -39,21 +41,27 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = _OneLineParser(description=DESCRIPTION,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = _OneLineParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="configs/X.py[:arg]")
   p.add_argument("--sweep_dir", required=True, type=Path, help="one workdir per run goes here")
   p.add_argument("--mode", default="sequential", choices=MODES)
   p.add_argument("--gpus", default=None, help="--mode=gpus: GPU ids, e.g. 0,1")
   p.add_argument("--dry_run", action="store_true", help="show the plan; run and write nothing")
   p.add_argument("--python", default=sys.executable, help="interpreter for train.py / eval.py")
-  p.add_argument("--split", default="test", choices=("test", "validation"),
-                 help="the split eval.py scores (results_<split>.json); validation for tables "
-                      "that report it (Luo et al. Table 2)")
-  p.add_argument("--compilation_cache", default="SWEEP_DIR/jax_cache",
-                 help="JAX persistent compilation cache shared by the runs (runs that differ "
-                      "only in seed compile once); 'none' disables it; ignored when "
-                      "JAX_COMPILATION_CACHE_DIR is set")
+  p.add_argument(
+      "--split",
+      default="test",
+      choices=("test", "validation"),
+      help="the split eval.py scores (results_<split>.json); validation for tables "
+      "that report it (Luo et al. Table 2)",
+  )
+  p.add_argument(
+      "--compilation_cache",
+      default="SWEEP_DIR/jax_cache",
+      help="JAX persistent compilation cache shared by the runs (runs that differ "
+      "only in seed compile once); 'none' disables it; ignored when "
+      "JAX_COMPILATION_CACHE_DIR is set",
+  )
   p.add_argument("grid", nargs="*", help="key=v1,v2,... (or key=v1|v2 when values hold commas)")
   return p
 
@@ -93,8 +101,12 @@ def _prepare(args: argparse.Namespace, child_env: dict[str, str]) -> _Sweep:
       if not args.dry_run:
         raise
       no_gpu = e.why  # a dry run shows the plan all the same
-  manifest = Manifest(args.sweep_dir, config_flag(config_path, arg)[len("--config="):], grid,
-                      write=not args.dry_run)
+  manifest = Manifest(
+      args.sweep_dir,
+      config_flag(config_path, arg)[len("--config=") :],
+      grid,
+      write=not args.dry_run,
+  )
   return _Sweep(config_path, arg, runs, gpus, no_gpu, manifest)
 
 
@@ -105,9 +117,13 @@ def _record_runs(args: argparse.Namespace, sweep: _Sweep, runner: Runner) -> lis
   for name, (overrides, resolved) in sweep.runs.items():
     workdir = args.sweep_dir / name
     done, why = finished(workdir, resolved, args.split)
-    record = dict(overrides=overrides, workdir=name, log=str(Path(name) / LOG),
-                  commands=[shlex.join(c) for c in runner.commands(workdir, overrides)],
-                  config=resolved)
+    record = dict(
+        overrides=overrides,
+        workdir=name,
+        log=str(Path(name) / LOG),
+        commands=[shlex.join(c) for c in runner.commands(workdir, overrides)],
+        config=resolved,
+    )
     if done:
       runs[name] = {**runs.get(name, {}), **record, "status": "done"}
       print(f"[skip] {name}: finished (results_{args.split}.json)", file=sys.stderr)
@@ -147,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
   try:
     sweep.manifest.save()
   except OSError as e:
-    print(f"sweep: cannot write {sweep.manifest.path}: {e.strerror or e}; choose a --sweep_dir "
-          "that can be written.", file=sys.stderr)
+    print(
+        f"sweep: cannot write {sweep.manifest.path}: {e.strerror or e}; choose a --sweep_dir "
+        "that can be written.",
+        file=sys.stderr,
+    )
     return 2
   if args.mode == "print":
     report.print_commands(todo, sweep.manifest)

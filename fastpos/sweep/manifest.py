@@ -19,22 +19,31 @@ def now() -> str:
 class Manifest:
   """``sweep.json``: written atomically (tmp + rename) under a lock after every change."""
 
-  def __init__(self, sweep_dir: Path, config: str, grid: list[tuple[str, list[str]]],
-               *, write: bool):
+  def __init__(
+      self, sweep_dir: Path, config: str, grid: list[tuple[str, list[str]]], *, write: bool
+  ):
     self.path = sweep_dir / MANIFEST
     self.write_enabled = write
     self.lock = threading.Lock()
     try:
       old = json.loads(self.path.read_text()) if self.path.exists() else None
     except (OSError, ValueError) as e:
-      raise ValueError(f"cannot read the manifest {self.path}: {e}; move it away (the runs' "
-                       "workdirs stay usable) or use another --sweep_dir.") from e
+      raise ValueError(
+          f"cannot read the manifest {self.path}: {e}; move it away (the runs' "
+          "workdirs stay usable) or use another --sweep_dir."
+      ) from e
     if old is not None and old.get("config") != config:
-      raise ValueError(f"{sweep_dir} holds a sweep of {old.get('config')!r}, not {config!r}; "
-                       "use another --sweep_dir.")
-    self.data = {"config": config, "grid": {k: v for k, v in grid},
-                 "created": old["created"] if old else now(), "updated": now(),
-                 "runs": {}}
+      raise ValueError(
+          f"{sweep_dir} holds a sweep of {old.get('config')!r}, not {config!r}; "
+          "use another --sweep_dir."
+      )
+    self.data = {
+        "config": config,
+        "grid": {k: v for k, v in grid},
+        "created": old["created"] if old else now(),
+        "updated": now(),
+        "runs": {},
+    }
     if old:  # keep the records of runs outside this grid (an earlier, larger grid)
       self.data["runs"].update(old.get("runs", {}))
 

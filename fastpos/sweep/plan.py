@@ -28,7 +28,7 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
     key, eq, values = spec.partition("=")
     key = key.strip()
     if key.startswith("--config."):
-      key = key[len("--config."):]
+      key = key[len("--config.") :]
     if not eq or not key:
       raise ValueError(f"grid argument {spec!r} is not key=v1,v2,...")
     if "|" in values:
@@ -94,15 +94,19 @@ def config_argv(config_path: Path, base_arg: str | None, overrides: dict[str, st
   """train.py's config flags for a combination: ``arg.<name>`` keys go into the config
   argument (``--config=x.py:name=value``), the others become ``--config.<key>=<value>``."""
   arg = merge_arg(base_arg, {k[4:]: v for k, v in overrides.items() if k.startswith("arg.")})
-  return [config_flag(config_path, arg),
-          *(f"--config.{k}={v}" for k, v in overrides.items() if not k.startswith("arg."))]
+  return [
+      config_flag(config_path, arg),
+      *(f"--config.{k}={v}" for k, v in overrides.items() if not k.startswith("arg.")),
+  ]
 
 
 def load_config(config_path: Path, arg: str | None, overrides: dict[str, str]):
   """The ConfigDict train.py would build from these flags (``fastpos.train.cli``)."""
   arg = merge_arg(arg, {k[4:]: v for k, v in overrides.items() if k.startswith("arg.")})
-  return cli.load_config(config_flag(config_path, arg)[len("--config="):],
-                         [(k, v) for k, v in overrides.items() if not k.startswith("arg.")])
+  return cli.load_config(
+      config_flag(config_path, arg)[len("--config=") :],
+      [(k, v) for k, v in overrides.items() if not k.startswith("arg.")],
+  )
 
 
 def _last_line(e: Exception) -> str:
@@ -122,15 +126,18 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
   try:
     base = load_config(config_path, arg, {})
   except Exception as e:  # a broken config file or config argument
-    raise ValueError(f"cannot load {config_flag(config_path, arg)[9:]}: "
-                     f"{type(e).__name__}: {_last_line(e)}") from e
+    raise ValueError(
+        f"cannot load {config_flag(config_path, arg)[9:]}: " f"{type(e).__name__}: {_last_line(e)}"
+    ) from e
   _check_keys(config_path, arg, base, grid)
   runs: dict[str, tuple[dict[str, str], dict]] = {}
   for overrides in combinations(grid):
     name = run_name(overrides)
     if name in runs:
-      raise ValueError(f"the combinations {runs[name][0]} and {overrides} get the same "
-                       f"workdir name {name!r}; use values that differ in [A-Za-z0-9._=+-].")
+      raise ValueError(
+          f"the combinations {runs[name][0]} and {overrides} get the same "
+          f"workdir name {name!r}; use values that differ in [A-Za-z0-9._=+-]."
+      )
     try:
       cfg = load_config(config_path, arg, overrides)
     except Exception as e:  # absl's IllegalFlagValueError names the flag and the value
@@ -141,8 +148,9 @@ def validate(config_path: Path, arg: str | None, grid: list[tuple[str, list[str]
   return runs
 
 
-def _check_keys(config_path: Path, arg: str | None, base,
-                grid: list[tuple[str, list[str]]]) -> None:
+def _check_keys(
+    config_path: Path, arg: str | None, base, grid: list[tuple[str, list[str]]]
+) -> None:
   """Raises ValueError for a grid key that is not a field of ``base`` (with the nearby valid
   keys) or names a block of it, and for an ``arg.<name>`` value holding a comma."""
   keys = cli.config_keys(base)
@@ -155,10 +163,13 @@ def _check_keys(config_path: Path, arg: str | None, base,
       raise ValueError(
           f"unknown override key {key!r}: {config_path.name}"
           f"{':' + arg if arg else ''} has no field config.{key}. Nearby valid keys: "
-          f"{', '.join(cli.nearby(key, keys))}.")
+          f"{', '.join(cli.nearby(key, keys))}."
+      )
     if key in keys and hasattr(base[key], "keys"):
-      raise ValueError(f"override key {key!r} is a block of the config, not a field; set its "
-                       f"fields ({', '.join(list(base[key].keys())[:8])}).")
+      raise ValueError(
+          f"override key {key!r} is a block of the config, not a field; set its "
+          f"fields ({', '.join(list(base[key].keys())[:8])})."
+      )
 
 
 # ---------------------------------------------------------------------------------------------

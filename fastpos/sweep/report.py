@@ -14,8 +14,9 @@ from fastpos.sweep.runner import NEEDS_FIX, REPO, RESUMABLE, gpu_plan, last_erro
 from fastpos.train import errors
 
 
-def print_plan(todo: list[str], manifest: Manifest, sweep_dir: Path, gpus: list[str],
-               dry_run: bool) -> None:
+def print_plan(
+    todo: list[str], manifest: Manifest, sweep_dir: Path, gpus: list[str], dry_run: bool
+) -> None:
   """One line per unfinished run on stderr: run or resume (from which step, and why), and in
   gpus mode where it starts."""
   where = gpu_plan(todo, gpus) if gpus else {}
@@ -36,15 +37,27 @@ def print_commands(todo: list[str], manifest: Manifest) -> None:
 
 def print_dry_run(num_runs: int, todo: list[str], gpus: list[str], no_gpu: str) -> None:
   """The last lines of a dry run: how many runs are finished and to run, and on which GPUs."""
-  print(f"sweep: {num_runs} runs, {num_runs - len(todo)} finished, {len(todo)} to run"
-        + (f" on GPUs {','.join(gpus)}" if gpus else ""), file=sys.stderr)
+  print(
+      f"sweep: {num_runs} runs, {num_runs - len(todo)} finished, {len(todo)} to run"
+      + (f" on GPUs {','.join(gpus)}" if gpus else ""),
+      file=sys.stderr,
+  )
   if no_gpu:
-    print(f"sweep: --mode=gpus: no GPU found on this machine ({no_gpu}); a real run stops "
-          "there. Pass --gpus=0,1,... to see which run starts on which GPU.", file=sys.stderr)
+    print(
+        f"sweep: --mode=gpus: no GPU found on this machine ({no_gpu}); a real run stops "
+        "there. Pass --gpus=0,1,... to see which run starts on which GPU.",
+        file=sys.stderr,
+    )
 
 
-def summarize(num_runs: int, todo: list[str], statuses: dict[str, str], manifest: Manifest,
-              sweep_dir: Path, t0: float) -> int:
+def summarize(
+    num_runs: int,
+    todo: list[str],
+    statuses: dict[str, str],
+    manifest: Manifest,
+    sweep_dir: Path,
+    t0: float,
+) -> int:
   """Prints the counts by status and what to do about each run that did not finish; returns
   the sweep's exit code: 1 when a run needs a fix, else ``EXIT_PREEMPTED`` when runs were
   preempted, interrupted or not started, else 0."""
@@ -52,11 +65,15 @@ def summarize(num_runs: int, todo: list[str], statuses: dict[str, str], manifest
   for name, status in statuses.items():
     by_status.setdefault(status, []).append(name)
   not_started = [n for n in todo if n not in statuses]
-  counts = ", ".join(f"{len(by_status.get(k, []))} {k}" for k in (
-      "done", "failed", "bad_input", "nonfinite", "locked", "preempted"))
-  print(f"\nsweep: {num_runs} runs in {sweep_dir} ({time.time() - t0:.0f} s): "
-        f"{num_runs - len(todo)} skipped (finished before), {counts}, "
-        f"{len(by_status.get('interrupted', [])) + len(not_started)} interrupted / not started.")
+  counts = ", ".join(
+      f"{len(by_status.get(k, []))} {k}"
+      for k in ("done", "failed", "bad_input", "nonfinite", "locked", "preempted")
+  )
+  print(
+      f"\nsweep: {num_runs} runs in {sweep_dir} ({time.time() - t0:.0f} s): "
+      f"{num_runs - len(todo)} skipped (finished before), {counts}, "
+      f"{len(by_status.get('interrupted', [])) + len(not_started)} interrupted / not started."
+  )
   _print_advice(by_status, not_started, manifest, sweep_dir)
   if any(by_status.get(k) for k in NEEDS_FIX):
     return 1
@@ -65,14 +82,17 @@ def summarize(num_runs: int, todo: list[str], statuses: dict[str, str], manifest
   return 0
 
 
-def _print_advice(by_status: dict[str, list[str]], not_started: list[str], manifest: Manifest,
-                  sweep_dir: Path) -> None:
+def _print_advice(
+    by_status: dict[str, list[str]], not_started: list[str], manifest: Manifest, sweep_dir: Path
+) -> None:
   for status in NEEDS_FIX:
     for name in by_status.get(status, []):
       rec = manifest.data["runs"][name]
-      print(f"  {status.upper()} {name}: {rec['message']}\n"
-            f"    log: {sweep_dir / rec['log']}\n"
-            f"    {last_error_line(sweep_dir / rec['log'])}")
+      print(
+          f"  {status.upper()} {name}: {rec['message']}\n"
+          f"    log: {sweep_dir / rec['log']}\n"
+          f"    {last_error_line(sweep_dir / rec['log'])}"
+      )
   for name in by_status.get("preempted", []):
     print(f"  PREEMPTED {name}: re-run the same command to resume it from its checkpoint.")
   for name in by_status.get("interrupted", []):

@@ -22,15 +22,25 @@ REPO = Path(__file__).resolve().parents[2]
 # A child's exit code -> (status, what it means for the sweep). The codes are train.py /
 # eval.py's (fastpos/train/errors.py); any other non-zero code is "failed".
 EXIT_STATUS = {
-    errors.EXIT_PREEMPTED: ("preempted", "preempted after saving a checkpoint; re-run the sweep "
-                                         "to resume it"),
-    errors.EXIT_NONFINITE: ("nonfinite", "the loss became NaN / Inf; the last good checkpoint is "
-                                         "kept: change the config (e.g. a lower learning rate) "
-                                         "before resuming"),
-    errors.EXIT_LOCKED: ("locked", "another trainer holds the workdir (another sweep on this "
-                                   "directory?); wait for it or stop it, then re-run"),
-    errors.EXIT_BAD_INPUT: ("bad_input", "bad config, flag, data or workdir; fix it (see the "
-                                         "log's last line) and re-run"),
+    errors.EXIT_PREEMPTED: (
+        "preempted",
+        "preempted after saving a checkpoint; re-run the sweep " "to resume it",
+    ),
+    errors.EXIT_NONFINITE: (
+        "nonfinite",
+        "the loss became NaN / Inf; the last good checkpoint is "
+        "kept: change the config (e.g. a lower learning rate) "
+        "before resuming",
+    ),
+    errors.EXIT_LOCKED: (
+        "locked",
+        "another trainer holds the workdir (another sweep on this "
+        "directory?); wait for it or stop it, then re-run",
+    ),
+    errors.EXIT_BAD_INPUT: (
+        "bad_input",
+        "bad config, flag, data or workdir; fix it (see the " "log's last line) and re-run",
+    ),
 }
 # Statuses a re-run of the same command continues; the others need a fix first.
 RESUMABLE = ("preempted", "interrupted")
@@ -43,15 +53,18 @@ def check_checkout() -> None:
   out): the runs need the repository's entry points."""
   absent = [f for f in ("train.py", "eval.py") if not (REPO / f).is_file()]
   if absent:
-    raise ValueError(f"{REPO} has no {' or '.join(absent)}: sweeps run the repository's "
-                     "entry points; install fastpos from a checkout (pip install -e .).")
+    raise ValueError(
+        f"{REPO} has no {' or '.join(absent)}: sweeps run the repository's "
+        "entry points; install fastpos from a checkout (pip install -e .)."
+    )
 
 
 class Runner:
   """Runs train.py then eval.py for one combination; stops cleanly on SIGTERM."""
 
-  def __init__(self, args, config_path: Path, arg: str | None, manifest: Manifest,
-               env: dict[str, str]):
+  def __init__(
+      self, args, config_path: Path, arg: str | None, manifest: Manifest, env: dict[str, str]
+  ):
     self.args, self.config_path, self.arg, self.manifest = args, config_path, arg, manifest
     self.env = env
     self.python = args.python
@@ -63,8 +76,10 @@ class Runner:
   def commands(self, workdir: Path, overrides: dict[str, str]) -> list[list[str]]:
     flags = config_argv(self.config_path, self.arg, overrides)
     common = [flags[0], f"--workdir={workdir}", *flags[1:]]
-    return [[self.python, str(REPO / "train.py"), *common],
-            [self.python, str(REPO / "eval.py"), *common, f"--split={self.args.split}"]]
+    return [
+        [self.python, str(REPO / "train.py"), *common],
+        [self.python, str(REPO / "eval.py"), *common, f"--split={self.args.split}"],
+    ]
 
   def say(self, msg: str) -> None:
     with self.print_lock:
@@ -89,8 +104,9 @@ class Runner:
       with self.children_lock:
         self.children.discard(p)
 
-  def run(self, name: str, overrides: dict[str, str], resolved: dict,
-          gpu: str | None = None) -> str:
+  def run(
+      self, name: str, overrides: dict[str, str], resolved: dict, gpu: str | None = None
+  ) -> str:
     """Runs one combination; returns its final status (done / interrupted / a status of
     ``EXIT_STATUS`` / failed). A file that cannot be written (disk full, permissions) fails
     the run with one line, never a traceback from a worker thread."""
@@ -100,14 +116,12 @@ class Runner:
       message = f"cannot write {e.filename or self.args.sweep_dir / name}: {e.strerror or e}"
       self.say(f"[failed] {name}: {message}")
       try:
-        self.manifest.set(name, status="failed", returncode=None, message=message,
-                          finished=now())
+        self.manifest.set(name, status="failed", returncode=None, message=message, finished=now())
       except OSError:  # the manifest cannot be written either; the summary still lists it
         pass
       return "failed"
 
-  def _run(self, name: str, overrides: dict[str, str], resolved: dict,
-           gpu: str | None) -> str:
+  def _run(self, name: str, overrides: dict[str, str], resolved: dict, gpu: str | None) -> str:
     workdir = self.args.sweep_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / LOG
@@ -115,25 +129,27 @@ class Runner:
     if gpu is not None:
       env["CUDA_VISIBLE_DEVICES"] = gpu
     start = time.time()
-    self.manifest.set(name, status="running", started=now(), gpu=gpu, returncode=None,
-                      message="")
+    self.manifest.set(name, status="running", started=now(), gpu=gpu, returncode=None, message="")
     where = f" on GPU {gpu}" if gpu is not None else ""
     self.say(f"[run] {name}{where} (log: {log_path})")
     with open(log_path, "a", encoding="utf-8") as log:
       status, rc, message = self._stages(workdir, overrides, resolved, log, env)
     wall = time.time() - start
-    fields = dict(status=status, returncode=rc, message=message, finished=now(),
-                  wall_s=round(wall, 1))
+    fields = dict(
+        status=status, returncode=rc, message=message, finished=now(), wall_s=round(wall, 1)
+    )
     if status == "done":
       fields["results"] = self._report_done(name, workdir, wall)
     else:
-      self.say(f"[{status}] {name}: {message}; log: {log_path}\n"
-               f"        {last_error_line(log_path)}")
+      self.say(
+          f"[{status}] {name}: {message}; log: {log_path}\n" f"        {last_error_line(log_path)}"
+      )
     self.manifest.set(name, **fields)
     return status
 
-  def _stages(self, workdir: Path, overrides: dict[str, str], resolved: dict, log,
-              env: dict[str, str]) -> tuple[str, int, str]:
+  def _stages(
+      self, workdir: Path, overrides: dict[str, str], resolved: dict, log, env: dict[str, str]
+  ) -> tuple[str, int, str]:
     """Runs train then eval; (status, return code, message) of the first that stops the run,
     else ("done", 0, "")."""
     for stage, argv in zip(("train", "eval"), self.commands(workdir, overrides)):
@@ -142,13 +158,18 @@ class Runner:
         return "interrupted", rc, f"stopped during {stage} (SIGTERM / SIGINT)"
       if rc != 0:
         status, meaning = EXIT_STATUS.get(rc, ("failed", ""))
-        return status, rc, f"{stage} exited with status {rc}" + (
-            f" ({meaning})" if meaning else "")
+        return status, rc, f"{stage} exited with status {rc}" + (f" ({meaning})" if meaning else "")
       if stage == "train":
         step = latest_checkpoint_step(workdir)
         if step is None or step < resolved["num_train_steps"]:
-          return "failed", 1, (f"train exited 0 at step {step} of "
-                               f"{resolved['num_train_steps']} (stopped early)")
+          return (
+              "failed",
+              1,
+              (
+                  f"train exited 0 at step {step} of "
+                  f"{resolved['num_train_steps']} (stopped early)"
+              ),
+          )
     return "done", 0, ""
 
   def _report_done(self, name: str, workdir: Path, wall: float) -> dict:
@@ -177,9 +198,11 @@ class NoGpuError(ValueError):
 
   def __init__(self, why: str):
     self.why = why
-    super().__init__(f"--mode=gpus: no GPU found on this machine ({why}). Run the sweep where "
-                     "GPUs are, name them with --gpus=0,1,..., or use --mode=sequential (one "
-                     "run after another on this machine's devices).")
+    super().__init__(
+        f"--mode=gpus: no GPU found on this machine ({why}). Run the sweep where "
+        "GPUs are, name them with --gpus=0,1,..., or use --mode=sequential (one "
+        "run after another on this machine's devices)."
+    )
 
 
 def discover_gpus(flag: str | None, env: dict[str, str]) -> list[str]:
@@ -193,8 +216,9 @@ def discover_gpus(flag: str | None, env: dict[str, str]) -> list[str]:
   if env.get("CUDA_VISIBLE_DEVICES", "").strip():
     return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
   try:
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     why = "nvidia-smi -L lists none"
   except FileNotFoundError:
     out, why = "", "nvidia-smi is not installed"
@@ -210,8 +234,10 @@ def discover_gpus(flag: str | None, env: dict[str, str]) -> list[str]:
 def gpu_plan(todo: list[str], gpus: list[str]) -> dict[str, str]:
   """Where each run of a gpus-mode sweep starts: the first ``len(gpus)`` runs on one GPU each,
   the rest queued for whichever GPU frees first."""
-  return {name: (f"on GPU {gpus[i]}" if i < len(gpus) else "queued for the next free GPU")
-          for i, name in enumerate(todo)}
+  return {
+      name: (f"on GPU {gpus[i]}" if i < len(gpus) else "queued for the next free GPU")
+      for i, name in enumerate(todo)
+  }
 
 
 def run_sequential(runner: Runner, runs: dict, todo: list[str]) -> dict[str, str]:

@@ -60,10 +60,22 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
   cls = get_task_class(name)
   unknown = sorted(set(cfg.keys()) - set(cls.default_config().keys()))
   if unknown:
-    raise ValueError(f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
-                     f"fields: {', '.join(sorted(cls.default_config().keys()))}.")
+    raise ValueError(
+        f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
+        f"fields: {', '.join(sorted(cls.default_config().keys()))}."
+    )
   return cls(cfg)
 
 
-__all__ = ["SPLITS", "ArraySource", "Task", "TASK_MODULES", "TaskInfo", "get_task_class",
-           "make_task", "task_config", "task_info", "task_names"]
+__all__ = [
+    "SPLITS",
+    "ArraySource",
+    "Task",
+    "TASK_MODULES",
+    "TaskInfo",
+    "get_task_class",
+    "make_task",
+    "task_config",
+    "task_info",
+    "task_names",
+]

@@ -88,6 +88,7 @@ class Task(abc.ABC):
     generated: True when there is nothing to download (the task makes its data itself, or
       reads the user's own files).
   """
+
   task_name: ClassVar[str]
   generated: ClassVar[bool] = False
   metric: ClassVar[str] = "accuracy"
@@ -139,15 +140,20 @@ class Task(abc.ABC):
         continue
       x = src.arrays[key]
       if x.ndim != 2 or x.shape[1] != info.max_length:
-        raise ValueError(f"task {self.task_name!r}, split {split!r}: {key} has shape "
-                         f"{x.shape}; expected [n, {info.max_length}].")
+        raise ValueError(
+            f"task {self.task_name!r}, split {split!r}: {key} has shape "
+            f"{x.shape}; expected [n, {info.max_length}]."
+        )
       if x.min() < 0 or x.max() >= info.vocab_size:
-        raise ValueError(f"task {self.task_name!r}, split {split!r}: token ids outside "
-                         f"[0, {info.vocab_size}).")
+        raise ValueError(
+            f"task {self.task_name!r}, split {split!r}: token ids outside "
+            f"[0, {info.vocab_size})."
+        )
     t = src.arrays["targets"]
     if info.kind != "lm" and (t.min() < 0 or t.max() >= info.num_classes):
-      raise ValueError(f"task {self.task_name!r}, split {split!r}: targets outside "
-                       f"[0, {info.num_classes}).")
+      raise ValueError(
+          f"task {self.task_name!r}, split {split!r}: targets outside " f"[0, {info.num_classes})."
+      )
 
 
 def split_seed(seed: int, split: str) -> np.random.SeedSequence:

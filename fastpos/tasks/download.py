@@ -61,6 +61,7 @@ class Archive:
     folders: unpacked folder name -> files (relative to it) that must exist afterwards.
     file_checksums: "folder/file" -> (algorithm, digest) checked after unpacking.
   """
+
   name: str
   url: str
   filename: str
@@ -76,6 +77,7 @@ class Archive:
 @dataclasses.dataclass(frozen=True)
 class Tfds:
   """A tfds dataset prepared as array_record under DIR/tfds."""
+
   name: str
   size: str
   checksum_source: str = "tfds' registered sha256 (url_checksums), checked by tfds itself"
@@ -92,13 +94,12 @@ LRA = Archive(
     size="~7.7 GB (tar.gz)",
     checksums={},
     checksum_source="none published (google-research/long-range-arena README gives only the "
-                    "URL)",
+    "URL)",
     kind="tar.gz",
     dest=paths.LRA_SUBDIR,
     folders={
         "listops-1000": ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv"),
-        "tsv_data": ("new_aan_pairs.train.tsv", "new_aan_pairs.eval.tsv",
-                     "new_aan_pairs.test.tsv"),
+        "tsv_data": ("new_aan_pairs.train.tsv", "new_aan_pairs.eval.tsv", "new_aan_pairs.test.tsv"),
         **{f"pathfinder{r}": _pathfinder_files() for r in PATHFINDER_RESOLUTIONS},
     },
 )
@@ -108,14 +109,15 @@ WIKITEXT = Archive(
     url="https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip",
     filename="wikitext-103-v1.zip",
     size="~181 MiB (zip), ~0.5 GB unpacked",
-    checksums={"md5": "9ddaacaf6af0710eda8c456decff7832",
-               "sha1": "0aec09a7537b58d4bb65362fee27650eeaba625a"},
+    checksums={
+        "md5": "9ddaacaf6af0710eda8c456decff7832",
+        "sha1": "0aec09a7537b58d4bb65362fee27650eeaba625a",
+    },
     checksum_source="md5: pytorch/text torchtext/experimental/datasets/raw/wikitext103.py; "
-                    "sha1 (archive and files): GluonNLP data/language_model.py (WikiText103)",
+    "sha1 (archive and files): GluonNLP data/language_model.py (WikiText103)",
     kind="zip",
     dest="",
-    folders={paths.WIKITEXT_SUBDIR: ("wiki.train.tokens", "wiki.valid.tokens",
-                                     "wiki.test.tokens")},
+    folders={paths.WIKITEXT_SUBDIR: ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens")},
     file_checksums={
         "wikitext-103/wiki.train.tokens": ("sha1", "b7497e2dfe77e72cfef5e3dbc61b7b53712ac211"),
         "wikitext-103/wiki.valid.tokens": ("sha1", "c326ac59dc587676d58c422eb8a03e119582f92b"),
@@ -153,6 +155,7 @@ class DownloadError(RuntimeError):
 @dataclasses.dataclass
 class Step:
   """What one resource fetch does for the asked tasks."""
+
   resource: str
   tasks: list
   source: str
@@ -188,24 +191,34 @@ def parse_resolutions(text: str) -> tuple[int, ...]:
   except ValueError:
     values = ()
   if not values or any(v not in PATHFINDER_RESOLUTIONS for v in values):
-    raise DownloadError(f"--pathfinder {text!r}: give comma-separated resolutions from "
-                        f"{', '.join(map(str, PATHFINDER_RESOLUTIONS))}.")
+    raise DownloadError(
+        f"--pathfinder {text!r}: give comma-separated resolutions from "
+        f"{', '.join(map(str, PATHFINDER_RESOLUTIONS))}."
+    )
   return tuple(sorted(set(values)))
 
 
-def plan(task_names: Sequence[str], data_dir: str, *,
-         pathfinder: Sequence[int] = DEFAULT_PATHFINDER, resources: dict | None = None,
-         tasks: dict | None = None) -> list[Step]:
+def plan(
+    task_names: Sequence[str],
+    data_dir: str,
+    *,
+    pathfinder: Sequence[int] = DEFAULT_PATHFINDER,
+    resources: dict | None = None,
+    tasks: dict | None = None,
+) -> list[Step]:
   """The steps that fetch ``task_names`` into ``data_dir`` (one per resource, in order)."""
   resources = RESOURCES if resources is None else resources
   tasks = TASKS if tasks is None else tasks
   unknown = [t for t in task_names if t not in tasks]
   if unknown:
-    raise DownloadError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: "
-                        f"{', '.join(tasks)}.")
+    raise DownloadError(
+        f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: " f"{', '.join(tasks)}."
+    )
   if not task_names:
-    raise DownloadError(f"no task given; valid tasks: {', '.join(tasks)} (--dry_run alone "
-                        f"shows the plan for all of them, --list what each fetches).")
+    raise DownloadError(
+        f"no task given; valid tasks: {', '.join(tasks)} (--dry_run alone "
+        f"shows the plan for all of them, --list what each fetches)."
+    )
   root = paths.data_root(data_dir)
   steps: dict[str, Step] = {}
   for task in dict.fromkeys(task_names):
@@ -213,7 +226,8 @@ def plan(task_names: Sequence[str], data_dir: str, *,
     res = resources[res_name]
     if "pathfinder" in folders:
       folders = tuple(f for f in folders if f != "pathfinder") + tuple(
-          f"pathfinder{r}" for r in pathfinder)
+          f"pathfinder{r}" for r in pathfinder
+      )
     step = steps.setdefault(res_name, _new_step(res_name, res))
     step.tasks.append(task)
     if isinstance(res, Archive):
@@ -227,11 +241,21 @@ def _new_step(res_name: str, res: Archive | Tfds) -> Step:
   """An empty step for one resource: its source, size and what its checksum is."""
   if isinstance(res, Archive):
     published = ", ".join(f"{k} {v}" for k, v in res.checksums.items())
-    checksum = (f"{published} ({res.checksum_source})" if res.checksums else
-                f"UNVERIFIED: {res.checksum_source}; its sha256 is printed")
+    checksum = (
+        f"{published} ({res.checksum_source})"
+        if res.checksums
+        else f"UNVERIFIED: {res.checksum_source}; its sha256 is printed"
+    )
     return Step(res_name, [], res.url, res.size, checksum, [], [])
-  return Step(res_name, [], f"tfds.builder({res.name!r}).download_and_prepare "
-              f"(array_record)", res.size, res.checksum_source, [], [])
+  return Step(
+      res_name,
+      [],
+      f"tfds.builder({res.name!r}).download_and_prepare " f"(array_record)",
+      res.size,
+      res.checksum_source,
+      [],
+      [],
+  )
 
 
 def _add_archive_outputs(step: Step, res: Archive, wanted: Sequence[str], root: str) -> None:
@@ -273,8 +297,10 @@ def list_text() -> str:
     if isinstance(res, Archive):
       what = f"{res.url} ({res.size})"
       if folders:
-        names = ["pathfinder{" + ",".join(map(str, DEFAULT_PATHFINDER)) + "}"
-                 if f == "pathfinder" else f for f in folders]
+        names = [
+            "pathfinder{" + ",".join(map(str, DEFAULT_PATHFINDER)) + "}" if f == "pathfinder" else f
+            for f in folders
+        ]
         what += f" -> {res.dest}/{', '.join(names)}" if res.dest else ""
       else:
         what += f" -> {', '.join(res.folders)}"
@@ -333,8 +359,10 @@ def verify(path: str, checksums: dict, what: str) -> str:
   got = file_digests(path, ["sha256", *checksums])
   for algo, want in checksums.items():
     if got[algo] != want.lower():
-      raise DownloadError(f"{what}: {algo} of {path} is {got[algo]}, expected {want}; the file is "
-                          f"corrupt or was changed upstream. Delete it and run again.")
+      raise DownloadError(
+          f"{what}: {algo} of {path} is {got[algo]}, expected {want}; the file is "
+          f"corrupt or was changed upstream. Delete it and run again."
+      )
   return got["sha256"]
 
 
@@ -379,17 +407,28 @@ def _fetch_failure(res: Archive, part: str, final: str, e: BaseException) -> str
     reason = str(e.reason)
   else:
     reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-  if isinstance(e, OSError) and not isinstance(e, urllib.error.URLError) and e.errno in (
-      errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
-    return (f"cannot write {part}: {reason}. Free space or fix the permissions of that folder "
-            f"(or choose another --data_dir), then run again.")
-  resume = (f" The {kept} bytes received are kept in {part}; running the same command again "
-            f"resumes the download." if kept else "")
-  return (f"cannot fetch {res.url}: {reason}.{resume} If this machine has no internet access, "
-          f"run the same command on one that has and copy its data root's folder "
-          f"{res.dest or ', '.join(res.folders)}/ into {os.path.dirname(os.path.dirname(final))}"
-          f", or place the file {res.filename} at {final} and run again (it is verified, then "
-          f"unpacked).")
+  if (
+      isinstance(e, OSError)
+      and not isinstance(e, urllib.error.URLError)
+      and e.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT)
+  ):
+    return (
+        f"cannot write {part}: {reason}. Free space or fix the permissions of that folder "
+        f"(or choose another --data_dir), then run again."
+    )
+  resume = (
+      f" The {kept} bytes received are kept in {part}; running the same command again "
+      f"resumes the download."
+      if kept
+      else ""
+  )
+  return (
+      f"cannot fetch {res.url}: {reason}.{resume} If this machine has no internet access, "
+      f"run the same command on one that has and copy its data root's folder "
+      f"{res.dest or ', '.join(res.folders)}/ into {os.path.dirname(os.path.dirname(final))}"
+      f", or place the file {res.filename} at {final} and run again (it is verified, then "
+      f"unpacked)."
+  )
 
 
 def _safe_parts(name: str) -> list[str] | None:
@@ -425,8 +464,10 @@ def unpack(res: Archive, archive: str, root: str, folders: Sequence[str]) -> Non
   if missing:
     for s in staging.values():
       shutil.rmtree(s, ignore_errors=True)
-    raise DownloadError(f"{archive} holds no folder {', '.join(missing)}; its entries start "
-                        f"with: {', '.join(sorted(stager.seen_top)[:20])}.")
+    raise DownloadError(
+        f"{archive} holds no folder {', '.join(missing)}; its entries start "
+        f"with: {', '.join(sorted(stager.seen_top)[:20])}."
+    )
   for f in folders:
     _install(res, archive, f, staging[f], stager.prefixes[f])
 
@@ -436,8 +477,10 @@ def _refuse_foreign(dest: str, folders: Sequence[str]) -> None:
   for f in folders:
     out = os.path.join(dest, f)
     if os.path.exists(out) and not os.path.exists(os.path.join(out, MARKER)):
-      raise DownloadError(f"{out} exists but was not completed by this script (no {MARKER}); "
-                          f"move it away or delete it, then run again.")
+      raise DownloadError(
+          f"{out} exists but was not completed by this script (no {MARKER}); "
+          f"move it away or delete it, then run again."
+      )
 
 
 def _members(kind: str, archive: str) -> Iterator[tuple[str, bool, Callable[[], IO[bytes]]]]:
@@ -481,10 +524,12 @@ class _Stager:
       return
     folder, prefix = parts[i], tuple(parts[:i])
     if self.prefixes.setdefault(folder, prefix) != prefix:
-      print(f"  note: skipping {name} (a second copy of {folder}/ under "
-            f"{'/'.join(prefix) or '.'}; using {'/'.join(self.prefixes[folder]) or '.'})")
+      print(
+          f"  note: skipping {name} (a second copy of {folder}/ under "
+          f"{'/'.join(prefix) or '.'}; using {'/'.join(self.prefixes[folder]) or '.'})"
+      )
       return
-    target = os.path.join(self.staging[folder], *parts[i + 1:])
+    target = os.path.join(self.staging[folder], *parts[i + 1 :])
     if is_dir:
       os.makedirs(target, exist_ok=True)
     else:
@@ -505,18 +550,27 @@ def _install(res: Archive, archive: str, folder: str, staged: str, prefix: tuple
   required = res.folders.get(folder, ())
   absent = [r for r in required if not os.path.exists(os.path.join(staged, r))]
   if absent:
-    raise DownloadError(f"{archive}: {folder}/ lacks {', '.join(absent)} (wrong archive?); the "
-                        f"partial copy is left in {staged}.")
+    raise DownloadError(
+        f"{archive}: {folder}/ lacks {', '.join(absent)} (wrong archive?); the "
+        f"partial copy is left in {staged}."
+    )
   for rel, (algo, digest) in res.file_checksums.items():
     head, _, tail = rel.partition("/")
     if head == folder:
       got = file_digests(os.path.join(staged, tail), [algo])[algo]
       if got != digest:
-        raise DownloadError(f"{res.name}: {algo} of unpacked {tail} is {got}, expected "
-                            f"{digest}.")
+        raise DownloadError(
+            f"{res.name}: {algo} of unpacked {tail} is {got}, expected " f"{digest}."
+        )
   with open(os.path.join(staged, MARKER), "w") as m:
-    json.dump({"source": res.url, "archive_prefix": "/".join(prefix),
-               "time": time.strftime("%Y-%m-%d %H:%M:%S")}, m)
+    json.dump(
+        {
+            "source": res.url,
+            "archive_prefix": "/".join(prefix),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        m,
+    )
   out = os.path.join(os.path.dirname(staged), folder)
   if os.path.exists(out):  # complete (marker) but asked again: replaced by the new copy
     shutil.rmtree(out)
@@ -525,8 +579,9 @@ def _install(res: Archive, archive: str, folder: str, staged: str, prefix: tuple
 
 
 def prepare_tfds(res: Tfds, root: str) -> None:
-  missing = [m for m in ("tensorflow", "importlib_resources")
-             if importlib.util.find_spec(m) is None]
+  missing = [
+      m for m in ("tensorflow", "importlib_resources") if importlib.util.find_spec(m) is None
+  ]
   if missing:
     raise DownloadError(
         f"preparing tfds {res.name!r} with tensorflow-datasets needs {' and '.join(missing)} "
@@ -535,27 +590,38 @@ def prepare_tfds(res: Tfds, root: str) -> None:
         f"  python -m venv ~/tfds-prep\n"
         f"  ~/tfds-prep/bin/pip install tensorflow-datasets==4.9.10 tensorflow "
         f"importlib_resources\n"
-        f"  ~/tfds-prep/bin/python scripts/download_data.py <tasks> --data_dir {root}")
+        f"  ~/tfds-prep/bin/python scripts/download_data.py <tasks> --data_dir {root}"
+    )
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
   data_dir = os.path.join(root, paths.TFDS_SUBDIR)
   try:
     builder = tfds.builder(res.name, data_dir=data_dir)
-    builder.download_and_prepare(file_format="array_record",
-                                 download_dir=os.path.join(data_dir, "downloads"))
+    builder.download_and_prepare(
+        file_format="array_record", download_dir=os.path.join(data_dir, "downloads")
+    )
   except Exception as e:  # tfds wraps network / checksum errors in its own types
     last = (str(e).strip().splitlines() or [""])[-1]
     raise DownloadError(
         f"tfds could not prepare {res.name!r} under {data_dir}: {type(e).__name__}: {last}. "
         f"If this machine has no internet access, run the same command on one that has and "
         f"copy {os.path.join(data_dir, res.name)} here; running again resumes what tfds "
-        f"downloaded into {os.path.join(data_dir, 'downloads')}.") from e
+        f"downloaded into {os.path.join(data_dir, 'downloads')}."
+    ) from e
   print(f"  -> {builder.data_dir}")
 
 
-def run(task_names: Sequence[str], data_dir: str, *, dry_run: bool = False,
-        fetch: Fetch = urllib_fetch, pathfinder: Sequence[int] = DEFAULT_PATHFINDER,
-        delete_archives: bool = False, resources: dict | None = None,
-        tasks: dict | None = None) -> list[Step]:
+def run(
+    task_names: Sequence[str],
+    data_dir: str,
+    *,
+    dry_run: bool = False,
+    fetch: Fetch = urllib_fetch,
+    pathfinder: Sequence[int] = DEFAULT_PATHFINDER,
+    delete_archives: bool = False,
+    resources: dict | None = None,
+    tasks: dict | None = None,
+) -> list[Step]:
   """Plans, prints and (unless ``dry_run``) carries out the fetch of ``task_names``."""
   resources = RESOURCES if resources is None else resources
   steps = plan(task_names, data_dir, pathfinder=pathfinder, resources=resources, tasks=tasks)
@@ -598,8 +664,9 @@ def _remove_empty(folders: Iterable[str]) -> None:
       pass
 
 
-def _carry_out(steps: Sequence[Step], root: str, resources: dict, fetch: Fetch,
-               delete_archives: bool) -> None:
+def _carry_out(
+    steps: Sequence[Step], root: str, resources: dict, fetch: Fetch, delete_archives: bool
+) -> None:
   for step in steps:
     if step.done:
       continue
@@ -627,20 +694,34 @@ class _OneLineParser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   parser = _OneLineParser(
       description="Fetch the data of fastpos tasks into one data root (see the module "
-                  "docstring for the layout).")
-  parser.add_argument("tasks", nargs="*", metavar="TASK",
-                      help=f"tasks to fetch: {', '.join(TASKS)}")
-  parser.add_argument("--data_dir", default="",
-                      help=f"the data root ('' = ${paths.ENV_VAR}, else {paths.DEFAULT_ROOT})")
+      "docstring for the layout)."
+  )
+  parser.add_argument(
+      "tasks", nargs="*", metavar="TASK", help=f"tasks to fetch: {', '.join(TASKS)}"
+  )
+  parser.add_argument(
+      "--data_dir",
+      default="",
+      help=f"the data root ('' = ${paths.ENV_VAR}, else {paths.DEFAULT_ROOT})",
+  )
   parser.add_argument("--list", action="store_true", help="print the tasks and what each fetches")
-  parser.add_argument("--dry_run", action="store_true",
-                      help="print the plan (sources, sizes, checksums, outputs) and stop; "
-                           "without TASKs, the plan for every task")
-  parser.add_argument("--pathfinder", default=",".join(map(str, DEFAULT_PATHFINDER)),
-                      help="Pathfinder resolutions to unpack (32 = Pathfinder, 128 = Path-X)")
-  parser.add_argument("--delete_archives", action="store_true",
-                      help="delete each archive once unpacked (default: keep it in "
-                           "DIR/downloads for the other tasks it serves)")
+  parser.add_argument(
+      "--dry_run",
+      action="store_true",
+      help="print the plan (sources, sizes, checksums, outputs) and stop; "
+      "without TASKs, the plan for every task",
+  )
+  parser.add_argument(
+      "--pathfinder",
+      default=",".join(map(str, DEFAULT_PATHFINDER)),
+      help="Pathfinder resolutions to unpack (32 = Pathfinder, 128 = Path-X)",
+  )
+  parser.add_argument(
+      "--delete_archives",
+      action="store_true",
+      help="delete each archive once unpacked (default: keep it in "
+      "DIR/downloads for the other tasks it serves)",
+  )
   return parser
 
 
@@ -655,12 +736,20 @@ def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> i
   task_names = args.tasks or (list(TASKS) if args.dry_run else [])
   blocked = paths.not_a_folder(paths.data_root(args.data_dir))
   if blocked:
-    print(f"error: --data_dir: {blocked}; give a folder (it is created when missing).",
-          file=sys.stderr)
+    print(
+        f"error: --data_dir: {blocked}; give a folder (it is created when missing).",
+        file=sys.stderr,
+    )
     return 2
   try:
-    run(task_names, args.data_dir, dry_run=args.dry_run, fetch=fetch,
-        pathfinder=parse_resolutions(args.pathfinder), delete_archives=args.delete_archives)
+    run(
+        task_names,
+        args.data_dir,
+        dry_run=args.dry_run,
+        fetch=fetch,
+        pathfinder=parse_resolutions(args.pathfinder),
+        delete_archives=args.delete_archives,
+    )
   except DownloadError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -669,11 +758,17 @@ def main(argv: Sequence[str] | None = None, *, fetch: Fetch = urllib_fetch) -> i
     return 1
   except OSError as e:  # creating, unpacking or renaming under the data root
     where = f" {e.filename}" if e.filename else ""
-    print(f"error: cannot write{where}: {e.strerror or e}. Free space or fix the permissions "
-          f"there (or choose another --data_dir), then run again.", file=sys.stderr)
+    print(
+        f"error: cannot write{where}: {e.strerror or e}. Free space or fix the permissions "
+        f"there (or choose another --data_dir), then run again.",
+        file=sys.stderr,
+    )
     return 2
   except KeyboardInterrupt:
-    print("error: interrupted; run the same command again to resume (a partial download is "
-          "kept as <file>.part).", file=sys.stderr)
+    print(
+        "error: interrupted; run the same command again to resume (a partial download is "
+        "kept as <file>.part).",
+        file=sys.stderr,
+    )
     return 130
   return 0

@@ -35,6 +35,7 @@ TFDS_SPLIT = {"train": "train", "validation": "train", "test": "test"}
 @dataclasses.dataclass(frozen=True)
 class ImageSpec:
   """One image dataset: its tfds name, image shape (height, width, channels) and classes."""
+
   tfds_name: str
   height: int
   width: int
@@ -72,8 +73,9 @@ def rgb_to_grayscale(images: np.ndarray) -> np.ndarray:
   """
   images = np.asarray(images)
   if images.dtype != np.uint8 or images.ndim < 1 or images.shape[-1] != 3:
-    raise ValueError(f"rgb_to_grayscale expects uint8 [..., 3], got {images.dtype} "
-                     f"{list(images.shape)}.")
+    raise ValueError(
+        f"rgb_to_grayscale expects uint8 [..., 3], got {images.dtype} " f"{list(images.shape)}."
+    )
   f = images.astype(np.float32) * np.float32(1.0 / 255)
   gray = (f[..., 0] * RGB_WEIGHTS[0] + f[..., 1] * RGB_WEIGHTS[1]) + f[..., 2] * RGB_WEIGHTS[2]
   return (gray * np.float32(255.5)).astype(np.uint8)  # float -> uint8 truncates, as TF's cast
@@ -93,8 +95,10 @@ def decode(ids: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
   ids = np.asarray(ids)
   h, w = grid
   if ids.shape[-1:] != (h * w,) or ids.min() < 1 or ids.max() > 256:
-    raise ValueError(f"decode expects ids in 1..256 of shape [..., {h * w}], got "
-                     f"{list(ids.shape)} with ids {ids.min()}..{ids.max()}.")
+    raise ValueError(
+        f"decode expects ids in 1..256 of shape [..., {h * w}], got "
+        f"{list(ids.shape)} with ids {ids.min()}..{ids.max()}."
+    )
   return (ids - 1).astype(np.uint8).reshape(ids.shape[:-1] + (h, w))
 
 
@@ -112,22 +116,27 @@ def read_images(source: Sequence[Any], split: str, spec: ImageSpec) -> dict[str,
     for i, ex in enumerate(chunk, start):
       img = np.asarray(ex["image"])
       if img.shape != want or img.dtype != np.uint8:
-        raise ValueError(f"{spec.tfds_name} {split} example {i}: image {img.dtype} "
-                         f"{list(img.shape)}, expected uint8 {list(want)}.")
+        raise ValueError(
+            f"{spec.tfds_name} {split} example {i}: image {img.dtype} "
+            f"{list(img.shape)}, expected uint8 {list(want)}."
+        )
       label = int(ex["label"])
       if not 0 <= label < spec.num_classes:
-        raise ValueError(f"{spec.tfds_name} {split} example {i}: label {label} outside "
-                         f"0..{spec.num_classes - 1}.")
+        raise ValueError(
+            f"{spec.tfds_name} {split} example {i}: label {label} outside "
+            f"0..{spec.num_classes - 1}."
+        )
       labels[i] = label
     images = np.stack([np.asarray(ex["image"]) for ex in chunk])  # [c, H, W, C]
     gray = rgb_to_grayscale(images) if spec.channels == 3 else images[..., 0]
-    pixels[start:start + len(chunk)] = gray.reshape(len(chunk), spec.length)
+    pixels[start : start + len(chunk)] = gray.reshape(len(chunk), spec.length)
   return {"pixels": pixels, "labels": labels}
 
 
 class ImageTask(base.Task):
   """An image classified from its pixel sequence; subclasses set ``spec`` and ``task_name``.
   Accuracy picks the best checkpoint."""
+
   spec: ClassVar[ImageSpec]
 
   @classmethod
@@ -146,8 +155,13 @@ class ImageTask(base.Task):
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     tfds_source.check_fraction_and_seed(cfg.validation_fraction, cfg.validation_seed)
     s = cls.spec
-    return TaskInfo(kind="classify", vocab_size=VOCAB_SIZE, num_classes=s.num_classes,
-                    max_length=s.length, grid=s.grid)
+    return TaskInfo(
+        kind="classify",
+        vocab_size=VOCAB_SIZE,
+        num_classes=s.num_classes,
+        max_length=s.length,
+        grid=s.grid,
+    )
 
   def __init__(self, cfg: ml_collections.ConfigDict):
     super().__init__(cfg)
@@ -158,28 +172,40 @@ class ImageTask(base.Task):
     if tfds_split not in self._raw:
       cfg, spec = self.cfg, self.spec
       self._raw[tfds_split] = tfds_source.cached_split(
-          task=self.task_name, name=spec.tfds_name, split=tfds_split,
-          data_dir=cfg.data_dir or None, cache_dir=cfg.cache_dir or None, params={},
-          version=CACHE_VERSION, fields=("pixels", "labels"),
-          build=lambda src, s: read_images(src, s, spec))
+          task=self.task_name,
+          name=spec.tfds_name,
+          split=tfds_split,
+          data_dir=cfg.data_dir or None,
+          cache_dir=cfg.cache_dir or None,
+          params={},
+          version=CACHE_VERSION,
+          fields=("pixels", "labels"),
+          build=lambda src, s: read_images(src, s, spec),
+      )
     return self._raw[tfds_split]
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     raw = self.raw_split(TFDS_SPLIT[split])
-    idx = tfds_source.split_indices(split, raw["labels"].shape[0], self.cfg.validation_fraction,
-                                    self.cfg.validation_seed)
+    idx = tfds_source.split_indices(
+        split, raw["labels"].shape[0], self.cfg.validation_fraction, self.cfg.validation_seed
+    )
     inputs = raw["pixels"][idx].astype(np.uint16) + 1
-    return {"inputs": inputs, "mask": np.ones(inputs.shape, bool),
-            "targets": raw["labels"][idx].astype(np.int32)}
+    return {
+        "inputs": inputs,
+        "mask": np.ones(inputs.shape, bool),
+        "targets": raw["labels"][idx].astype(np.int32),
+    }
 
 
 class LraImageTask(ImageTask):
   """LRA Image: CIFAR-10 in LRA's grayscale, 1024 pixels, grid (32, 32), 10 classes."""
+
   task_name = "lra_image"
   spec = SPECS["lra_image"]
 
 
 class MnistTask(ImageTask):
   """MNIST: 784 pixels, grid (28, 28), 10 classes."""
+
   task_name = "mnist"
   spec = SPECS["mnist"]

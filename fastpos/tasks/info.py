@@ -24,6 +24,7 @@ class TaskInfo:
     max_length: the longest sequence the task hands out.
     grid: (H, W) for image tasks (max_length == H * W), else None.
   """
+
   kind: str
   vocab_size: int
   num_classes: int = 0
@@ -34,5 +35,4 @@ class TaskInfo:
     if self.kind not in TASK_KINDS:
       raise ValueError(f"TaskInfo.kind must be one of {TASK_KINDS}; got {self.kind!r}.")
     if self.grid is not None and self.grid[0] * self.grid[1] != self.max_length:
-      raise ValueError(
-          f"TaskInfo.grid {self.grid} must cover max_length={self.max_length} tokens.")
+      raise ValueError(f"TaskInfo.grid {self.grid} must cover max_length={self.max_length} tokens.")

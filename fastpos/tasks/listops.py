@@ -96,9 +96,12 @@ def _missing(path: str) -> FileNotFoundError:
   if leaf == LISTOPS_SUBDIR and lra == paths.LRA_SUBDIR:
     return paths.missing_data("listops", path, root, "an LRA ListOps file")
   return paths.missing_data(
-      "listops", path, folder,
+      "listops",
+      path,
+      folder,
       f"an LRA ListOps file; the command puts {', '.join(TSV_FILES.values())} in "
-      f"{tsv_dir(folder)}, so pass that folder or use the task's data_dir")
+      f"{tsv_dir(folder)}, so pass that folder or use the task's data_dir",
+  )
 
 
 # ------------------------------------------------------------------------ tokens
@@ -108,8 +111,10 @@ def _encode_slow(expr: str) -> np.ndarray:
   tokens = expr.split()
   for pos, tok in enumerate(tokens):
     if tok not in _TOKEN_ID:
-      raise ValueError(f"unknown ListOps token {tok!r} at position {pos} (token index); valid "
-                       f"tokens: {' '.join(VOCAB[1:])}.")
+      raise ValueError(
+          f"unknown ListOps token {tok!r} at position {pos} (token index); valid "
+          f"tokens: {' '.join(VOCAB[1:])}."
+      )
   return np.asarray([_TOKEN_ID[t] for t in tokens], np.int32)
 
 
@@ -142,18 +147,23 @@ def decode(ids: Sequence[int] | np.ndarray) -> str:
   """
   ids = np.asarray(ids)
   if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-    raise ValueError(f"decode expects a 1-D integer sequence, got dtype {ids.dtype} and shape "
-                     f"{ids.shape}.")
+    raise ValueError(
+        f"decode expects a 1-D integer sequence, got dtype {ids.dtype} and shape " f"{ids.shape}."
+    )
   bad = np.nonzero((ids < 0) | (ids >= len(VOCAB)))[0]
   if bad.size:
-    raise ValueError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
-                     f"vocabulary (valid ids: 0..{len(VOCAB) - 1}).")
+    raise ValueError(
+        f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
+        f"vocabulary (valid ids: 0..{len(VOCAB) - 1})."
+    )
   real = np.nonzero(ids)[0]
   n = int(real[-1]) + 1 if real.size else 0
   inner_pad = np.nonzero(ids[:n] == 0)[0]
   if inner_pad.size:
-    raise ValueError(f"padding id 0 at position {int(inner_pad[0])} comes before a real token "
-                     f"(padding may only trail).")
+    raise ValueError(
+        f"padding id 0 at position {int(inner_pad[0])} comes before a real token "
+        f"(padding may only trail)."
+    )
   return " ".join(_VOCAB_ARRAY[ids[:n]])
 
 
@@ -209,8 +219,10 @@ def evaluate(expr: str) -> int:
         raise ValueError(f"operator {op!r} closed at position {pos} has no arguments.")
       value = _apply(op, args)
     else:
-      raise ValueError(f"unknown ListOps token {tok!r} at position {pos}; valid tokens: "
-                       f"{' '.join(VOCAB[1:])}.")
+      raise ValueError(
+          f"unknown ListOps token {tok!r} at position {pos}; valid tokens: "
+          f"{' '.join(VOCAB[1:])}."
+      )
     if stack:
       stack[-1][1].append(value)
     else:
@@ -233,7 +245,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 def _longest(max_depth: int, max_args: int, parens: bool) -> int:
   """Tokens of the fullest tree (every node above max_depth an operator with max_args)."""
-  ops = sum(max_args ** d for d in range(max_depth - 1))
+  ops = sum(max_args**d for d in range(max_depth - 1))
   tokens = 2 * ops + max_args ** (max_depth - 1)
   return 3 * tokens - 2 if parens else tokens
 
@@ -243,9 +255,17 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
   return c - x
 
 
-def _sample_forest(rng: np.random.Generator, num_trees: int, *, max_depth: int, max_args: int,
-                   parens: bool, force_op_root: bool, min_tokens: int,
-                   max_tokens: int) -> list[tuple[np.ndarray, int]]:
+def _sample_forest(
+    rng: np.random.Generator,
+    num_trees: int,
+    *,
+    max_depth: int,
+    max_args: int,
+    parens: bool,
+    force_op_root: bool,
+    min_tokens: int,
+    max_tokens: int,
+) -> list[tuple[np.ndarray, int]]:
   """Draws ``num_trees`` trees of LRA's distribution and returns, in draw order, those whose
   token count is in ``[min_tokens, max_tokens]`` as (token ids ``[length]``, value).
 
@@ -292,8 +312,7 @@ def _sample_forest(rng: np.random.Generator, num_trees: int, *, max_depth: int, 
   for tree, is_op, nargs, op_code, digit in levels:
     node_keep = keep[tree]
     op_keep = keep[tree[is_op]]
-    kept.append((is_op[node_keep], nargs[op_keep], op_code[op_keep],
-                 digit[keep[tree[~is_op]]]))
+    kept.append((is_op[node_keep], nargs[op_keep], op_code[op_keep], digit[keep[tree[~is_op]]]))
     if not node_keep.any():
       kept.pop()
       break
@@ -314,8 +333,9 @@ def _sample_forest(rng: np.random.Generator, num_trees: int, *, max_depth: int, 
       seg = np.repeat(np.arange(nargs.size), nargs)
       srt = np.sort(seg * 10 + child_val) - seg * 10
       med = (srt[starts + (nargs - 1) // 2] + srt[starts + nargs // 2]) // 2
-      candidates = np.stack([srt[starts], srt[starts + nargs - 1], med,
-                             np.add.reduceat(child_val, starts) % 10])
+      candidates = np.stack(
+          [srt[starts], srt[starts + nargs - 1], med, np.add.reduceat(child_val, starts) % 10]
+      )
       val[is_op] = candidates[op_code, np.arange(nargs.size)]
       inner = np.add.reduceat(child_size, starts)
       size[is_op] = inner + (2 * nargs + 4 if parens else 2)
@@ -338,8 +358,9 @@ def _sample_forest(rng: np.random.Generator, num_trees: int, *, max_depth: int, 
     within = _exclusive_cumsum(csize) - np.repeat(_exclusive_cumsum(inner), nargs)
     if parens:
       # ( ( ... ( [OP a1 ) a2 ) ... ak ) ] )   with k + 1 opening parentheses.
-      opens = np.repeat(s, nargs + 1) + (np.arange(int((nargs + 1).sum()))
-                                         - np.repeat(_exclusive_cumsum(nargs + 1), nargs + 1))
+      opens = np.repeat(s, nargs + 1) + (
+          np.arange(int((nargs + 1).sum())) - np.repeat(_exclusive_cumsum(nargs + 1), nargs + 1)
+      )
       ids[opens] = _OPEN_PAREN_ID
       ids[s + nargs + 1] = _OP_ID0 + op_code
       j = np.arange(csize.size) - np.repeat(starts, nargs)  # child index within its operator
@@ -358,8 +379,9 @@ def _sample_forest(rng: np.random.Generator, num_trees: int, *, max_depth: int, 
   return list(zip(pieces, per_level[0][0].tolist()))
 
 
-def _check_generate_args(num_examples, seed, min_length, max_length, max_depth, max_args,
-                         parens) -> None:
+def _check_generate_args(
+    num_examples, seed, min_length, max_length, max_depth, max_args, parens
+) -> None:
   _check_int("num_examples", num_examples, 0)
   _check_int("seed", seed, 0)
   _check_int("min_length", min_length, 1)
@@ -376,36 +398,60 @@ def _check_generate_args(num_examples, seed, min_length, max_length, max_depth, 
     raise ValueError(
         f"no ListOps tree with max_depth={max_depth}, max_args={max_args} (parens={parens}) has "
         f"between {min_length} and {max_length} tokens: possible lengths are {shortest}.."
-        f"{longest}.")
+        f"{longest}."
+    )
 
 
-def _generate_ids(num_examples: int, *, seed: int, min_length: int, max_length: int,
-                  max_depth: int, max_args: int, parens: bool) -> list[tuple[np.ndarray, int]]:
+def _generate_ids(
+    num_examples: int,
+    *,
+    seed: int,
+    min_length: int,
+    max_length: int,
+    max_depth: int,
+    max_args: int,
+    parens: bool,
+) -> list[tuple[np.ndarray, int]]:
   _check_generate_args(num_examples, seed, min_length, max_length, max_depth, max_args, parens)
   rng = np.random.default_rng(seed)
   out: list[tuple[np.ndarray, int]] = []
   rejected = 0
   while len(out) < num_examples:
     # A fixed batch size keeps generate(n) a prefix of generate(m > n) for the same seed.
-    trees = _sample_forest(rng, _BATCH_TREES, max_depth=max_depth, max_args=max_args,
-                           parens=parens, force_op_root=min_length > 1, min_tokens=min_length,
-                           max_tokens=max_length)
+    trees = _sample_forest(
+        rng,
+        _BATCH_TREES,
+        max_depth=max_depth,
+        max_args=max_args,
+        parens=parens,
+        force_op_root=min_length > 1,
+        min_tokens=min_length,
+        max_tokens=max_length,
+    )
     if not trees:
       rejected += _BATCH_TREES
       if rejected >= MAX_CONSECUTIVE_REJECTIONS:
         raise ValueError(
             f"{rejected} ListOps trees in a row fell outside the length window [{min_length}, "
             f"{max_length}] (max_depth={max_depth}, max_args={max_args}, parens={parens}); "
-            f"widen the window or change the tree limits.")
+            f"widen the window or change the tree limits."
+        )
       continue
     rejected = 0
-    out.extend(trees[:num_examples - len(out)])
+    out.extend(trees[: num_examples - len(out)])
   return out
 
 
-def generate(num_examples: int, *, seed: int, min_length: int = 500, max_length: int = 2000,
-             max_depth: int = 10, max_args: int = 10,
-             parens: bool = False) -> list[tuple[str, int]]:
+def generate(
+    num_examples: int,
+    *,
+    seed: int,
+    min_length: int = 500,
+    max_length: int = 2000,
+    max_depth: int = 10,
+    max_args: int = 10,
+    parens: bool = False,
+) -> list[tuple[str, int]]:
   """``num_examples`` (expression, value) pairs drawn from LRA's ListOps distribution.
 
   Reproducible from ``seed`` (a numpy Generator). Trees are drawn as LRA draws them, top-down:
@@ -417,9 +463,18 @@ def generate(num_examples: int, *, seed: int, min_length: int = 500, max_length:
   ``parens=True`` the expressions are in the LRA release form and their tokens, parentheses
   included, are counted.
   """
-  return [(decode(ids), value) for ids, value in _generate_ids(
-      num_examples, seed=seed, min_length=min_length, max_length=max_length,
-      max_depth=max_depth, max_args=max_args, parens=parens)]
+  return [
+      (decode(ids), value)
+      for ids, value in _generate_ids(
+          num_examples,
+          seed=seed,
+          min_length=min_length,
+          max_length=max_length,
+          max_depth=max_depth,
+          max_args=max_args,
+          parens=parens,
+      )
+  ]
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -434,8 +489,10 @@ def split_seed(seed: int, split: str) -> int:
 # ----------------------------------------------------------------------- TSV files
 
 
-_TSV_FIX = ("The file is damaged or is not an LRA ListOps TSV: re-fetch it (`python "
-            "scripts/download_data.py listops`) or fix that line.")
+_TSV_FIX = (
+    "The file is damaged or is not an LRA ListOps TSV: re-fetch it (`python "
+    "scripts/download_data.py listops`) or fix that line."
+)
 
 
 def _bad_row(path: str, line_no: int, what: str) -> ValueError:
@@ -449,8 +506,12 @@ def _tsv_lines(path: str) -> Iterator[tuple[int, str]]:
     try:
       yield line_no, raw.decode("utf-8")
     except UnicodeDecodeError as e:
-      raise _bad_row(path, line_no, f"not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                     f"{e.start + 1}); the LRA files are ASCII.") from None
+      raise _bad_row(
+          path,
+          line_no,
+          f"not UTF-8 text (byte {raw[e.start]:#04x} at column "
+          f"{e.start + 1}); the LRA files are ASCII.",
+      ) from None
 
 
 def _tsv_rows(path: str) -> Iterator[tuple[int, str, int, np.ndarray]]:
@@ -462,14 +523,20 @@ def _tsv_rows(path: str) -> Iterator[tuple[int, str, int, np.ndarray]]:
   _, first = next(lines, (1, ""))
   header = first.split("\t")
   if tuple(header) != TSV_HEADER:
-    raise _bad_row(path, 1, f"header {header!r} is not the LRA ListOps header "
-                   f"{'<TAB>'.join(TSV_HEADER)!r}.")
+    raise _bad_row(
+        path,
+        1,
+        f"header {header!r} is not the LRA ListOps header " f"{'<TAB>'.join(TSV_HEADER)!r}.",
+    )
   for line_no, line in lines:
     cols = line.split("\t")
     if len(cols) != 2:
       cut = " (a cut-off row?)" if len(cols) == 1 else ""
-      raise _bad_row(path, line_no, f"expected 2 tab-separated columns (Source, Target), "
-                     f"got {len(cols)}{cut}.")
+      raise _bad_row(
+          path,
+          line_no,
+          f"expected 2 tab-separated columns (Source, Target), " f"got {len(cols)}{cut}.",
+      )
     source, target = cols
     if target.strip() not in DIGITS:
       raise _bad_row(path, line_no, f"label {target!r} is not one of 0..9.")
@@ -480,12 +547,15 @@ def _tsv_rows(path: str) -> Iterator[tuple[int, str, int, np.ndarray]]:
     if ids.size == 0:
       raise _bad_row(path, line_no, "empty expression.")
     counts = np.bincount(ids, minlength=len(VOCAB))
-    n_ops = int(counts[_OP_ID0:_OP_ID0 + len(OPERATORS)].sum())
+    n_ops = int(counts[_OP_ID0 : _OP_ID0 + len(OPERATORS)].sum())
     if n_ops != counts[_CLOSE_ID] or counts[_OPEN_PAREN_ID] != counts[_CLOSE_PAREN_ID]:
       raise _bad_row(
-          path, line_no, f"malformed expression: {n_ops} operators and "
+          path,
+          line_no,
+          f"malformed expression: {n_ops} operators and "
           f"{counts[_CLOSE_ID]} ']', {counts[_OPEN_PAREN_ID]} '(' and "
-          f"{counts[_CLOSE_PAREN_ID]} ')'.")
+          f"{counts[_CLOSE_PAREN_ID]} ')'.",
+      )
     yield line_no, source, int(target), ids
 
 
@@ -502,26 +572,40 @@ def read_tsv(path: str) -> list[tuple[str, int]]:
 # -------------------------------------------------------------------------- splits
 
 
-def _check_load_args(split, source, max_length, data_dir, num_examples, seed, min_length,
-                     cache_dir, on_overflow, parens) -> None:
+def _check_load_args(
+    split,
+    source,
+    max_length,
+    data_dir,
+    num_examples,
+    seed,
+    min_length,
+    cache_dir,
+    on_overflow,
+    parens,
+) -> None:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
   if source not in SOURCES:
     raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}.")
   if on_overflow not in ON_OVERFLOW:
-    raise ValueError(f"unknown on_overflow {on_overflow!r}; valid choices: "
-                     f"{', '.join(ON_OVERFLOW)}.")
+    raise ValueError(
+        f"unknown on_overflow {on_overflow!r}; valid choices: " f"{', '.join(ON_OVERFLOW)}."
+    )
   _check_int("max_length", max_length, 1)
   _check_int("num_examples", num_examples, 0)
   if not isinstance(parens, bool):
     raise ValueError(f"parens must be True or False, got {parens!r}.")
-  if cache_dir is not None and not (isinstance(cache_dir, (str, os.PathLike)) and
-                                    os.fspath(cache_dir)):
+  if cache_dir is not None and not (
+      isinstance(cache_dir, (str, os.PathLike)) and os.fspath(cache_dir)
+  ):
     raise ValueError(f"cache_dir must be a non-empty path or None, got {cache_dir!r}.")
   if source == "tsv":
     if data_dir is None or not os.fspath(data_dir):
-      raise ValueError("source='tsv' needs data_dir, the folder of the LRA ListOps files "
-                       f"({', '.join(TSV_FILES.values())}).")
+      raise ValueError(
+          "source='tsv' needs data_dir, the folder of the LRA ListOps files "
+          f"({', '.join(TSV_FILES.values())})."
+      )
   else:
     _check_int("seed", seed, 0)
     _check_int("min_length", min_length, 1)
@@ -535,23 +619,37 @@ def _cache_path(cache_dir: str, key: dict) -> str:
     desc = f"n{key['num_examples']}_len{key['min_length']}-{key['max_length']}_seed{key['seed']}"
   else:
     desc = f"n{key['num_examples']}_max{key['max_length']}"
-  name = (f"listops_v{CACHE_VERSION}_{key['source']}_{key['split']}_{desc}_"
-          f"{'parens' if key['parens'] else 'noparens'}_{key['on_overflow']}_{digest}.npz")
+  name = (
+      f"listops_v{CACHE_VERSION}_{key['source']}_{key['split']}_{desc}_"
+      f"{'parens' if key['parens'] else 'noparens'}_{key['on_overflow']}_{digest}.npz"
+  )
   return os.path.join(os.fspath(cache_dir), name)
 
 
-
-
 def _warn_truncated(num_truncated: int, n: int, max_length: int, split: str) -> None:
-  logging.warning("ListOps %s: %d of %d expressions are longer than max_length=%d and were "
-                  "truncated (their labels no longer follow from the input).", split,
-                  num_truncated, n, max_length)
+  logging.warning(
+      "ListOps %s: %d of %d expressions are longer than max_length=%d and were "
+      "truncated (their labels no longer follow from the input).",
+      split,
+      num_truncated,
+      n,
+      max_length,
+  )
 
 
-def load_split(split: str, *, source: str, max_length: int, data_dir: str | None = None,
-               num_examples: int = 0, seed: int = 0, min_length: int = 500,
-               cache_dir: str | None = None, on_overflow: str = "truncate",
-               parens: bool = False) -> dict[str, np.ndarray]:
+def load_split(
+    split: str,
+    *,
+    source: str,
+    max_length: int,
+    data_dir: str | None = None,
+    num_examples: int = 0,
+    seed: int = 0,
+    min_length: int = 500,
+    cache_dir: str | None = None,
+    on_overflow: str = "truncate",
+    parens: bool = False,
+) -> dict[str, np.ndarray]:
   """One split as arrays: ``inputs`` int32 ``[n, max_length]`` (0-padded ids), ``targets``
   int32 ``[n]`` (the value 0..9).
 
@@ -573,11 +671,27 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
     parens: keep the parentheses of the LRA release format (False: drop them, as the fixed LRA
       pipeline does).
   """
-  _check_load_args(split, source, max_length, data_dir, num_examples, seed, min_length,
-                   cache_dir, on_overflow, parens)
-  key = {"version": CACHE_VERSION, "split": split, "source": source,
-         "max_length": int(max_length), "num_examples": int(num_examples), "parens": parens,
-         "on_overflow": on_overflow}
+  _check_load_args(
+      split,
+      source,
+      max_length,
+      data_dir,
+      num_examples,
+      seed,
+      min_length,
+      cache_dir,
+      on_overflow,
+      parens,
+  )
+  key = {
+      "version": CACHE_VERSION,
+      "split": split,
+      "source": source,
+      "max_length": int(max_length),
+      "num_examples": int(num_examples),
+      "parens": parens,
+      "on_overflow": on_overflow,
+  }
   if source == "generated":
     key.update(seed=int(seed), min_length=int(min_length))
   else:
@@ -593,8 +707,15 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
 
   if source == "generated":
     n = num_examples or LRA_SIZES[split]
-    rows = _generate_ids(n, seed=split_seed(seed, split), min_length=min_length,
-                         max_length=max_length, max_depth=10, max_args=10, parens=parens)
+    rows = _generate_ids(
+        n,
+        seed=split_seed(seed, split),
+        min_length=min_length,
+        max_length=max_length,
+        max_depth=10,
+        max_args=10,
+        parens=parens,
+    )
   else:
     rows = []
     for _, _, label, ids in _tsv_rows(path):
@@ -612,9 +733,11 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
   for i, (ids, label) in enumerate(rows):
     if ids.size > max_length:
       if on_overflow == "error":
-        raise ValueError(f"ListOps {split} example {i} has {ids.size} tokens, more than "
-                         f"max_length={max_length} (on_overflow='error'; 'truncate' keeps the "
-                         f"first max_length tokens).")
+        raise ValueError(
+            f"ListOps {split} example {i} has {ids.size} tokens, more than "
+            f"max_length={max_length} (on_overflow='error'; 'truncate' keeps the "
+            f"first max_length tokens)."
+        )
       num_truncated += 1
     m = min(ids.size, max_length)
     inputs[i, :m] = ids[:m]
@@ -623,8 +746,14 @@ def load_split(split: str, *, source: str, max_length: int, data_dir: str | None
     _warn_truncated(num_truncated, len(rows), max_length, split)
   out = {"inputs": inputs, "targets": targets}
   if cache_path is not None:
-    paths.save_npz_atomic(cache_path, {**out, "num_truncated": np.int64(num_truncated),
-                              "key": np.array(json.dumps(key, sort_keys=True))})
+    paths.save_npz_atomic(
+        cache_path,
+        {
+            **out,
+            "num_truncated": np.int64(num_truncated),
+            "key": np.array(json.dumps(key, sort_keys=True)),
+        },
+    )
   return out
 
 
@@ -633,13 +762,22 @@ def _load_cache(path: str, key: dict, split: str) -> dict[str, np.ndarray]:
     stored = {k: z[k] for k in z.files}
   want = json.dumps(key, sort_keys=True)
   if set(stored) != {"inputs", "targets", "num_truncated", "key"} or str(stored["key"]) != want:
-    raise ValueError(f"ListOps cache file {path!r} does not hold the split asked for "
-                     f"({want}); delete it to rebuild.")
+    raise ValueError(
+        f"ListOps cache file {path!r} does not hold the split asked for "
+        f"({want}); delete it to rebuild."
+    )
   inputs, targets = stored["inputs"], stored["targets"]
-  if (inputs.dtype != np.int32 or targets.dtype != np.int32 or inputs.ndim != 2 or
-      inputs.shape[1] != key["max_length"] or targets.shape != inputs.shape[:1]):
-    raise ValueError(f"ListOps cache file {path!r} has inputs {inputs.dtype}{inputs.shape} and "
-                     f"targets {targets.dtype}{targets.shape}; delete it to rebuild.")
+  if (
+      inputs.dtype != np.int32
+      or targets.dtype != np.int32
+      or inputs.ndim != 2
+      or inputs.shape[1] != key["max_length"]
+      or targets.shape != inputs.shape[:1]
+  ):
+    raise ValueError(
+        f"ListOps cache file {path!r} has inputs {inputs.dtype}{inputs.shape} and "
+        f"targets {targets.dtype}{targets.shape}; delete it to rebuild."
+    )
   if int(stored["num_truncated"]):
     _warn_truncated(int(stored["num_truncated"]), inputs.shape[0], key["max_length"], split)
   return {"inputs": inputs, "targets": targets}
@@ -657,6 +795,7 @@ class ListOpsTask(base.Task):
   scripts/download_data.py listops --data_dir <root>`` fetches (the LRA release archive, ~7 GB,
   shared with lra_retrieval and pathfinder). The generated source reads nothing.
   """
+
   task_name = "listops"
 
   @classmethod
@@ -685,8 +824,9 @@ class ListOpsTask(base.Task):
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
-    return TaskInfo(kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES,
-                    max_length=cfg.max_length)
+    return TaskInfo(
+        kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES, max_length=cfg.max_length
+    )
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     cfg = self.cfg
@@ -694,10 +834,22 @@ class ListOpsTask(base.Task):
     folder = None
     if cfg.source == "tsv":
       folder = tsv_dir(cfg.data_dir or None)
-      paths.require(self.task_name, os.path.join(folder, TSV_FILES[split]),
-                    cfg.data_dir or None, "an LRA ListOps file")
+      paths.require(
+          self.task_name,
+          os.path.join(folder, TSV_FILES[split]),
+          cfg.data_dir or None,
+          "an LRA ListOps file",
+      )
     data = load_split(
-        split, source=cfg.source, max_length=cfg.max_length, data_dir=folder,
-        num_examples=n, seed=cfg.seed, min_length=cfg.min_length,
-        cache_dir=cfg.cache_dir or None, on_overflow=cfg.on_overflow, parens=cfg.parens)
+        split,
+        source=cfg.source,
+        max_length=cfg.max_length,
+        data_dir=folder,
+        num_examples=n,
+        seed=cfg.seed,
+        min_length=cfg.min_length,
+        cache_dir=cfg.cache_dir or None,
+        on_overflow=cfg.on_overflow,
+        parens=cfg.parens,
+    )
     return {"inputs": data["inputs"], "targets": data["targets"]}

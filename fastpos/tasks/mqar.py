@@ -38,6 +38,7 @@ PAD, BLANK, MARKER, FIRST = 0, 1, 2, 3
 
 class MqarTask(base.Task):
   """Multi-query associative recall or copying (see the module docstring)."""
+
   generated = True
   task_name = "mqar"
 
@@ -72,48 +73,87 @@ class MqarTask(base.Task):
 
 def options(cfg) -> dict:
   """The generator's options of a ``config.task`` block (defaults resolved)."""
-  return dict(variant=cfg.variant, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-              num_pairs=cfg.num_pairs, num_queries=cfg.num_queries or cfg.num_pairs,
-              copy_length=cfg.copy_length or (cfg.seq_len - 1) // 2)
+  return dict(
+      variant=cfg.variant,
+      vocab_size=cfg.vocab_size,
+      seq_len=cfg.seq_len,
+      num_pairs=cfg.num_pairs,
+      num_queries=cfg.num_queries or cfg.num_pairs,
+      copy_length=cfg.copy_length or (cfg.seq_len - 1) // 2,
+  )
 
 
-def check_options(*, variant: str, vocab_size: int, seq_len: int, num_pairs: int,
-                  num_queries: int, copy_length: int) -> None:
+def check_options(
+    *,
+    variant: str,
+    vocab_size: int,
+    seq_len: int,
+    num_pairs: int,
+    num_queries: int,
+    copy_length: int,
+) -> None:
   """Raises ValueError naming the bad option and its valid range."""
   if variant not in VARIANTS:
-    raise ValueError(f"mqar task: unknown variant {variant!r}; valid variants: "
-                     f"{', '.join(VARIANTS)}.")
+    raise ValueError(
+        f"mqar task: unknown variant {variant!r}; valid variants: " f"{', '.join(VARIANTS)}."
+    )
   if seq_len < 4:
     raise ValueError(f"mqar task: seq_len must be >= 4; got {seq_len}.")
   if variant == "copy":
     if vocab_size < FIRST + 2:
-      raise ValueError(f"mqar task (copy): vocab_size must be >= {FIRST + 2} (pad, blank, "
-                       f"marker and two tokens); got {vocab_size}.")
+      raise ValueError(
+          f"mqar task (copy): vocab_size must be >= {FIRST + 2} (pad, blank, "
+          f"marker and two tokens); got {vocab_size}."
+      )
     if not 1 <= copy_length <= (seq_len - 1) // 2:
-      raise ValueError(f"mqar task (copy): copy_length must be in [1, {(seq_len - 1) // 2}] "
-                       f"(segment, marker and repeat fit in seq_len={seq_len}); got "
-                       f"{copy_length}.")
+      raise ValueError(
+          f"mqar task (copy): copy_length must be in [1, {(seq_len - 1) // 2}] "
+          f"(segment, marker and repeat fit in seq_len={seq_len}); got "
+          f"{copy_length}."
+      )
     return
   num_keys = (vocab_size - FIRST) // 2
   if num_pairs < 1 or num_pairs > num_keys:
-    raise ValueError(f"mqar task: num_pairs must be in [1, {num_keys}] (keys and values are "
-                     f"distinct: (vocab_size - 3) // 2 of each at vocab_size={vocab_size}); "
-                     f"got {num_pairs}.")
+    raise ValueError(
+        f"mqar task: num_pairs must be in [1, {num_keys}] (keys and values are "
+        f"distinct: (vocab_size - 3) // 2 of each at vocab_size={vocab_size}); "
+        f"got {num_pairs}."
+    )
   if not 1 <= num_queries <= num_pairs:
-    raise ValueError(f"mqar task: num_queries must be in [1, num_pairs={num_pairs}] (0 means "
-                     f"num_pairs); got {num_queries}.")
+    raise ValueError(
+        f"mqar task: num_queries must be in [1, num_pairs={num_pairs}] (0 means "
+        f"num_pairs); got {num_queries}."
+    )
   if seq_len < 2 * num_pairs + 2 * num_queries:
-    raise ValueError(f"mqar task: seq_len={seq_len} is too short for {num_pairs} pairs and "
-                     f"{num_queries} queries; need seq_len >= 2 * (num_pairs + num_queries) = "
-                     f"{2 * (num_pairs + num_queries)}.")
+    raise ValueError(
+        f"mqar task: seq_len={seq_len} is too short for {num_pairs} pairs and "
+        f"{num_queries} queries; need seq_len >= 2 * (num_pairs + num_queries) = "
+        f"{2 * (num_pairs + num_queries)}."
+    )
 
 
-def generate(n: int, *, seed: int, split: str, variant: str, vocab_size: int, seq_len: int,
-             num_pairs: int, num_queries: int, copy_length: int) -> dict[str, np.ndarray]:
+def generate(
+    n: int,
+    *,
+    seed: int,
+    split: str,
+    variant: str,
+    vocab_size: int,
+    seq_len: int,
+    num_pairs: int,
+    num_queries: int,
+    copy_length: int,
+) -> dict[str, np.ndarray]:
   """n examples of one split: ``inputs``, ``targets`` int32 and ``mask``, ``score`` bool, all
   ``[n, seq_len]`` (see the module docstring)."""
-  check_options(variant=variant, vocab_size=vocab_size, seq_len=seq_len, num_pairs=num_pairs,
-                num_queries=num_queries, copy_length=copy_length)
+  check_options(
+      variant=variant,
+      vocab_size=vocab_size,
+      seq_len=seq_len,
+      num_pairs=num_pairs,
+      num_queries=num_queries,
+      copy_length=copy_length,
+  )
   inputs = np.zeros((n, seq_len), np.int32)
   answer_at = np.zeros((n, seq_len), bool)  # positions that hold an answer token
   for i in range(n):
@@ -132,10 +172,9 @@ def generate(n: int, *, seed: int, split: str, variant: str, vocab_size: int, se
 def _mqar(rng, vocab_size, seq_len, num_pairs, num_queries):
   num_keys = (vocab_size - FIRST) // 2
   keys = FIRST + rng.choice(num_keys, num_pairs, replace=False)
-  values = FIRST + num_keys + rng.choice(vocab_size - FIRST - num_keys, num_pairs,
-                                         replace=False)
+  values = FIRST + num_keys + rng.choice(vocab_size - FIRST - num_keys, num_pairs, replace=False)
   seq = np.full(seq_len, BLANK, np.int32)
-  seq[0:2 * num_pairs:2], seq[1:2 * num_pairs:2] = keys, values
+  seq[0 : 2 * num_pairs : 2], seq[1 : 2 * num_pairs : 2] = keys, values
   asked = rng.choice(num_pairs, num_queries, replace=False)
   slots = (seq_len - 2 * num_pairs) // 2  # (key, value) slots in the query region
   at = 2 * num_pairs + 2 * np.sort(rng.choice(slots, num_queries, replace=False))
@@ -150,7 +189,7 @@ def _copy(rng, vocab_size, seq_len, copy_length):
   seq = np.zeros(seq_len, np.int32)
   seq[:copy_length] = segment
   seq[copy_length] = MARKER
-  seq[copy_length + 1:2 * copy_length + 1] = segment
+  seq[copy_length + 1 : 2 * copy_length + 1] = segment
   answer = np.zeros(seq_len, bool)
-  answer[copy_length + 1:2 * copy_length + 1] = True
+  answer[copy_length + 1 : 2 * copy_length + 1] = True
   return seq, answer

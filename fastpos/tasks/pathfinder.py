@@ -33,8 +33,11 @@ from fastpos.tasks.info import TaskInfo
 TASK = "pathfinder"
 SPLITS = base.SPLITS
 RESOLUTIONS = (32, 64, 128, 256)
-DIFFICULTIES = {"easy": "curv_baseline", "intermediate": "curv_contour_length_9",
-                "hard": "curv_contour_length_14"}
+DIFFICULTIES = {
+    "easy": "curv_baseline",
+    "intermediate": "curv_contour_length_9",
+    "hard": "curv_contour_length_14",
+}
 SPLIT_ORDERS = ("lra", "metadata")
 # LRA's tfds slices, in percent: train [:80%], validation [80%:90%], test [90%:].
 SPLIT_PERCENT = {"train": (0, 80), "validation": (80, 90), "test": (90, 100)}
@@ -46,6 +49,7 @@ _CONVERTIBLE_MODES = ("L", "1", "P", "LA", "RGB", "RGBA")
 
 class Example(NamedTuple):
   """One metadata line: the tfds key, the image path, its label and where it was read."""
+
   key: str
   image: str  # absolute path
   label: int
@@ -56,14 +60,16 @@ def dataset_dir(data_dir: str | os.PathLike | None, resolution: int, difficulty:
   """``<root>/lra_release/pathfinder<resolution>/<difficulty folder>``."""
   _check_choice("resolution", resolution, RESOLUTIONS)
   _check_choice("difficulty", difficulty, tuple(DIFFICULTIES))
-  return paths.task_path(data_dir, paths.LRA_SUBDIR, f"pathfinder{resolution}",
-                         DIFFICULTIES[difficulty])
+  return paths.task_path(
+      data_dir, paths.LRA_SUBDIR, f"pathfinder{resolution}", DIFFICULTIES[difficulty]
+  )
 
 
 def _check_choice(name: str, value, choices) -> None:
   if isinstance(value, bool) or value not in choices:
-    raise ValueError(f"unknown {name} {value!r}; valid choices: "
-                     f"{', '.join(str(c) for c in choices)}.")
+    raise ValueError(
+        f"unknown {name} {value!r}; valid choices: " f"{', '.join(str(c) for c in choices)}."
+    )
 
 
 def _metadata_files(folder: str) -> list[str]:
@@ -99,13 +105,14 @@ def read_metadata(folder: str) -> list[Example]:
       fields = line.split()
       where = f"{path}:{line_no}"
       if len(fields) < 4:
-        raise ValueError(f"{where}: expected at least 4 space-separated fields (folder, file, "
-                         f"index, label, ...), got {len(fields)}.")
+        raise ValueError(
+            f"{where}: expected at least 4 space-separated fields (folder, file, "
+            f"index, label, ...), got {len(fields)}."
+        )
       if fields[3] not in ("0", "1"):
         raise ValueError(f"{where}: label {fields[3]!r} is not 0 or 1.")
       key = "_".join([fields[0], fields[1], str(line_no)])
-      out.append(Example(key, os.path.join(folder, fields[0], fields[1]), int(fields[3]),
-                         where))
+      out.append(Example(key, os.path.join(folder, fields[0], fields[1]), int(fields[3]), where))
   return out
 
 
@@ -130,8 +137,10 @@ def lra_order(examples: list[Example], difficulty: str) -> list[Example]:
 
 def split_bounds(n: int) -> dict[str, tuple[int, int]]:
   """``[start, stop)`` of each split over ``n`` examples (tfds' percent slicing, "closest")."""
-  return {s: (int(round(a * n / 100.0)), int(round(b * n / 100.0)))
-          for s, (a, b) in SPLIT_PERCENT.items()}
+  return {
+      s: (int(round(a * n / 100.0)), int(round(b * n / 100.0)))
+      for s, (a, b) in SPLIT_PERCENT.items()
+  }
 
 
 def decode_png(path: str, resolution: int, where: str = "") -> np.ndarray:
@@ -141,8 +150,9 @@ def decode_png(path: str, resolution: int, where: str = "") -> np.ndarray:
     with open(path, "rb") as f:
       data = f.read()
   except FileNotFoundError:
-    raise ValueError(f"image {path!r}{at} does not exist (wrong layout or incomplete "
-                     f"unpacking?).") from None
+    raise ValueError(
+        f"image {path!r}{at} does not exist (wrong layout or incomplete " f"unpacking?)."
+    ) from None
   arr = None
   try:
     with Image.open(io.BytesIO(data)) as img:
@@ -151,34 +161,49 @@ def decode_png(path: str, resolution: int, where: str = "") -> np.ndarray:
       if mode in _CONVERTIBLE_MODES:
         arr = np.asarray(img if mode == "L" else img.convert("L"), np.uint8)
   except Exception as e:  # Pillow raises several types for broken files
-    raise ValueError(f"image {path!r}{at} is not a readable PNG ({type(e).__name__}: {e}).") \
-        from None
+    raise ValueError(
+        f"image {path!r}{at} is not a readable PNG ({type(e).__name__}: {e})."
+    ) from None
   if arr is None:
-    raise ValueError(f"image {path!r}{at} has mode {mode!r}; expected 8-bit grayscale 'L' (or "
-                     f"one of {', '.join(_CONVERTIBLE_MODES[1:])}).")
+    raise ValueError(
+        f"image {path!r}{at} has mode {mode!r}; expected 8-bit grayscale 'L' (or "
+        f"one of {', '.join(_CONVERTIBLE_MODES[1:])})."
+    )
   if arr.shape != (resolution, resolution):
-    raise ValueError(f"image {path!r}{at} is {arr.shape[1]}x{arr.shape[0]}; expected "
-                     f"{resolution}x{resolution}.")
+    raise ValueError(
+        f"image {path!r}{at} is {arr.shape[1]}x{arr.shape[0]}; expected "
+        f"{resolution}x{resolution}."
+    )
   return arr
 
 
 def _cache_key(folder: str, resolution: int, difficulty: str, split_order: str) -> dict:
-  files = [(os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
-           for p in _metadata_files(folder)]
-  return {"version": CACHE_VERSION, "folder": os.path.abspath(folder),
-          "resolution": int(resolution), "difficulty": difficulty, "split_order": split_order,
-          "metadata": files}
+  files = [
+      (os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+      for p in _metadata_files(folder)
+  ]
+  return {
+      "version": CACHE_VERSION,
+      "folder": os.path.abspath(folder),
+      "resolution": int(resolution),
+      "difficulty": difficulty,
+      "split_order": split_order,
+      "metadata": files,
+  }
 
 
 def _cache_paths(cache_dir: str, key: dict) -> dict[str, str]:
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-  stem = (f"pathfinder_v{CACHE_VERSION}_{key['resolution']}_{key['difficulty']}_"
-          f"{key['split_order']}_{digest}")
+  stem = (
+      f"pathfinder_v{CACHE_VERSION}_{key['resolution']}_{key['difficulty']}_"
+      f"{key['split_order']}_{digest}"
+  )
   return {s: os.path.join(cache_dir, f"{stem}_{s}.npz") for s in SPLITS}
 
 
-def build_splits(folder: str, resolution: int, difficulty: str, split_order: str,
-                 num_threads: int = 8) -> dict[str, dict[str, np.ndarray]]:
+def build_splits(
+    folder: str, resolution: int, difficulty: str, split_order: str, num_threads: int = 8
+) -> dict[str, dict[str, np.ndarray]]:
   """Reads and decodes every image of ``folder``: split -> {"images" uint8 [n, res, res],
   "targets" uint8 [n], "num_empty" int64 []}. Empty PNG files are dropped after slicing, as
   LRA does (the release has at least one: ``pathfinder32/curv_baseline/imgs/0/sample_172.png``).
@@ -197,24 +222,34 @@ def build_splits(folder: str, resolution: int, difficulty: str, split_order: str
         try:
           size = os.path.getsize(ex.image)
         except FileNotFoundError:
-          raise ValueError(f"image {ex.image!r} (listed at {ex.source}) does not exist (wrong "
-                           f"layout or incomplete unpacking?).") from None
+          raise ValueError(
+              f"image {ex.image!r} (listed at {ex.source}) does not exist (wrong "
+              f"layout or incomplete unpacking?)."
+          ) from None
         if size > 0:
           keep.append(ex)
       images = np.zeros((len(keep), resolution, resolution), np.uint8)
-      decoded = pool.map(lambda ex: decode_png(ex.image, resolution, ex.source), keep,
-                         chunksize=64)
+      decoded = pool.map(lambda ex: decode_png(ex.image, resolution, ex.source), keep, chunksize=64)
       for i, arr in enumerate(decoded):
         images[i] = arr
-      out[split] = {"images": images,
-                    "targets": np.array([ex.label for ex in keep], np.uint8),
-                    "num_empty": np.int64(len(part) - len(keep))}
+      out[split] = {
+          "images": images,
+          "targets": np.array([ex.label for ex in keep], np.uint8),
+          "num_empty": np.int64(len(part) - len(keep)),
+      }
   return out
 
 
-def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: int = 32,
-               difficulty: str = "hard", split_order: str = "lra", cache_dir: str | None = None,
-               num_threads: int = 8) -> dict[str, np.ndarray]:
+def load_split(
+    split: str,
+    *,
+    data_dir: str | os.PathLike | None,
+    resolution: int = 32,
+    difficulty: str = "hard",
+    split_order: str = "lra",
+    cache_dir: str | None = None,
+    num_threads: int = 8,
+) -> dict[str, np.ndarray]:
   """One split: ``inputs`` int32 ``[n, resolution**2]`` (intensity + 1, raster order),
   ``mask`` all True, ``targets`` int32 ``[n]``.
 
@@ -229,8 +264,9 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
     raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
   _check_choice("split_order", split_order, SPLIT_ORDERS)
   folder = dataset_dir(data_dir, resolution, difficulty)
-  paths.require(TASK, folder, data_dir,
-                f"Pathfinder-{resolution} {difficulty} ({DIFFICULTIES[difficulty]})")
+  paths.require(
+      TASK, folder, data_dir, f"Pathfinder-{resolution} {difficulty} ({DIFFICULTIES[difficulty]})"
+  )
   paths.require(TASK, os.path.join(folder, "metadata"), data_dir, "the metadata folder")
   key = _cache_key(folder, resolution, difficulty, split_order)
   cache_dir = os.fspath(cache_dir) if cache_dir else paths.cache_dir(TASK)
@@ -239,19 +275,29 @@ def load_split(split: str, *, data_dir: str | os.PathLike | None, resolution: in
     splits = build_splits(folder, resolution, difficulty, split_order, num_threads)
     for s, arrays in splits.items():
       paths.save_npz_atomic(files[s], {**arrays, "key": np.array(json.dumps(key, sort_keys=True))})
-    logging.info("pathfinder: decoded %s (%s) into %s", folder,
-                 ", ".join(f"{s} {len(a['targets'])}" for s, a in splits.items()), cache_dir)
+    logging.info(
+        "pathfinder: decoded %s (%s) into %s",
+        folder,
+        ", ".join(f"{s} {len(a['targets'])}" for s, a in splits.items()),
+        cache_dir,
+    )
   stored = _load_cache(files[split], key, resolution)
   n = stored["targets"].shape[0]
   if int(stored["num_empty"]):
-    logging.info("pathfinder %s: dropped %d empty image file(s), as LRA does.", split,
-                 int(stored["num_empty"]))
+    logging.info(
+        "pathfinder %s: dropped %d empty image file(s), as LRA does.",
+        split,
+        int(stored["num_empty"]),
+    )
   logging.info("pathfinder %s: %d examples from the cache %s", split, n, files[split])
   if n == 0:
     raise ValueError(f"pathfinder {split} split of {folder!r} is empty.")
   inputs = stored["images"].reshape(n, resolution * resolution).astype(np.int32) + 1
-  return {"inputs": inputs, "mask": np.ones(inputs.shape, bool),
-          "targets": stored["targets"].astype(np.int32)}
+  return {
+      "inputs": inputs,
+      "mask": np.ones(inputs.shape, bool),
+      "targets": stored["targets"].astype(np.int32),
+  }
 
 
 def _load_cache(path: str, key: dict, resolution: int) -> dict[str, np.ndarray]:
@@ -259,22 +305,31 @@ def _load_cache(path: str, key: dict, resolution: int) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as z:
       stored = {k: z[k] for k in z.files}
   except (OSError, ValueError, EOFError) as e:
-    raise ValueError(f"pathfinder cache file {path!r} is unreadable ({e}); delete it to "
-                     f"rebuild.") from None
+    raise ValueError(
+        f"pathfinder cache file {path!r} is unreadable ({e}); delete it to " f"rebuild."
+    ) from None
   want = json.dumps(key, sort_keys=True)
   if set(stored) != {"images", "targets", "num_empty", "key"} or str(stored["key"]) != want:
-    raise ValueError(f"pathfinder cache file {path!r} does not hold the data asked for; delete "
-                     f"it to rebuild.")
+    raise ValueError(
+        f"pathfinder cache file {path!r} does not hold the data asked for; delete "
+        f"it to rebuild."
+    )
   images = stored["images"]
-  if images.dtype != np.uint8 or images.shape[1:] != (resolution, resolution) or (
-      stored["targets"].shape != images.shape[:1]):
-    raise ValueError(f"pathfinder cache file {path!r} has images {images.dtype}{images.shape}; "
-                     f"delete it to rebuild.")
+  if (
+      images.dtype != np.uint8
+      or images.shape[1:] != (resolution, resolution)
+      or (stored["targets"].shape != images.shape[:1])
+  ):
+    raise ValueError(
+        f"pathfinder cache file {path!r} has images {images.dtype}{images.shape}; "
+        f"delete it to rebuild."
+    )
   return stored
 
 
 class PathfinderTask(base.Task):
   """LRA Pathfinder / Path-X: 2-class classification of a grayscale image as a pixel sequence."""
+
   task_name = TASK
 
   @classmethod
@@ -299,15 +354,29 @@ class PathfinderTask(base.Task):
     _check_choice("resolution", cfg.resolution, RESOLUTIONS)
     _check_choice("difficulty", cfg.difficulty, tuple(DIFFICULTIES))
     _check_choice("split_order", cfg.split_order, SPLIT_ORDERS)
-    if isinstance(cfg.num_threads, bool) or not isinstance(cfg.num_threads, int) or (
-        cfg.num_threads < 1):
+    if (
+        isinstance(cfg.num_threads, bool)
+        or not isinstance(cfg.num_threads, int)
+        or (cfg.num_threads < 1)
+    ):
       raise ValueError(f"num_threads must be an integer >= 1, got {cfg.num_threads!r}.")
     r = cfg.resolution
-    return TaskInfo(kind="classify", vocab_size=VOCAB_SIZE, num_classes=NUM_CLASSES,
-                    max_length=r * r, grid=(r, r))
+    return TaskInfo(
+        kind="classify",
+        vocab_size=VOCAB_SIZE,
+        num_classes=NUM_CLASSES,
+        max_length=r * r,
+        grid=(r, r),
+    )
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     cfg = self.cfg
-    return load_split(split, data_dir=cfg.data_dir or None, resolution=cfg.resolution,
-                      difficulty=cfg.difficulty, split_order=cfg.split_order,
-                      cache_dir=cfg.cache_dir or None, num_threads=cfg.num_threads)
+    return load_split(
+        split,
+        data_dir=cfg.data_dir or None,
+        resolution=cfg.resolution,
+        difficulty=cfg.difficulty,
+        split_order=cfg.split_order,
+        cache_dir=cfg.cache_dir or None,
+        num_threads=cfg.num_threads,
+    )

@@ -73,20 +73,23 @@ def fetch_command(task: str, data_dir: str | os.PathLike | None) -> str:
   return f"python scripts/download_data.py {task} --data_dir {data_root(data_dir)}"
 
 
-def missing_data(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
-                 what: str = "") -> FileNotFoundError:
+def missing_data(
+    task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None, what: str = ""
+) -> FileNotFoundError:
   """The error for missing data: names the path and the command that fetches it (or, when a
   file or a symlink loop stands where a folder on the way should be, that)."""
   blocked = _blocked(path)
   if blocked:
     return FileNotFoundError(
         f"task {task!r}: cannot read {os.fspath(path)!r}: {blocked}; point "
-        f"config.task.data_dir / ${ENV_VAR} at the folder that holds the data.")
+        f"config.task.data_dir / ${ENV_VAR} at the folder that holds the data."
+    )
   what = f" ({what})" if what else ""
   return FileNotFoundError(
       f"task {task!r}: {os.fspath(path)!r} not found{what}. Fetch the data on a machine with "
       f"internet with `{fetch_command(task, data_dir)}` (or set config.task.data_dir / "
-      f"${ENV_VAR} to the folder that holds it). Nothing is downloaded during training.")
+      f"${ENV_VAR} to the folder that holds it). Nothing is downloaded during training."
+  )
 
 
 def _blocked(path: str | os.PathLike) -> str:
@@ -123,8 +126,9 @@ def not_a_folder(path: str | os.PathLike) -> str:
   return _blocked(path)
 
 
-def require(task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None,
-            what: str = "") -> str:
+def require(
+    task: str, path: str | os.PathLike, data_dir: str | os.PathLike | None, what: str = ""
+) -> str:
   """``path`` if it exists, else raises ``missing_data``."""
   if not os.path.exists(path):
     raise missing_data(task, path, data_dir, what)

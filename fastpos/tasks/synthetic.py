@@ -21,6 +21,7 @@ from fastpos.tasks.info import TaskInfo
 
 class SyntheticTask(base.Task):
   """The generated "majority" task (see the module docstring)."""
+
   generated = True
   task_name = "synthetic"
 
@@ -44,23 +45,42 @@ class SyntheticTask(base.Task):
       raise ValueError(
           f"synthetic task: need num_classes >= 2 and vocab_size >= num_classes + 2 (a "
           f"distractor and padding); got num_classes={cfg.num_classes}, "
-          f"vocab_size={cfg.vocab_size}.")
+          f"vocab_size={cfg.vocab_size}."
+      )
     if not 1 <= cfg.min_length <= cfg.max_length:
-      raise ValueError(f"synthetic task: need 1 <= min_length <= max_length; got "
-                       f"{cfg.min_length}, {cfg.max_length}.")
-    return TaskInfo(kind="classify", vocab_size=cfg.vocab_size, num_classes=cfg.num_classes,
-                    max_length=cfg.max_length)
+      raise ValueError(
+          f"synthetic task: need 1 <= min_length <= max_length; got "
+          f"{cfg.min_length}, {cfg.max_length}."
+      )
+    return TaskInfo(
+        kind="classify",
+        vocab_size=cfg.vocab_size,
+        num_classes=cfg.num_classes,
+        max_length=cfg.max_length,
+    )
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     cfg = self.cfg
     n = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}[split]
-    return generate(n, vocab_size=cfg.vocab_size, num_classes=cfg.num_classes,
-                    min_length=cfg.min_length, max_length=cfg.max_length,
-                    seed=base.split_seed(cfg.seed, split))
+    return generate(
+        n,
+        vocab_size=cfg.vocab_size,
+        num_classes=cfg.num_classes,
+        min_length=cfg.min_length,
+        max_length=cfg.max_length,
+        seed=base.split_seed(cfg.seed, split),
+    )
 
 
-def generate(n: int, *, vocab_size: int, num_classes: int, min_length: int, max_length: int,
-             seed: np.random.SeedSequence | int) -> dict[str, np.ndarray]:
+def generate(
+    n: int,
+    *,
+    vocab_size: int,
+    num_classes: int,
+    min_length: int,
+    max_length: int,
+    seed: np.random.SeedSequence | int,
+) -> dict[str, np.ndarray]:
   """n "majority" examples: inputs int32 ``[n, max_length]``, targets int32 ``[n]``."""
   rng = np.random.default_rng(seed)
   inputs = np.zeros((n, max_length), np.int32)
@@ -70,7 +90,7 @@ def generate(n: int, *, vocab_size: int, num_classes: int, min_length: int, max_
     length, label = int(lengths[i]), int(targets[i]) + 1
     seq = rng.integers(1, vocab_size, size=length)
     while True:
-      counts = np.bincount(seq, minlength=vocab_size)[1:num_classes + 1]
+      counts = np.bincount(seq, minlength=vocab_size)[1 : num_classes + 1]
       others = np.delete(counts, label - 1)
       if counts[label - 1] > others.max():
         break

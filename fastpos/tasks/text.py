@@ -52,18 +52,23 @@ def decode(ids: Sequence[int] | np.ndarray, errors: str = "strict") -> str:
   """
   ids = np.asarray(ids)
   if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-    raise ValueError(f"decode expects a 1-D integer sequence, got dtype {ids.dtype} and shape "
-                     f"{ids.shape}.")
+    raise ValueError(
+        f"decode expects a 1-D integer sequence, got dtype {ids.dtype} and shape " f"{ids.shape}."
+    )
   bad = np.nonzero((ids < 0) | (ids >= VOCAB_SIZE))[0]
   if bad.size:
-    raise ValueError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
-                     f"byte vocabulary (valid ids: 0..{VOCAB_SIZE - 1}).")
+    raise ValueError(
+        f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
+        f"byte vocabulary (valid ids: 0..{VOCAB_SIZE - 1})."
+    )
   real = np.nonzero(ids)[0]
   n = int(real[-1]) + 1 if real.size else 0
   inner_pad = np.nonzero(ids[:n] == 0)[0]
   if inner_pad.size:
-    raise ValueError(f"padding id 0 at position {int(inner_pad[0])} comes before a real token "
-                     f"(padding may only trail).")
+    raise ValueError(
+        f"padding id 0 at position {int(inner_pad[0])} comes before a real token "
+        f"(padding may only trail)."
+    )
   return (ids[:n] - 1).astype(np.uint8).tobytes().decode("utf-8", errors=errors)
 
 
@@ -74,8 +79,10 @@ def _review_bytes(example: Any, index: int, split: str) -> bytes:
   elif isinstance(text, np.ndarray) and text.shape == ():
     text = text.item()
   if not isinstance(text, bytes):
-    raise ValueError(f"{TFDS_NAME} {split} example {index}: 'text' is a "
-                     f"{type(text).__name__}, expected bytes.")
+    raise ValueError(
+        f"{TFDS_NAME} {split} example {index}: 'text' is a "
+        f"{type(text).__name__}, expected bytes."
+    )
   if not text:
     raise ValueError(f"{TFDS_NAME} {split} example {index}: empty review.")
   return text
@@ -114,12 +121,13 @@ def to_ids(data: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   ids[...] = data
   ids += 1
   for i in np.nonzero(lengths < width)[0]:
-    ids[i, lengths[i]:] = 0
+    ids[i, lengths[i] :] = 0
   return ids
 
 
 class TextTask(base.Task):
   """LRA byte-level text classification on IMDB (module docstring): 2 classes, accuracy."""
+
   task_name = "lra_text"
 
   @classmethod
@@ -142,11 +150,14 @@ class TextTask(base.Task):
     if isinstance(ml, bool) or not isinstance(ml, (int, np.integer)) or ml < 1:
       raise ValueError(f"lra_text: max_length must be an integer >= 1, got {ml!r}.")
     if cfg.on_overflow not in ON_OVERFLOW:
-      raise ValueError(f"lra_text: unknown on_overflow {cfg.on_overflow!r}; valid choices: "
-                       f"{', '.join(ON_OVERFLOW)}.")
+      raise ValueError(
+          f"lra_text: unknown on_overflow {cfg.on_overflow!r}; valid choices: "
+          f"{', '.join(ON_OVERFLOW)}."
+      )
     tfds_source.check_fraction_and_seed(cfg.validation_fraction, cfg.validation_seed)
-    return TaskInfo(kind="classify", vocab_size=VOCAB_SIZE, num_classes=NUM_CLASSES,
-                    max_length=int(ml))
+    return TaskInfo(
+        kind="classify", vocab_size=VOCAB_SIZE, num_classes=NUM_CLASSES, max_length=int(ml)
+    )
 
   def __init__(self, cfg: ml_collections.ConfigDict):
     super().__init__(cfg)
@@ -158,16 +169,23 @@ class TextTask(base.Task):
       cfg = self.cfg
       max_length = self.info.max_length
       self._raw[tfds_split] = tfds_source.cached_split(
-          task=self.task_name, name=TFDS_NAME, split=tfds_split, data_dir=cfg.data_dir or None,
-          cache_dir=cfg.cache_dir or None, params={"len": max_length}, version=CACHE_VERSION,
+          task=self.task_name,
+          name=TFDS_NAME,
+          split=tfds_split,
+          data_dir=cfg.data_dir or None,
+          cache_dir=cfg.cache_dir or None,
+          params={"len": max_length},
+          version=CACHE_VERSION,
           fields=("bytes", "lengths", "labels"),
-          build=lambda src, s: read_reviews(src, s, max_length))
+          build=lambda src, s: read_reviews(src, s, max_length),
+      )
     return self._raw[tfds_split]
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     raw = self.raw_split(TFDS_SPLIT[split])
-    idx = tfds_source.split_indices(split, raw["labels"].shape[0], self.cfg.validation_fraction,
-                                    self.cfg.validation_seed)
+    idx = tfds_source.split_indices(
+        split, raw["labels"].shape[0], self.cfg.validation_fraction, self.cfg.validation_seed
+    )
     lengths = raw["lengths"][idx]
     max_length = self.info.max_length
     long = np.nonzero(lengths > max_length)[0]
@@ -177,8 +195,16 @@ class TextTask(base.Task):
         raise ValueError(
             f"lra_text {split} example {i} ({TFDS_NAME} {TFDS_SPLIT[split]} example "
             f"{int(idx[i])}) has {int(lengths[i])} bytes, more than max_length={max_length} "
-            f"(on_overflow='error'; 'truncate' keeps the first max_length bytes, as LRA does).")
-      logging.warning("lra_text %s: truncated %d of %d examples to %d tokens (bytes), as LRA "
-                      "does.", split, long.size, idx.size, max_length)
-    return {"inputs": to_ids(raw["bytes"][idx], lengths),
-            "targets": raw["labels"][idx].astype(np.int32)}
+            f"(on_overflow='error'; 'truncate' keeps the first max_length bytes, as LRA does)."
+        )
+      logging.warning(
+          "lra_text %s: truncated %d of %d examples to %d tokens (bytes), as LRA " "does.",
+          split,
+          long.size,
+          idx.size,
+          max_length,
+      )
+    return {
+        "inputs": to_ids(raw["bytes"][idx], lengths),
+        "targets": raw["labels"][idx].astype(np.int32),
+    }

@@ -54,11 +54,14 @@ from fastpos.tasks.info import TaskInfo
 TASK = "text_lm"
 LEVELS = ("byte", "word")
 CACHE_VERSION = 1
-_FIELD_HINT = ("set config.task.paths to UTF-8 text files and / or folders, comma-separated "
-               "(e.g. --config.task.paths=~/books/emma.txt,~/notes)")
+_FIELD_HINT = (
+    "set config.task.paths to UTF-8 text files and / or folders, comma-separated "
+    "(e.g. --config.task.paths=~/books/emma.txt,~/notes)"
+)
 
 
 # ------------------------------------------------------------------------------ files
+
 
 def _patterns(include: str) -> list[str]:
   return [p.strip() for p in include.split(",") if p.strip()] or ["*"]
@@ -70,8 +73,11 @@ def _folder_files(folder: str, patterns: Sequence[str]) -> list[str]:
   out = []
   for root, dirs, files in os.walk(folder):
     dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    out += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".")
-            and any(fnmatch.fnmatch(f, p) for p in patterns)]
+    out += [
+        os.path.join(root, f)
+        for f in sorted(files)
+        if not f.startswith(".") and any(fnmatch.fnmatch(f, p) for p in patterns)
+    ]
   return sorted(out, key=lambda p: os.path.relpath(p, folder).split(os.sep))
 
 
@@ -90,16 +96,20 @@ def text_files(spec: str, include: str = "*.txt") -> list[str]:
         raise FileNotFoundError(
             f"{TASK}: the folder {path!r} (config.task.paths) holds no file matching "
             f"config.task.include={include!r}; set config.task.include to patterns of its "
-            f"files' names, comma-separated (e.g. '*.md,*.rst'; '*': every file).")
+            f"files' names, comma-separated (e.g. '*.md,*.rst'; '*': every file)."
+        )
       files += found
     elif os.path.isfile(path):
       if os.path.getsize(path) == 0:
-        raise ValueError(f"{TASK}: {path!r} (config.task.paths) is empty; name a file that "
-                         f"holds text, or leave it out.")
+        raise ValueError(
+            f"{TASK}: {path!r} (config.task.paths) is empty; name a file that "
+            f"holds text, or leave it out."
+        )
       files.append(path)
     else:
-      raise FileNotFoundError(f"{TASK}: {path!r} (config.task.paths) does not exist; "
-                              f"{_FIELD_HINT}.")
+      raise FileNotFoundError(
+          f"{TASK}: {path!r} (config.task.paths) does not exist; " f"{_FIELD_HINT}."
+      )
   return list(dict.fromkeys(files))
 
 
@@ -116,29 +126,33 @@ def read_text(files: Sequence[str]) -> bytes:
       raise ValueError(
           f"{TASK}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start}, line {line}). "
           f"Convert it (e.g. `iconv -f latin1 -t utf-8`) or leave it out of "
-          f"config.task.paths / config.task.include.") from None
+          f"config.task.paths / config.task.include."
+      ) from None
     parts.append(data if not data or data.endswith(b"\n") else data + b"\n")
   text = b"".join(parts)
   if not text:
-    raise ValueError(f"{TASK}: the files of config.task.paths hold no text ({len(files)} "
-                     f"file(s), all empty); {_FIELD_HINT}.")
+    raise ValueError(
+        f"{TASK}: the files of config.task.paths hold no text ({len(files)} "
+        f"file(s), all empty); {_FIELD_HINT}."
+    )
   return text
 
 
 def _line_start(text: bytes, pos: int) -> int:
   """The first line start at or after byte ``pos`` (``len(text)`` if none)."""
-  if pos <= 0 or text[pos - 1:pos] == b"\n":
+  if pos <= 0 or text[pos - 1 : pos] == b"\n":
     return max(pos, 0)
   end = text.find(b"\n", pos)
   return len(text) if end < 0 else end + 1
 
 
-def split_bounds(text: bytes, validation_fraction: float, test_fraction: float
-                 ) -> dict[str, tuple[int, int]]:
+def split_bounds(
+    text: bytes, validation_fraction: float, test_fraction: float
+) -> dict[str, tuple[int, int]]:
   """Byte ranges ``[start, end)`` of train / validation / test (module docstring)."""
   n = len(text)
-  cut_val = _line_start(text, int(np.floor((1 - validation_fraction - test_fraction) * n + .5)))
-  cut_test = max(cut_val, _line_start(text, int(np.floor((1 - test_fraction) * n + .5))))
+  cut_val = _line_start(text, int(np.floor((1 - validation_fraction - test_fraction) * n + 0.5)))
+  cut_test = max(cut_val, _line_start(text, int(np.floor((1 - test_fraction) * n + 0.5))))
   if test_fraction == 0:
     cut_test = n
   return {"train": (0, cut_val), "validation": (cut_val, cut_test), "test": (cut_test, n)}
@@ -153,34 +167,48 @@ def _word_chunks(text: str) -> Iterator[list[str]]:
 
 # ---------------------------------------------------------------------------- checks
 
+
 def _is_int(value) -> bool:
   return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
 
 def _check_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.level not in LEVELS:
-    raise ValueError(f"{TASK}: unknown config.task.level {cfg.level!r}; valid choices: "
-                     f"{', '.join(LEVELS)}.")
+    raise ValueError(
+        f"{TASK}: unknown config.task.level {cfg.level!r}; valid choices: " f"{', '.join(LEVELS)}."
+    )
   if not isinstance(cfg.paths, str) or not isinstance(cfg.include, str):
-    raise ValueError(f"{TASK}: config.task.paths and config.task.include are comma-separated "
-                     f"strings; got {cfg.paths!r} and {cfg.include!r}.")
+    raise ValueError(
+        f"{TASK}: config.task.paths and config.task.include are comma-separated "
+        f"strings; got {cfg.paths!r} and {cfg.include!r}."
+    )
   v, t = cfg.validation_fraction, cfg.test_fraction
   for name, value, low in (("validation_fraction", v, "(0"), ("test_fraction", t, "[0")):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        (0 < value < 1) if low == "(0" else (0 <= value < 1)):
-      raise ValueError(f"{TASK}: config.task.{name} must be a number in {low}, 1); got "
-                       f"{value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not ((0 < value < 1) if low == "(0" else (0 <= value < 1))
+    ):
+      raise ValueError(
+          f"{TASK}: config.task.{name} must be a number in {low}, 1); got " f"{value!r}."
+      )
   if v + t >= 1:
-    raise ValueError(f"{TASK}: validation_fraction + test_fraction = {v + t:g} leaves no "
-                     f"train text; their sum must be below 1.")
+    raise ValueError(
+        f"{TASK}: validation_fraction + test_fraction = {v + t:g} leaves no "
+        f"train text; their sum must be below 1."
+    )
   if not _is_int(cfg.segment_length) or cfg.segment_length < 1:
-    raise ValueError(f"{TASK}: config.task.segment_length must be an integer >= 1; got "
-                     f"{cfg.segment_length!r}.")
+    raise ValueError(
+        f"{TASK}: config.task.segment_length must be an integer >= 1; got "
+        f"{cfg.segment_length!r}."
+    )
   stride = cfg.eval_stride
   if not _is_int(stride) or not 0 <= stride <= cfg.segment_length:
-    raise ValueError(f"{TASK}: config.task.eval_stride must be an integer in [0, "
-                     f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
-                     f"got {stride!r}.")
+    raise ValueError(
+        f"{TASK}: config.task.eval_stride must be an integer in [0, "
+        f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
+        f"got {stride!r}."
+    )
 
 
 def vocab_size_of(cfg: ml_collections.ConfigDict) -> int:
@@ -188,19 +216,23 @@ def vocab_size_of(cfg: ml_collections.ConfigDict) -> int:
   size = cfg.vocab_size
   if cfg.level == "byte":
     if size not in (0, byte_text.VOCAB_SIZE) or isinstance(size, bool):
-      raise ValueError(f"{TASK}: level='byte' has {byte_text.VOCAB_SIZE} ids (bytes + "
-                       f"padding); set config.task.vocab_size to 0 or "
-                       f"{byte_text.VOCAB_SIZE}, not {size!r}.")
+      raise ValueError(
+          f"{TASK}: level='byte' has {byte_text.VOCAB_SIZE} ids (bytes + "
+          f"padding); set config.task.vocab_size to 0 or "
+          f"{byte_text.VOCAB_SIZE}, not {size!r}."
+      )
     return byte_text.VOCAB_SIZE
   if not _is_int(size) or size < wt.NUM_SPECIAL + 1:
     raise ValueError(
         f"{TASK}: level='word' needs config.task.vocab_size, an integer >= "
         f"{wt.NUM_SPECIAL + 1} (padding, <unk>, <eos> and the most frequent train words); got "
-        f"{size!r}. A value above what the train text gives stops naming the largest one.")
+        f"{size!r}. A value above what the train text gives stops naming the largest one."
+    )
   return int(size)
 
 
 # ---------------------------------------------------------------------------- corpus
+
 
 class TextCorpus(wt.Corpus):
   """WikiText-103's cached vocabulary and id streams (``wikitext.Corpus``) over the train /
@@ -213,18 +245,30 @@ class TextCorpus(wt.Corpus):
     vocab_size: number of ids.
     fractions: (validation_fraction, test_fraction), part of the key.
   """
+
   label = TASK
 
-  def __init__(self, files: Sequence[str], part, cache_dir: str, vocab_size: int,
-               fractions: tuple[float, float]):
+  def __init__(
+      self,
+      files: Sequence[str],
+      part,
+      cache_dir: str,
+      vocab_size: int,
+      fractions: tuple[float, float],
+  ):
     super().__init__(None, cache_dir, vocab_size)
     self.files, self.part, self.fractions = list(files), part, tuple(fractions)
 
   def _vocab_key(self) -> dict:
     stats = [os.stat(p) for p in self.files]
-    return {"version": CACHE_VERSION, "task": TASK, "level": "word",
-            "vocab_size": self.vocab_size, "fractions": list(self.fractions),
-            "files": [[p, s.st_size, s.st_mtime_ns] for p, s in zip(self.files, stats)]}
+    return {
+        "version": CACHE_VERSION,
+        "task": TASK,
+        "level": "word",
+        "vocab_size": self.vocab_size,
+        "fractions": list(self.fractions),
+        "files": [[p, s.st_size, s.st_mtime_ns] for p, s in zip(self.files, stats)],
+    }
 
   def _split_key(self, split: str) -> dict:
     return {**self._vocab_key(), "split": split}
@@ -234,15 +278,20 @@ class TextCorpus(wt.Corpus):
     return wt.vocabulary_from_words(_word_chunks(self.part("train")), self.vocab_size, source)
 
   def _encode_split(self, split: str) -> tuple[np.ndarray, int]:
-    return wt.encode_words(_word_chunks(self.part(split)), self.vocabulary(),
-                           wt.stream_dtype(self.vocab_size),
-                           f"the {split} split of config.task.paths")
+    return wt.encode_words(
+        _word_chunks(self.part(split)),
+        self.vocabulary(),
+        wt.stream_dtype(self.vocab_size),
+        f"the {split} split of config.task.paths",
+    )
 
 
 # ------------------------------------------------------------------------------ task
 
+
 class TextLmTask(base.Task):
   """Causal language modelling on the user's UTF-8 text (module docstring); metric: loss."""
+
   task_name = TASK
   generated = True  # nothing to download: the user's own files
   metric = "loss"
@@ -272,8 +321,9 @@ class TextLmTask(base.Task):
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     _check_config(cfg)
-    return TaskInfo(kind="lm", vocab_size=vocab_size_of(cfg), num_classes=0,
-                    max_length=int(cfg.segment_length))
+    return TaskInfo(
+        kind="lm", vocab_size=vocab_size_of(cfg), num_classes=0, max_length=int(cfg.segment_length)
+    )
 
   def __init__(self, cfg: ml_collections.ConfigDict):
     super().__init__(cfg)
@@ -298,8 +348,7 @@ class TextLmTask(base.Task):
     split = _check_split(split)
     if self._text is None:
       self._text = read_text(self.files())
-      self._bounds = split_bounds(self._text, self.cfg.validation_fraction,
-                                  self.cfg.test_fraction)
+      self._bounds = split_bounds(self._text, self.cfg.validation_fraction, self.cfg.test_fraction)
     start, end = self._bounds[split]
     if end - start == 0:
       raise ValueError(self._empty(split))
@@ -307,18 +356,26 @@ class TextLmTask(base.Task):
 
   def _empty(self, split: str) -> str:
     if split == "test" and self.cfg.test_fraction == 0:
-      return (f"{TASK}: config.task.test_fraction=0 holds out no test split; set it above 0 "
-              f"(the split changes, so retrain).")
+      return (
+          f"{TASK}: config.task.test_fraction=0 holds out no test split; set it above 0 "
+          f"(the split changes, so retrain)."
+      )
     lines = self._text.count(b"\n") if self._text is not None else 0
-    return (f"{TASK}: the {split} split of the text of config.task.paths has nothing to "
-            f"predict (cuts fall at line starts; the text has {lines} lines); {_fix(split)}.")
+    return (
+        f"{TASK}: the {split} split of the text of config.task.paths has nothing to "
+        f"predict (cuts fall at line starts; the text has {lines} lines); {_fix(split)}."
+    )
 
   def _word_corpus(self) -> TextCorpus:
     if self._corpus is None:
       cache = self.cfg.cache_dir or paths.cache_dir(TASK)
       self._corpus = TextCorpus(
-          self.files(), lambda s: self.split_text(s).decode("utf-8"), cache, self.info.vocab_size,
-          (self.cfg.validation_fraction, self.cfg.test_fraction))
+          self.files(),
+          lambda s: self.split_text(s).decode("utf-8"),
+          cache,
+          self.info.vocab_size,
+          (self.cfg.validation_fraction, self.cfg.test_fraction),
+      )
     return self._corpus
 
   def vocabulary(self) -> list[str] | None:

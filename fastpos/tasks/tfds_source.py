@@ -50,12 +50,16 @@ def prepared_version(task: str, name: str, data_dir: str | None) -> str:
   versions = []
   for entry in os.listdir(folder):
     if _VERSION_RE.match(entry) and os.path.isfile(
-        os.path.join(folder, entry, "dataset_info.json")):
+        os.path.join(folder, entry, "dataset_info.json")
+    ):
       versions.append((tuple(int(p) for p in entry.split(".")), entry))
   if not versions:
     raise paths.missing_data(
-        task, os.path.join(folder, "<version>", "dataset_info.json"), data_dir,
-        f"{folder!r} holds no prepared version of tfds dataset {name!r}")
+        task,
+        os.path.join(folder, "<version>", "dataset_info.json"),
+        data_dir,
+        f"{folder!r} holds no prepared version of tfds dataset {name!r}",
+    )
   return max(versions)[1]
 
 
@@ -70,8 +74,9 @@ def fingerprint(folder: str) -> list[list]:
   return sorted(out)
 
 
-def open_split(task: str, name: str, version: str, split: str,
-               data_dir: str | None) -> Sequence[Any]:
+def open_split(
+    task: str, name: str, version: str, split: str, data_dir: str | None
+) -> Sequence[Any]:
   """``tfds.data_source`` of one split (random access; examples are dicts of numpy values).
 
   Call ``prepared_version`` first (it is what makes this call safe from downloads).
@@ -80,38 +85,46 @@ def open_split(task: str, name: str, version: str, split: str,
 
   folder = dataset_folder(data_dir, name)
   try:
-    return tfds.data_source(f"{name}:{version}", split=split,
-                            data_dir=paths.task_path(data_dir, paths.TFDS_SUBDIR),
-                            download=False, try_gcs=False)
+    return tfds.data_source(
+        f"{name}:{version}",
+        split=split,
+        data_dir=paths.task_path(data_dir, paths.TFDS_SUBDIR),
+        download=False,
+        try_gcs=False,
+    )
   except NotImplementedError as e:  # prepared in another format (tfds's default: tfrecord)
     raise ValueError(
         f"task {task!r}: tfds dataset {name!r} in {os.path.join(folder, version)!r} is not in "
         f"the array_record format that random access needs ({e}). Delete {folder!r} and "
-        f"prepare it again with `{paths.fetch_command(task, data_dir)}`.") from e
+        f"prepare it again with `{paths.fetch_command(task, data_dir)}`."
+    ) from e
   except Exception as e:  # a missing shard, an unreadable dataset_info.json, ...
     raise broken_dataset(task, name, os.path.join(folder, version), data_dir, e) from e
 
 
-def broken_dataset(task: str, name: str, folder: str, data_dir: str | None,
-                   error: BaseException) -> ValueError:
+def broken_dataset(
+    task: str, name: str, folder: str, data_dir: str | None, error: BaseException
+) -> ValueError:
   """The error for a prepared tfds dataset that cannot be read (incomplete or corrupt)."""
   return ValueError(
       f"task {task!r}: tfds dataset {name!r} in {folder!r} cannot be read "
       f"({type(error).__name__}: {error}); its files are incomplete or corrupt. Delete "
       f"{os.path.dirname(folder)!r} and fetch it again with "
-      f"`{paths.fetch_command(task, data_dir)}`.")
+      f"`{paths.fetch_command(task, data_dir)}`."
+  )
 
 
-def iter_chunks(source: Sequence[Any], chunk: int = READ_CHUNK
-                ) -> Iterator[tuple[int, list[Any]]]:
+def iter_chunks(source: Sequence[Any], chunk: int = READ_CHUNK) -> Iterator[tuple[int, list[Any]]]:
   """(index of the first example, examples) over ``source`` in order, ``chunk`` at a time."""
   n = len(source)
   for start in range(0, n, chunk):
     keys = list(range(start, min(n, start + chunk)))
     items = source.__getitems__(keys)
     if len(items) != len(keys):
-      raise ValueError(f"data source {source!r} returned {len(items)} examples for "
-                       f"{len(keys)} keys starting at {start}.")
+      raise ValueError(
+          f"data source {source!r} returned {len(items)} examples for "
+          f"{len(keys)} keys starting at {start}."
+      )
     yield start, list(items)
 
 
@@ -124,9 +137,11 @@ def carve_validation(n: int, fraction: float, seed: int) -> dict[str, np.ndarray
   """
   n_val = int(np.floor(fraction * n + 0.5))
   if not 1 <= n_val <= n - 1:
-    raise ValueError(f"validation_fraction={fraction} of {n} training examples gives "
-                     f"{n_val} validation examples; it must leave at least one example in "
-                     f"each of train and validation.")
+    raise ValueError(
+        f"validation_fraction={fraction} of {n} training examples gives "
+        f"{n_val} validation examples; it must leave at least one example in "
+        f"each of train and validation."
+    )
   perm = np.random.default_rng(seed).permutation(n)
   return {"train": np.sort(perm[n_val:]), "validation": np.sort(perm[:n_val])}
 
@@ -143,13 +158,10 @@ def split_indices(split: str, n: int, fraction: float, seed: int) -> np.ndarray:
 
 def check_fraction_and_seed(fraction, seed) -> None:
   """ValueError unless 0 < ``fraction`` < 1 and ``seed`` is an integer >= 0."""
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-      0 < fraction < 1):
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (0 < fraction < 1):
     raise ValueError(f"validation_fraction must be a number in (0, 1), got {fraction!r}.")
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
     raise ValueError(f"validation_seed must be an integer >= 0, got {seed!r}.")
-
-
 
 
 def _load(path: str, key_json: str, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -157,19 +169,29 @@ def _load(path: str, key_json: str, names: Sequence[str]) -> dict[str, np.ndarra
     with np.load(path, allow_pickle=False) as z:
       stored = {k: z[k] for k in z.files}
   except Exception as e:  # truncated / not an npz: zipfile, EOF, pickle errors
-    raise ValueError(f"cache file {path!r} is unreadable ({type(e).__name__}: {e}); delete it "
-                     f"to rebuild.") from None
+    raise ValueError(
+        f"cache file {path!r} is unreadable ({type(e).__name__}: {e}); delete it " f"to rebuild."
+    ) from None
   if set(stored) != set(names) | {"key"} or str(stored["key"]) != key_json:
-    raise ValueError(f"cache file {path!r} does not hold the arrays asked for ({key_json}); "
-                     f"delete it to rebuild.")
+    raise ValueError(
+        f"cache file {path!r} does not hold the arrays asked for ({key_json}); "
+        f"delete it to rebuild."
+    )
   return {k: stored[k] for k in names}
 
 
-def cached_split(*, task: str, name: str, split: str, data_dir: str | None,
-                 cache_dir: str | None, params: Mapping[str, Any], version: int,
-                 fields: Sequence[str],
-                 build: Callable[[Sequence[Any], str], dict[str, np.ndarray]]
-                 ) -> dict[str, np.ndarray]:
+def cached_split(
+    *,
+    task: str,
+    name: str,
+    split: str,
+    data_dir: str | None,
+    cache_dir: str | None,
+    params: Mapping[str, Any],
+    version: int,
+    fields: Sequence[str],
+    build: Callable[[Sequence[Any], str], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
   """The arrays ``build(source, split)`` makes of tfds split ``split``, cached.
 
   Args:
@@ -187,34 +209,62 @@ def cached_split(*, task: str, name: str, split: str, data_dir: str | None,
   """
   tfds_version = prepared_version(task, name, data_dir)
   folder = os.path.join(dataset_folder(data_dir, name), tfds_version)
-  key = {"task": task, "cache_version": int(version), "tfds_name": name,
-         "tfds_version": tfds_version, "split": split, "params": dict(params),
-         "folder": os.path.abspath(folder),  # one cache folder serves every data root
-         "files": fingerprint(folder)}
+  key = {
+      "task": task,
+      "cache_version": int(version),
+      "tfds_name": name,
+      "tfds_version": tfds_version,
+      "split": split,
+      "params": dict(params),
+      "folder": os.path.abspath(folder),  # one cache folder serves every data root
+      "files": fingerprint(folder),
+  }
   key_json = json.dumps(key, sort_keys=True)
   digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
   cache_root = cache_dir or paths.cache_dir(task)
   desc = "_".join(f"{k}{v}" for k, v in sorted(params.items()))
-  path = os.path.join(os.fspath(cache_root),
-                      f"{task}_v{version}_{split}{'_' + desc if desc else ''}_{digest}.npz")
+  path = os.path.join(
+      os.fspath(cache_root), f"{task}_v{version}_{split}{'_' + desc if desc else ''}_{digest}.npz"
+  )
   if os.path.exists(path):
     t = time.time()
     out = _load(path, key_json, fields)
-    logging.info("%s: %s split of %s:%s read from the cache %s (%.1f s)", task, split, name,
-                 tfds_version, path, time.time() - t)
+    logging.info(
+        "%s: %s split of %s:%s read from the cache %s (%.1f s)",
+        task,
+        split,
+        name,
+        tfds_version,
+        path,
+        time.time() - t,
+    )
     return out
   t = time.time()
   source = open_split(task, name, tfds_version, split, data_dir)
-  logging.info("%s: preprocessing %d examples of %s:%s %s (once; cached afterwards)", task,
-               len(source), name, tfds_version, split)
+  logging.info(
+      "%s: preprocessing %d examples of %s:%s %s (once; cached afterwards)",
+      task,
+      len(source),
+      name,
+      tfds_version,
+      split,
+  )
   try:
     out = build(source, split)
   except (RuntimeError, OSError) as e:  # array_record / PNG decoding errors of a bad shard
     raise broken_dataset(task, name, folder, data_dir, e) from e
   if sorted(out) != sorted(fields):
-    raise RuntimeError(f"internal error: {task} built arrays {sorted(out)}, not "
-                       f"{sorted(fields)}.")
+    raise RuntimeError(
+        f"internal error: {task} built arrays {sorted(out)}, not " f"{sorted(fields)}."
+    )
   paths.save_npz_atomic(path, {**out, "key": np.array(key_json)})
-  logging.info("%s: %s split of %s:%s preprocessed in %.1f s and cached at %s", task, split,
-               name, tfds_version, time.time() - t, path)
+  logging.info(
+      "%s: %s split of %s:%s preprocessed in %.1f s and cached at %s",
+      task,
+      split,
+      name,
+      tfds_version,
+      time.time() - t,
+      path,
+  )
   return out

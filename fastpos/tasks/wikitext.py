@@ -37,8 +37,11 @@ from fastpos.tasks import base, paths
 from fastpos.tasks.info import TaskInfo
 
 TASK = "wikitext103"
-FILES = {"train": "wiki.train.tokens", "validation": "wiki.valid.tokens",
-         "test": "wiki.test.tokens"}
+FILES = {
+    "train": "wiki.train.tokens",
+    "validation": "wiki.valid.tokens",
+    "test": "wiki.test.tokens",
+}
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 PAD_ID, UNK_ID, EOS_ID = 0, 1, 2
 NUM_SPECIAL = 3
@@ -50,6 +53,7 @@ _READ_CHARS = 1 << 23  # whole lines read at a time (about 8 MB of text)
 
 # ------------------------------------------------------------------------- reading
 
+
 def _chunks(path: str) -> Iterator[list[str]]:
   """The file's lines, a few MB at a time; a decoding error names the file and the line."""
   with open(path, "r", encoding="utf-8") as f:
@@ -60,7 +64,8 @@ def _chunks(path: str) -> Iterator[list[str]]:
       except UnicodeDecodeError as e:
         raise ValueError(
             f"{path!r} is not UTF-8 text (in the lines from line {line} on: {e.reason} at "
-            f"byte {e.start} of the block read). Re-fetch the WikiText-103 release.") from e
+            f"byte {e.start} of the block read). Re-fetch the WikiText-103 release."
+        ) from e
       if not lines:
         return
       yield lines
@@ -81,9 +86,12 @@ def _words(path: str) -> Iterator[list[str]]:
     lines_seen += len(lines)
     text = "".join(lines)
     if not text.endswith("\n"):
-      logging.warning("WikiText-103: %s: the last line (line %d) has no newline; the "
-                      "release's files end in one, so the file may be truncated.", path,
-                      lines_seen)
+      logging.warning(
+          "WikiText-103: %s: the last line (line %d) has no newline; the "
+          "release's files end in one, so the file may be truncated.",
+          path,
+          lines_seen,
+      )
       text += "\n"
     yield line_words(text)
 
@@ -111,16 +119,21 @@ def stream_dtype(vocab_size: int) -> np.dtype:
 
 # ---------------------------------------------------------------------- vocabulary
 
-def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.ndarray,
-                                                                  np.ndarray]:
+
+def build_vocabulary(train_path: str, vocab_size: int) -> tuple[list[str], np.ndarray, np.ndarray]:
   """Reads the train file once: (words by id, counts by id, the train id stream)
   (``vocabulary_from_words`` of its words)."""
-  return vocabulary_from_words(_words(train_path), vocab_size, repr(train_path),
-                               f" (the WikiText-103 release gives {RELEASE_VOCAB_SIZE})")
+  return vocabulary_from_words(
+      _words(train_path),
+      vocab_size,
+      repr(train_path),
+      f" (the WikiText-103 release gives {RELEASE_VOCAB_SIZE})",
+  )
 
 
-def vocabulary_from_words(chunks: Iterable[list[str]], vocab_size: int, source: str,
-                          hint: str = "") -> tuple[list[str], np.ndarray, np.ndarray]:
+def vocabulary_from_words(
+    chunks: Iterable[list[str]], vocab_size: int, source: str, hint: str = ""
+) -> tuple[list[str], np.ndarray, np.ndarray]:
   """(words by id, counts by id, the id stream) of the training words, read once.
 
   ``chunks`` are lists of words (``line_words``); ``source`` names them in errors and ``hint``
@@ -144,15 +157,17 @@ def vocabulary_from_words(chunks: Iterable[list[str]], vocab_size: int, source: 
     raise ValueError(f"{source} holds no text.")
   counts = np.bincount(stream, minlength=len(index))
   seen = list(index)
-  others = sorted((i for i, w in enumerate(seen) if w not in (UNK, EOS)),
-                  key=lambda i: (-counts[i], seen[i]))
+  others = sorted(
+      (i for i, w in enumerate(seen) if w not in (UNK, EOS)), key=lambda i: (-counts[i], seen[i])
+  )
   full = NUM_SPECIAL + len(others)
   if vocab_size > full:
     raise ValueError(
         f"config.task.vocab_size={vocab_size}, but {source} has only {len(others)} word "
         f"types besides <unk> / <eos>, i.e. {full} ids with padding, <unk> and <eos>{hint}; "
-        f"set config.task.vocab_size={full} or less.")
-  kept = others[:vocab_size - NUM_SPECIAL]
+        f"set config.task.vocab_size={full} or less."
+    )
+  kept = others[: vocab_size - NUM_SPECIAL]
   remap = np.full(len(seen), UNK_ID, np.int64)
   remap[kept] = np.arange(NUM_SPECIAL, vocab_size)
   remap[index[EOS]] = EOS_ID
@@ -177,8 +192,9 @@ def _encode_file(path: str, vocab: Sequence[str], dtype: np.dtype) -> tuple[np.n
   return encode_words(_words(path), vocab, dtype, repr(path))
 
 
-def encode_words(chunks: Iterable[list[str]], vocab: Sequence[str], dtype: np.dtype,
-                 source: str) -> tuple[np.ndarray, int]:
+def encode_words(
+    chunks: Iterable[list[str]], vocab: Sequence[str], dtype: np.dtype, source: str
+) -> tuple[np.ndarray, int]:
   """(id stream of the words ``chunks`` in ``vocab``, number of words mapped to ``<unk>``);
   ``source`` names them in errors."""
   lookup = {w: i for i, w in enumerate(vocab) if i != PAD_ID}
@@ -196,6 +212,7 @@ def encode_words(chunks: Iterable[list[str]], vocab: Sequence[str], dtype: np.dt
 
 
 # ---------------------------------------------------------------------------- cache
+
 
 class Corpus:
   """The vocabulary and the id streams of one data root, built once and cached.
@@ -229,8 +246,11 @@ class Corpus:
     return paths.require(TASK, path, self.data_dir, f"WikiText-103 {split} file")
 
   def _vocab_key(self) -> dict:
-    return {"version": CACHE_VERSION, "vocab_size": self.vocab_size,
-            "train": _file_key(self.path("train"))}
+    return {
+        "version": CACHE_VERSION,
+        "vocab_size": self.vocab_size,
+        "train": _file_key(self.path("train")),
+    }
 
   def _split_key(self, split: str) -> dict:
     return {**self._vocab_key(), split: _file_key(self.path(split))}
@@ -238,8 +258,9 @@ class Corpus:
   def _build_vocabulary(self) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(words by id, counts by id, the train id stream): ``build_vocabulary``."""
     path = self.path("train")
-    logging.info("%s: building the vocabulary from %s (once; cached in %s)", self.label, path,
-                 self.cache_dir)
+    logging.info(
+        "%s: building the vocabulary from %s (once; cached in %s)", self.label, path, self.cache_dir
+    )
     return build_vocabulary(path, self.vocab_size)
 
   def _encode_split(self, split: str) -> tuple[np.ndarray, int]:
@@ -254,8 +275,14 @@ class Corpus:
     record = {"key": self._vocab_key(), "words": words, "counts": counts.tolist()}
     paths.save_atomic(train_file, lambda f: np.save(f, stream))
     paths.save_atomic(vocab_file, lambda f: f.write(json.dumps(record).encode("utf-8")))
-    logging.info("%s: %d ids, train stream of %d tokens (%d <unk>) cached in %s", self.label,
-                 len(words), stream.size, counts[UNK_ID], self.cache_dir)
+    logging.info(
+        "%s: %d ids, train stream of %d tokens (%d <unk>) cached in %s",
+        self.label,
+        len(words),
+        stream.size,
+        counts[UNK_ID],
+        self.cache_dir,
+    )
     self._vocab = words
     return stream
 
@@ -271,11 +298,14 @@ class Corpus:
           with open(vocab_file, encoding="utf-8") as f:
             record = json.load(f)
         except ValueError as e:  # bad JSON or not UTF-8: a damaged cache file
-          raise ValueError(f"{self.label} cache file {vocab_file!r} is damaged ({e}); "
-                           "delete it to rebuild.") from None
+          raise ValueError(
+              f"{self.label} cache file {vocab_file!r} is damaged ({e}); " "delete it to rebuild."
+          ) from None
         if record.get("key") != key or len(record.get("words", ())) != self.vocab_size:
-          raise ValueError(f"{self.label} cache file {vocab_file!r} does not hold the "
-                           f"vocabulary of {key}; delete it to rebuild.")
+          raise ValueError(
+              f"{self.label} cache file {vocab_file!r} does not hold the "
+              f"vocabulary of {key}; delete it to rebuild."
+          )
         self._vocab = record["words"]
     return self._vocab
 
@@ -293,16 +323,24 @@ class Corpus:
       return self._load(file, split)
     stream, unknown = self._encode_split(split)
     paths.save_atomic(file, lambda f: np.save(f, stream))
-    logging.info("%s %s: %d tokens, %d words not in the train vocabulary -> <unk>; cached in "
-                 "%s", self.label, split, stream.size, unknown, file)
+    logging.info(
+        "%s %s: %d tokens, %d words not in the train vocabulary -> <unk>; cached in " "%s",
+        self.label,
+        split,
+        stream.size,
+        unknown,
+        file,
+    )
     return stream
 
   def _load(self, file: str, split: str) -> np.ndarray:
     stream = np.load(file, allow_pickle=False)
     want = stream_dtype(self.vocab_size)
     if stream.dtype != want or stream.ndim != 1 or stream.size < 2:
-      raise ValueError(f"{self.label} cache file {file!r} holds {stream.dtype}"
-                       f"{stream.shape}, not a {want} token stream; delete it to rebuild.")
+      raise ValueError(
+          f"{self.label} cache file {file!r} holds {stream.dtype}"
+          f"{stream.shape}, not a {want} token stream; delete it to rebuild."
+      )
     logging.info("%s %s: %d tokens from the cache %s", self.label, split, stream.size, file)
     return stream
 
@@ -322,12 +360,14 @@ def segments(stream: np.ndarray, segment_length: int) -> dict[str, np.ndarray]:
   if n < 2:
     raise ValueError(f"a token stream of {n} token(s) has nothing to predict.")
   s = math.ceil((n - 1) / segment_length)
-  out = {"inputs": np.zeros((s, segment_length), np.int32),
-         "targets": np.zeros((s, segment_length), np.int32),
-         "mask": np.zeros((s, segment_length), bool)}
-  out["inputs"].reshape(-1)[:n - 1] = stream[:-1]
-  out["targets"].reshape(-1)[:n - 1] = stream[1:]
-  out["mask"].reshape(-1)[:n - 1] = True
+  out = {
+      "inputs": np.zeros((s, segment_length), np.int32),
+      "targets": np.zeros((s, segment_length), np.int32),
+      "mask": np.zeros((s, segment_length), bool),
+  }
+  out["inputs"].reshape(-1)[: n - 1] = stream[:-1]
+  out["targets"].reshape(-1)[: n - 1] = stream[1:]
+  out["mask"].reshape(-1)[: n - 1] = True
   return out
 
 
@@ -340,11 +380,14 @@ def windows(stream: np.ndarray, segment_length: int, stride: int) -> dict[str, n
   if not 0 < stride <= length:
     raise ValueError(f"eval_stride must be in (0, segment_length={length}]; got {stride}.")
   count = 1 + max(0, math.ceil((n - 1 - length) / stride))
-  pos = np.arange(count)[:, None] * stride + np.arange(length)[None, :]   # input positions
+  pos = np.arange(count)[:, None] * stride + np.arange(length)[None, :]  # input positions
   real = pos < n - 1
   take = np.minimum(pos, n - 2)
-  out = {"inputs": np.where(real, stream[take], 0).astype(np.int32),
-         "targets": np.where(real, stream[take + 1], 0).astype(np.int32), "mask": real}
+  out = {
+      "inputs": np.where(real, stream[take], 0).astype(np.int32),
+      "targets": np.where(real, stream[take + 1], 0).astype(np.int32),
+      "mask": real,
+  }
   first = np.arange(count)[:, None] == 0
   out["score"] = real & (first | (np.arange(length)[None, :] >= length - stride))
   return out
@@ -352,8 +395,10 @@ def windows(stream: np.ndarray, segment_length: int, stride: int) -> dict[str, n
 
 # ----------------------------------------------------------------------------- task
 
+
 class WikiTextTask(base.Task):
   """WikiText-103 word-level language modelling; metric: perplexity."""
+
   task_name = TASK
   metric = "perplexity"
   metric_mode = "min"
@@ -381,16 +426,23 @@ class WikiTextTask(base.Task):
     for name, low in (("segment_length", 1), ("vocab_size", NUM_SPECIAL + 1)):
       value = cfg[name]
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"wikitext103: config.task.{name} must be an integer >= {low}; got "
-                         f"{value!r}.")
+        raise ValueError(
+            f"wikitext103: config.task.{name} must be an integer >= {low}; got " f"{value!r}."
+        )
     stride = cfg.get("eval_stride", 0)
-    if (isinstance(stride, bool) or not isinstance(stride, (int, np.integer))
-        or not 0 <= stride <= cfg.segment_length):
-      raise ValueError(f"wikitext103: config.task.eval_stride must be an integer in [0, "
-                       f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
-                       f"got {stride!r}.")
-    return TaskInfo(kind="lm", vocab_size=int(cfg.vocab_size), num_classes=0,
-                    max_length=int(cfg.segment_length))
+    if (
+        isinstance(stride, bool)
+        or not isinstance(stride, (int, np.integer))
+        or not 0 <= stride <= cfg.segment_length
+    ):
+      raise ValueError(
+          f"wikitext103: config.task.eval_stride must be an integer in [0, "
+          f"segment_length={cfg.segment_length}] (0: non-overlapping segments); "
+          f"got {stride!r}."
+      )
+    return TaskInfo(
+        kind="lm", vocab_size=int(cfg.vocab_size), num_classes=0, max_length=int(cfg.segment_length)
+    )
 
   def __init__(self, cfg: ml_collections.ConfigDict):
     super().__init__(cfg)

@@ -43,12 +43,15 @@ def bucket_lengths(cfg: ml_collections.ConfigDict, max_length: int) -> tuple[int
   if not raw:
     return ()
   if any(not isinstance(x, (int, np.integer)) or isinstance(x, bool) for x in raw):
-    raise ValueError(f"config.data.bucket_lengths={raw!r} must be integers in "
-                     f"[1, task.max_length={max_length}].")
+    raise ValueError(
+        f"config.data.bucket_lengths={raw!r} must be integers in "
+        f"[1, task.max_length={max_length}]."
+    )
   lengths = tuple(int(x) for x in raw)
   if any(not 1 <= x <= max_length for x in lengths):
-    raise ValueError(f"config.data.bucket_lengths={lengths} must lie in [1, task.max_length="
-                     f"{max_length}].")
+    raise ValueError(
+        f"config.data.bucket_lengths={lengths} must lie in [1, task.max_length=" f"{max_length}]."
+    )
   if any(a >= b for a, b in zip(lengths, lengths[1:])):
     raise ValueError(f"config.data.bucket_lengths={lengths} must be strictly increasing.")
   window = data.get("bucket_window", 1)
@@ -57,8 +60,9 @@ def bucket_lengths(cfg: ml_collections.ConfigDict, max_length: int) -> tuple[int
   return lengths if lengths[-1] == max_length else (*lengths, max_length)
 
 
-def check_config(cfg: ml_collections.ConfigDict, kind: str, max_length: int, grid,
-                 seq_devices: int = 1) -> None:
+def check_config(
+    cfg: ml_collections.ConfigDict, kind: str, max_length: int, grid, seq_devices: int = 1
+) -> None:
   """Stops with one clear message when bucketing is asked of a task or mesh that cannot
   take it (before anything is read or compiled)."""
   lengths = bucket_lengths(cfg, max_length)
@@ -66,13 +70,17 @@ def check_config(cfg: ml_collections.ConfigDict, kind: str, max_length: int, gri
     return
   if kind not in BUCKETED_KINDS or grid is not None:
     what = "an image task (fixed length)" if grid is not None else f"a {kind!r} task"
-    raise ValueError(f"config.data.bucket_lengths is set but {cfg.task.name!r} is {what}; "
-                     f"bucketing serves variable-length {' / '.join(BUCKETED_KINDS)} tasks. "
-                     "Set config.data.bucket_lengths=().")
+    raise ValueError(
+        f"config.data.bucket_lengths is set but {cfg.task.name!r} is {what}; "
+        f"bucketing serves variable-length {' / '.join(BUCKETED_KINDS)} tasks. "
+        "Set config.data.bucket_lengths=()."
+    )
   bad = [x for x in lengths if x % seq_devices]
   if bad:
-    raise ValueError(f"config.mesh.seq={seq_devices} must divide every bucket length; "
-                     f"{bad} of config.data.bucket_lengths={lengths} do not.")
+    raise ValueError(
+        f"config.mesh.seq={seq_devices} must divide every bucket length; "
+        f"{bad} of config.data.bucket_lengths={lengths} do not."
+    )
 
 
 def example_lengths(source: ArraySource) -> np.ndarray:
@@ -105,11 +113,12 @@ def _gather(source: ArraySource, rows: np.ndarray) -> dict[str, np.ndarray]:
 def _local(rows: np.ndarray) -> np.ndarray:
   """This process's slice of a global batch's rows."""
   local = len(rows) // jax.process_count()
-  return rows[jax.process_index() * local:(jax.process_index() + 1) * local]
+  return rows[jax.process_index() * local : (jax.process_index() + 1) * local]
 
 
-def train_batches(source: ArraySource, cfg: ml_collections.ConfigDict,
-                  start: int = 0) -> grain.MapDataset:
+def train_batches(
+    source: ArraySource, cfg: ml_collections.ConfigDict, start: int = 0
+) -> grain.MapDataset:
   """Global batch b (a random-access, endless dataset) of bucketed training: this process's
   rows cut to the bucket length, with ``weight`` 1 (module docstring)."""
   n, global_batch = len(source), cfg.batch_size
@@ -135,8 +144,9 @@ def train_batches(source: ArraySource, cfg: ml_collections.ConfigDict,
   return grain.MapDataset.range(2**62).map(make)
 
 
-def eval_batches(source: ArraySource, cfg: ml_collections.ConfigDict,
-                 total: int) -> grain.MapDataset:
+def eval_batches(
+    source: ArraySource, cfg: ml_collections.ConfigDict, total: int
+) -> grain.MapDataset:
   """The ``total`` bucketed evaluation batches (module docstring), this process's rows."""
   n = len(source)
   global_batch = cfg.eval_batch_size or cfg.batch_size

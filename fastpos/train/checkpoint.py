@@ -61,12 +61,15 @@ def _normalize(block: Any) -> Any:
 
 def config_meta(cfg: ml_collections.ConfigDict, info: TaskInfo) -> dict[str, Any]:
   """What a checkpoint's parameters belong to: the model block and the task's shape."""
-  return {"model": _normalize(cfg.model),
-          "task": _normalize({"name": cfg.task.name, **dataclasses.asdict(info)})}
+  return {
+      "model": _normalize(cfg.model),
+      "task": _normalize({"name": cfg.task.name, **dataclasses.asdict(info)}),
+  }
 
 
-def check_compatible(meta: dict[str, Any], cfg: ml_collections.ConfigDict, info: TaskInfo,
-                     where: Path) -> None:
+def check_compatible(
+    meta: dict[str, Any], cfg: ml_collections.ConfigDict, info: TaskInfo, where: Path
+) -> None:
   """Stops when a checkpoint (its ``meta``) belongs to a different model or task."""
   want = config_meta(cfg, info)
   for block in ("model", "task"):
@@ -77,11 +80,13 @@ def check_compatible(meta: dict[str, Any], cfg: ml_collections.ConfigDict, info:
       raise ValueError(
           f"{where} holds a checkpoint (step {meta['step']}) of a different "
           f"{block} (config.{block} differs in {detail}). Use a new --workdir, or the config "
-          f"that made it (its config.json).")
+          f"that made it (its config.json)."
+      )
 
 
-def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, ...],
-             read_only: bool = False) -> ocp.CheckpointManager:
+def _manager(
+    directory: Path, *, keep: int, async_save: bool, items: tuple[str, ...], read_only: bool = False
+) -> ocp.CheckpointManager:
   handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   if "data" in items:
     handlers["data"] = grain.checkpoint.CheckpointHandler()
@@ -91,13 +96,17 @@ def _manager(directory: Path, *, keep: int, async_save: bool, items: tuple[str, 
     # in different orders on different processes deadlock.
     flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
+      max_to_keep=None if read_only else keep,
+      create=not read_only,
+      read_only=read_only,
       save_interval_steps=0 if read_only else 1,
       enable_async_checkpointing=async_save and not read_only,
       cleanup_tmp_directories=not read_only,
       # The two managers' barriers apart (their names carry no folder).
       multiprocessing_options=ocp.options.MultiprocessingOptions(
-          barrier_sync_key_prefix=directory.name))
+          barrier_sync_key_prefix=directory.name
+      ),
+  )
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
@@ -110,8 +119,10 @@ def quiet_closed_event_loop():
   previous = sys.unraisablehook
 
   def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and
-            "Event loop is closed" in str(unraisable.exc_value)):
+    if not (
+        isinstance(unraisable.exc_value, RuntimeError)
+        and "Event loop is closed" in str(unraisable.exc_value)
+    ):
       previous(unraisable)
 
   sys.unraisablehook = hook
@@ -135,6 +146,7 @@ def _unlistable_steps(directory: Path) -> list[tuple[Path, Exception]]:
   orbax's step metadata (what stops a CheckpointManager from listing the folder)."""
   # pylint: disable-next=import-outside-toplevel
   from orbax.checkpoint._src.metadata import step_metadata_serialization
+
   out = []
   for step_dir in sorted(p for p in directory.iterdir() if p.name.isdigit()):
     try:
@@ -159,8 +171,9 @@ def _reason(exc: BaseException) -> str:
 class Checkpoints:
   """The workdir's two checkpoint managers (latest and best)."""
 
-  def __init__(self, workdir: str | Path, cfg: ml_collections.ConfigDict, *,
-               read_only: bool = False):
+  def __init__(
+      self, workdir: str | Path, cfg: ml_collections.ConfigDict, *, read_only: bool = False
+  ):
     workdir = Path(workdir).absolute()
     self.latest_dir, self.best_dir = workdir / "checkpoints", workdir / "best"
     self.cfg = cfg
@@ -179,8 +192,9 @@ class Checkpoints:
     if jax.process_count() > 1:
       # Process 0's view: another process may look after process 0 has created the folders,
       # and every process must build the same managers (their constructors synchronize).
-      has_latest, has_best = (bool(x) for x in multihost_utils.broadcast_one_to_all(
-          np.array([has_latest, has_best])))
+      has_latest, has_best = (
+          bool(x) for x in multihost_utils.broadcast_one_to_all(np.array([has_latest, has_best]))
+      )
     if has_latest:
       self.latest = self._listing_manager(self.latest_dir, items=("state", "data", "meta"))
     if has_best:
@@ -200,7 +214,8 @@ class Checkpoints:
       path, e = bad[0]
       raise CheckpointLoadError(
           f"no checkpoint in {directory} can be listed: {path} ({_reason(e)} in its "
-          "_CHECKPOINT_METADATA). Move it away (or restore it from a copy) and run again.")
+          "_CHECKPOINT_METADATA). Move it away (or restore it from a copy) and run again."
+      )
     for path, e in bad:
       self._damaged(path, e)
     return _manager(directory, keep=0, async_save=False, items=items, read_only=True)
@@ -212,10 +227,15 @@ class Checkpoints:
     self.close()
     cfg = self.cfg
     try:
-      self.latest = _manager(self.latest_dir, keep=cfg.keep_checkpoints,
-                             async_save=cfg.async_checkpoints, items=("state", "data", "meta"))
-      self.best = _manager(self.best_dir, keep=1, async_save=cfg.async_checkpoints,
-                           items=("state", "meta"))
+      self.latest = _manager(
+          self.latest_dir,
+          keep=cfg.keep_checkpoints,
+          async_save=cfg.async_checkpoints,
+          items=("state", "data", "meta"),
+      )
+      self.best = _manager(
+          self.best_dir, keep=1, async_save=cfg.async_checkpoints, items=("state", "meta")
+      )
     except Exception as e:  # pylint: disable=broad-except
       self._raise_io(e, self.latest_dir.parent)
       raise
@@ -251,8 +271,9 @@ class Checkpoints:
       return None
     return self._read_meta_checked(manager, step)
 
-  def restore(self, abstract_state: Any, data_iter=None, which: str = "latest",
-              step: int | None = None) -> tuple[Any, dict[str, Any]]:
+  def restore(
+      self, abstract_state: Any, data_iter=None, which: str = "latest", step: int | None = None
+  ) -> tuple[Any, dict[str, Any]]:
     """(state, meta) of one checkpoint (the newest by default), checked against its digests
     (DigestMismatch naming the path and what differs); restores ``data_iter``'s position in
     place if given. No fallback: see ``restore_newest``."""
@@ -270,9 +291,14 @@ class Checkpoints:
       raise DigestMismatch(f"checkpoint {path} is damaged: {e}") from None
     return state, meta
 
-  def restore_newest(self, abstract_state: Any, which: str = "latest", *,
-                     check: Callable[[dict[str, Any]], None] | None = None,
-                     data_iter_for: Callable[[dict[str, Any]], Any] | None = None):
+  def restore_newest(
+      self,
+      abstract_state: Any,
+      which: str = "latest",
+      *,
+      check: Callable[[dict[str, Any]], None] | None = None,
+      data_iter_for: Callable[[dict[str, Any]], Any] | None = None,
+  ):
     """(state, meta, data_iter) of the newest checkpoint that loads; None when there is none.
 
     ``check(meta)`` may raise to refuse a checkpoint that loads but does not fit the run
@@ -298,8 +324,9 @@ class Checkpoints:
         continue
       if check is not None:
         check(meta)
-      data_iter, restore_position = (data_iter_for(meta) if data_iter_for is not None
-                                     else (None, False))
+      data_iter, restore_position = (
+          data_iter_for(meta) if data_iter_for is not None else (None, False)
+      )
       args = {"state": ocp.args.StandardRestore(abstract_state)}
       if restore_position:
         args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
@@ -313,7 +340,8 @@ class Checkpoints:
               f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
               "was a setting that shapes the optimizer state or the model's variables "
               "changed (e.g. optimizer.grad_clip_norm, batch_size with a memory)? Use the "
-              "config that made it (its config.json), or a new --workdir.") from None
+              "config that made it (its config.json), or a new --workdir."
+          ) from None
         failed.append(self._damaged(path, e))
         continue
       try:
@@ -322,8 +350,11 @@ class Checkpoints:
         failed.append(self._damaged(path, e))
         continue
       if not verified:
-        logging.warning("checkpoint %s was written without digests (before checkpoints "
-                        "recorded them): loaded unverified.", path)
+        logging.warning(
+            "checkpoint %s was written without digests (before checkpoints "
+            "recorded them): loaded unverified.",
+            path,
+        )
       self.restored = (path, verified)
       if failed and not self.read_only:
         self._open_read_only()  # the moved steps are gone from the managers' lists
@@ -332,7 +363,8 @@ class Checkpoints:
       listing = "; ".join(failed)
       raise CheckpointLoadError(
           f"no checkpoint in {self._dir_of(which)} loads: {listing}. Restore them from a "
-          f"copy, or move them away to start over (or use another --workdir).")
+          f"copy, or move them away to start over (or use another --workdir)."
+      )
     return None
 
   @staticmethod
@@ -363,15 +395,18 @@ class Checkpoints:
     if jax.process_count() > 1:
       bad = np.asarray(multihost_utils.process_allgather(np.int32(problem is not None)))
       if problem is None and np.any(bad):
-        problem = DigestMismatch(f"process(es) {np.flatnonzero(bad).tolist()} found their "
-                                 "part of it differs from its digests")
+        problem = DigestMismatch(
+            f"process(es) {np.flatnonzero(bad).tolist()} found their "
+            "part of it differs from its digests"
+        )
     if problem is not None:
       raise problem
     return True
 
   @staticmethod
-  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, data_iter,
-                      meta: dict[str, Any]) -> bool:
+  def _loads_as_saved(
+      manager: ocp.CheckpointManager, step: int, data_iter, meta: dict[str, Any]
+  ) -> bool:
     """Whether a step's state loads as saved (no target; and the data position) and matches
     its digests, i.e. the checkpoint is not damaged."""
     args = {"state": ocp.args.StandardRestore()}
@@ -397,8 +432,9 @@ class Checkpoints:
         path = self.latest_dir / str(step)
         try:
           meta = self._read_meta_checked(self.latest, step)
-          state = self.latest.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state)))["state"]
+          state = self.latest.restore(
+              step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+          )["state"]
           # The data position is checked when this run's processes saved it.
           saved = len((meta.get("digests") or {}).get("data") or [])
           if not self._verify(path, meta, state, data=saved == jax.process_count()):
@@ -412,8 +448,7 @@ class Checkpoints:
   def _damaged(self, path: Path, exc: BaseException) -> str:
     reason = _reason(exc)
     if self.read_only:
-      logging.warning("checkpoint %s does not load (%s); trying the next older one.", path,
-                      reason)
+      logging.warning("checkpoint %s does not load (%s); trying the next older one.", path, reason)
       return f"{path} ({reason})"
     aside = path.with_name(f"{path.name}.corrupt")
     n = 1
@@ -424,10 +459,16 @@ class Checkpoints:
       if jax.process_index() == 0:  # the processes of a run share the folder
         path.rename(aside)
     except OSError as e:
-      raise RunError(f"checkpoint {path} does not load ({reason}) and cannot be moved aside "
-                     f"({os.strerror(e.errno) if e.errno else e}); move it away by hand.")
-    logging.warning("checkpoint %s does not load (%s); moved it to %s and trying the next "
-                    "older one.", path, reason, aside)
+      raise RunError(
+          f"checkpoint {path} does not load ({reason}) and cannot be moved aside "
+          f"({os.strerror(e.errno) if e.errno else e}); move it away by hand."
+      )
+    logging.warning(
+        "checkpoint %s does not load (%s); moved it to %s and trying the next " "older one.",
+        path,
+        reason,
+        aside,
+    )
     return f"{path} ({reason}; moved to {aside.name})"
 
   # Writing.
@@ -435,11 +476,12 @@ class Checkpoints:
     """Re-raises an error of the file system as a RunError naming ``directory``."""
     reason = os_error_reason(exc)
     if reason is not None:
-      raise RunError(f"{reason} in {directory}: free space or use another --workdir "
-                     f"(writing a checkpoint failed).") from None
+      raise RunError(
+          f"{reason} in {directory}: free space or use another --workdir "
+          f"(writing a checkpoint failed)."
+      ) from None
 
-  def _with_digests(self, step: int, state: Any, data_iter,
-                    meta: dict[str, Any]) -> dict[str, Any]:
+  def _with_digests(self, step: int, state: Any, data_iter, meta: dict[str, Any]) -> dict[str, Any]:
     """``meta`` with the digest record of ``state``, ``data_iter`` and itself; the arrays'
     digests are computed once per state (the best and the latest checkpoint of a step)."""
     key = (step, id(state))
@@ -451,9 +493,15 @@ class Checkpoints:
   def save(self, step: int, state: Any, data_iter, meta: dict[str, Any]) -> None:
     meta = self._with_digests(step, state, data_iter, meta)
     try:
-      self.latest.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
-          meta=ocp.args.JsonSave(meta)), force=True)
+      self.latest.save(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              data=grain.checkpoint.CheckpointSave(data_iter),
+              meta=ocp.args.JsonSave(meta),
+          ),
+          force=True,
+      )
     except Exception as e:  # pylint: disable=broad-except
       self._raise_io(e, self.latest_dir)
       raise
@@ -463,8 +511,11 @@ class Checkpoints:
     try:
       if step in self.best.all_steps():  # from a run resumed before it: replaced
         self.best.delete(step)
-      self.best.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+      self.best.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+          force=True,
+      )
     except Exception as e:  # pylint: disable=broad-except
       self._raise_io(e, self.best_dir)
       raise

@@ -69,8 +69,9 @@ def nearby(key: str, keys: Sequence[str]) -> list[str]:
   keys = list(keys)
   close = difflib.get_close_matches(key, keys, n=6, cutoff=0.6)
   parent = key.rsplit(".", 1)[0] if "." in key else ""
-  siblings = [k for k in keys if parent and k.startswith(parent + ".")
-              and k.count(".") == key.count(".")]
+  siblings = [
+      k for k in keys if parent and k.startswith(parent + ".") and k.count(".") == key.count(".")
+  ]
   out = list(dict.fromkeys(close + siblings))
   return out[:12] or [k for k in keys if "." not in k]
 
@@ -108,13 +109,20 @@ def _is_config_file(path: Path) -> bool:
 
 def _missing_file(path: str, spec: str) -> ConfigError:
   folder = Path(path).parent if str(Path(path).parent) not in ("", ".") else Path("configs")
-  candidates = sorted(p.as_posix() for p in folder.glob("*.py") if _is_config_file(p)
-                      ) if folder.is_dir() else []
+  candidates = (
+      sorted(p.as_posix() for p in folder.glob("*.py") if _is_config_file(p))
+      if folder.is_dir()
+      else []
+  )
   close = difflib.get_close_matches(path, candidates, n=3, cutoff=0.75)
-  hint = (f"did you mean {' or '.join(close)}?" if close else
-          f"the configs are {', '.join(candidates[:20])}." if candidates else
-          "give the path of a configs/<experiment>.py file (relative to the current folder, "
-          f"{os.getcwd()}) or of a run's config.json.")
+  hint = (
+      f"did you mean {' or '.join(close)}?"
+      if close
+      else f"the configs are {', '.join(candidates[:20])}."
+      if candidates
+      else "give the path of a configs/<experiment>.py file (relative to the current folder, "
+      f"{os.getcwd()}) or of a run's config.json."
+  )
   return ConfigError(f"--config={spec}: config file {path!r} not found; {hint}")
 
 
@@ -134,12 +142,16 @@ def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
     with open(path, encoding="utf-8") as f:
       values = json.load(f)
   except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise ConfigError(f"{os.fspath(path)} is not a readable config.json ({e}); it is written "
-                      "by train.py: use the run's own file or the configs/*.py it was made "
-                      "from.") from None
+    raise ConfigError(
+        f"{os.fspath(path)} is not a readable config.json ({e}); it is written "
+        "by train.py: use the run's own file or the configs/*.py it was made "
+        "from."
+    ) from None
   if not isinstance(values, dict):
-    raise ConfigError(f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
-                      "(an object of fields).")
+    raise ConfigError(
+        f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
+        "(an object of fields)."
+    )
   if Path(path).name == config_record.CONFIG_NAME:  # a run's: with the changes of its resumes
     values = config_record.apply_changes(values, config_record.read_changes(Path(path).parent))
   return ml_collections.ConfigDict(_tuples(values))
@@ -172,27 +184,33 @@ def load_module(path: str, spec: str | None = None):
   name = "fastpos_config_" + re.sub(r"\W", "_", Path(path).stem)
   module_spec = importlib.util.spec_from_file_location(name, path)
   if module_spec is None or module_spec.loader is None:
-    raise ConfigError(f"--config={spec}: {path!r} is not a Python config file (configs/*.py) "
-                      "or a config.json.")
+    raise ConfigError(
+        f"--config={spec}: {path!r} is not a Python config file (configs/*.py) " "or a config.json."
+    )
   module = importlib.util.module_from_spec(module_spec)
   try:
     with _package_importable(path):
       module_spec.loader.exec_module(module)
   except SyntaxError as e:
-    raise ConfigError(f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix "
-                      "the config file.") from None
+    raise ConfigError(
+        f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix " "the config file."
+    ) from None
   except ImportError as e:
-    raise ConfigError(f"--config={spec}: {_where(e, path)}imports {e.name or 'a module'!r}, "
-                      f"which is not installed or not found ({e}); fix the import or install "
-                      "it.") from None
+    raise ConfigError(
+        f"--config={spec}: {_where(e, path)}imports {e.name or 'a module'!r}, "
+        f"which is not installed or not found ({e}); fix the import or install "
+        "it."
+    ) from None
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
-    raise ConfigError(f"--config={spec}: {_where(e, path)}loading the file raised "
-                      f"{type(e).__name__}: {e}; fix the config file.") from None
+    raise ConfigError(
+        f"--config={spec}: {_where(e, path)}loading the file raised "
+        f"{type(e).__name__}: {e}; fix the config file."
+    ) from None
   return module
 
 
 def _where(e: BaseException, path: str) -> str:
-  """"<file>:<line>: " of the config file's frame nearest the error (or "")."""
+  """ "<file>:<line>: " of the config file's frame nearest the error (or "")."""
   frames = traceback.extract_tb(e.__traceback__)
   target = os.path.realpath(path)
   own = [f for f in frames if os.path.realpath(f.filename) == target]
@@ -204,18 +222,23 @@ def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.Config
   module = load_module(path, spec)
   get_config = getattr(module, "get_config", None)
   if not callable(get_config):
-    raise ConfigError(f"--config={spec}: {path} defines no get_config(arg=None); a config "
-                      "file returns its ConfigDict from get_config.")
+    raise ConfigError(
+        f"--config={spec}: {path} defines no get_config(arg=None); a config "
+        "file returns its ConfigDict from get_config."
+    )
   try:
     cfg = get_config(arg) if arg is not None else get_config()
   except ValueError as e:  # parse_arg: an unknown or ill-typed config argument
     raise ConfigError(f"--config={spec}: {e} Fix the part after ':'.") from None
   except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
-    raise ConfigError(f"--config={spec}: {_where(e, path)}get_config raised "
-                      f"{type(e).__name__}: {e}; fix the config file.") from None
+    raise ConfigError(
+        f"--config={spec}: {_where(e, path)}get_config raised "
+        f"{type(e).__name__}: {e}; fix the config file."
+    ) from None
   if not isinstance(cfg, ml_collections.ConfigDict):
-    raise ConfigError(f"--config={spec}: get_config returned {type(cfg).__name__}, not a "
-                      "ConfigDict.")
+    raise ConfigError(
+        f"--config={spec}: get_config returned {type(cfg).__name__}, not a " "ConfigDict."
+    )
   try:
     return config_lib.complete_task(cfg)  # the task's default fields the file leaves unset
   except (ValueError, TypeError) as e:
@@ -241,8 +264,9 @@ def list_configs(folder: str | os.PathLike) -> str:
   return "\n".join(lines) + "\n"
 
 
-def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
-                ) -> ml_collections.ConfigDict:
+def load_config(
+    spec: str, overrides: Sequence = (), *, lock: bool = True
+) -> ml_collections.ConfigDict:
   """The config of ``--config=spec`` with ``overrides`` applied, locked (no new fields).
 
   Args:
@@ -255,21 +279,28 @@ def load_config(spec: str, overrides: Sequence = (), *, lock: bool = True
     ConfigError: naming the missing file, the bad argument, field or value, and the fix.
   """
   if not spec:
-    raise ConfigError("--config is empty; give configs/<experiment>.py[:variant] or a run's "
-                      "config.json.")
+    raise ConfigError(
+        "--config is empty; give configs/<experiment>.py[:variant] or a run's " "config.json."
+    )
   path, arg = _split_spec(spec)
   if workdir_lib.is_symlink_loop(path):
-    raise ConfigError(f"--config={spec}: {path!r} is a symlink loop (its links point at each "
-                      "other); fix the link or give the config file's real path.")
+    raise ConfigError(
+        f"--config={spec}: {path!r} is a symlink loop (its links point at each "
+        "other); fix the link or give the config file's real path."
+    )
   if not os.path.isfile(path):
     if os.path.isdir(path):
-      raise ConfigError(f"--config={spec}: {path!r} is a folder; give a configs/*.py file or "
-                        "a run's config.json (eval.py: --workdir alone loads its config.json).")
+      raise ConfigError(
+          f"--config={spec}: {path!r} is a folder; give a configs/*.py file or "
+          "a run's config.json (eval.py: --workdir alone loads its config.json)."
+      )
     raise _missing_file(path, spec)
   if path.endswith(".json"):
     if arg is not None:
-      raise ConfigError(f"--config={spec}: a config.json takes no ':{arg}' argument; it holds "
-                        "the whole config (override fields with --config.<field>=<value>).")
+      raise ConfigError(
+          f"--config={spec}: a config.json takes no ':{arg}' argument; it holds "
+          "the whole config (override fields with --config.<field>=<value>)."
+      )
     cfg = config_from_json(path)
   else:
     cfg = _from_python(path, arg, spec)
@@ -328,21 +359,26 @@ def _parse_typed(raw: str, kind: type, where: str) -> Any:
     try:
       return float(raw)
     except ValueError:
-      raise ConfigError(f"{where}: could not convert string to float: {raw!r}; the field is "
-                        "a float.") from None
+      raise ConfigError(
+          f"{where}: could not convert string to float: {raw!r}; the field is " "a float."
+      ) from None
   if kind is str:
     return raw
   if kind is tuple or kind is list:
     value = _literal(raw)
     if isinstance(value, (tuple, list)):
       return tuple(value)
-    raise ConfigError(f"{where}: {raw!r} is not a tuple; write it as a Python tuple, e.g. "
-                      "--config.x=\"(1, 2)\" (or \"()\" for an empty one).")
+    raise ConfigError(
+        f"{where}: {raw!r} is not a tuple; write it as a Python tuple, e.g. "
+        '--config.x="(1, 2)" (or "()" for an empty one).'
+    )
   if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
     value = _literal(raw)
     if not isinstance(value, dict):
-      raise ConfigError(f"{where}: this is a block of fields; set one of them "
-                        f"(--config.<block>.<field>=...) or give a dict literal.")
+      raise ConfigError(
+          f"{where}: this is a block of fields; set one of them "
+          f"(--config.<block>.<field>=...) or give a dict literal."
+      )
     return ml_collections.ConfigDict(value)
   return _literal(raw)  # a None field (any type) or a type the config chose itself
 
@@ -355,42 +391,56 @@ def _field_error(cfg, key: str, where: str, block: str) -> ConfigError:
   last = key.rsplit(".", 1)[-1]
   prefix = f"{block}." if block else ""
   # The fields beside it first; else a field of that name elsewhere (model.learning_rate).
-  close = [prefix + k for k in difflib.get_close_matches(last, list(node.keys()), n=3,
-                                                         cutoff=0.6)]
+  close = [prefix + k for k in difflib.get_close_matches(last, list(node.keys()), n=3, cutoff=0.6)]
   if not close:
     by_name = {}
     for k in config_keys(cfg):
       by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
-    close = [k for n in difflib.get_close_matches(last, list(by_name), n=3, cutoff=0.8)
-             for k in by_name[n]][:3]
+    close = [
+        k
+        for n in difflib.get_close_matches(last, list(by_name), n=3, cutoff=0.8)
+        for k in by_name[n]
+    ][:3]
   fields = ", ".join(node.keys())
   name = f"config.{block}" if block else "the config"
   mean = f" Did you mean {' or '.join(close)}?" if close else ""
-  return ConfigError(f"{where}: {name} has no field {key.rsplit('.', 1)[-1]!r}.{mean} "
-                     f"Fields of {name}: {fields}.")
+  return ConfigError(
+      f"{where}: {name} has no field {key.rsplit('.', 1)[-1]!r}.{mean} "
+      f"Fields of {name}: {fields}."
+  )
 
 
 def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bool) -> None:
   """Sets ``model.positional_options.<scheme>[.<option>]``, creating the scheme's block."""
   from fastpos import positional  # pylint: disable=import-outside-toplevel
+
   where = _flag(key, raw, negated)
   scheme = parts[2]
   if scheme not in positional.SCHEMES:
     close = difflib.get_close_matches(scheme, list(positional.SCHEMES), n=3, cutoff=0.5)
     mean = f" Did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"{where}: unknown positional scheme {scheme!r}.{mean} Schemes: "
-                      f"{', '.join(positional.SCHEMES)}.")
+    raise ConfigError(
+        f"{where}: unknown positional scheme {scheme!r}.{mean} Schemes: "
+        f"{', '.join(positional.SCHEMES)}."
+    )
   block = cfg.model.positional_options
-  fields = {f.name: f for f in dataclasses.fields(positional.get_class(scheme))
-            if f.name in positional.option_names(scheme)}
+  fields = {
+      f.name: f
+      for f in dataclasses.fields(positional.get_class(scheme))
+      if f.name in positional.option_names(scheme)
+  }
   if len(parts) == 3:  # the whole block: a dict literal of options
     if raw is None:
-      raise ConfigError(f"{where}: needs a value, a dict of options such as "
-                        f"\"{{'{next(iter(fields), 'option')}': ...}}\".")
+      raise ConfigError(
+          f"{where}: needs a value, a dict of options such as "
+          f"\"{{'{next(iter(fields), 'option')}': ...}}\"."
+      )
     value = _literal(raw)
     if not isinstance(value, dict):
-      raise ConfigError(f"{where}: {raw!r} is not a dict of options; set one option "
-                        f"(--config.{key}.<option>=...) or give a dict literal.")
+      raise ConfigError(
+          f"{where}: {raw!r} is not a dict of options; set one option "
+          f"(--config.{key}.<option>=...) or give a dict literal."
+      )
     for name in value:
       if name not in fields:
         raise _option_error(where, scheme, name, fields)
@@ -399,8 +449,10 @@ def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bo
     block[scheme] = ml_collections.ConfigDict(value)
     return
   if len(parts) != 4:
-    raise ConfigError(f"{where}: options of a positional scheme are "
-                      f"model.positional_options.<scheme>.<option>; {key!r} goes deeper.")
+    raise ConfigError(
+        f"{where}: options of a positional scheme are "
+        f"model.positional_options.<scheme>.<option>; {key!r} goes deeper."
+    )
   name = parts[3]
   if name not in fields:
     raise _option_error(where, scheme, name, fields)
@@ -436,39 +488,52 @@ def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bo
 def _option_error(where: str, scheme: str, name: str, fields: dict) -> ConfigError:
   close = difflib.get_close_matches(name, list(fields), n=3, cutoff=0.6)
   mean = f" Did you mean {' or '.join(close)}?" if close else ""
-  return ConfigError(f"{where}: positional scheme {scheme!r} has no option {name!r}.{mean} "
-                     f"Its options: {', '.join(fields) or '(none)'}.")
+  return ConfigError(
+      f"{where}: positional scheme {scheme!r} has no option {name!r}.{mean} "
+      f"Its options: {', '.join(fields) or '(none)'}."
+  )
 
 
-def apply_override(cfg: ml_collections.ConfigDict, key: str, raw: str | None, *,
-                   negated: bool = False) -> None:
+def apply_override(
+    cfg: ml_collections.ConfigDict, key: str, raw: str | None, *, negated: bool = False
+) -> None:
   """Sets the field at dotted ``key`` from its command-line text ``raw`` (None for the bare
   boolean forms ``--config.key`` / ``--noconfig.key``), typed by the field it replaces."""
   where = _flag(key, raw, negated)
   parts = key.split(".")
   if not all(parts):
     raise ConfigError(f"{where}: {key!r} is not a field path (fields joined by '.').")
-  if tuple(parts[:2]) == _OPTIONS_BLOCK and len(parts) > 2 and "model" in cfg and (
-      isinstance(cfg.model, ml_collections.ConfigDict)
-      and isinstance(cfg.model.get("positional_options"), ml_collections.ConfigDict)):
+  if (
+      tuple(parts[:2]) == _OPTIONS_BLOCK
+      and len(parts) > 2
+      and "model" in cfg
+      and (
+          isinstance(cfg.model, ml_collections.ConfigDict)
+          and isinstance(cfg.model.get("positional_options"), ml_collections.ConfigDict)
+      )
+  ):
     _scheme_option(cfg, key, parts, raw, negated)
     return
   node = cfg
   for i, part in enumerate(parts[:-1]):
     if part not in node:
-      raise _field_error(cfg, ".".join(parts[:i + 1]), where, ".".join(parts[:i]))
+      raise _field_error(cfg, ".".join(parts[: i + 1]), where, ".".join(parts[:i]))
     node = node[part]
     if not isinstance(node, ml_collections.ConfigDict):
-      raise ConfigError(f"{where}: config.{'.'.join(parts[:i + 1])} is a field "
-                        f"({type(node).__name__}), not a block of fields.")
+      raise ConfigError(
+          f"{where}: config.{'.'.join(parts[:i + 1])} is a field "
+          f"({type(node).__name__}), not a block of fields."
+      )
   name = parts[-1]
   if name not in node:
     raise _field_error(cfg, key, where, ".".join(parts[:-1]))
   kind = node.get_type(name)
   if raw is None:
     if kind is not bool:
-      raise ConfigError(f"{where}: needs a value (--config.{key}=VALUE); only boolean "
-                        "fields take the bare --config.<field> / --noconfig.<field> form.")
+      raise ConfigError(
+          f"{where}: needs a value (--config.{key}=VALUE); only boolean "
+          "fields take the bare --config.<field> / --noconfig.<field> form."
+      )
     value = not negated
   else:
     value = _parse_typed(raw, kind, where)
@@ -494,8 +559,9 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
       continue
     negated, key, raw = bool(m.group(1)), m.group(2), m.group(3)
     if negated and raw is not None:
-      raise ConfigError(f"{arg}: the --noconfig.<field> form takes no value; write "
-                        f"--config.{key}={raw}.")
+      raise ConfigError(
+          f"{arg}: the --noconfig.<field> form takes no value; write " f"--config.{key}={raw}."
+      )
     overrides.append((key, raw, negated))
   return rest, overrides
 
@@ -512,8 +578,7 @@ def user_exit_code(e: BaseException) -> int | None:
 
 _OS_HINTS = {
     errno.EROFS: "the file system is read-only: use a --workdir on a writable disk",
-    errno.EACCES: "use a --workdir you can write to (or fix its "
-                  "permissions)",
+    errno.EACCES: "use a --workdir you can write to (or fix its " "permissions)",
     errno.EPERM: "use a --workdir you can write to",
     errno.ENOSPC: "the disk is full: free space there or use a --workdir on another disk",
     errno.EDQUOT: "the disk quota is exceeded: free space or use a --workdir elsewhere",
@@ -533,7 +598,9 @@ def message(e: BaseException) -> str:
   elif "No space left on device" in str(e):  # tensorstore's write errors (orbax saves)
     text = f"{e}; {_OS_HINTS[errno.ENOSPC]}."
   elif isinstance(e, (errors.RunError, FileNotFoundError, flags.Error)) or type(e) in (
-      ValueError, NotImplementedError):
+      ValueError,
+      NotImplementedError,
+  ):
     text = str(e) or type(e).__name__
   else:
     text = f"{type(e).__name__}: {e}"
@@ -547,8 +614,10 @@ class _OneLineBackgroundErrors(py_logging.Filter):
   array) would bury that one line."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    if record.exc_info and (record.thread != threading.main_thread().ident
-                            or f"{os.sep}orbax{os.sep}" in record.pathname):
+    if record.exc_info and (
+        record.thread != threading.main_thread().ident
+        or f"{os.sep}orbax{os.sep}" in record.pathname
+    ):
       exc = record.exc_info[1]
       record.msg = f"{record.getMessage()} ({type(exc).__name__}: {exc})"
       record.args, record.exc_info, record.exc_text = None, None, None
@@ -569,14 +638,16 @@ def _log_background(where: str, exc_type, exc) -> None:
 
 def _thread_hook(args) -> None:
   if args.exc_type is not SystemExit:
-    _log_background(f"background thread {getattr(args.thread, 'name', '?')}", args.exc_type,
-                    args.exc_value)
+    _log_background(
+        f"background thread {getattr(args.thread, 'name', '?')}", args.exc_type, args.exc_value
+    )
 
 
 def _unraisable_hook(unraisable) -> None:
   # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
-  _log_background(unraisable.err_msg or "ignored exception", unraisable.exc_type,
-                  unraisable.exc_value)
+  _log_background(
+      unraisable.err_msg or "ignored exception", unraisable.exc_type, unraisable.exc_value
+  )
 
 
 def _background_errors_in_one_line() -> None:
@@ -632,9 +703,14 @@ def run(main: Callable[[Argv], int | None], prog: str) -> None:
     try:
       return main(argv)
     except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
-      return fail(prog, errors.RunError("interrupted twice: stopped without saving this step; "
-                                        "the newest checkpoint is intact, run again to resume"),
-                  errors.EXIT_INTERRUPTED)
+      return fail(
+          prog,
+          errors.RunError(
+              "interrupted twice: stopped without saving this step; "
+              "the newest checkpoint is intact, run again to resume"
+          ),
+          errors.EXIT_INTERRUPTED,
+      )
     except Exception as e:  # pylint: disable=broad-except
       code = user_exit_code(e)
       if code is None:
@@ -652,5 +728,7 @@ def require(name: str, value: Any, example: str) -> Any:
 
 def no_extra_args(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise errors.RunError(f"unexpected arguments {list(argv[1:])}: every setting is a flag "
-                          "(--config=..., --workdir=..., --config.<field>=<value>).")
+    raise errors.RunError(
+        f"unexpected arguments {list(argv[1:])}: every setting is a flag "
+        "(--config=..., --workdir=..., --config.<field>=<value>)."
+    )

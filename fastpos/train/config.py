@@ -100,13 +100,17 @@ def complete_task(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """
   name = cfg.task.get("name") if "task" in cfg else None
   if not name:
-    raise ValueError("the config has no config.task.name; set it to one of the tasks (e.g. "
-                     "base_config('listops') in configs/common.py).")
+    raise ValueError(
+        "the config has no config.task.name; set it to one of the tasks (e.g. "
+        "base_config('listops') in configs/common.py)."
+    )
   block = get_task_class(name).default_config()  # raises naming the valid tasks
   unknown = sorted(set(cfg.task.keys()) - set(block.keys()))
   if unknown:
-    raise ValueError(f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
-                     f"fields: {', '.join(sorted(block.keys()))}.")
+    raise ValueError(
+        f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
+        f"fields: {', '.join(sorted(block.keys()))}."
+    )
   block.update(cfg.task)
   with cfg.unlocked():
     cfg.task = block
@@ -146,20 +150,24 @@ def _check_positional(model: ml_collections.ConfigDict) -> None:
   for scheme, options in model.positional_options.items():
     where = f"config.model.positional_options.{scheme}"
     if scheme not in positional.SCHEMES:
-      raise InvalidConfigError(f"{where}: unknown positional scheme {scheme!r}; valid schemes: "
-                     f"{', '.join(positional.SCHEMES)}.")
+      raise InvalidConfigError(
+          f"{where}: unknown positional scheme {scheme!r}; valid schemes: "
+          f"{', '.join(positional.SCHEMES)}."
+      )
     if not hasattr(options, "keys"):
       raise InvalidConfigError(f"{where} must be a block of options; got {options!r}.")
     spec = positional.get_class(scheme).option_spec
     for name, value in options.items():
       if name not in spec:
-        raise InvalidConfigError(f"{where} has no option {name!r}; its options: "
-                       f"{', '.join(spec) or '(none)'}.")
+        raise InvalidConfigError(
+            f"{where} has no option {name!r}; its options: " f"{', '.join(spec) or '(none)'}."
+        )
       value = tuple(value) if isinstance(value, list) else value
       if not spec[name].is_valid(value):
         note = f" ({spec[name].note})" if spec[name].note else ""
-        raise InvalidConfigError(f"{where}.{name} must be {spec[name].describe()}{note}; got "
-                       f"{value!r}.")
+        raise InvalidConfigError(
+            f"{where}.{name} must be {spec[name].describe()}{note}; got " f"{value!r}."
+        )
     try:
       positional.get_class(scheme).resolve_options(dict(options))
     except ValueError as e:

@@ -31,6 +31,7 @@ _UNSET = "(unset)"
 @dataclasses.dataclass(frozen=True)
 class Change:
   """One field whose value differs between the run's config and a resume's."""
+
   field: str
   old: Any
   new: Any
@@ -41,8 +42,12 @@ class Change:
 
   def to_json(self) -> dict[str, Any]:
     """The entry's form; a side where the field does not exist is left out."""
-    out = {"field": self.field, "old": self.old, "new": self.new,
-           "affects_results": self.affects_results}
+    out = {
+        "field": self.field,
+        "old": self.old,
+        "new": self.new,
+        "affects_results": self.affects_results,
+    }
     return {k: v for k, v in out.items() if v is not _MISSING}
 
 
@@ -76,8 +81,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
   for path in sorted(set(a) | set(b)):
     va, vb = a.get(path, _MISSING), b.get(path, _MISSING)
     if va is _MISSING or vb is _MISSING or not _same(va, vb):
-      affects = (config_schema.is_trajectory(path, old)
-                 or config_schema.is_trajectory(path, new))
+      affects = config_schema.is_trajectory(path, old) or config_schema.is_trajectory(path, new)
       changes.append(Change(path, va, vb, affects))
   return changes
 
@@ -101,8 +105,10 @@ def read_changes(workdir: str | os.PathLike) -> list[dict[str, Any]]:
       if not isinstance(entry, dict) or not isinstance(entry.get("changes"), list):
         raise ValueError("not an entry of changes")
     except ValueError as e:
-      raise RunError(f"{path}:{number} is not a config change entry ({e}); it is written by "
-                     "train.py: restore the run's own file.") from None
+      raise RunError(
+          f"{path}:{number} is not a config change entry ({e}); it is written by "
+          "train.py: restore the run's own file."
+      ) from None
     entries.append(entry)
   return entries
 
@@ -131,8 +137,10 @@ def effective_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
   try:
     values = json.loads(path.read_text(encoding="utf-8"))
   except (ValueError, UnicodeDecodeError) as e:
-    raise RunError(f"{path} is not a readable config.json ({e}); it is written by train.py: "
-                   "restore the run's own file or use another --workdir.") from None
+    raise RunError(
+        f"{path} is not a readable config.json ({e}); it is written by train.py: "
+        "restore the run's own file or use another --workdir."
+    ) from None
   return apply_changes(values, read_changes(workdir))
 
 
@@ -155,15 +163,19 @@ def check_resume(workdir: str | os.PathLike, cfg, *, allow: bool) -> list[Change
         f"would change its results: {shown}. Resume with its config ({workdir}/{CONFIG_NAME}"
         f"{', with ' + CHANGES_NAME if read_changes(workdir) else ''}), use another "
         f"--workdir, or pass {ALLOW_FLAG} to accept the change (it is recorded in "
-        f"{CHANGES_NAME}).")
+        f"{CHANGES_NAME})."
+    )
   return changes
 
 
 def record(workdir: str | os.PathLike, checkpoint_step: int, changes: list[Change]) -> dict:
   """Appends one entry for ``changes`` (a resume from ``checkpoint_step``); returns it."""
-  entry = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "step": checkpoint_step + 1, "checkpoint": checkpoint_step,
-           "changes": [c.to_json() for c in changes]}
+  entry = {
+      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "step": checkpoint_step + 1,
+      "checkpoint": checkpoint_step,
+      "changes": [c.to_json() for c in changes],
+  }
   with open(Path(workdir) / CHANGES_NAME, "a", encoding="utf-8") as f:
     f.write(json.dumps(entry) + "\n")
   return entry
@@ -174,9 +186,11 @@ def describe(entries: Iterable[Mapping[str, Any]]) -> str:
   "config changed at step 3: seed 0 -> 1; ..." """
   parts = []
   for entry in entries:
-    shown = [f"{c['field']} {_shown(c.get('old', _MISSING))} -> "
-             f"{_shown(c.get('new', _MISSING))}" for c in entry["changes"]
-             if c.get("affects_results")]
+    shown = [
+        f"{c['field']} {_shown(c.get('old', _MISSING))} -> " f"{_shown(c.get('new', _MISSING))}"
+        for c in entry["changes"]
+        if c.get("affects_results")
+    ]
     if shown:
       parts.append(f"at step {entry['step']}: {', '.join(shown)}")
   return f"config changed {'; '.join(parts)} ({CHANGES_NAME})" if parts else ""

@@ -32,8 +32,7 @@ _ENDLESS = 2**62  # batches of a training iterator: more than any run reads
 
 
 def _read_options(cfg: ml_collections.ConfigDict) -> grain.ReadOptions:
-  return grain.ReadOptions(num_threads=cfg.data.num_threads,
-                           prefetch_buffer_size=cfg.data.prefetch)
+  return grain.ReadOptions(num_threads=cfg.data.num_threads, prefetch_buffer_size=cfg.data.prefetch)
 
 
 def train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict, start: int = 0):
@@ -74,8 +73,9 @@ def num_eval_batches(n: int, global_batch: int, limit: int = 0) -> int:
   return min(total, limit) if limit > 0 else total
 
 
-def eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
-                  limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def eval_iterator(
+    source: ArraySource, cfg: ml_collections.ConfigDict, limit: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
   """This process's rows of the evaluation batches, in order, the last one padded.
 
   Global batch b holds examples ``[b * B, (b + 1) * B)``; rows past the end of the split
@@ -109,8 +109,9 @@ def num_stream_steps(n: int, num_streams: int) -> int:
   return math.ceil(n / num_streams)
 
 
-def _stream_batch(source: ArraySource, t: int, num_streams: int,
-                  reader: tuple[int, int]) -> dict[str, np.ndarray]:
+def _stream_batch(
+    source: ArraySource, t: int, num_streams: int, reader: tuple[int, int]
+) -> dict[str, np.ndarray]:
   """This process's rows (``reader``: ``sharding.data_reader``) of step ``t`` of the stream
   layout (module docstring)."""
   n = len(source)
@@ -133,18 +134,27 @@ def stream_train_iterator(source: ArraySource, cfg: ml_collections.ConfigDict):
   ``reset``; ``get_state()`` / ``set_state()`` give its exact position.
   """
   steps = num_stream_steps(len(source), cfg.batch_size)
-  ds = grain.MapDataset.range(steps).repeat().map(
-      functools.partial(_stream_batch, source, num_streams=cfg.batch_size,
-                        reader=sharding.data_reader(cfg)))
+  ds = (
+      grain.MapDataset.range(steps)
+      .repeat()
+      .map(
+          functools.partial(
+              _stream_batch, source, num_streams=cfg.batch_size, reader=sharding.data_reader(cfg)
+          )
+      )
+  )
   return iter(ds.to_iter_dataset(_read_options(cfg)))
 
 
-def stream_eval_iterator(source: ArraySource, cfg: ml_collections.ConfigDict,
-                         limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def stream_eval_iterator(
+    source: ArraySource, cfg: ml_collections.ConfigDict, limit: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
   """The stream batches of an evaluation, in order (at most ``limit`` steps when > 0)."""
   global_batch = cfg.eval_batch_size or cfg.batch_size
   total = num_eval_batches(len(source), global_batch, limit)  # ceil(n / B) = the stream steps
   ds = grain.MapDataset.range(total).map(
-      functools.partial(_stream_batch, source, num_streams=global_batch,
-                        reader=sharding.data_reader(cfg)))
+      functools.partial(
+          _stream_batch, source, num_streams=global_batch, reader=sharding.data_reader(cfg)
+      )
+  )
   return iter(ds.to_iter_dataset(_read_options(cfg)))

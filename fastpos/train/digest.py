@@ -121,8 +121,9 @@ def _host_words(x) -> np.ndarray | None:
   an array the device computes (large, sharded over processes, 64-bit or complex)."""
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
-  if (int(np.prod(x.shape)) > HOST_MAX_ELEMENTS or
-      (isinstance(x, jax.Array) and not x.is_fully_addressable)):
+  if int(np.prod(x.shape)) > HOST_MAX_ELEMENTS or (
+      isinstance(x, jax.Array) and not x.is_fully_addressable
+  ):
     return None
   dtype = np.dtype(x.dtype)
   if dtype.kind == "c" or dtype.itemsize not in (1, 2, 4):
@@ -161,8 +162,11 @@ def _replicated_like(leaves: list[Any]):
 
 
 def _describe(x) -> str:
-  dtype = jax.random.key_data(x).dtype if jax.dtypes.issubdtype(
-      x.dtype, jax.dtypes.prng_key) else x.dtype
+  dtype = (
+      jax.random.key_data(x).dtype
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      else x.dtype
+  )
   return f"{np.dtype(dtype).name}[{','.join(str(d) for d in x.shape)}]"
 
 
@@ -197,8 +201,9 @@ def check_arrays(recorded: dict[str, str], tree: Any) -> None:
   if bad:
     shown = ", ".join(_difference(k, recorded.get(k), now.get(k)) for k in bad[:5])
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    raise DigestMismatch(f"{len(bad)} of {len(now)} arrays differ from their digests: "
-                         f"{shown}{more}")
+    raise DigestMismatch(
+        f"{len(bad)} of {len(now)} arrays differ from their digests: " f"{shown}{more}"
+    )
 
 
 def _difference(name: str, recorded: str | None, now: str | None) -> str:
@@ -237,12 +242,16 @@ def data_digests(data_iter) -> list[str] | None:
   return [bytes(row.astype(np.uint8)).hex() for row in every]
 
 
-def record(state: Any, data_iter, meta: dict[str, Any],
-           arrays: dict[str, str] | None = None) -> dict[str, Any]:
+def record(
+    state: Any, data_iter, meta: dict[str, Any], arrays: dict[str, str] | None = None
+) -> dict[str, Any]:
   """The digest block of a checkpoint of ``state``, ``data_iter`` (None: not saved) and
   ``meta``. ``arrays``: the state's ``array_digests`` when already computed."""
-  out = {"format": FORMAT, "arrays": arrays if arrays is not None else array_digests(state),
-         "meta": meta_digest(meta)}
+  out = {
+      "format": FORMAT,
+      "arrays": arrays if arrays is not None else array_digests(state),
+      "meta": meta_digest(meta),
+  }
   data = data_digests(data_iter)
   if data is not None:
     out["data"] = data
@@ -260,9 +269,13 @@ def check_meta(meta: dict[str, Any]) -> dict[str, Any] | None:
     if extra:
       raise DigestMismatch(f"meta has no digest record but unknown fields {extra}")
     return None
-  if (not isinstance(rec, dict) or rec.get("format") != FORMAT or
-      not isinstance(rec.get("arrays"), dict) or not isinstance(rec.get("meta"), str) or
-      not isinstance(rec.get("data", []), list)):
+  if (
+      not isinstance(rec, dict)
+      or rec.get("format") != FORMAT
+      or not isinstance(rec.get("arrays"), dict)
+      or not isinstance(rec.get("meta"), str)
+      or not isinstance(rec.get("data", []), list)
+  ):
     raise DigestMismatch(f"the digest record is malformed: {str(rec)[:100]}")
   if meta_digest(meta) != rec["meta"]:
     raise DigestMismatch("meta (step, RNG key, data position, config) differs from its digest")
@@ -277,8 +290,9 @@ def check_data(rec: dict[str, Any], data_dir: Path) -> None:
   if recorded is None:
     raise DigestMismatch("the digest record has no data-iterator digests")
   if len(recorded) != n:
-    raise DigestMismatch(f"the digest record has data-iterator digests of {len(recorded)} "
-                         f"processes; {n} now")
+    raise DigestMismatch(
+        f"the digest record has data-iterator digests of {len(recorded)} " f"processes; {n} now"
+    )
   path = data_dir / f"process_{i}-of-{n}.json"
   try:
     state = json.loads(path.read_text())

@@ -54,10 +54,12 @@ DEFAULT_INITIALIZATION_TIMEOUT_S = 300  # jax's own default
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax's own default
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300  # jax's own default
 
-_LAUNCH = ("start every process with the same --coordinator_address=HOST:PORT (process 0's "
-           "host, a free port) and --num_processes=N, and its own --process_id in 0..N-1 (or "
-           f"set {ADDRESS_ENV}, {COUNT_ENV} and {ID_ENV}; scripts/launch_local.sh does this "
-           "on one machine)")
+_LAUNCH = (
+    "start every process with the same --coordinator_address=HOST:PORT (process 0's "
+    "host, a free port) and --num_processes=N, and its own --process_id in 0..N-1 (or "
+    f"set {ADDRESS_ENV}, {COUNT_ENV} and {ID_ENV}; scripts/launch_local.sh does this "
+    "on one machine)"
+)
 
 
 class DistributedError(RunError):
@@ -96,23 +98,44 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Flags:
   ``--initialization_timeout`` and ``--heartbeat_timeout`` (a program's module level)."""
   d = lambda define, *args: define(*args, flag_values=flag_values)
   return Flags(
-      coordinator_address=d(flags.DEFINE_string, "coordinator_address", None,
-                            f"HOST:PORT of process 0's coordinator, the same for every process "
-                            f"of a multi-process run (default: ${ADDRESS_ENV})"),
-      num_processes=d(flags.DEFINE_integer, "num_processes", None,
-                      f"processes of the run (default: ${COUNT_ENV}; unset: a cluster JAX "
-                      "detects, SLURM / Open MPI / Cloud TPU, else 1)"),
-      process_id=d(flags.DEFINE_integer, "process_id", None,
-                   f"this process's id in 0..num_processes-1 (default: ${ID_ENV})"),
-      initialization_timeout=d(flags.DEFINE_integer, "initialization_timeout",
-                               DEFAULT_INITIALIZATION_TIMEOUT_S,
-                               "seconds to wait at start-up for every process to join"),
-      heartbeat_timeout=d(flags.DEFINE_integer, "heartbeat_timeout",
-                          DEFAULT_HEARTBEAT_TIMEOUT_S,
-                          "seconds after which a silent process counts as dead and the run "
-                          "stops"),
-      shutdown_timeout=d(flags.DEFINE_integer, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S,
-                         "seconds a finished (or failed) process waits for the others at exit"),
+      coordinator_address=d(
+          flags.DEFINE_string,
+          "coordinator_address",
+          None,
+          f"HOST:PORT of process 0's coordinator, the same for every process "
+          f"of a multi-process run (default: ${ADDRESS_ENV})",
+      ),
+      num_processes=d(
+          flags.DEFINE_integer,
+          "num_processes",
+          None,
+          f"processes of the run (default: ${COUNT_ENV}; unset: a cluster JAX "
+          "detects, SLURM / Open MPI / Cloud TPU, else 1)",
+      ),
+      process_id=d(
+          flags.DEFINE_integer,
+          "process_id",
+          None,
+          f"this process's id in 0..num_processes-1 (default: ${ID_ENV})",
+      ),
+      initialization_timeout=d(
+          flags.DEFINE_integer,
+          "initialization_timeout",
+          DEFAULT_INITIALIZATION_TIMEOUT_S,
+          "seconds to wait at start-up for every process to join",
+      ),
+      heartbeat_timeout=d(
+          flags.DEFINE_integer,
+          "heartbeat_timeout",
+          DEFAULT_HEARTBEAT_TIMEOUT_S,
+          "seconds after which a silent process counts as dead and the run " "stops",
+      ),
+      shutdown_timeout=d(
+          flags.DEFINE_integer,
+          "shutdown_timeout",
+          DEFAULT_SHUTDOWN_TIMEOUT_S,
+          "seconds a finished (or failed) process waits for the others at exit",
+      ),
   )
 
 
@@ -126,15 +149,18 @@ def _int_env(environ: Mapping[str, str], name: str) -> int | None:
     raise DistributedError(f"{name}={raw!r} is not an integer; {_LAUNCH}.") from None
 
 
-def settings(holders: Flags | None = None,
-             environ: Mapping[str, str] | None = None) -> Settings:
+def settings(holders: Flags | None = None, environ: Mapping[str, str] | None = None) -> Settings:
   """The settings from the flags (when defined), each unset one from its environment
   variable; checked (``check``)."""
   environ = os.environ if environ is None else environ
-  value = (lambda name: getattr(holders, name).value) if holders is not None else (
-      lambda name: None)
-  fields = (("coordinator_address", ADDRESS_ENV), ("num_processes", COUNT_ENV),
-            ("process_id", ID_ENV))
+  value = (
+      (lambda name: getattr(holders, name).value) if holders is not None else (lambda name: None)
+  )
+  fields = (
+      ("coordinator_address", ADDRESS_ENV),
+      ("num_processes", COUNT_ENV),
+      ("process_id", ID_ENV),
+  )
   values, names = [], []
   for field, env in fields:
     v = value(field)
@@ -143,13 +169,19 @@ def settings(holders: Flags | None = None,
       names.append(f"--{field}")
     else:
       raw = environ.get(env, "").strip()
-      values.append(None if not raw else raw if field == "coordinator_address" else
-                    _int_env(environ, env))
+      values.append(
+          None if not raw else raw if field == "coordinator_address" else _int_env(environ, env)
+      )
       names.append(env if raw else f"--{field} (or {env})")
-  timeouts = ((value("initialization_timeout"), value("heartbeat_timeout"),
-               value("shutdown_timeout")) if holders is not None else
-              (DEFAULT_INITIALIZATION_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S,
-               DEFAULT_SHUTDOWN_TIMEOUT_S))
+  timeouts = (
+      (value("initialization_timeout"), value("heartbeat_timeout"), value("shutdown_timeout"))
+      if holders is not None
+      else (
+          DEFAULT_INITIALIZATION_TIMEOUT_S,
+          DEFAULT_HEARTBEAT_TIMEOUT_S,
+          DEFAULT_SHUTDOWN_TIMEOUT_S,
+      )
+  )
   out = Settings(*values, *timeouts, names=tuple(names))
   check(out)
   return out
@@ -158,35 +190,46 @@ def settings(holders: Flags | None = None,
 def check(s: Settings) -> None:
   """Raises DistributedError naming the bad or missing value and the fix."""
   address_name, count_name, id_name = s.names
-  for name, t in (("--initialization_timeout", s.initialization_timeout_s),
-                  ("--heartbeat_timeout", s.heartbeat_timeout_s),
-                  ("--shutdown_timeout", s.shutdown_timeout_s)):
+  for name, t in (
+      ("--initialization_timeout", s.initialization_timeout_s),
+      ("--heartbeat_timeout", s.heartbeat_timeout_s),
+      ("--shutdown_timeout", s.shutdown_timeout_s),
+  ):
     if t < 1:
       raise DistributedError(f"{name}={t}: give a number of seconds >= 1.")
   if s.num_processes is None:
     if s.coordinator_address is not None or s.process_id is not None:
-      given = (f"{address_name}={s.coordinator_address}" if s.coordinator_address is not None
-               else f"{id_name}={s.process_id}")
+      given = (
+          f"{address_name}={s.coordinator_address}"
+          if s.coordinator_address is not None
+          else f"{id_name}={s.process_id}"
+      )
       raise DistributedError(f"{given} is set but {count_name} is not; {_LAUNCH}.")
     return
   if s.num_processes < 1:
-    raise DistributedError(f"{count_name}={s.num_processes}: the number of processes must be "
-                           ">= 1.")
+    raise DistributedError(
+        f"{count_name}={s.num_processes}: the number of processes must be " ">= 1."
+    )
   if s.num_processes == 1 and s.coordinator_address is None:
     if s.process_id not in (None, 0):
-      raise DistributedError(f"{id_name}={s.process_id} is out of range for "
-                             f"{count_name}=1; the only process is 0.")
+      raise DistributedError(
+          f"{id_name}={s.process_id} is out of range for " f"{count_name}=1; the only process is 0."
+      )
     return
   if s.coordinator_address is None:
-    raise DistributedError(f"{count_name}={s.num_processes} is set but {address_name} is not; "
-                           f"{_LAUNCH}.")
+    raise DistributedError(
+        f"{count_name}={s.num_processes} is set but {address_name} is not; " f"{_LAUNCH}."
+    )
   if s.process_id is None:
-    raise DistributedError(f"{count_name}={s.num_processes} is set but {id_name} is not; "
-                           f"{_LAUNCH}.")
+    raise DistributedError(
+        f"{count_name}={s.num_processes} is set but {id_name} is not; " f"{_LAUNCH}."
+    )
   if not 0 <= s.process_id < s.num_processes:
-    raise DistributedError(f"{id_name}={s.process_id} is out of range for {count_name}="
-                           f"{s.num_processes}; give each process its own id in 0.."
-                           f"{s.num_processes - 1}.")
+    raise DistributedError(
+        f"{id_name}={s.process_id} is out of range for {count_name}="
+        f"{s.num_processes}; give each process its own id in 0.."
+        f"{s.num_processes - 1}."
+    )
   _check_address(s.coordinator_address, address_name)
 
 
@@ -194,14 +237,18 @@ def _check_address(address: str, name: str) -> None:
   host, sep, port = address.rpartition(":")
   host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:1234
   if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise DistributedError(f"{name}={address!r} is not HOST:PORT (e.g. 10.0.0.1:1234 or "
-                           "localhost:1234, a port in 1..65535); give process 0's host and a "
-                           "free port.")
+    raise DistributedError(
+        f"{name}={address!r} is not HOST:PORT (e.g. 10.0.0.1:1234 or "
+        "localhost:1234, a port in 1..65535); give process 0's host and a "
+        "free port."
+    )
   try:
     socket.getaddrinfo(host, int(port))
   except (socket.gaierror, UnicodeError) as e:
-    raise DistributedError(f"{name}={address!r}: host {host!r} is unknown ({e}); give process "
-                           "0's host name or IP address.") from None
+    raise DistributedError(
+        f"{name}={address!r}: host {host!r} is unknown ({e}); give process "
+        "0's host name or IP address."
+    ) from None
 
 
 def detected_cluster() -> str | None:
@@ -212,11 +259,18 @@ def detected_cluster() -> str | None:
   # with no arguments uses (opt-in methods such as mpi4py excluded, as it excludes them).
   try:
     from jax._src import clusters  # pylint: disable=import-outside-toplevel
-    envs = [e for e in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
-            if not e.opt_in_only_method and e.__name__ != "K8sCluster"]
+
+    envs = [
+        e
+        for e in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+        if not e.opt_in_only_method and e.__name__ != "K8sCluster"
+    ]
   except (ImportError, AttributeError) as e:
-    logging.warning("jax's cluster detection is not available (%s): running as one process "
-                    "unless --num_processes says otherwise.", e)
+    logging.warning(
+        "jax's cluster detection is not available (%s): running as one process "
+        "unless --num_processes says otherwise.",
+        e,
+    )
     return None
   for env in envs:
     try:
@@ -241,10 +295,12 @@ _WATCH_STOP = threading.Event()
 def peer_lost_message(missing: list[int], num_processes: int, heartbeat_timeout_s: int) -> str:
   """The one line a surviving process prints (``EXIT_PEER_LOST``)."""
   who = ", ".join(str(i) for i in missing)
-  return (f"process(es) {who} of {num_processes} stopped answering the distributed service "
-          f"(died, or froze for --heartbeat_timeout={heartbeat_timeout_s} s); stopping this "
-          f"process too (exit code {EXIT_PEER_LOST}). Their logs say why; start all "
-          f"{num_processes} processes again to resume from the last checkpoint.")
+  return (
+      f"process(es) {who} of {num_processes} stopped answering the distributed service "
+      f"(died, or froze for --heartbeat_timeout={heartbeat_timeout_s} s); stopping this "
+      f"process too (exit code {EXIT_PEER_LOST}). Their logs say why; start all "
+      f"{num_processes} processes again to resume from the last checkpoint."
+  )
 
 
 def _watch_peers(client, num_processes: int, heartbeat_timeout_s: int) -> None:
@@ -269,8 +325,12 @@ def _exit_together(client, num_processes: int, shutdown_timeout_s: int) -> None:
     client.wait_at_barrier("fastpos_exit", shutdown_timeout_s * 1000)
   except Exception as e:  # pylint: disable=broad-except  # a peer late past the timeout
     _WATCH_STOP.set()
-    logging.warning("jax.distributed: the other processes did not reach their exit within "
-                    "--shutdown_timeout=%d s (%s)", shutdown_timeout_s, " ".join(str(e).split()))
+    logging.warning(
+        "jax.distributed: the other processes did not reach their exit within "
+        "--shutdown_timeout=%d s (%s)",
+        shutdown_timeout_s,
+        " ".join(str(e).split()),
+    )
     return
   _WATCH_STOP.set()
   if jax.process_index() != 0:
@@ -284,16 +344,23 @@ def _exit_together(client, num_processes: int, shutdown_timeout_s: int) -> None:
 def _start_watch(num_processes: int, s: Settings) -> None:
   # jax keeps its client private; without it the run keeps jax's own fatal error.
   from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+
   client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
   if client is None or not all(hasattr(client, m) for m in ("get_live_nodes", "wait_at_barrier")):
-    logging.warning("jax's distributed client is not reachable: a lost process ends the others "
-                    "through jax's own fatal error.")
+    logging.warning(
+        "jax's distributed client is not reachable: a lost process ends the others "
+        "through jax's own fatal error."
+    )
     return
   _WATCH_STOP.clear()
   # Runs before jax's own exit handler (registered earlier, so run later) shuts down.
   atexit.register(_exit_together, client, num_processes, s.shutdown_timeout_s)
-  threading.Thread(target=_watch_peers, args=(client, num_processes, s.heartbeat_timeout_s),
-                   name="fastpos-peer-watch", daemon=True).start()
+  threading.Thread(
+      target=_watch_peers,
+      args=(client, num_processes, s.heartbeat_timeout_s),
+      name="fastpos-peer-watch",
+      daemon=True,
+  ).start()
 
 
 def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None = None) -> None:
@@ -315,34 +382,50 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # A lost task is then reported to the watchers (``_watch_peers``) rather than aborting all.
   jax.config.update("jax_enable_recoverability", True)
-  what = (f"{cluster} cluster" if cluster else
-          f"process {s.process_id} of {s.num_processes}, coordinator {s.coordinator_address}")
-  logging.info("jax.distributed: joining (%s; waiting up to %d s for the others)", what,
-               s.initialization_timeout_s)
+  what = (
+      f"{cluster} cluster"
+      if cluster
+      else f"process {s.process_id} of {s.num_processes}, coordinator {s.coordinator_address}"
+  )
+  logging.info(
+      "jax.distributed: joining (%s; waiting up to %d s for the others)",
+      what,
+      s.initialization_timeout_s,
+  )
   # jax aborts the process (a C++ fatal error and a dump of every thread) when the others do
   # not join in time; this says why in one line, first.
-  message = (f"{what}: the processes did not all join within --initialization_timeout="
-             f"{s.initialization_timeout_s} s. Start all {s.num_processes or 'of the'} "
-             "processes with the same coordinator address and process count, each with its "
-             "own process id (0 hosts the coordinator), and check that the address is "
-             "reachable and its port free.")
+  message = (
+      f"{what}: the processes did not all join within --initialization_timeout="
+      f"{s.initialization_timeout_s} s. Start all {s.num_processes or 'of the'} "
+      "processes with the same coordinator address and process count, each with its "
+      "own process id (0 hosts the coordinator), and check that the address is "
+      "reachable and its port free."
+  )
   watchdog = threading.Timer(s.initialization_timeout_s, _stop, (message,))
   watchdog.daemon = True
   watchdog.start()
   try:
     if cluster:
-      jax.distributed.initialize(initialization_timeout=s.initialization_timeout_s + 5,
-                                 heartbeat_timeout_seconds=s.heartbeat_timeout_s,
-                                 shutdown_timeout_seconds=s.shutdown_timeout_s)
+      jax.distributed.initialize(
+          initialization_timeout=s.initialization_timeout_s + 5,
+          heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+          shutdown_timeout_seconds=s.shutdown_timeout_s,
+      )
     else:
-      jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
-                                 initialization_timeout=s.initialization_timeout_s + 5,
-                                 heartbeat_timeout_seconds=s.heartbeat_timeout_s,
-                                 shutdown_timeout_seconds=s.shutdown_timeout_s)
+      jax.distributed.initialize(
+          s.coordinator_address,
+          s.num_processes,
+          s.process_id,
+          initialization_timeout=s.initialization_timeout_s + 5,
+          heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+          shutdown_timeout_seconds=s.shutdown_timeout_s,
+      )
   except Exception as e:  # pylint: disable=broad-except  # e.g. the port is taken
     text = " ".join(str(e).split())[:300]
-    raise DistributedError(f"{what}: jax.distributed.initialize failed ({text}); check the "
-                           "coordinator address and that its port is free.") from None
+    raise DistributedError(
+        f"{what}: jax.distributed.initialize failed ({text}); check the "
+        "coordinator address and that its port is free."
+    ) from None
   finally:
     watchdog.cancel()
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())

@@ -14,13 +14,13 @@ lost process's log for the cause, then start all processes again to resume.
 from __future__ import annotations
 
 EXIT_OK = 0
-EXIT_FAILED = 1       # an unexpected error (a bug): the traceback is printed
-EXIT_BAD_INPUT = 2    # bad config, flag, data or workdir: fix the input and run again
-EXIT_NONFINITE = 3    # the loss became NaN / Inf: the last good checkpoint is intact
-EXIT_LOCKED = 4       # another trainer holds the workdir
-EXIT_PEER_LOST = 5    # another process of a multi-process run died or froze: restart them all
-EXIT_PREEMPTED = 75   # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
-                      # (75 = EX_TEMPFAIL of sysexits.h: "try again later")
+EXIT_FAILED = 1  # an unexpected error (a bug): the traceback is printed
+EXIT_BAD_INPUT = 2  # bad config, flag, data or workdir: fix the input and run again
+EXIT_NONFINITE = 3  # the loss became NaN / Inf: the last good checkpoint is intact
+EXIT_LOCKED = 4  # another trainer holds the workdir
+EXIT_PEER_LOST = 5  # another process of a multi-process run died or froze: restart them all
+EXIT_PREEMPTED = 75  # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
+# (75 = EX_TEMPFAIL of sysexits.h: "try again later")
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped without saving (128 + SIGINT, as shells do)
 
 

@@ -62,8 +62,11 @@ class _LibraryFilter(std_logging.Filter):
       return True
     if record.levelno < std_logging.WARNING or "Given directory is read only" in str(record.msg):
       return False  # the trainer opens checkpoints read-only on purpose
-    return not ("/orbax/" in path and record.levelno >= std_logging.ERROR and
-                any(s in record.getMessage() for s in _REPORTED_AGAIN))
+    return not (
+        "/orbax/" in path
+        and record.levelno >= std_logging.ERROR
+        and any(s in record.getMessage() for s in _REPORTED_AGAIN)
+    )
 
 
 @contextlib.contextmanager
@@ -131,8 +134,12 @@ class MetricWriter:
       if resume_step is not None:
         dropped = truncate_jsonl(path, resume_step)
         if dropped:
-          logging.info("%s: dropped %d record(s) written after step %d by the run that "
-                       "stopped", path, dropped, resume_step)
+          logging.info(
+              "%s: dropped %d record(s) written after step %d by the run that " "stopped",
+              path,
+              dropped,
+              resume_step,
+          )
       self._path = path
       self._jsonl = open(path, "a")
       self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
@@ -140,8 +147,13 @@ class MetricWriter:
   def write(self, step: int, split: str, values: Mapping[str, float], **extra) -> None:
     if not self.active:
       return
-    record = {"step": step, "split": split, "time": time.time(), **extra,
-              **{k: float(v) for k, v in values.items()}}
+    record = {
+        "step": step,
+        "split": split,
+        "time": time.time(),
+        **extra,
+        **{k: float(v) for k, v in values.items()},
+    }
     try:
       self._jsonl.write(json.dumps(record) + "\n")
       self._jsonl.flush()
@@ -170,15 +182,24 @@ class MetricWriter:
     self._last_time, self._last_step = now, step
     return rate
 
-  def progress(self, step: int, values: Mapping[str, float], rate: float,
-               tokens_rate: float) -> None:
+  def progress(
+      self, step: int, values: Mapping[str, float], rate: float, tokens_rate: float
+  ) -> None:
     if not self.active:
       return
     eta = (self.total_steps - step) / rate if rate > 0 else float("inf")
-    shown = " ".join(f"{k}={v:.4g}" for k, v in values.items()
-                     if k not in ("perplexity", "tokens_per_step"))
-    logging.info("step %d/%d  %s  %.2f steps/s  %s tokens/s  ETA %s", step, self.total_steps,
-                 shown, rate, _count(tokens_rate), _duration(eta))
+    shown = " ".join(
+        f"{k}={v:.4g}" for k, v in values.items() if k not in ("perplexity", "tokens_per_step")
+    )
+    logging.info(
+        "step %d/%d  %s  %.2f steps/s  %s tokens/s  ETA %s",
+        step,
+        self.total_steps,
+        shown,
+        rate,
+        _count(tokens_rate),
+        _duration(eta),
+    )
 
   def close(self) -> None:
     if self.active:

@@ -34,27 +34,36 @@ def enabled(cfg: ml_collections.ConfigDict) -> bool:
   return bool(data.get("pack", False))
 
 
-def check_config(cfg: ml_collections.ConfigDict, kind: str, max_length: int, model,
-                 seq_devices: int = 1) -> None:
+def check_config(
+    cfg: ml_collections.ConfigDict, kind: str, max_length: int, model, seq_devices: int = 1
+) -> None:
   """Stops with one clear message when packing is asked of a task or model that cannot take
   it exactly (before anything is read or compiled)."""
   if not enabled(cfg):
     return
   if kind != "lm":
-    raise ValueError(f"config.data.pack=True but {cfg.task.name!r} is a {kind!r} task; packing "
-                     "serves lm tasks (packed classification is not built): use "
-                     "config.data.bucket_lengths.")
+    raise ValueError(
+        f"config.data.pack=True but {cfg.task.name!r} is a {kind!r} task; packing "
+        "serves lm tasks (packed classification is not built): use "
+        "config.data.bucket_lengths."
+    )
   if bucketing.bucket_lengths(cfg, max_length):
-    raise ValueError("config.data.pack=True and config.data.bucket_lengths are both set; "
-                     "choose one.")
+    raise ValueError(
+        "config.data.pack=True and config.data.bucket_lengths are both set; " "choose one."
+    )
   att = getattr(model, "attention", None)
   if att is None:
-    raise ValueError("config.data.pack=True needs a fastpos model (DecoderLM) that reads "
-                     "segment_ids.")
-  segments.check_packable(att.kernel.name, [p.name for p in att.positional],
-                          causal=att.causal, grid=att.grid,
-                          memory_length=getattr(model, "memory_length", 0),
-                          split=seq_devices > 1)
+    raise ValueError(
+        "config.data.pack=True needs a fastpos model (DecoderLM) that reads " "segment_ids."
+    )
+  segments.check_packable(
+      att.kernel.name,
+      [p.name for p in att.positional],
+      causal=att.causal,
+      grid=att.grid,
+      memory_length=getattr(model, "memory_length", 0),
+      split=seq_devices > 1,
+  )
 
 
 def pack_rows(lengths: np.ndarray, row_length: int) -> list[list[int]]:
@@ -74,8 +83,9 @@ def pack_rows(lengths: np.ndarray, row_length: int) -> list[list[int]]:
   return rows
 
 
-def packed_row(source: ArraySource, examples: list[int], sizes: np.ndarray,
-               row_length: int) -> dict[str, np.ndarray]:
+def packed_row(
+    source: ArraySource, examples: list[int], sizes: np.ndarray, row_length: int
+) -> dict[str, np.ndarray]:
   """One row ``[row_length]`` per field holding ``examples`` back to back, with
   ``segment_ids`` and ``positions``."""
   first = source[examples[0]]
@@ -86,15 +96,16 @@ def packed_row(source: ArraySource, examples: list[int], sizes: np.ndarray,
   for s, e in enumerate(examples, 1):
     ex, n = source[e], int(sizes[e])
     for k in row:
-      row[k][at:at + n] = ex[k][:n]
-    ids[at:at + n] = s
-    pos[at:at + n] = np.arange(n)
+      row[k][at : at + n] = ex[k][:n]
+    ids[at : at + n] = s
+    pos[at : at + n] = np.arange(n)
     at += n
   return {**row, "segment_ids": ids, "positions": pos}
 
 
-def train_batches(source: ArraySource, cfg: ml_collections.ConfigDict,
-                  start: int = 0) -> grain.MapDataset:
+def train_batches(
+    source: ArraySource, cfg: ml_collections.ConfigDict, start: int = 0
+) -> grain.MapDataset:
   """Global batch b (random access, endless) of packed training rows, this process's rows."""
   n, global_batch = len(source), cfg.batch_size
   row_length = source.arrays["inputs"].shape[1]
@@ -124,9 +135,9 @@ def train_batches(source: ArraySource, cfg: ml_collections.ConfigDict,
   def make(b: int) -> dict[str, np.ndarray]:
     w, j = locate(b)
     with lock:
-      rows = window_rows(w)[j * global_batch:(j + 1) * global_batch]
+      rows = window_rows(w)[j * global_batch : (j + 1) * global_batch]
     weight = np.zeros(global_batch, np.float32)
-    weight[:len(rows)] = 1.0
+    weight[: len(rows)] = 1.0
     rows = rows + [rows[0]] * (global_batch - len(rows))  # fillers: real rows, weight 0
     local = len(rows) // jax.process_count()
     mine = slice(jax.process_index() * local, (jax.process_index() + 1) * local)

@@ -57,16 +57,20 @@ def make_mesh(cfg: ml_collections.ConfigDict, devices: list | None = None) -> Me
   devices = list(jax.devices() if devices is None else devices)
   model = cfg.mesh.model
   if model < 1 or len(devices) % model:
-    raise ValueError(f"config.mesh.model={model} must be >= 1 and divide the device count "
-                     f"{len(devices)}.")
+    raise ValueError(
+        f"config.mesh.model={model} must be >= 1 and divide the device count " f"{len(devices)}."
+    )
   seq = cfg.mesh.get("seq", 1)
   if seq == 1:
     return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
   if seq < 1 or len(devices) % (seq * model):
-    raise ValueError(f"config.mesh.seq={seq} must be >= 1 and mesh.seq * mesh.model = "
-                     f"{seq * model} must divide the device count {len(devices)}.")
-  return Mesh(np.array(devices).reshape(len(devices) // (seq * model), seq, model),
-              (DATA, SEQ, MODEL))
+    raise ValueError(
+        f"config.mesh.seq={seq} must be >= 1 and mesh.seq * mesh.model = "
+        f"{seq * model} must divide the device count {len(devices)}."
+    )
+  return Mesh(
+      np.array(devices).reshape(len(devices) // (seq * model), seq, model), (DATA, SEQ, MODEL)
+  )
 
 
 def seq_size(mesh: Mesh) -> int:
@@ -82,21 +86,26 @@ def check_seq_split(mesh: Mesh, length: int, model) -> None:
   if seq == 1:
     return
   if length % seq:
-    raise ValueError(f"config.mesh.seq={seq} must divide the sequence length {length} (the "
-                     f"task's max_length); choose a divisor of it.")
+    raise ValueError(
+        f"config.mesh.seq={seq} must divide the sequence length {length} (the "
+        f"task's max_length); choose a divisor of it."
+    )
   if isinstance(mesh, Mesh):
     row_group(mesh)  # processes sharing rows must share all of them
   cfg = model.attention
-  context_parallel.check(cfg.kernel.name, [p.name for p in cfg.positional],
-                         two_d=cfg.grid is not None, seq=seq)
+  context_parallel.check(
+      cfg.kernel.name, [p.name for p in cfg.positional], two_d=cfg.grid is not None, seq=seq
+  )
 
 
 def _process_rows(mesh: Mesh) -> dict[int, frozenset]:
   """{process index: the indices along "data" of its devices}."""
   procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
   procs = np.moveaxis(procs, mesh.axis_names.index(DATA), 0).reshape(mesh.shape[DATA], -1)
-  return {int(p): frozenset(np.nonzero(np.any(procs == p, axis=1))[0].tolist())
-          for p in np.unique(procs)}
+  return {
+      int(p): frozenset(np.nonzero(np.any(procs == p, axis=1))[0].tolist())
+      for p in np.unique(procs)
+  }
 
 
 def row_group(mesh: Mesh, process: int | None = None) -> tuple[int, int]:
@@ -112,13 +121,14 @@ def row_group(mesh: Mesh, process: int | None = None) -> tuple[int, int]:
   rows = _process_rows(mesh)
   groups = sorted(set(rows.values()), key=lambda g: (min(g), sorted(g)))
   for i, a in enumerate(groups):
-    for b in groups[i + 1:]:
+    for b in groups[i + 1 :]:
       if a & b:
         raise ValueError(
             f"the mesh {dict(mesh.shape)} puts processes on overlapping but different rows "
             f"of the data axis ({sorted(a)} and {sorted(b)}); order the devices so that each "
             "process's devices cover whole data rows, or the processes sharing a row share "
-            "all of them.")
+            "all of them."
+        )
   mine = rows[jax.process_index() if process is None else process]
   return groups.index(mine), len(groups)
 
@@ -150,19 +160,23 @@ def check_batch_sizes(cfg: ml_collections.ConfigDict, mesh: Mesh) -> None:
   """Stops with one clear message when a batch cannot be split over devices and hosts."""
   data = mesh.shape[DATA]
   procs = row_group(mesh)[1] if jax.process_count() > 1 else 1
-  for name, size in (("batch_size", cfg.batch_size),
-                     ("eval_batch_size", cfg.eval_batch_size or cfg.batch_size)):
+  for name, size in (
+      ("batch_size", cfg.batch_size),
+      ("eval_batch_size", cfg.eval_batch_size or cfg.batch_size),
+  ):
     if size < 1 or size % data or size % procs:
       raise ValueError(
           f"config.{name}={size} is not divisible by the {data} device(s) of the data axis "
           f"({jax.device_count()} devices, mesh.model={cfg.mesh.model}, {procs} process(es) "
           "reading different rows); "
-          f"use a multiple of {np.lcm(data, procs)}.")
+          f"use a multiple of {np.lcm(data, procs)}."
+      )
   accum = cfg.grad_accum_steps
   if accum < 1 or (cfg.batch_size // data) % accum:
     raise ValueError(
         f"config.grad_accum_steps={accum} must divide the per-device batch "
-        f"{cfg.batch_size // data} (batch_size={cfg.batch_size} over {data} device(s)).")
+        f"{cfg.batch_size // data} (batch_size={cfg.batch_size} over {data} device(s))."
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -217,12 +231,14 @@ def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
   warning says so).
   """
   compiled = [(re.compile(regex), tuple(spec)) for regex, spec in rules]
-  positions = ([(re.compile(regex), spec) for regex, spec in position_rules()]
-               if seq_size(mesh) > 1 else [])
+  positions = (
+      [(re.compile(regex), spec) for regex, spec in position_rules()] if seq_size(mesh) > 1 else []
+  )
 
   def divisible(leaf, spec) -> bool:
-    return all(axis is None or dim % mesh.shape[axis] == 0
-               for dim, axis in zip(np.shape(leaf), spec))
+    return all(
+        axis is None or dim % mesh.shape[axis] == 0 for dim, axis in zip(np.shape(leaf), spec)
+    )
 
   def one(path, leaf):
     name = leaf_name(path)
@@ -230,9 +246,11 @@ def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
       if regex.search(name) and len(spec) == np.ndim(leaf):
         if not divisible(leaf, spec):
           axis = next(a for d, a in zip(np.shape(leaf), spec) if a and d % mesh.shape[a])
-          raise ValueError(f"sharding rule {regex.pattern!r}: {name} has shape "
-                           f"{np.shape(leaf)}, not divisible by mesh axis {axis!r} of size "
-                           f"{mesh.shape[axis]}.")
+          raise ValueError(
+              f"sharding rule {regex.pattern!r}: {name} has shape "
+              f"{np.shape(leaf)}, not divisible by mesh axis {axis!r} of size "
+              f"{mesh.shape[axis]}."
+          )
         return NamedSharding(mesh, P(*spec))
     for regex, spec in positions:
       found = regex.search(name)
@@ -245,8 +263,11 @@ def tree_shardings(tree: Any, mesh: Mesh, rules) -> Any:
   unsplit = set()
   out = jax.tree_util.tree_map_with_path(one, tree)
   if unsplit:
-    logging.warning("not divisible by mesh.seq=%d, so replicated on every device: %s",
-                    seq_size(mesh), ", ".join(sorted(unsplit)))
+    logging.warning(
+        "not divisible by mesh.seq=%d, so replicated on every device: %s",
+        seq_size(mesh),
+        ", ".join(sorted(unsplit)),
+    )
   return out
 
 
@@ -260,7 +281,6 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
   def one(x):
     x = np.asarray(x)
     where = tokens if tokens is not None and x.ndim >= 2 else sharding
-    return jax.make_array_from_process_local_data(
-        where, x, (x.shape[0] * procs,) + x.shape[1:])
+    return jax.make_array_from_process_local_data(where, x, (x.shape[0] * procs,) + x.shape[1:])
 
   return {k: one(v) for k, v in local.items()}

@@ -25,6 +25,7 @@ class TrainState:
   memory: the model's memory for the next training batch (``DecoderLM``: per-layer states
   ``[batch_size, M, D]`` and mask ``[batch_size, M]``, sharded like a batch), {} without one.
   The memory is an input of the step, never differentiated."""
+
   step: jax.Array
   params: Any
   opt_state: Any
@@ -50,11 +51,13 @@ def make_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
     # fairseq's inverse_sqrt: peak * sqrt(warmup / step) after the warmup (step counted from
     # the start of training; end_factor unused).
     w = max(warmup, 1)
-    after = lambda count: peak * jnp.sqrt(w / jnp.maximum(jnp.asarray(count, jnp.float32) + w,
-                                                          1.0))  # noqa: E731
+    after = lambda count: peak * jnp.sqrt(
+        w / jnp.maximum(jnp.asarray(count, jnp.float32) + w, 1.0)
+    )  # noqa: E731
   else:
-    raise ValueError(f"unknown config.schedule.name {name!r}; valid: cosine, linear, constant, "
-                     f"rsqrt.")
+    raise ValueError(
+        f"unknown config.schedule.name {name!r}; valid: cosine, linear, constant, " f"rsqrt."
+    )
   if warmup <= 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
@@ -78,8 +81,7 @@ def decay_mask(params: Any, no_decay: str) -> Any:
   def decays(path, leaf) -> bool:
     if jnp.ndim(leaf) < 2:
       return False
-    return not any(fnmatch.fnmatchcase(name, pat) for name in _path_names(path)
-                   for pat in patterns)
+    return not any(fnmatch.fnmatchcase(name, pat) for name in _path_names(path) for pat in patterns)
 
   return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -90,7 +92,14 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
   chain = []
   if opt.grad_clip_norm > 0:
     chain.append(optax.clip_by_global_norm(opt.grad_clip_norm))
-  chain.append(optax.adamw(
-      make_schedule(cfg), b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-      mask=lambda params: decay_mask(params, opt.no_decay)))
+  chain.append(
+      optax.adamw(
+          make_schedule(cfg),
+          b1=opt.b1,
+          b2=opt.b2,
+          eps=opt.eps,
+          weight_decay=opt.weight_decay,
+          mask=lambda params: decay_mask(params, opt.no_decay),
+      )
+  )
   return optax.chain(*chain)

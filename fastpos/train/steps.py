@@ -32,8 +32,9 @@ def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
-def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
-                     kind: str) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+def loss_and_metrics(
+    logits: jax.Array, batch: dict[str, jax.Array], kind: str
+) -> tuple[jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
   """Summed cross-entropy and the (sum, count) metrics of one batch.
 
   Args:
@@ -60,8 +61,10 @@ def loss_and_metrics(logits: jax.Array, batch: dict[str, jax.Array],
   loss_sum = jnp.sum(jnp.where(real, weight * ce, 0.0))
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   count = jnp.sum(weight)
-  metrics = {"loss": (loss_sum, count),
-             "accuracy": (jnp.sum(jnp.where(real, weight * correct, 0.0)), count)}
+  metrics = {
+      "loss": (loss_sum, count),
+      "accuracy": (jnp.sum(jnp.where(real, weight * correct, 0.0)), count),
+  }
   return loss_sum, metrics
 
 
@@ -107,8 +110,14 @@ def _merge_micro(x: jax.Array) -> jax.Array:
   return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation, kind: str,
-                    grad_accum_steps: int = 1, *, memory: bool = False) -> Callable:
+def make_train_step(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    kind: str,
+    grad_accum_steps: int = 1,
+    *,
+    memory: bool = False,
+) -> Callable:
   """``train_step(state, batch, rng) -> (state, metrics)`` (see the module docstring).
 
   With ``grad_accum_steps = k > 1`` the batch ``[B, ...]`` is split into k micro-batches of
@@ -122,24 +131,33 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, kind: st
     def loss_fn(p):
       mutable = list(collections)
       kwargs = {"memory": mem} if memory else {}
-      out = model.apply({"params": p, **collections}, model_inputs(batch), train=True,
-                        rngs=_split_rngs(rng), mutable=mutable if mutable else False, **kwargs)
+      out = model.apply(
+          {"params": p, **collections},
+          model_inputs(batch),
+          train=True,
+          rngs=_split_rngs(rng),
+          mutable=mutable if mutable else False,
+          **kwargs,
+      )
       out, new_collections = out if mutable else (out, {})
       logits, new_mem = out if memory else (out, {})
       loss_sum, metrics = loss_and_metrics(logits, batch, kind)
       return loss_sum, (metrics, dict(new_collections), new_mem)
 
-    (_, (metrics, new_collections, new_mem)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(params)
+    (_, (metrics, new_collections, new_mem)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params
+    )
     return grads, metrics, new_collections, jax.lax.stop_gradient(new_mem)
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array],
-                 rng: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+  def train_step(
+      state: TrainState, batch: dict[str, jax.Array], rng: jax.Array
+  ) -> tuple[TrainState, dict[str, Any]]:
     step_rng = jax.random.fold_in(rng, state.step)
     mem = reset_memory(state.memory, batch["reset"]) if memory else {}
     if grad_accum_steps == 1:
-      grads, metrics, collections, mem = micro_step(state.params, state.collections, batch,
-                                                    mem, step_rng)
+      grads, metrics, collections, mem = micro_step(
+          state.params, state.collections, batch, mem, step_rng
+      )
     else:
       k = grad_accum_steps
       micro = jax.tree.map(lambda x: _split_micro(x, k), batch)
@@ -151,24 +169,33 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, kind: st
       def body(carry, xs):
         grads_acc, metrics_acc, collections = carry
         mb, m_mem, i = xs
-        g, m, collections, new_mem = micro_step(state.params, collections, mb, m_mem,
-                                                jax.random.fold_in(step_rng, i))
-        return (jax.tree.map(jnp.add, grads_acc, g), jax.tree.map(jnp.add, metrics_acc, m),
-                collections), new_mem
+        g, m, collections, new_mem = micro_step(
+            state.params, collections, mb, m_mem, jax.random.fold_in(step_rng, i)
+        )
+        return (
+            jax.tree.map(jnp.add, grads_acc, g),
+            jax.tree.map(jnp.add, metrics_acc, m),
+            collections,
+        ), new_mem
 
       (grads, metrics, collections), new_mems = jax.lax.scan(
-          body, (zeros[0], zeros[1], state.collections), (micro, micro_mem, jnp.arange(k)))
+          body, (zeros[0], zeros[1], state.collections), (micro, micro_mem, jnp.arange(k))
+      )
       mem = jax.tree.map(_merge_micro, new_mems)
     count = jnp.maximum(metrics["loss"][1], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics)
-    metrics["grad_norm"] = (optax.tree.norm(grads).astype(jnp.float32),
-                            jnp.ones((), jnp.float32))
+    metrics["grad_norm"] = (optax.tree.norm(grads).astype(jnp.float32), jnp.ones((), jnp.float32))
     metrics["tokens_per_step"] = (real_tokens(batch), jnp.ones((), jnp.float32))
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              collections=collections, memory=mem if memory else state.memory)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        collections=collections,
+        memory=mem if memory else state.memory,
+    )
     return new_state, metrics
 
   return train_step
@@ -185,8 +212,13 @@ def make_eval_step(model: nn.Module, kind: str, *, memory: bool = False) -> Call
     if not memory:
       logits = model.apply(variables, model_inputs(batch), train=False, rngs=rngs)
       return loss_and_metrics(logits, batch, kind)[1]
-    logits, new_mem = model.apply(variables, model_inputs(batch), train=False, rngs=rngs,
-                                  memory=reset_memory(mem, batch["reset"]))
+    logits, new_mem = model.apply(
+        variables,
+        model_inputs(batch),
+        train=False,
+        rngs=rngs,
+        memory=reset_memory(mem, batch["reset"]),
+    )
     return loss_and_metrics(logits, batch, kind)[1], new_mem
 
   return eval_step

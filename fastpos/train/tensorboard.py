@@ -62,14 +62,16 @@ class EventWriter:
       with the same key is deleted first.
   """
 
-  def __init__(self, logdir: str | os.PathLike, resume_step: int | None = None,
-               replaces: str | None = None):
+  def __init__(
+      self, logdir: str | os.PathLike, resume_step: int | None = None, replaces: str | None = None
+  ):
     self.logdir = Path(logdir)
     self.logdir.mkdir(parents=True, exist_ok=True)
     if replaces is not None:
       if not re.fullmatch(r"[\w.-]+", replaces):
-        raise ValueError(f"EventWriter: replaces={replaces!r} must be letters, digits, '_', "
-                         f"'.' or '-'.")
+        raise ValueError(
+            f"EventWriter: replaces={replaces!r} must be letters, digits, '_', " f"'.' or '-'."
+        )
       for path in self.logdir.glob(f"{EVENT_GLOB}.{replaces}"):
         path.unlink()
     self.from_scratch = resume_step == 0
@@ -81,8 +83,9 @@ class EventWriter:
     if existing and resume_step:  # drop what was written past resume_step
       purge_step = resume_step + 1
     suffix = f".{len(existing):06d}" + (f".{replaces}" if replaces is not None else "")
-    self._writer = SummaryWriter(str(self.logdir), purge_step=purge_step, flush_secs=10,
-                                 filename_suffix=suffix)
+    self._writer = SummaryWriter(
+        str(self.logdir), purge_step=purge_step, flush_secs=10, filename_suffix=suffix
+    )
     self._writer.file_writer.flush()  # the file (and its purge marker) exists from now on
 
   def config(self, config: Mapping[str, Any], text: str, metrics: list[str]) -> None:
@@ -92,8 +95,7 @@ class EventWriter:
     if not self.from_scratch:
       return
     self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
-    hparams = {k: v for k, v in flat_config(config).items()
-               if k.split(".", 1)[0] in HPARAM_BLOCKS}
+    hparams = {k: v for k, v in flat_config(config).items() if k.split(".", 1)[0] in HPARAM_BLOCKS}
     experiment, start, end = hparams_summaries(hparams, dict.fromkeys(metrics, 0.0))
     for summary in (experiment, start, end):
       self._writer.file_writer.add_summary(summary, global_step=0)
@@ -119,8 +121,8 @@ def _accumulator(logdir: str | os.PathLike):
   if not Path(logdir).is_dir() or not list(Path(logdir).glob(EVENT_GLOB)):
     raise FileNotFoundError(f"no TensorBoard event files ({EVENT_GLOB}) in {logdir}.")
   acc = event_accumulator.EventAccumulator(
-      str(logdir), size_guidance={event_accumulator.SCALARS: 0,
-                                  event_accumulator.TENSORS: 0})
+      str(logdir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+  )
   return acc.Reload()
 
 

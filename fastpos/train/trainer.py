@@ -70,11 +70,11 @@ from fastpos.train import metrics as metrics_lib
 from fastpos.train import sharding as sharding_lib
 from fastpos.train import workdir as workdir_lib
 from fastpos.train.checkpoint import (
-  CheckpointLoadError,
-  Checkpoints,
-  check_compatible,
-  config_meta,
-  quiet_closed_event_loop,
+    CheckpointLoadError,
+    Checkpoints,
+    check_compatible,
+    config_meta,
+    quiet_closed_event_loop,
 )
 from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
 from fastpos.train.state import TrainState, make_optimizer, make_schedule
@@ -85,8 +85,9 @@ from fastpos.train.tensorboard import EventWriter
 class _Run:
   """Everything built (and checked) from a config before anything is compiled."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path,
-               model: nn.Module | None):
+  def __init__(
+      self, config: ml_collections.ConfigDict, workdir: str | Path, model: nn.Module | None
+  ):
     # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
     cfg = config_lib.complete_task(config.copy_and_resolve_references())
     config_lib.validate(cfg)  # each value against its declared range (fastpos.config_schema)
@@ -101,16 +102,20 @@ class _Run:
     # A Transformer-XL memory carried across batches (DecoderLM with memory_length > 0).
     self.memory = self.info.kind == "lm" and getattr(model, "memory_length", 0) > 0
     if self.memory and 0 < cfg.task.get("eval_stride", 0) < self.info.max_length:
-      raise ValueError("config.task.eval_stride > 0 (overlapping evaluation windows) cannot "
-                       "carry a Transformer-XL memory across segments; set it to 0 or "
-                       "model.memory_length to 0.")
+      raise ValueError(
+          "config.task.eval_stride > 0 (overlapping evaluation windows) cannot "
+          "carry a Transformer-XL memory across segments; set it to 0 or "
+          "model.memory_length to 0."
+      )
     self.mesh = sharding_lib.make_mesh(cfg)
     sharding_lib.check_batch_sizes(cfg, self.mesh)
     sharding_lib.check_seq_split(self.mesh, self.info.max_length, model)
-    bucketing.check_config(cfg, self.info.kind, self.info.max_length, self.info.grid,
-                           sharding_lib.seq_size(self.mesh))
-    packing.check_config(cfg, self.info.kind, self.info.max_length, model,
-                         sharding_lib.seq_size(self.mesh))
+    bucketing.check_config(
+        cfg, self.info.kind, self.info.max_length, self.info.grid, sharding_lib.seq_size(self.mesh)
+    )
+    packing.check_config(
+        cfg, self.info.kind, self.info.max_length, model, sharding_lib.seq_size(self.mesh)
+    )
     self.tx = make_optimizer(cfg)
     self.schedule = make_schedule(cfg)
     self.init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
@@ -121,10 +126,13 @@ class _Run:
     self.state_sharding = sharding_lib.tree_shardings(abstract, self.mesh, cfg.mesh.rules)
     # The memory has the batch's rows: split over "data" like a batch, whatever the rules say.
     self.state_sharding = self.state_sharding.replace(
-        memory=jax.tree.map(lambda _: self.batch_sharding, abstract.memory))
+        memory=jax.tree.map(lambda _: self.batch_sharding, abstract.memory)
+    )
     self.abstract_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract,
-        self.state_sharding)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        abstract,
+        self.state_sharding,
+    )
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
 
   def dummy_batch(self) -> dict[str, jax.Array]:
@@ -138,26 +146,44 @@ class _Run:
     params_rng, dropout_rng, features_rng = jax.random.split(rng, 3)
     variables = self.model.init(
         {"params": params_rng, "dropout": dropout_rng, "features": features_rng},
-        self.dummy_batch(), train=False)
+        self.dummy_batch(),
+        train=False,
+    )
     variables = dict(variables)
     params = variables.pop("params")
     memory = self.model.init_memory(self.cfg.batch_size) if self.memory else {}
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.tx.init(params), collections=variables, memory=memory)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=self.tx.init(params),
+        collections=variables,
+        memory=memory,
+    )
 
   def init_state(self) -> TrainState:
     return jax.jit(self._init, out_shardings=self.state_sharding)(self.init_rng)
 
   def compile_eval(self):
     step = sharding_lib.in_seq_mesh(
-        make_eval_step(self.model, self.info.kind, memory=self.memory), self.mesh)
+        make_eval_step(self.model, self.info.kind, memory=self.memory), self.mesh
+    )
     if self.memory:
-      return _SaysCompiling("eval", jax.jit(
-          step, in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
-          out_shardings=(self.replicated, self.batch_sharding)))
-    return _SaysCompiling("eval", jax.jit(
-        step, in_shardings=(self.state_sharding, sharding_lib.batch_in_sharding(self.mesh)),
-        out_shardings=self.replicated))
+      return _SaysCompiling(
+          "eval",
+          jax.jit(
+              step,
+              in_shardings=(self.state_sharding, self.batch_sharding, self.batch_sharding),
+              out_shardings=(self.replicated, self.batch_sharding),
+          ),
+      )
+    return _SaysCompiling(
+        "eval",
+        jax.jit(
+            step,
+            in_shardings=(self.state_sharding, sharding_lib.batch_in_sharding(self.mesh)),
+            out_shardings=self.replicated,
+        ),
+    )
 
   @functools.cached_property
   def empty_eval_memory(self):
@@ -177,9 +203,13 @@ class _Run:
   @functools.cached_property
   def _all_finite(self):
     def all_finite(tree):
-      leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                if jnp.issubdtype(x.dtype, jnp.inexact)]
+      leaves = [
+          jnp.all(jnp.isfinite(x))
+          for x in jax.tree.leaves(tree)
+          if jnp.issubdtype(x.dtype, jnp.inexact)
+      ]
       return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
     return jax.jit(all_finite, out_shardings=self.replicated)
 
   def state_is_good(self, eval_step, state: TrainState, batch) -> bool:
@@ -195,8 +225,9 @@ class _Run:
     loss_sum, count = jax.device_get(out["loss"])
     return bool(jax.device_get(finite)) and bool(np.isfinite(loss_sum)) and count > 0
 
-  def evaluate_split(self, eval_step, state: TrainState, split: str,
-                     limit: int = 0) -> dict[str, float]:
+  def evaluate_split(
+      self, eval_step, state: TrainState, split: str, limit: int = 0
+  ) -> dict[str, float]:
     total = None
     source = self.task.source(split)
     if self.memory:  # stream batches, from an empty memory carried across them in order
@@ -236,8 +267,9 @@ class _StopOnSignal:
       raise KeyboardInterrupt
     if self.requested is None:
       self.requested = signal.Signals(signum).name
-      logging.warning("%s: saving after this step (Ctrl-C again to abort without saving).",
-                      self.requested)
+      logging.warning(
+          "%s: saving after this step (Ctrl-C again to abort without saving).", self.requested
+      )
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -324,8 +356,10 @@ def _take_lock(workdir: Path) -> workdir_lib.WorkdirLock:
       workdir.mkdir(parents=True, exist_ok=True)
       lock.acquire()
     except OSError as e:
-      error = RunError(f"cannot create --workdir={workdir} "
-                       f"({os.strerror(e.errno) if e.errno else e}); use another --workdir.")
+      error = RunError(
+          f"cannot create --workdir={workdir} "
+          f"({os.strerror(e.errno) if e.errno else e}); use another --workdir."
+      )
     except RunError as e:
       error = e
   if jax.process_count() > 1:
@@ -333,18 +367,24 @@ def _take_lock(workdir: Path) -> workdir_lib.WorkdirLock:
     if not np.all(ok):
       lock.release()
       raise error or WorkdirLockedError(
-          f"process 0 could not take the lock of {workdir}; its log says why.")
+          f"process 0 could not take the lock of {workdir}; its log says why."
+      )
   elif error is not None:
     raise error
   return lock
 
 
-def _data_meta(run: _Run, num_examples: int, start: int, start_step: int,
-               step: int) -> dict[str, Any]:
+def _data_meta(
+    run: _Run, num_examples: int, start: int, start_step: int, step: int
+) -> dict[str, Any]:
   """The data position a checkpoint records, in examples (see ``_data_iter_for``)."""
-  meta = {"examples": start + (step - start_step) * run.cfg.batch_size, "start": start,
-          "start_step": start_step, "batch_size": run.cfg.batch_size,
-          "num_examples": num_examples}
+  meta = {
+      "examples": start + (step - start_step) * run.cfg.batch_size,
+      "start": start,
+      "start_step": start_step,
+      "batch_size": run.cfg.batch_size,
+      "num_examples": num_examples,
+  }
   batching = _batching(run.cfg)
   return {**meta, "batching": batching} if batching else meta
 
@@ -362,8 +402,10 @@ def _batching(cfg: ml_collections.ConfigDict) -> list:
 def _saved_process_count(data_dir: Path) -> int | None:
   """How many processes saved a checkpoint's data iterator (grain writes one
   ``process_<i>-of-<n>.json`` each), or None when it cannot tell."""
-  counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json")
-            for name in (p.name for p in data_dir.glob("process_*-of-*.json"))}
+  counts = {
+      name.rsplit("-of-", 1)[-1].removesuffix(".json")
+      for name in (p.name for p in data_dir.glob("process_*-of-*.json"))
+  }
   return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else None
 
 
@@ -385,7 +427,8 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
     raise RunError(
         f"{where}/{meta['step']} was trained on a training split of {data['num_examples']} "
         f"examples; it now has {n}: the data position cannot carry over. Use the data the run "
-        "started with, or a new --workdir.")
+        "started with, or a new --workdir."
+    )
   # The iterator's saved position is per process: it carries over to the same processes.
   procs = jax.process_count()
   saved_procs = _saved_process_count(where / str(meta["step"]) / "data") or procs
@@ -397,18 +440,35 @@ def _data_iter_for(run: _Run, source, meta: dict[str, Any], where: Path):
         f"{where}/{meta['step']} was trained with config.batch_size={data['batch_size']} on "
         f"{saved_procs} process(es); now {batch} on {procs}. Stream batches (a Transformer-XL "
         f"memory) keep their layout: resume with --config.batch_size={data['batch_size']} on "
-        f"{saved_procs} process(es), or use a new --workdir.")
+        f"{saved_procs} process(es), or use a new --workdir."
+    )
   if not same_batching:
-    logging.warning("config.data bucketing changed (%s -> %s): resuming at example %d of the "
-                    "training data (step %d).", data.get("batching", []), _batching(run.cfg),
-                    data["examples"], meta["step"])
+    logging.warning(
+        "config.data bucketing changed (%s -> %s): resuming at example %d of the "
+        "training data (step %d).",
+        data.get("batching", []),
+        _batching(run.cfg),
+        data["examples"],
+        meta["step"],
+    )
   elif data["batch_size"] != batch:
-    logging.warning("config.batch_size changed from %d to %d: resuming at example %d of the "
-                    "training data (step %d).", data["batch_size"], batch, data["examples"],
-                    meta["step"])
+    logging.warning(
+        "config.batch_size changed from %d to %d: resuming at example %d of the "
+        "training data (step %d).",
+        data["batch_size"],
+        batch,
+        data["examples"],
+        meta["step"],
+    )
   else:
-    logging.info("%d process(es) now, %d when saved: resuming at example %d of the training "
-                 "data (step %d).", procs, saved_procs, data["examples"], meta["step"])
+    logging.info(
+        "%d process(es) now, %d when saved: resuming at example %d of the training "
+        "data (step %d).",
+        procs,
+        saved_procs,
+        data["examples"],
+        meta["step"],
+    )
   return run.train_iterator(source, data["examples"]), False, data["examples"], meta["step"]
 
 
@@ -432,9 +492,13 @@ def _sum_window(window: list[dict]) -> dict:
   return jax.tree.map(lambda *xs: sum(xs), *window) if len(window) > 1 else window[0]
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path, *,
-                       model: nn.Module | None = None,
-                       allow_config_change: bool = False) -> dict[str, Any]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    model: nn.Module | None = None,
+    allow_config_change: bool = False,
+) -> dict[str, Any]:
   """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint that loads.
 
   Args:
@@ -477,18 +541,23 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
   log_file = contextlib.ExitStack()
   try:
     # A resume of another config is refused before anything is restored or written.
-    changes = (config_record.check_resume(run.workdir, cfg, allow=allow_config_change)
-               if ckpts.latest_step() is not None else [])
+    changes = (
+        config_record.check_resume(run.workdir, cfg, allow=allow_config_change)
+        if ckpts.latest_step() is not None
+        else []
+    )
     best_metric, best_value = run.task.metric, None
     position = {}
 
     def data_iter_for(meta):
       it, restore, position["start"], position["start_step"] = _data_iter_for(
-          run, train_src, meta, ckpts.latest_dir)
+          run, train_src, meta, ckpts.latest_dir
+      )
       return it, restore
 
-    restored = ckpts.restore_newest(run.abstract_state, check=run.check_meta,
-                                    data_iter_for=data_iter_for)
+    restored = ckpts.restore_newest(
+        run.abstract_state, check=run.check_meta, data_iter_for=data_iter_for
+    )
     window: list[dict] = []
     if restored is not None:
       state, meta, train_iter = restored
@@ -498,8 +567,12 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
       try:
         best_meta = ckpts.read_meta("best")
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("the best checkpoint in %s does not load (%s); the next evaluation "
-                        "that improves on nothing replaces it.", ckpts.best_dir, e)
+        logging.warning(
+            "the best checkpoint in %s does not load (%s); the next evaluation "
+            "that improves on nothing replaces it.",
+            ckpts.best_dir,
+            e,
+        )
         best_meta = None
       if best_meta is not None:
         best_value = best_meta["metrics"][best_metric]
@@ -514,33 +587,61 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     if resumed:
       logging.info("%s", resumed)
     _record_config(run, cfg, meta["step"] if restored is not None else None, changes)
-    logging.info("task %s: %d train / %d validation examples; model: %d parameters; %d "
-                 "devices (mesh %s), %d process(es)", cfg.task.name, len(train_src),
-                 len(val_src), run.num_params, jax.device_count(), dict(run.mesh.shape),
-                 jax.process_count())
+    logging.info(
+        "task %s: %d train / %d validation examples; model: %d parameters; %d "
+        "devices (mesh %s), %d process(es)",
+        cfg.task.name,
+        len(train_src),
+        len(val_src),
+        run.num_params,
+        jax.device_count(),
+        dict(run.mesh.shape),
+        jax.process_count(),
+    )
     if state is None:
       state = run.init_state()
     step = int(jax.device_get(state.step))
     writer = metrics_lib.MetricWriter(run.workdir, cfg.num_train_steps, resume_step=step)
-    writer.config(cfg.to_dict(), cfg.to_json_best_effort(indent=2),
-                  [f"validation/{m}" for m in ("loss", run.task.metric)])
+    writer.config(
+        cfg.to_dict(),
+        cfg.to_json_best_effort(indent=2),
+        [f"validation/{m}" for m in ("loss", run.task.metric)],
+    )
     if changes and restored is not None:  # the change's entry, in TensorBoard too
-      writer.text("config_changes", step + 1, "\n".join(
-          f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes))
+      writer.text(
+          "config_changes",
+          step + 1,
+          "\n".join(
+              f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes
+          ),
+      )
     with quiet_closed_event_loop():  # after a failed save (a full disk)
-      result = _train_loop(run, ckpts, writer, state, train_iter, train_rng, window,
-                           train_src, data_start, data_start_step, best_value)
+      result = _train_loop(
+          run,
+          ckpts,
+          writer,
+          state,
+          train_iter,
+          train_rng,
+          window,
+          train_src,
+          data_start,
+          data_start_step,
+          best_value,
+      )
       ckpts.wait()  # a failed background save raises here
     if not result["stopped_early"] and jax.process_index() == 0:
-      logging.info("%s", summary_line(run.workdir, run.task, run.info, result, train_src,
-                                      val_src))
+      logging.info("%s", summary_line(run.workdir, run.task, run.info, result, train_src, val_src))
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     reason = os.strerror(e.errno) if e.errno else str(e)
-    where = getattr(e, "filename", None) or (f"{run.workdir} (metrics.jsonl, config.json, "
-                                             "config_changes.jsonl, tensorboard/, train.log)")
-    raise RunError(f"{reason}: writing {where} failed; free space there or use another "
-                   "--workdir.") from None
+    where = getattr(e, "filename", None) or (
+        f"{run.workdir} (metrics.jsonl, config.json, "
+        "config_changes.jsonl, tensorboard/, train.log)"
+    )
+    raise RunError(
+        f"{reason}: writing {where} failed; free space there or use another " "--workdir."
+    ) from None
   finally:
     ckpts.close()
     if writer is not None:
@@ -563,12 +664,16 @@ def _record_config(run: _Run, cfg, resumed_step: int | None, changes) -> None:
     return
   if changes:
     config_record.record(run.workdir, resumed_step, changes)
-    logging.warning("resumed with a changed config (recorded in %s): %s",
-                    config_record.CHANGES_NAME, "; ".join(map(str, changes)))
+    logging.warning(
+        "resumed with a changed config (recorded in %s): %s",
+        config_record.CHANGES_NAME,
+        "; ".join(map(str, changes)),
+    )
 
 
-def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src,
-                 val_src) -> str:
+def summary_line(
+    workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src, val_src
+) -> str:
   """The run's last line: the validation metric (and the test one when eval.py scored this
   workdir) beside the accuracy of always answering the training split's majority class, the
   mean training tokens/s and where the outputs are."""
@@ -581,8 +686,11 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
   val = result.get("validation", {})
   if metric in val:
     best = result.get("best", {})
-    at = (f" (best {shown(best[metric])} at step {best['step']})"
-          if best.get(metric) is not None and best.get("step") != result["step"] else "")
+    at = (
+        f" (best {shown(best[metric])} at step {best['step']})"
+        if best.get(metric) is not None and best.get("step") != result["step"]
+        else ""
+    )
     parts.append(f"validation {metric} {shown(val[metric])}{at}")
   test_file = workdir / "results_test.json"
   if test_file.is_file():  # eval.py scored this workdir before (a finished run resumed)
@@ -590,11 +698,18 @@ def summary_line(workdir: Path, task, info: TaskInfo, result: dict[str, Any], tr
     if metric in test:
       parts.append(f"test {metric} {shown(test[metric])} (step {test.get('step')})")
   train_y, val_y = (getattr(src, "arrays", {}).get("targets") for src in (train_src, val_src))
-  if (info.kind != "lm" and train_y is not None and val_y is not None and train_y.ndim == 1
-      and len(train_y) and len(val_y)):
+  if (
+      info.kind != "lm"
+      and train_y is not None
+      and val_y is not None
+      and train_y.ndim == 1
+      and len(train_y)
+      and len(val_y)
+  ):
     majority = int(np.bincount(train_y).argmax())  # always answering training's majority
-    parts.append(f"majority-class baseline {100 * np.mean(val_y == majority):.2f}% "
-                 f"(always {majority})")
+    parts.append(
+        f"majority-class baseline {100 * np.mean(val_y == majority):.2f}% " f"(always {majority})"
+    )
   rates = []
   with contextlib.suppress(OSError):
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
@@ -627,25 +742,47 @@ def _plotted_schemes(workdir: Path) -> list[str]:
   return [n for n in re.split(r"[,+]", str(names)) if n.strip() in PLOTTED_SCHEMES]
 
 
-def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_iter,
-                train_rng, window: list[dict], train_src, data_start: int,
-                data_start_step: int, best_value: float | None) -> dict[str, Any]:
+def _train_loop(
+    run: _Run,
+    ckpts: Checkpoints,
+    writer,
+    state: TrainState,
+    train_iter,
+    train_rng,
+    window: list[dict],
+    train_src,
+    data_start: int,
+    data_start_step: int,
+    best_value: float | None,
+) -> dict[str, Any]:
   cfg = run.cfg
   best_metric = run.task.metric
-  train_step = _SaysCompiling("train", jax.jit(
-      sharding_lib.in_seq_mesh(make_train_step(run.model, run.tx, run.info.kind,
-                                               cfg.grad_accum_steps, memory=run.memory),
-                               run.mesh),
-      in_shardings=(run.state_sharding, sharding_lib.batch_in_sharding(run.mesh),
-                    run.replicated),
-      out_shardings=(run.state_sharding, run.replicated), donate_argnums=0))
+  train_step = _SaysCompiling(
+      "train",
+      jax.jit(
+          sharding_lib.in_seq_mesh(
+              make_train_step(
+                  run.model, run.tx, run.info.kind, cfg.grad_accum_steps, memory=run.memory
+              ),
+              run.mesh,
+          ),
+          in_shardings=(
+              run.state_sharding,
+              sharding_lib.batch_in_sharding(run.mesh),
+              run.replicated,
+          ),
+          out_shardings=(run.state_sharding, run.replicated),
+          donate_argnums=0,
+      ),
+  )
   eval_step = run.compile_eval()
   step = int(jax.device_get(state.step))
   last_good = step if ckpts.latest_step() is not None else None
-  meta_base = {"rng": np.asarray(jax.device_get(train_rng)).tolist(),
-               "config": config_meta(cfg, run.info)}
-  result: dict[str, Any] = {"train": {}, "validation": {}, "stopped_early": False,
-                            "signal": None}
+  meta_base = {
+      "rng": np.asarray(jax.device_get(train_rng)).tolist(),
+      "config": config_meta(cfg, run.info),
+  }
+  result: dict[str, Any] = {"train": {}, "validation": {}, "stopped_early": False, "signal": None}
   unchecked_steps: list[int] = []
   unchecked: list[dict] = []
   first_step = step
@@ -683,25 +820,27 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
         summary["learning_rate"] = float(run.schedule(step - 1))
         rate = writer.steps_per_second(step)
         tokens_rate = metrics_lib.tokens_per_second(rate, summary)
-        writer.write(step, "train", summary, steps_per_second=rate,
-                     tokens_per_second=tokens_rate)
+        writer.write(step, "train", summary, steps_per_second=rate, tokens_per_second=tokens_rate)
         writer.progress(step, summary, rate, tokens_rate)
         result["train"] = summary
         if step % cfg.log_every_steps == 0:
           window = []
       if do_save and not run.state_is_good(eval_step, state, batch):
         stop_nonfinite("the parameters after the step (or their loss)", step)
-      meta = {**meta_base, "step": step,
-              "data": _data_meta(run, len(train_src), data_start, data_start_step, step),
-              "log_window": _window_meta(window)}
+      meta = {
+          **meta_base,
+          "step": step,
+          "data": _data_meta(run, len(train_src), data_start, data_start_step, step),
+          "log_window": _window_meta(window),
+      }
       if do_eval:
         val = run.evaluate_split(eval_step, state, "validation", cfg.num_eval_batches)
         writer.write(step, "validation", val)
-        logging.info("step %d validation: %s", step,
-                     " ".join(f"{k}={v:.4g}" for k, v in val.items()))
+        logging.info(
+            "step %d validation: %s", step, " ".join(f"{k}={v:.4g}" for k, v in val.items())
+        )
         result["validation"] = val
-        if (np.isfinite(val["loss"]) and
-            _better(val[best_metric], best_value, run.task.metric_mode)):
+        if np.isfinite(val["loss"]) and _better(val[best_metric], best_value, run.task.metric_mode):
           best_value = val[best_metric]
           ckpts.save_best(step, state, {**meta, "metrics": val})
       if do_save:
@@ -710,8 +849,13 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
       if do_eval or do_save:
         writer.start_timer(step)  # steps/s counts training steps, not evaluation or saving
       if stop:
-        logging.warning("preempted at step %d (%s): saved %s/%d; restart to continue.", step,
-                        signals.requested, ckpts.latest_dir, step)
+        logging.warning(
+            "preempted at step %d (%s): saved %s/%d; restart to continue.",
+            step,
+            signals.requested,
+            ckpts.latest_dir,
+            step,
+        )
         result["stopped_early"] = True
         result["signal"] = signals.requested
         break
@@ -721,32 +865,50 @@ def _train_loop(run: _Run, ckpts: Checkpoints, writer, state: TrainState, train_
   return result
 
 
-def _nonfinite_message(run: _Run, ckpts: Checkpoints, what: str, at: int,
-                       last_good: int | None, first_step: int) -> str:
+def _nonfinite_message(
+    run: _Run, ckpts: Checkpoints, what: str, at: int, last_good: int | None, first_step: int
+) -> str:
   """Why a run stopped on a NaN / Inf: the first step after a restore blames the checkpoint;
   otherwise the newest saved checkpoint whose digests verify is named as the last good one."""
   if ckpts.restored is not None and at == first_step + 1:
     path, verified = ckpts.restored
-    how = ("its digests verify, so it is as it was saved: was a setting changed on resume?"
-           if verified else "it was written without digests, so it is unverified")
-    return (f"{what} became NaN/Inf at step {at}, the first step after restoring {path}; "
-            f"training stopped. Suspect that checkpoint, not the learning rate ({how}). Move "
-            "it aside to resume from the one before it, or use a new --workdir.")
-  good, skipped = (ckpts.newest_verified(run.abstract_state, last_good)
-                   if last_good is not None else (None, []))
+    how = (
+        "its digests verify, so it is as it was saved: was a setting changed on resume?"
+        if verified
+        else "it was written without digests, so it is unverified"
+    )
+    return (
+        f"{what} became NaN/Inf at step {at}, the first step after restoring {path}; "
+        f"training stopped. Suspect that checkpoint, not the learning rate ({how}). Move "
+        "it aside to resume from the one before it, or use a new --workdir."
+    )
+  good, skipped = (
+      ckpts.newest_verified(run.abstract_state, last_good) if last_good is not None else (None, [])
+  )
   if good is not None:
     where = f"The last good checkpoint is step {good} in {ckpts.latest_dir} (verified, left intact)"
   else:
-    where = ("No checkpoint had been saved yet" if last_good is None
-             else f"No checkpoint in {ckpts.latest_dir} verifies")
+    where = (
+        "No checkpoint had been saved yet"
+        if last_good is None
+        else f"No checkpoint in {ckpts.latest_dir} verifies"
+    )
   if skipped:
     where += f"; newer ones do not verify: {'; '.join(skipped)}"
-  return (f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
-          "rate, enable clipping (optimizer.grad_clip_norm) or check the data.")
+  return (
+      f"{what} became NaN/Inf at step {at}; training stopped. {where}. Lower the learning "
+      "rate, enable clipping (optimizer.grad_clip_norm) or check the data."
+  )
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str | Path, split: str = "test", *,
-             checkpoint: str = "best", model: nn.Module | None = None) -> dict[str, Any]:
+def evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    split: str = "test",
+    *,
+    checkpoint: str = "best",
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
   """Evaluates a trained workdir on ``split``; writes ``<workdir>/results_<split>.json``.
 
   Args:
@@ -779,25 +941,38 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
     if ckpts.latest_step() is None and which == "latest":
       raise FileNotFoundError(
           f"no checkpoint in {ckpts.latest_dir}; train first: python train.py "
-          f"--config=... --workdir={workdir}")
+          f"--config=... --workdir={workdir}"
+      )
     try:
       state, meta, _ = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta)
     except CheckpointLoadError as e:
       if which == "best":
-        raise CheckpointLoadError(f"{e} Or evaluate the newest checkpoint: "
-                                  "--checkpoint=latest.") from None
+        raise CheckpointLoadError(
+            f"{e} Or evaluate the newest checkpoint: " "--checkpoint=latest."
+        ) from None
       raise
   finally:
     ckpts.close()
   with run.precision():
     out = run.evaluate_split(run.compile_eval(), state, split)
-  results = {"split": split, "step": int(meta["step"]), "checkpoint": which,
-             "task": run.cfg.task.name, **out}
+  results = {
+      "split": split,
+      "step": int(meta["step"]),
+      "checkpoint": which,
+      "task": run.cfg.task.name,
+      **out,
+  }
   _write_json(run.workdir / f"results_{split}.json", results)
   if jax.process_index() == 0:  # the same numbers in TensorBoard, at the checkpoint's step
     tb = EventWriter(run.workdir / "tensorboard", replaces=f"{split}-{results['step']}")
     tb.scalars(results["step"], {f"{split}/{k}": v for k, v in out.items()})
     tb.close()
-  logging.info("%s on %s (checkpoint %s, step %d): %s", run.cfg.task.name, split, which,
-               results["step"], " ".join(f"{k}={v:.4g}" for k, v in out.items()))
+  logging.info(
+      "%s on %s (checkpoint %s, step %d): %s",
+      run.cfg.task.name,
+      split,
+      which,
+      results["step"],
+      " ".join(f"{k}={v:.4g}" for k, v in out.items()),
+  )
   return results

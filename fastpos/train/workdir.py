@@ -55,11 +55,15 @@ def check_usable(path: str | os.PathLike) -> None:
     if is_symlink_loop(probe_dir):
       while is_symlink_loop(probe_dir.parent):
         probe_dir = probe_dir.parent
-      raise RunError(f"--workdir={path}: {probe_dir} is a symlink loop (its links point at "
-                     "each other); remove it or use another --workdir.")
+      raise RunError(
+          f"--workdir={path}: {probe_dir} is a symlink loop (its links point at "
+          "each other); remove it or use another --workdir."
+      )
     if probe_dir.is_symlink():  # a dangling link: mkdir would fail
-      raise RunError(f"--workdir={path}: {probe_dir} is a broken symbolic link; remove it or "
-                     "use another --workdir.")
+      raise RunError(
+          f"--workdir={path}: {probe_dir} is a broken symbolic link; remove it or "
+          "use another --workdir."
+      )
     probe_dir = probe_dir.parent
   if not probe_dir.is_dir():
     what = "is a file" if probe_dir == path else f"lies under {probe_dir}, which is a file"
@@ -70,9 +74,11 @@ def check_usable(path: str | os.PathLike) -> None:
     os.close(fd)
     os.unlink(probe)
   except OSError as e:
-    raise RunError(f"--workdir={path}: cannot create files in {probe_dir} "
-                   f"({os.strerror(e.errno) if e.errno else e}); make it writable or use "
-                   "another --workdir.") from None
+    raise RunError(
+        f"--workdir={path}: cannot create files in {probe_dir} "
+        f"({os.strerror(e.errno) if e.errno else e}); make it writable or use "
+        "another --workdir."
+    ) from None
 
 
 def is_symlink_loop(path: str | os.PathLike) -> bool:
@@ -106,8 +112,11 @@ def _alive(pid: int) -> bool:
 
 def _describe(holder: dict) -> str:
   started = holder.get("started")
-  when = (time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))
-          if isinstance(started, (int, float)) else "?")
+  when = (
+      time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))
+      if isinstance(started, (int, float))
+      else "?"
+  )
   return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {when}"
 
 
@@ -120,8 +129,12 @@ class WorkdirLock:
 
   def acquire(self) -> None:
     """Takes the lock or raises WorkdirLockedError naming the holder."""
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-          "pid_start": _start_time(os.getpid())}
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "pid_start": _start_time(os.getpid()),
+    }
     for _ in range(10):
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
       try:
@@ -129,8 +142,9 @@ class WorkdirLock:
       except OSError as e:
         os.close(fd)
         if e.errno not in (errno.EAGAIN, errno.EACCES):
-          raise RunError(f"cannot lock {self.path} ({os.strerror(e.errno)}); use another "
-                         "--workdir.") from None
+          raise RunError(
+              f"cannot lock {self.path} ({os.strerror(e.errno)}); use another " "--workdir."
+          ) from None
         raise WorkdirLockedError(self._held_message(self._read())) from None
       # The file may have been released (unlinked) between open and flock: then the lock
       # is on a file nobody else will see; start again on the current one.
@@ -143,20 +157,28 @@ class WorkdirLock:
         continue
       previous = self._read(fd)
       if previous and previous.get("pid") != me["pid"]:
-        if (previous.get("host") == me["host"] and isinstance(previous.get("pid"), int)
+        if (
+            previous.get("host") == me["host"]
+            and isinstance(previous.get("pid"), int)
             and _alive(previous["pid"])
-            and previous.get("pid_start") in (None, _start_time(previous["pid"]))):
+            and previous.get("pid_start") in (None, _start_time(previous["pid"]))
+        ):
           os.close(fd)
           raise WorkdirLockedError(self._held_message(previous))
-        logging.warning("%s was left by a trainer that is gone (%s); taking it over.",
-                        self.path, _describe(previous))
+        logging.warning(
+            "%s was left by a trainer that is gone (%s); taking it over.",
+            self.path,
+            _describe(previous),
+        )
       os.ftruncate(fd, 0)
       os.pwrite(fd, json.dumps(me).encode(), 0)
       os.fsync(fd)
       self._fd = fd
       return
-    raise WorkdirLockedError(f"{self.path} keeps changing: another trainer is starting in "
-                             "this workdir; use another --workdir.")
+    raise WorkdirLockedError(
+        f"{self.path} keeps changing: another trainer is starting in "
+        "this workdir; use another --workdir."
+    )
 
   def _read(self, fd: int | None = None) -> dict:
     try:
@@ -171,9 +193,11 @@ class WorkdirLock:
 
   def _held_message(self, holder: dict) -> str:
     who = _describe(holder) if holder else "another process"
-    return (f"{self.path.parent} is in use by another trainer ({who}). Wait for it to finish "
-            f"or stop it, or use another --workdir; if no such process runs, delete "
-            f"{self.path}.")
+    return (
+        f"{self.path.parent} is in use by another trainer ({who}). Wait for it to finish "
+        f"or stop it, or use another --workdir; if no such process runs, delete "
+        f"{self.path}."
+    )
 
   def release(self) -> None:
     if self._fd is None:

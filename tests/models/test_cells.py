@@ -40,11 +40,23 @@ VARIANTS = {
     "t5_bias": [{}, {"bucketed": False}],
 }
 # Schemes whose output depends on relative positions only (PermuteFormer with r = 1 only).
-RELATIVE = ("fastrpb", "kernelized_rpe", "rope", "lrpe", "permuteformer", "t5_bias",
-            "transformer_xl", "none")
+RELATIVE = (
+    "fastrpb",
+    "kernelized_rpe",
+    "rope",
+    "lrpe",
+    "permuteformer",
+    "t5_bias",
+    "transformer_xl",
+    "none",
+)
 # Combinations of several schemes in one layer.
-COMBOS = [("rope", "fastrpb"), ("permuteformer", "kernelized_rpe"), ("absolute", "fastrpb"),
-          ("lrpe", "kernelized_rpe")]
+COMBOS = [
+    ("rope", "fastrpb"),
+    ("permuteformer", "kernelized_rpe"),
+    ("absolute", "fastrpb"),
+    ("lrpe", "kernelized_rpe"),
+]
 
 
 def _variants(scheme):
@@ -87,17 +99,24 @@ INCOMPATIBLE = [c for c in ALL if not c[5] and c[6] == 0]
 def _id(c):
   kernel, schemes, opts, causal, two_d = c[:5]
   o = ",".join(f"{k}={v}" for d in opts for k, v in sorted(d.items()))
-  return (f"{kernel}-{'+'.join(schemes)}{'[' + o + ']' if o else ''}-"
-          f"{'causal' if causal else 'bidir'}-{'2d' if two_d else '1d'}")
+  return (
+      f"{kernel}-{'+'.join(schemes)}{'[' + o + ']' if o else ''}-"
+      f"{'causal' if causal else 'bidir'}-{'2d' if two_d else '1d'}"
+  )
 
 
 def _config(kernel, schemes, opts, causal, two_d):
   return AttentionConfig(
-      num_heads=H, head_dim=D // H, embed_dim=D,
+      num_heads=H,
+      head_dim=D // H,
+      embed_dim=D,
       kernel=KernelSpec(kernel, num_features=16),
       positional=tuple(PositionalSpec.make(s, o) for s, o in zip(schemes, opts)),
-      max_length=MAX_LENGTH, grid=MAX_GRID if two_d else None, causal=causal,
-      chunk_size=CHUNK)
+      max_length=MAX_LENGTH,
+      grid=MAX_GRID if two_d else None,
+      causal=causal,
+      chunk_size=CHUNK,
+  )
 
 
 def _embed_schemes(cfg):
@@ -115,10 +134,10 @@ def _layer(cfg):
       dims = cfg.scheme_dims()[p.name]
       scheme = positional.build(p.name, dims, p.option_dict())
       ctx = positional.Context(mask=mask, grid=grid, causal=cfg.causal, length=x.shape[1])
-      x = scheme.apply({"params": params.get(f"embed_{p.name}", {})}, x, ctx,
-                       method=type(scheme).embed)
-    return attn.apply({"params": params["attn"]}, x, mask=mask, grid=grid,
-                      reference=reference)
+      x = scheme.apply(
+          {"params": params.get(f"embed_{p.name}", {})}, x, ctx, method=type(scheme).embed
+      )
+    return attn.apply({"params": params["attn"]}, x, mask=mask, grid=grid, reference=reference)
 
   return attn, run
 
@@ -142,7 +161,7 @@ def _init(cfg, attn, n, seed=0):
 
 def _inputs(n, seed=0):
   x = jax.random.normal(jax.random.key(seed + 10), (B, n, D), jnp.float64)
-  mask = jnp.ones((B, n), bool).at[1, n - 3:].set(False).at[1, :2].set(False)
+  mask = jnp.ones((B, n), bool).at[1, n - 3 :].set(False).at[1, :2].set(False)
   return x, mask
 
 
@@ -208,10 +227,13 @@ def test_relative_schemes_are_shift_invariant(cell):
   junk = jax.random.normal(jax.random.key(6), (1, n, D), jnp.float64)
   outs = []
   for s in (0, shift):
-    x = junk.at[:, s:s + length].set(real)
-    mask = jnp.zeros((1, n), bool).at[:, s:s + length].set(True)
-    outs.append(np.asarray(run(params, jnp.concatenate([x, x]), jnp.concatenate([mask, mask]),
-                               False))[0, s:s + length])
+    x = junk.at[:, s : s + length].set(real)
+    mask = jnp.zeros((1, n), bool).at[:, s : s + length].set(True)
+    outs.append(
+        np.asarray(run(params, jnp.concatenate([x, x]), jnp.concatenate([mask, mask]), False))[
+            0, s : s + length
+        ]
+    )
   err = rel_err(outs[1], outs[0])
   assert err < 1e-9, err
 
@@ -266,9 +288,10 @@ def test_kernelized_rpe_softmax_equals_linear_with_exact_exponential_features():
   phi(x) = (1, sqrt(e^s - 1) x): an exact finite feature map of the softmax kernel."""
   from fastpos.ops import attention as ops
   from fastpos.ops import toeplitz
+
   rng = np.random.default_rng(0)
   b, n, h = 2, 9, 2
-  d, s = 3, 3 ** -0.5
+  d, s = 3, 3**-0.5
   qa = rng.integers(0, d, (b, n, h))
   ka = rng.integers(0, d, (b, n, h))
   q = jnp.asarray(np.eye(d)[qa])
@@ -282,9 +305,9 @@ def test_kernelized_rpe_softmax_equals_linear_with_exact_exponential_features():
     return jnp.concatenate([jnp.ones(x.shape[:-1] + (1,)), c * x], axis=-1)
 
   for causal in (False, True):
-    soft = ops.softmax_attention(q, k, v, bias=toeplitz.dense_toeplitz(table)[None],
-                                 mask=mask, causal=causal, scale=s)
-    lin = ops.linear_attention(phi(q), phi(k), v, mask=mask, causal=causal,
-                               rpe=jnp.exp(table))
+    soft = ops.softmax_attention(
+        q, k, v, bias=toeplitz.dense_toeplitz(table)[None], mask=mask, causal=causal, scale=s
+    )
+    lin = ops.linear_attention(phi(q), phi(k), v, mask=mask, causal=causal, rpe=jnp.exp(table))
     m = np.asarray(mask)
     assert rel_err(np.asarray(lin)[m], np.asarray(soft)[m]) < 1e-9

@@ -39,8 +39,17 @@ SCHEMES = ("fastrpb", "kernelized_rpe", "rope", "lrpe", "permuteformer")
 DECAY = {"permuteformer": {"decay": 0.9}}  # the causal cells run PermuteFormer with a decay
 
 # Layer cases: every linear kernel once, each with a scheme (causal for every other one).
-LAYER_CASES = [(f"layer_{k}_{SCHEMES[i % 5]}_{'causal' if i % 2 else 'bidir'}", "layer", k,
-                SCHEMES[i % 5], bool(i % 2), "mean") for i, k in enumerate(LINEAR)]
+LAYER_CASES = [
+    (
+        f"layer_{k}_{SCHEMES[i % 5]}_{'causal' if i % 2 else 'bidir'}",
+        "layer",
+        k,
+        SCHEMES[i % 5],
+        bool(i % 2),
+        "mean",
+    )
+    for i, k in enumerate(LINEAR)
+]
 # Model cases: (name, "model", kernel, positional, causal, pooling); mean pooling and FastRPB
 # in a model are in the training run.
 MODEL_CASES = [
@@ -51,14 +60,21 @@ MODEL_CASES = [
     ("classify_sikf_absolute_fastrpb", "model", "sikf", "absolute+fastrpb", False, "mean"),
 ]
 TABLE = "pos_absolute']['table']"  # the learned absolute table's path (jax keystr)
-TRAIN_OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
-                   "checkpoint_every_steps": 3, "optimizer.eps": 1e-4,
-                   "model.kernel": "sikf", "model.positional": "absolute,fastrpb,rope",
-                   "model.pooling": "mean"}
+TRAIN_OVERRIDES = {
+    "batch_size": 8,
+    "num_train_steps": 3,
+    "eval_every_steps": 3,
+    "checkpoint_every_steps": 3,
+    "optimizer.eps": 1e-4,
+    "model.kernel": "sikf",
+    "model.positional": "absolute,fastrpb,rope",
+    "model.pooling": "mean",
+}
 
 
 def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
   from fastpos.positional import compatibility
+
   names = pos.split("+")
   opts = {n: DECAY.get(n, {}) if causal else {} for n in names}
   try:
@@ -70,9 +86,13 @@ def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
 
 def matrix_cases():
   """Every linear kernel x scheme, bidirectional (classifier, mean pooling) and causal (LM)."""
-  return [(f"{'lm' if causal else 'classify'}_{k}_{s}", "model", k, s, causal, "mean")
-          for causal in (False, True) for k in LINEAR for s in SCHEMES
-          if not _incompatible(k, s, causal)]
+  return [
+      (f"{'lm' if causal else 'classify'}_{k}_{s}", "model", k, s, causal, "mean")
+      for causal in (False, True)
+      for k in LINEAR
+      for s in SCHEMES
+      if not _incompatible(k, s, causal)
+  ]
 
 
 def table_specs(tree) -> dict[str, list]:
@@ -88,8 +108,9 @@ def table_specs(tree) -> dict[str, list]:
 
 def split_along_positions(specs: dict, devices: int) -> bool:
   """Every table of ``specs`` (``table_specs``) holds 1/devices of the rows on each device."""
-  return all(local == [rows // devices, d] and rows % devices == 0
-             for (rows, d), local in specs.values())
+  return all(
+      local == [rows // devices, d] and rows % devices == 0 for (rows, d), local in specs.values()
+  )
 
 
 def run_cases(cases) -> dict[str, dict[str, float]]:
@@ -129,9 +150,13 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
     # float64 parameters, moved off their init so that no table starts at zero.
     leaves, tree = jax.tree.flatten(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    variables = jax.tree.unflatten(tree, [
-        x.astype(jnp.float64) + 0.2 * jax.random.normal(k, x.shape, jnp.float64)
-        for k, x in zip(keys, leaves)])
+    variables = jax.tree.unflatten(
+        tree,
+        [
+            x.astype(jnp.float64) + 0.2 * jax.random.normal(k, x.shape, jnp.float64)
+            for k, x in zip(keys, leaves)
+        ],
+    )
 
     def loss(v, b):
       out = apply(v, b)
@@ -145,8 +170,12 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
       placed = jax.device_put(variables, tree_shardings(variables, mesh, ()))
       (_, out1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed, split)
     grads = [rel_err(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))]
-    results[name] = {"out": rel_err(out1, out0), "grad": max(grads), "leaves": len(grads),
-                     "table_specs": table_specs({"param": placed, "grad": g1})}
+    results[name] = {
+        "out": rel_err(out1, out0),
+        "grad": max(grads),
+        "leaves": len(grads),
+        "table_specs": table_specs({"param": placed, "grad": g1}),
+    }
   return results
 
 
@@ -157,8 +186,7 @@ def run_training(out: str) -> dict:
   leaves = jax.tree.leaves(r["state"].params)
   np.savez(out + "/params.npz", *[np.asarray(x) for x in leaves])
   state = {"params": r["state"].params, "opt_state": r["state"].opt_state}
-  return {"train": r["train"], "validation": r["validation"],
-          "table_specs": table_specs(state)}
+  return {"train": r["train"], "validation": r["validation"], "table_specs": table_specs(state)}
 
 
 _SCRIPT = """
@@ -178,15 +206,26 @@ print("RESULT" + json.dumps(result))
 
 
 def _run(tmp: Path, names) -> dict:
-  env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-      "--xla_llvm_disable_expensive_passes=true"))
+  env = dict(
+      os.environ,
+      PYTHONPATH=str(ROOT),
+      XLA_FLAGS=(
+          "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+          "--xla_llvm_disable_expensive_passes=true"
+      ),
+  )
   env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp), ",".join(names)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=3000)
+  proc = subprocess.run(
+      [sys.executable, "-c", _SCRIPT, str(tmp), ",".join(names)],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=3000,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
-  return json.loads(line[len("RESULT"):])
+  return json.loads(line[len("RESULT") :])
 
 
 @pytest.fixture(scope="module")
@@ -233,18 +272,22 @@ def test_every_kernel_and_scheme_split_equals_unsplit(tmp_path):
   assert not bad, bad
 
 
-@pytest.mark.parametrize("kernel, pos, two_d, match", [
-    ("softmax", "fastrpb", False, "kernel 'softmax' materialises"),
-    ("elu1", "spe", False, "positional scheme 'spe': its features hook acts before"),
-    ("softmax", "t5_bias", False, "kernel 'softmax'"),
-    ("elu1", "fastrpb", True, "2D grids are not split"),
-])
+@pytest.mark.parametrize(
+    "kernel, pos, two_d, match",
+    [
+        ("softmax", "fastrpb", False, "kernel 'softmax' materialises"),
+        ("elu1", "spe", False, "positional scheme 'spe': its features hook acts before"),
+        ("softmax", "t5_bias", False, "kernel 'softmax'"),
+        ("elu1", "fastrpb", True, "2D grids are not split"),
+    ],
+)
 def test_unsupported_split_is_rejected_naming_it(kernel, pos, two_d, match):
   with pytest.raises(ValueError, match=match) as e:
     cp.check(kernel, [pos], two_d=two_d, seq=2)
   assert "support the kernels elu1, relu" in str(e.value)
   assert "schemes none, absolute, fastrpb, kernelized_rpe, rope, lrpe, permuteformer;" in str(
-      e.value)
+      e.value
+  )
   cp.check(kernel, [pos], two_d=two_d, seq=1)  # one block: anything goes
 
 

@@ -37,9 +37,13 @@ VOCAB, LENGTH, SHIFT = 13, 8, 2
 BLOCKS = (3, 2, 1, 1, 1)  # tokens per decoding call
 TOL = 1e-9
 # Option variants run in the full matrix besides each scheme's defaults.
-VARIANTS = {"permuteformer": [{"decay": 0.9}, {}], "spe": [{}, {"kind": "conv"}],
-            "lrpe": [{}, {"type": 1, "p": "fourier"}], "t5_bias": [{}, {"bucketed": False}],
-            "absolute": [{}, {"kind": "sinusoidal"}]}
+VARIANTS = {
+    "permuteformer": [{"decay": 0.9}, {}],
+    "spe": [{}, {"kind": "conv"}],
+    "lrpe": [{}, {"type": 1, "p": "fourier"}],
+    "t5_bias": [{}, {"bucketed": False}],
+    "absolute": [{}, {"kind": "sinusoidal"}],
+}
 PREFIX_KERNELS = ("favor", "orf")  # full forward's key stabiliser sees future keys (O(eps))
 # dpfp's features are sparse (products of ReLUs), so phi(q).phi(k) can sit far below
 # |phi(q)| |phi(k)|; lrpe's Householder P and rotations of the numerator's features then lose
@@ -83,8 +87,9 @@ def _params(model, toks, mask):
   params = model.init(jax.random.key(0), {"inputs": toks, "mask": mask})["params"]
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype)
-                                   for a, k in zip(leaves, keys)])
+  return jax.tree.unflatten(
+      tree, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
+  )
 
 
 def _forward(model, params, toks, mask):
@@ -101,15 +106,22 @@ def decode_errors(kernel, scheme, opts):
   cache = model.init_cache(2, LENGTH)
   outs, start = [], 0
   for size in BLOCKS:  # a prefill, a block of 2 on a non-empty state, then single tokens
-    logits, cache = step(params, cache, toks[:, start:start + size], mask[:, start:start + size])
+    logits, cache = step(
+        params, cache, toks[:, start : start + size], mask[:, start : start + size]
+    )
     outs.append(logits)
     start += size
   dec = np.asarray(jnp.concatenate(outs, axis=1))
   assert int(cache["index"]) == LENGTH
   if kernel in PREFIX_KERNELS:  # the prefix 0..i: later tokens masked (one compile)
     fwd = jax.jit(functools.partial(_forward, model))
-    ref = np.stack([np.asarray(fwd(params, toks, mask & (jnp.arange(LENGTH) <= i)[None]))[:, i]
-                    for i in range(LENGTH)], axis=1)
+    ref = np.stack(
+        [
+            np.asarray(fwd(params, toks, mask & (jnp.arange(LENGTH) <= i)[None]))[:, i]
+            for i in range(LENGTH)
+        ],
+        axis=1,
+    )
   else:
     ref = np.asarray(_forward(model, params, toks, mask))
   m = np.asarray(mask)[..., None]
@@ -120,14 +132,21 @@ def decode_errors(kernel, scheme, opts):
   return err, shift
 
 
-DEFAULT_CELLS = [("softmax", "t5_bias", {}), ("softmax", "transformer_xl", {}),
-                 ("elu1", "permuteformer", {"decay": 0.9}), ("favor", "rope", {}),
-                 ("sikf", "kernelized_rpe", {}), ("dpfp", "fastrpb", {}),
-                 ("prf", "spe", {"kind": "conv"}), ("relu", "absolute", {})]
+DEFAULT_CELLS = [
+    ("softmax", "t5_bias", {}),
+    ("softmax", "transformer_xl", {}),
+    ("elu1", "permuteformer", {"decay": 0.9}),
+    ("favor", "rope", {}),
+    ("sikf", "kernelized_rpe", {}),
+    ("dpfp", "fastrpb", {}),
+    ("prf", "spe", {"kind": "conv"}),
+    ("relu", "absolute", {}),
+]
 
 
-@pytest.mark.parametrize("kernel,scheme,opts", DEFAULT_CELLS,
-                         ids=[f"{k}-{s}" for k, s, _ in DEFAULT_CELLS])
+@pytest.mark.parametrize(
+    "kernel,scheme,opts", DEFAULT_CELLS, ids=[f"{k}-{s}" for k, s, _ in DEFAULT_CELLS]
+)
 def test_decoding_matches_full_forward(kernel, scheme, opts):
   err, shift = decode_errors(kernel, scheme, opts)
   tol = TOLERANCES.get((kernel, scheme), TOL)
@@ -145,8 +164,7 @@ def test_decoding_every_causal_cell():
   for cell, (err, shift) in sorted(worst.items(), key=lambda kv: -kv[1][0]):
     print(f"{cell}: forward {err:.2e}" + ("" if shift is None else f", shift {shift:.2e}"))
   tol = {c: TOLERANCES.get(c[:2], TOL) for c in worst}
-  bad = {c: e for c, e in worst.items()
-         if e[0] >= tol[c] or (e[1] is not None and e[1] >= tol[c])}
+  bad = {c: e for c, e in worst.items() if e[0] >= tol[c] or (e[1] is not None and e[1] >= tol[c])}
   assert not bad, bad
 
 
@@ -155,11 +173,20 @@ def _cache_shapes(model, max_length):
   return {jax.tree_util.keystr(p): a.shape for p, a in jax.tree_util.tree_leaves_with_path(cache)}
 
 
-@pytest.mark.parametrize("kernel,scheme,opts,constant", [
-    ("elu1", "none", {}, True), ("favor", "rope", {}, True), ("sikf", "lrpe", {}, True),
-    ("dpfp", "permuteformer", {"decay": 0.9}, True), ("prf", "spe", {}, True),
-    ("relu", "absolute", {}, True), ("softmax", "none", {}, False),
-    ("elu1", "fastrpb", {}, False), ("elu1", "kernelized_rpe", {}, False)])
+@pytest.mark.parametrize(
+    "kernel,scheme,opts,constant",
+    [
+        ("elu1", "none", {}, True),
+        ("favor", "rope", {}, True),
+        ("sikf", "lrpe", {}, True),
+        ("dpfp", "permuteformer", {"decay": 0.9}, True),
+        ("prf", "spe", {}, True),
+        ("relu", "absolute", {}, True),
+        ("softmax", "none", {}, False),
+        ("elu1", "fastrpb", {}, False),
+        ("elu1", "kernelized_rpe", {}, False),
+    ],
+)
 def test_state_size(kernel, scheme, opts, constant):
   """Recurrent cells keep the same state whatever the context; caches grow with it."""
   model = _model(kernel, scheme, opts, max_length=64)
@@ -172,7 +199,11 @@ def test_decoding_errors_are_clear():
   toks, mask = _batch()
   params = _params(model, toks, mask)
   with pytest.raises(ValueError, match="init_cache"):
-    model.apply({"params": params}, {"inputs": toks[:, :1], "mask": mask[:, :1]}, decode=True,
-                mutable=["cache"])
+    model.apply(
+        {"params": params},
+        {"inputs": toks[:, :1], "mask": mask[:, :1]},
+        decode=True,
+        mutable=["cache"],
+    )
   with pytest.raises(ValueError, match="max_length"):
     model.init_cache(2, LENGTH + 1)

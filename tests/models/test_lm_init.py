@@ -19,8 +19,15 @@ VOCAB, LENGTH = 142, 16
 def first_loss(width: int, norm: str, tie: bool) -> tuple[float, jax.Array, jax.Array]:
   """(cross-entropy vs random targets, logits, decoded logits) of a fresh one-layer model."""
   c = model_config()
-  c.update(embed_dim=width, num_heads=2, mlp_dim=2 * width, num_layers=1, norm=norm,
-           tie_embeddings=tie, dropout_rate=0.0)
+  c.update(
+      embed_dim=width,
+      num_heads=2,
+      mlp_dim=2 * width,
+      num_layers=1,
+      norm=norm,
+      tie_embeddings=tie,
+      dropout_rate=0.0,
+  )
   model = build_model(c, TaskInfo(kind="lm", vocab_size=VOCAB, max_length=LENGTH))
   inputs = jax.random.randint(jax.random.key(1), (4, LENGTH), 1, VOCAB)
   targets = jax.random.randint(jax.random.key(2), (4, LENGTH), 1, VOCAB)
@@ -29,9 +36,12 @@ def first_loss(width: int, norm: str, tie: bool) -> tuple[float, jax.Array, jax.
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   loss = float(jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit))
   cache = model.init_cache(4, LENGTH)
-  decoded, _ = model.apply({**variables, "cache": cache},
-                           {"inputs": inputs, "mask": jnp.ones(inputs.shape, bool)},
-                           decode=True, mutable=["cache"])
+  decoded, _ = model.apply(
+      {**variables, "cache": cache},
+      {"inputs": inputs, "mask": jnp.ones(inputs.shape, bool)},
+      decode=True,
+      mutable=["cache"],
+  )
   return loss, logits, decoded
 
 

@@ -31,7 +31,7 @@ def _batch(b, n, seed=0, pad=0, pair=False):
   rng = np.random.default_rng(seed)
   ids = rng.integers(1, V, (b, n)).astype(np.int32)
   if pad:
-    ids[:, n - pad:] = 0
+    ids[:, n - pad :] = 0
   out = {"inputs": jnp.asarray(ids), "mask": jnp.asarray(ids != 0)}
   if pair:
     ids2 = rng.integers(1, V, (b, n)).astype(np.int32)
@@ -48,19 +48,26 @@ def _init(model, batch, seed=0):
   return {**variables, "params": jax.tree.unflatten(tree, leaves)}
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(kernel="elu2"), "unknown kernel 'elu2'; valid choices: softmax, elu1"),
-    (dict(positional="fastrbp"), "unknown positional scheme 'fastrbp'; valid choices"),
-    (dict(positional="fastrpb", positional_options={"fastrpb": {"per_haed": True}}),
-     "unknown option 'per_haed' for positional scheme 'fastrpb'; valid options"),
-    (dict(positional="none", positional_options={"fastrpb": {"per_head": True}}),
-     "not in model.positional"),
-    (dict(norm="mid"), "unknown norm 'mid'; valid choices"),
-    (dict(pooling="max"), "unknown pooling 'max'"),
-    (dict(dtype="float16"), "unknown dtype 'float16'"),
-    (dict(kernel_options={"num_feature": 3}), "unknown kernel option 'num_feature'"),
-    (dict(chunk_size=-1), r"model\.chunk_size must be an int >= 0 .*got -1"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(kernel="elu2"), "unknown kernel 'elu2'; valid choices: softmax, elu1"),
+        (dict(positional="fastrbp"), "unknown positional scheme 'fastrbp'; valid choices"),
+        (
+            dict(positional="fastrpb", positional_options={"fastrpb": {"per_haed": True}}),
+            "unknown option 'per_haed' for positional scheme 'fastrpb'; valid options",
+        ),
+        (
+            dict(positional="none", positional_options={"fastrpb": {"per_head": True}}),
+            "not in model.positional",
+        ),
+        (dict(norm="mid"), "unknown norm 'mid'; valid choices"),
+        (dict(pooling="max"), "unknown pooling 'max'"),
+        (dict(dtype="float16"), "unknown dtype 'float16'"),
+        (dict(kernel_options={"num_feature": 3}), "unknown kernel option 'num_feature'"),
+        (dict(chunk_size=-1), r"model\.chunk_size must be an int >= 0 .*got -1"),
+    ],
+)
 def test_bad_config_names_the_value_and_choices(bad, match):
   c = _cfg()
   for k, v in bad.items():
@@ -77,14 +84,17 @@ def test_cls_pooling_with_a_grid_is_rejected():
     build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
 
 
-@pytest.mark.parametrize("kind, kernel, scheme, grid", [
-    ("classify", "elu1", "fastrpb", None),
-    ("classify", "sikf", "kernelized_rpe", (3, 4)),
-    ("classify", "softmax", "fastrpb", (3, 4)),
-    ("retrieval", "favor", "fastrpb", None),
-    ("lm", "elu1", "kernelized_rpe", None),
-    ("lm", "softmax", "fastrpb", None),
-])
+@pytest.mark.parametrize(
+    "kind, kernel, scheme, grid",
+    [
+        ("classify", "elu1", "fastrpb", None),
+        ("classify", "sikf", "kernelized_rpe", (3, 4)),
+        ("classify", "softmax", "fastrpb", (3, 4)),
+        ("retrieval", "favor", "fastrpb", None),
+        ("lm", "elu1", "kernelized_rpe", None),
+        ("lm", "softmax", "fastrpb", None),
+    ],
+)
 def test_model_fast_equals_dense(kind, kernel, scheme, grid):
   n = 12
   task = TaskInfo(kind, V, 3, n, grid=grid)
@@ -101,37 +111,48 @@ def test_model_fast_equals_dense(kind, kernel, scheme, grid):
 
 # ELU+1 with FastRPB is the slowest model here (eager FFTs); its padding is also checked by
 # test_model_fast_equals_dense, so it runs with `-m slow` only.
-@pytest.mark.parametrize("kernel, scheme", [
-    pytest.param("elu1", "fastrpb", marks=pytest.mark.slow), ("softmax", "absolute"),
-    ("favor", "kernelized_rpe")])
+@pytest.mark.parametrize(
+    "kernel, scheme",
+    [
+        pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
+        ("softmax", "absolute"),
+        ("favor", "kernelized_rpe"),
+    ],
+)
 def test_trailing_padding_changes_nothing(kernel, scheme):
   """Classifier logits with 8 real tokens are the same padded to 8 or to 14 tokens."""
   task = TaskInfo("classify", V, 3, 16)
   model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"), task)
   short = _batch(2, 8)
-  long = {"inputs": jnp.pad(short["inputs"], ((0, 0), (0, 6))),
-          "mask": jnp.pad(short["mask"], ((0, 0), (0, 6)))}
+  long = {
+      "inputs": jnp.pad(short["inputs"], ((0, 0), (0, 6))),
+      "mask": jnp.pad(short["mask"], ((0, 0), (0, 6))),
+  }
   v = _init(model, long)
   assert rel_err(model.apply(v, long), model.apply(v, short)) < 1e-9
 
 
-@pytest.mark.parametrize("kernel, scheme", [("elu1", "fastrpb"), ("softmax", "kernelized_rpe"),
-                                            ("sikf", "none")])
+@pytest.mark.parametrize(
+    "kernel, scheme", [("elu1", "fastrpb"), ("softmax", "kernelized_rpe"), ("sikf", "none")]
+)
 def test_lm_never_sees_future_tokens(kernel, scheme):
   n = 10
-  model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"),
-                      TaskInfo("lm", V, 0, n))
+  model = build_model(
+      _cfg(kernel=kernel, positional=scheme, dtype="float64"), TaskInfo("lm", V, 0, n)
+  )
   batch = _batch(1, n)
   v = _init(model, batch)
   apply = jax.jit(model.apply)  # one compile for the n calls (eager dispatch is the cost)
   base = np.asarray(apply(v, batch))
   for i in range(n - 1):
-    changed = dict(batch, inputs=batch["inputs"].at[:, i + 1:].set(
-        (batch["inputs"][:, i + 1:] % (V - 1)) + 1))
+    changed = dict(
+        batch,
+        inputs=batch["inputs"].at[:, i + 1 :].set((batch["inputs"][:, i + 1 :] % (V - 1)) + 1),
+    )
     out = np.asarray(apply(v, changed))
     # FFT round-off only (1e-13 relative); a leak would be of order 1.
-    assert rel_err(out[:, :i + 1], base[:, :i + 1]) < 1e-12, i
-    assert not np.allclose(out[:, i + 1:], base[:, i + 1:])
+    assert rel_err(out[:, : i + 1], base[:, : i + 1]) < 1e-12, i
+    assert not np.allclose(out[:, i + 1 :], base[:, i + 1 :])
 
 
 def test_dual_encoder_shares_one_tower_and_combines_both_orders():
@@ -141,14 +162,22 @@ def test_dual_encoder_shares_one_tower_and_combines_both_orders():
   v = _init(model, batch)
   assert "encoder" in v["params"] and "encoder_1" not in v["params"]
   assert v["params"]["head_hidden"]["kernel"].shape[0] == 4 * 16  # [u, v, u*v, u-v]
-  swapped = dict(batch, inputs=batch["inputs2"], mask=batch["mask2"], inputs2=batch["inputs"],
-                 mask2=batch["mask"])
+  swapped = dict(
+      batch,
+      inputs=batch["inputs2"],
+      mask=batch["mask2"],
+      inputs2=batch["inputs"],
+      mask2=batch["mask"],
+  )
   assert not np.allclose(model.apply(v, batch), model.apply(v, swapped))
 
 
 def test_shared_kernelized_rpe_is_one_table_for_all_layers():
-  cfg = _cfg(kernel="elu1", positional="kernelized_rpe",
-             positional_options={"kernelized_rpe": {"share_across_layers": True}})
+  cfg = _cfg(
+      kernel="elu1",
+      positional="kernelized_rpe",
+      positional_options={"kernelized_rpe": {"share_across_layers": True}},
+  )
   model = build_model(cfg, TaskInfo("classify", V, 3, 8))
   v = model.init(jax.random.key(0), _batch(1, 8))
   enc = v["params"]["encoder"]
@@ -157,24 +186,32 @@ def test_shared_kernelized_rpe_is_one_table_for_all_layers():
 
 
 def test_batchnorm_variant_keeps_running_stats_of_real_tokens_only():
-  model = build_model(_cfg(norm="batch", positional="fastrpb", kernel="elu1"),
-                      TaskInfo("classify", V, 3, 10))
+  model = build_model(
+      _cfg(norm="batch", positional="fastrpb", kernel="elu1"), TaskInfo("classify", V, 3, 10)
+  )
   batch = _batch(2, 10, pad=4)
   v = model.init(jax.random.key(0), batch)
   assert "batch_stats" in v
-  _, upd = model.apply(v, batch, train=True, rngs={"dropout": jax.random.key(1)},
-                       mutable=["batch_stats"])
+  _, upd = model.apply(
+      v, batch, train=True, rngs={"dropout": jax.random.key(1)}, mutable=["batch_stats"]
+  )
   garbage = dict(batch, inputs=batch["inputs"].at[:, -4:].set(5))  # padded ids change
-  _, upd2 = model.apply(v, garbage, train=True, rngs={"dropout": jax.random.key(1)},
-                        mutable=["batch_stats"])
+  _, upd2 = model.apply(
+      v, garbage, train=True, rngs={"dropout": jax.random.key(1)}, mutable=["batch_stats"]
+  )
   for a, b in zip(jax.tree.leaves(upd), jax.tree.leaves(upd2)):
     np.testing.assert_array_equal(a, b)
 
 
 # FastRPB in bfloat16 is covered by softmax + FastRPB; ELU+1 + FastRPB runs with `-m slow`.
-@pytest.mark.parametrize("kernel, scheme", [
-    pytest.param("elu1", "fastrpb", marks=pytest.mark.slow), ("favor", "kernelized_rpe"),
-    ("softmax", "fastrpb")])
+@pytest.mark.parametrize(
+    "kernel, scheme",
+    [
+        pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
+        ("favor", "kernelized_rpe"),
+        ("softmax", "fastrpb"),
+    ],
+)
 def test_bfloat16_tracks_float32(kernel, scheme):
   task = TaskInfo("classify", V, 3, 64)
   batch = _batch(2, 64, pad=5)
@@ -195,16 +232,22 @@ def test_redrawn_features_need_an_rng_and_change_per_key():
   v = _init(model, batch)
   fixed = model.apply(v, batch)  # evaluation: the fixed draw
   np.testing.assert_array_equal(fixed, model.apply(v, batch))
-  outs = [model.apply(v, batch, train=True, rngs={"features": jax.random.key(s),
-                                                  "dropout": jax.random.key(0)})
-          for s in (1, 2)]
+  outs = [
+      model.apply(
+          v, batch, train=True, rngs={"features": jax.random.key(s), "dropout": jax.random.key(0)}
+      )
+      for s in (1, 2)
+  ]
   assert not np.allclose(outs[0], outs[1])
 
 
 def test_nprf_kernel_with_shared_kernelized_rpe():
   # Luo et al.'s recipe is a kernel x scheme cell (a config row), not a scheme of its own.
-  cfg = _cfg(kernel="nprf", positional="kernelized_rpe",
-             positional_options={"kernelized_rpe": {"share_across_layers": True}})
+  cfg = _cfg(
+      kernel="nprf",
+      positional="kernelized_rpe",
+      positional_options={"kernelized_rpe": {"share_across_layers": True}},
+  )
   model = build_model(cfg, TaskInfo("lm", V, 0, 8))
   batch = _batch(1, 8)
   v = model.init(jax.random.key(0), batch)
@@ -231,4 +274,3 @@ def test_transformer_xl_memory_reproduces_the_full_sequence(norm):
   out2, _ = mem_model.apply(v, second, memory=memory)
   assert rel_err(np.asarray(out1), full[:, :seg]) < 1e-9
   assert rel_err(np.asarray(out2), full[:, seg:]) < 1e-9
-

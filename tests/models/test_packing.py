@@ -34,16 +34,16 @@ def _packed_row(seqs):
   inputs, ids, pos = (np.zeros((1, N), np.int32) for _ in range(3))
   at = 0
   for s, seq in enumerate(seqs, 1):
-    inputs[0, at:at + len(seq)] = seq
-    ids[0, at:at + len(seq)] = s
-    pos[0, at:at + len(seq)] = np.arange(len(seq))
+    inputs[0, at : at + len(seq)] = seq
+    ids[0, at : at + len(seq)] = s
+    pos[0, at : at + len(seq)] = np.arange(len(seq))
     at += len(seq)
   return {"inputs": inputs, "mask": inputs != 0, "segment_ids": ids, "positions": pos}
 
 
 def _alone(seq):
   inputs = np.zeros((1, N), np.int32)
-  inputs[0, :len(seq)] = seq
+  inputs[0, : len(seq)] = seq
   return {"inputs": inputs, "mask": inputs != 0}
 
 
@@ -51,17 +51,22 @@ def _random_params(model, batch):
   variables = model.init(jax.random.key(0), batch)
   leaves, tree = jax.tree.flatten(variables)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
-                                   for k, x in zip(keys, leaves)])
+  return jax.tree.unflatten(
+      tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
 
 
-@pytest.mark.parametrize("scheme, layers", [
-    ("absolute+t5_bias", {}),
-    # The segments reach the layers through nn.scan and remat, too.
-    ("absolute+t5_bias", dict(num_layers=2, scan_layers=True, remat="block")),
-    pytest.param("rope", {}, marks=pytest.mark.slow),
-    pytest.param("absolute", {}, marks=pytest.mark.slow),
-    pytest.param("absolute+kernelized_rpe", {}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "scheme, layers",
+    [
+        ("absolute+t5_bias", {}),
+        # The segments reach the layers through nn.scan and remat, too.
+        ("absolute+t5_bias", dict(num_layers=2, scan_layers=True, remat="block")),
+        pytest.param("rope", {}, marks=pytest.mark.slow),
+        pytest.param("absolute", {}, marks=pytest.mark.slow),
+        pytest.param("absolute+kernelized_rpe", {}, marks=pytest.mark.slow),
+    ],
+)
 def test_packed_row_equals_each_sequence_alone(scheme, layers):
   cfg = _cfg("softmax", scheme)
   cfg.update(layers)
@@ -73,20 +78,23 @@ def test_packed_row_equals_each_sequence_alone(scheme, layers):
   packed = np.asarray(apply(variables, row))[0]
   at, worst = 0, 0.0
   for seq in seqs:
-    alone = np.asarray(apply(variables, _alone(seq)))[0, :len(seq)]
-    worst = max(worst, rel_err(packed[at:at + len(seq)], alone))
+    alone = np.asarray(apply(variables, _alone(seq)))[0, : len(seq)]
+    worst = max(worst, rel_err(packed[at : at + len(seq)], alone))
     at += len(seq)
   print(f"{scheme}: worst relative error, packed vs alone: {worst:.2e}")
   assert worst < 1e-9, worst
   unpacked = np.asarray(apply(variables, {k: row[k] for k in ("inputs", "mask")}))[0]
-  assert rel_err(unpacked[LENGTHS[0]:], packed[LENGTHS[0]:]) > 1e-3  # the segments matter
+  assert rel_err(unpacked[LENGTHS[0] :], packed[LENGTHS[0] :]) > 1e-3  # the segments matter
 
 
-@pytest.mark.parametrize("kernel, scheme, match", [
-    ("elu1", "absolute", "kernel 'elu1' is linear: its causal state would need a reset"),
-    ("softmax", "absolute+fastrpb", "scheme 'fastrpb': its W V is one Toeplitz product"),
-    ("softmax", "permuteformer", "scheme 'permuteformer': not checked for packing"),
-])
+@pytest.mark.parametrize(
+    "kernel, scheme, match",
+    [
+        ("elu1", "absolute", "kernel 'elu1' is linear: its causal state would need a reset"),
+        ("softmax", "absolute+fastrpb", "scheme 'fastrpb': its W V is one Toeplitz product"),
+        ("softmax", "permuteformer", "scheme 'permuteformer': not checked for packing"),
+    ],
+)
 def test_cells_that_cannot_pack_refuse(kernel, scheme, match):
   model = build_model(_cfg(kernel, scheme), TaskInfo("lm", V, 0, N))
   row = _packed_row(_sequences())
@@ -99,8 +107,7 @@ def test_refusal_table():
   assert segments.packing_refusal("softmax", ["absolute", "rope"], causal=True) is None
   assert "spans the whole row" in segments.packing_refusal("sikf", ["none"], causal=False)
   assert "grid" in segments.packing_refusal("softmax", ["none"], causal=False, grid=(4, 4))
-  assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True,
-                                              memory_length=8)
+  assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True, memory_length=8)
   with pytest.raises(ValueError, match="needs 'positions'"):
     with segments.packed(np.ones((1, 4), np.int32), None):
       pass
@@ -109,8 +116,9 @@ def test_refusal_table():
 def test_bidirectional_layer_keeps_segments_apart():
   """The attention layer itself, bidirectional softmax + T5 bias, float64: a packed row's
   outputs equal each segment run alone (padded)."""
-  layer = Attention(attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)),
-                    dtype=jnp.float64)
+  layer = Attention(
+      attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)), dtype=jnp.float64
+  )
   x = np.random.default_rng(0).normal(size=(1, N, 16))
   row = _packed_row(_sequences())
   variables = _random_params(layer, x)
@@ -119,8 +127,8 @@ def test_bidirectional_layer_keeps_segments_apart():
   at, worst = 0, 0.0
   for n in LENGTHS:
     alone = np.zeros_like(x)
-    alone[0, :n] = x[0, at:at + n]
+    alone[0, :n] = x[0, at : at + n]
     out = np.asarray(layer.apply(variables, alone, mask=np.arange(N)[None] < n))[0, :n]
-    worst = max(worst, rel_err(packed[at:at + n], out))
+    worst = max(worst, rel_err(packed[at : at + n], out))
     at += n
   assert worst < 1e-9, worst

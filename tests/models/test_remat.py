@@ -21,8 +21,15 @@ N = 12
 
 def _cfg(**kw):
   c = model_config()
-  c.update(num_layers=2, embed_dim=16, num_heads=2, mlp_dim=32, dropout_rate=0.0,
-           dtype="float64", chunk_size=4)
+  c.update(
+      num_layers=2,
+      embed_dim=16,
+      num_heads=2,
+      mlp_dim=32,
+      dropout_rate=0.0,
+      dtype="float64",
+      chunk_size=4,
+  )
   c.kernel_options.num_features = 8
   for k, v in kw.items():
     if isinstance(v, dict):
@@ -36,7 +43,7 @@ def _cfg(**kw):
 def _batch(kind):
   rng = np.random.default_rng(0)
   ids = rng.integers(1, V, (2, N)).astype(np.int32)
-  ids[1, N - 3:] = 0  # padding in the second row
+  ids[1, N - 3 :] = 0  # padding in the second row
   out = {"inputs": jnp.asarray(ids), "mask": jnp.asarray(ids != 0)}
   if kind == "classify":
     out["targets"] = jnp.asarray([0, 2])
@@ -45,11 +52,18 @@ def _batch(kind):
 
 def _loss(model, kind):
   """A scalar of the whole output: the gradient reaches every parameter."""
+
   def fn(params, rest, batch):
-    out = model.apply({"params": params, **rest}, batch, train=True, mutable=["batch_stats"],
-                      rngs={"dropout": jax.random.key(3)})[0]
+    out = model.apply(
+        {"params": params, **rest},
+        batch,
+        train=True,
+        mutable=["batch_stats"],
+        rngs={"dropout": jax.random.key(3)},
+    )[0]
     w = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
     return jnp.sum(out * w), out
+
   return jax.jit(jax.value_and_grad(fn, has_aux=True))
 
 
@@ -62,9 +76,13 @@ CELLS = [
     pytest.param(("lm", "nprf", "kernelized_rpe", dict(norm="pre")), marks=pytest.mark.slow),
 ]
 # The default run holds each setting against one cell; `-m slow` runs every pair.
-SETTINGS = [("block", False), pytest.param("save_matmuls", False, marks=pytest.mark.slow),
-            pytest.param("none", True, marks=pytest.mark.slow), ("block", True),
-            ("save_dots", True)]
+SETTINGS = [
+    ("block", False),
+    pytest.param("save_matmuls", False, marks=pytest.mark.slow),
+    pytest.param("none", True, marks=pytest.mark.slow),
+    ("block", True),
+    ("save_dots", True),
+]
 
 
 def _id(cell):
@@ -78,12 +96,21 @@ def reference(request):
   model = build_model(_cfg(kernel=kernel, positional=scheme, **extra), task)
   batch = _batch(kind)
   variables = model.init(jax.random.key(0), batch)
-  params = jax.tree.map(lambda p: p + 0.1 * jnp.sin(jnp.arange(p.size).reshape(p.shape) + 1.0),
-                        variables["params"])
+  params = jax.tree.map(
+      lambda p: p + 0.1 * jnp.sin(jnp.arange(p.size).reshape(p.shape) + 1.0), variables["params"]
+  )
   rest = {k: v for k, v in variables.items() if k != "params"}
   (_, out), grads = _loss(model, kind)(params, rest, batch)
-  return dict(kind=kind, task=task, fields=dict(kernel=kernel, positional=scheme, **extra),
-              batch=batch, params=params, rest=rest, out=out, grads=grads)
+  return dict(
+      kind=kind,
+      task=task,
+      fields=dict(kernel=kernel, positional=scheme, **extra),
+      batch=batch,
+      params=params,
+      rest=rest,
+      out=out,
+      grads=grads,
+  )
 
 
 @pytest.mark.parametrize("remat, scan", SETTINGS)
@@ -91,8 +118,7 @@ def test_remat_and_scan_change_no_output_or_gradient(reference, remat, scan):
   r = reference
   model = build_model(_cfg(**r["fields"], remat=remat, scan_layers=scan), r["task"])
   convert = (lambda t: stack_layers(t, 2)) if scan else (lambda t: t)
-  (_, out), grads = _loss(model, r["kind"])(convert(r["params"]), convert(r["rest"]),
-                                            r["batch"])
+  (_, out), grads = _loss(model, r["kind"])(convert(r["params"]), convert(r["rest"]), r["batch"])
   assert rel_err(out, r["out"]) < 1e-9
   if scan:
     grads = unstack_layers(grads, 2)
@@ -108,8 +134,10 @@ def test_scanned_parameters_are_stacked_on_a_layer_axis():
   unrolled = build_model(_cfg(kernel="elu1", positional="fastrpb"), task)
   scanned = build_model(_cfg(kernel="elu1", positional="fastrpb", scan_layers=True), task)
   batch = _batch("classify")
-  zeros = lambda m: jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(
-      m.init, jax.random.key(0), batch)["params"])
+  zeros = lambda m: jax.tree.map(
+      lambda s: np.zeros(s.shape, s.dtype),
+      jax.eval_shape(m.init, jax.random.key(0), batch)["params"],
+  )
   a, b = zeros(unrolled), zeros(scanned)
   assert set(b["encoder"]) == {"layers"}
   shapes = lambda t: jax.tree.map(np.shape, t)
@@ -119,18 +147,27 @@ def test_scanned_parameters_are_stacked_on_a_layer_axis():
 
 def test_bad_remat_names_the_valid_choices():
   task = TaskInfo("classify", V, 3, N)
-  with pytest.raises(ValueError, match="unknown model.remat 'full'; valid choices: none, "
-                                       "block, save_matmuls, save_dots"):
+  with pytest.raises(
+      ValueError,
+      match="unknown model.remat 'full'; valid choices: none, " "block, save_matmuls, save_dots",
+  ):
     build_model(_cfg(remat="full"), task)
   with pytest.raises(ValueError, match="model.scan_layers must be a bool; got 'yes'"):
     build_model(ml_collections.ConfigDict({**_cfg().to_dict(), "scan_layers": "yes"}), task)
 
 
 def test_scan_with_a_scheme_shared_across_layers_is_refused_naming_both():
-  cfg = _cfg(kernel="elu1", positional="kernelized_rpe", scan_layers=True,
-             positional_options={"kernelized_rpe": {"share_across_layers": True}})
-  with pytest.raises(ValueError, match=r"model.scan_layers=True cannot share a scheme across "
-                                       r"layers \(share_across_layers of kernelized_rpe\)"):
+  cfg = _cfg(
+      kernel="elu1",
+      positional="kernelized_rpe",
+      scan_layers=True,
+      positional_options={"kernelized_rpe": {"share_across_layers": True}},
+  )
+  with pytest.raises(
+      ValueError,
+      match=r"model.scan_layers=True cannot share a scheme across "
+      r"layers \(share_across_layers of kernelized_rpe\)",
+  ):
     build_model(cfg, TaskInfo("classify", V, 3, N))
 
 
@@ -152,11 +189,13 @@ def test_lean_mlp_equals_the_textbook_mlp_with_its_dropout_masks(deterministic):
   lean, ref = MLP(32, 0.3, dtype=jnp.float64), _TextbookMLP()
   params = ref.init(jax.random.key(1), x, deterministic=True)
   assert jax.tree.map(np.shape, lean.init(jax.random.key(1), x, deterministic=True)) == (
-      jax.tree.map(np.shape, params))
+      jax.tree.map(np.shape, params)
+  )
   outs = []
   for m in (lean, ref):
-    f = lambda p, x, m=m: m.apply(p, x, deterministic=deterministic,
-                                  rngs={"dropout": jax.random.key(2)})
+    f = lambda p, x, m=m: m.apply(
+        p, x, deterministic=deterministic, rngs={"dropout": jax.random.key(2)}
+    )
     y, vjp = jax.vjp(f, params, x)
     outs.append((y, vjp(jnp.cos(y))))
   (y0, g0), (y1, g1) = outs

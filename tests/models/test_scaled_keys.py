@@ -22,10 +22,16 @@ B, N, D, H = 2, 24, 16, 2
 
 
 def _cfg(kernel, schemes=(), causal=True):
-  return AttentionConfig(num_heads=H, head_dim=D // H, embed_dim=D,
-                         kernel=KernelSpec(kernel, num_features=16),
-                         positional=tuple(PositionalSpec.make(s) for s in schemes),
-                         max_length=64, causal=causal, chunk_size=8)
+  return AttentionConfig(
+      num_heads=H,
+      head_dim=D // H,
+      embed_dim=D,
+      kernel=KernelSpec(kernel, num_features=16),
+      positional=tuple(PositionalSpec.make(s) for s in schemes),
+      max_length=64,
+      causal=causal,
+      chunk_size=8,
+  )
 
 
 @pytest.fixture
@@ -42,24 +48,33 @@ def op_calls(monkeypatch):
   return calls
 
 
-@pytest.mark.parametrize("kernel,schemes,wired", [
-    ("sikf", (), True), ("favor", (), True), ("orf", (), True), ("prf", (), True),
-    ("sikf", ("permuteformer",), True), ("favor", ("permuteformer",), True),
-    ("favor", ("spe",), True),
-    ("sikf", ("rope",), False), ("favor", ("rope",), False),  # den_features: old path
-    ("sikf", ("kernelized_rpe",), False),  # rpe: old path
-    ("elu1", (), False),
-])
+@pytest.mark.parametrize(
+    "kernel,schemes,wired",
+    [
+        ("sikf", (), True),
+        ("favor", (), True),
+        ("orf", (), True),
+        ("prf", (), True),
+        ("sikf", ("permuteformer",), True),
+        ("favor", ("permuteformer",), True),
+        ("favor", ("spe",), True),
+        ("sikf", ("rope",), False),
+        ("favor", ("rope",), False),  # den_features: old path
+        ("sikf", ("kernelized_rpe",), False),  # rpe: old path
+        ("elu1", (), False),
+    ],
+)
 def test_layer_equals_dense_float64(kernel, schemes, wired, op_calls):
   cfg = _cfg(kernel, schemes)
   attn = Attention(cfg, dtype=jnp.float64)
   x = jax.random.normal(jax.random.key(1), (B, N, D), jnp.float64)
-  mask = jnp.ones((B, N), bool).at[1, :3].set(False).at[1, N - 2:].set(False)
+  mask = jnp.ones((B, N), bool).at[1, :3].set(False).at[1, N - 2 :].set(False)
   params = attn.init(jax.random.key(0), x)["params"]
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(2), len(leaves))
-  params = jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, a.shape, jnp.float64)
-                                     for k, a in zip(keys, leaves)])
+  params = jax.tree.unflatten(
+      tree, [0.3 * jax.random.normal(k, a.shape, jnp.float64) for k, a in zip(keys, leaves)]
+  )
   op_calls.clear()  # init ran the layer once
   fast = attn.apply({"params": params}, x, mask=mask)
   assert len(op_calls) == 1
@@ -87,8 +102,15 @@ def huge_key_layer():
   exponent exceeds the first key's max by about 125 (exp overflows float32 past ~88). The
   query projection ignores input channel 0, which carries the push, so only the key is huge
   (a huge query too would make that token's own row a ratio of terms below float32's range)."""
-  cfg = AttentionConfig(num_heads=H, head_dim=D // H, embed_dim=D, kernel=KernelSpec("sikf"),
-                        max_length=64, causal=True, chunk_size=16)
+  cfg = AttentionConfig(
+      num_heads=H,
+      head_dim=D // H,
+      embed_dim=D,
+      kernel=KernelSpec("sikf"),
+      max_length=64,
+      causal=True,
+      chunk_size=16,
+  )
   n = 64
   attn32, attn64 = Attention(cfg), Attention(cfg, dtype=jnp.float64)
   x = np.asarray(jax.random.normal(jax.random.key(3), (1, n, D), jnp.float64)) * 0.5

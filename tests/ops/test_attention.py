@@ -14,8 +14,7 @@ LENGTHS = (1, 2, 7, 64, 257, 1000)
 FFT_ROUNDOFF = 1e-13  # rpe paths go through the FFT (see tests.helpers)
 
 # One compiled function per (static options, shape), shared by all tests.
-linear_fast = jax.jit(attention.linear_attention,
-                      static_argnames=("causal", "grid", "chunk_size"))
+linear_fast = jax.jit(attention.linear_attention, static_argnames=("causal", "grid", "chunk_size"))
 linear_dense = jax.jit(attention.linear_attention_reference, static_argnames=("causal", "grid"))
 softmax_fast = jax.jit(attention.softmax_attention, static_argnames=("causal",))
 softmax_dense = jax.jit(attention.softmax_attention_reference, static_argnames=("causal",))
@@ -34,8 +33,12 @@ def _mask(b, n, n_real):
 
 def _inputs(n, heads, *, m=5, d=4, seed=0):
   rng = np.random.default_rng(seed + n * 7 + heads)
-  return (_features(rng, (2, n, heads, m)), _features(rng, (2, n, heads, m)),
-          rng.normal(size=(2, n, heads, d)), rng)
+  return (
+      _features(rng, (2, n, heads, m)),
+      _features(rng, (2, n, heads, m)),
+      rng.normal(size=(2, n, heads, d)),
+      rng,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,10 +122,15 @@ def test_linear_attention_gradients_match_dense(causal, use_rpe):
 
   args = (pq, pk, v, rpe)
   argnums = (0, 1, 2, 3) if use_rpe else (0, 1, 2)
-  fast = jax.jit(jax.grad(functools.partial(loss, functools.partial(
-      attention.linear_attention, chunk_size=4)), argnums=argnums))(*args)
-  dense = jax.jit(jax.grad(functools.partial(loss, attention.linear_attention_reference),
-                           argnums=argnums))(*args)
+  fast = jax.jit(
+      jax.grad(
+          functools.partial(loss, functools.partial(attention.linear_attention, chunk_size=4)),
+          argnums=argnums,
+      )
+  )(*args)
+  dense = jax.jit(
+      jax.grad(functools.partial(loss, attention.linear_attention_reference), argnums=argnums)
+  )(*args)
   for a, b in zip(fast, dense):
     assert rel_err(a, b) < 1e-9
 
@@ -136,8 +144,10 @@ def rpe_fft_path(monkeypatch):
   monkeypatch.setattr(attention, "_RPE_GROUP_BYTES", 1)
 
 
-@pytest.mark.parametrize("causal, grid, masked", [(False, None, True), (True, None, True),
-                                                  (True, (3, 5), True), (False, (3, 5), False)])
+@pytest.mark.parametrize(
+    "causal, grid, masked",
+    [(False, None, True), (True, None, True), (True, (3, 5), True), (False, (3, 5), False)],
+)
 def test_rpe_fft_path_matches_dense(rpe_fft_path, causal, grid, masked):
   """The FFT path (one loop step per head and feature, custom backward): outputs and the
   gradients of every input, the table included, equal the dense reference in float64."""
@@ -150,8 +160,10 @@ def test_rpe_fft_path_matches_dense(rpe_fft_path, causal, grid, masked):
   def loss(fn, *args):
     return jnp.sum(fn(*args[:3], mask=mask, causal=causal, rpe=args[3], grid=grid) * probe)
 
-  grads = [jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3)))(
-      pq, pk, v, rpe) for fn in (attention.linear_attention, attention.linear_attention_reference)]
+  grads = [
+      jax.jit(jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3)))(pq, pk, v, rpe)
+      for fn in (attention.linear_attention, attention.linear_attention_reference)
+  ]
   assert rel_err(grads[0][0], grads[1][0]) < 1e-9
   for a, b in zip(grads[0][1], grads[1][1]):
     assert rel_err(a, b) < 1e-9
@@ -181,9 +193,10 @@ def test_rpe_fft_path_never_sees_the_future(rpe_fft_path):
     assert_causal_jacobian(jac, n, in_axis=4, rtol=FFT_ROUNDOFF)
 
 
-@pytest.mark.parametrize("use_rpe, grid, n", [(False, None, 12), (True, None, 12),
-                                               (True, None, 80), (True, (3, 4), 12),
-                                               (True, (9, 9), 81)])
+@pytest.mark.parametrize(
+    "use_rpe, grid, n",
+    [(False, None, 12), (True, None, 12), (True, None, 80), (True, (3, 4), 12), (True, (9, 9), 81)],
+)
 def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
   heads = 2
   pq, pk, v, rng = _inputs(n, heads, seed=6)
@@ -192,8 +205,9 @@ def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
   if use_rpe:
     shape = (heads, 2 * n - 1) if grid is None else (heads, 2 * grid[0] - 1, 2 * grid[1] - 1)
     rpe = np.exp(rng.normal(size=shape))
-  fn = lambda a, b, c: attention.linear_attention(a, b, c, causal=True, rpe=rpe, grid=grid,
-                                                  chunk_size=5)[0]
+  fn = lambda a, b, c: attention.linear_attention(
+      a, b, c, causal=True, rpe=rpe, grid=grid, chunk_size=5
+  )[0]
   rtol = FFT_ROUNDOFF if use_rpe else 0.0  # the chunked path is exactly causal
   for argnum, x in enumerate((pq, pk, v)):
     jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, pk, v)  # [n, h, d, 1, n, h, m]
@@ -214,9 +228,15 @@ def test_padding_never_changes_real_outputs(causal, use_rpe):
   out2 = linear_fast(pq, pk2, v2, mask=mask, causal=causal, rpe=rpe, chunk_size=8)
   assert rel_err(out2[-1, :n_real], out[-1, :n_real]) < 1e-12
   # and the padded sequence equals the unpadded one (rpe sliced to the real length)
-  rpe_small = None if rpe is None else rpe[:, n - n_real: n + n_real - 1]
-  short = linear_fast(pq[-1:, :n_real], pk[-1:, :n_real], v[-1:, :n_real], causal=causal,
-                      rpe=rpe_small, chunk_size=8)
+  rpe_small = None if rpe is None else rpe[:, n - n_real : n + n_real - 1]
+  short = linear_fast(
+      pq[-1:, :n_real],
+      pk[-1:, :n_real],
+      v[-1:, :n_real],
+      causal=causal,
+      rpe=rpe_small,
+      chunk_size=8,
+  )
   assert rel_err(out[-1:, :n_real], short) < 1e-12
 
 
@@ -283,12 +303,14 @@ def test_softmax_attention_causal_and_padding_by_gradient():
   rng = np.random.default_rng(12)
   q, k, v = (rng.normal(size=(1, n, 2, 4)) for _ in range(3))
   for argnum in (1, 2):
-    jac = jax.jit(jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0],
-                             argnums=argnum))(q, k, v)
+    jac = jax.jit(
+        jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0], argnums=argnum)
+    )(q, k, v)
     assert_causal_jacobian(jac, n, in_axis=4)  # [n, h, d, 1, n, h, d]
   mask = _mask(1, n, 6)
-  jac = np.asarray(jax.jit(jax.jacrev(
-      lambda k: attention.softmax_attention(q, k, v, mask=mask)[0]))(k))
+  jac = np.asarray(
+      jax.jit(jax.jacrev(lambda k: attention.softmax_attention(q, k, v, mask=mask)[0]))(k)
+  )
   assert np.all(jac[:, :, :, :, 6:] == 0.0)  # padded keys have no influence
 
 
@@ -303,21 +325,35 @@ _X = jnp.ones((2, 5, 3, 4))
     [
         (lambda: attention.linear_attention(_X[0], _X, _X), r"phi_q must be .*rank 4.*\(5, 3, 4\)"),
         (lambda: attention.linear_attention(_X, _X[:, :4], _X), r"share \[batch, length, heads\]"),
-        (lambda: attention.linear_attention(_X, _X, _X, mask=jnp.ones((2, 4), bool)),
-         r"mask must be \[batch, length\]=\(2, 5\).*\(2, 4\)"),
-        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 8))),
-         r"rpe must be \[heads, 2N-1\]=\(3, 9\).*\(3, 8\)"),
-        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 9)).at[0, 0].set(0.0)),
-         r"positive.*minimum is 0.0"),
-        (lambda: attention.linear_attention(_X, _X, _X, rpe=-jnp.ones((3, 9))),
-         r"positive.*minimum is -1.0"),
-        (lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 3, 3)), grid=(2, 2)),
-         r"grid \(2, 2\).*H\*W=4 but N=5"),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, mask=jnp.ones((2, 4), bool)),
+            r"mask must be \[batch, length\]=\(2, 5\).*\(2, 4\)",
+        ),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 8))),
+            r"rpe must be \[heads, 2N-1\]=\(3, 9\).*\(3, 8\)",
+        ),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 9)).at[0, 0].set(0.0)),
+            r"positive.*minimum is 0.0",
+        ),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, rpe=-jnp.ones((3, 9))),
+            r"positive.*minimum is -1.0",
+        ),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, rpe=jnp.ones((3, 3, 3)), grid=(2, 2)),
+            r"grid \(2, 2\).*H\*W=4 but N=5",
+        ),
         (lambda: attention.linear_attention(_X, _X, _X, grid=(1, 5)), r"grid is only used"),
-        (lambda: attention.linear_attention(_X, _X, _X, causal=True, chunk_size=0),
-         r"chunk_size.*got 0"),
-        (lambda: attention.softmax_attention(_X, _X, _X, bias=jnp.ones((3, 4, 4))),
-         r"bias must be .*Lq=5, Lk=5.*\(1, 3, 4, 4\)"),
+        (
+            lambda: attention.linear_attention(_X, _X, _X, causal=True, chunk_size=0),
+            r"chunk_size.*got 0",
+        ),
+        (
+            lambda: attention.softmax_attention(_X, _X, _X, bias=jnp.ones((3, 4, 4))),
+            r"bias must be .*Lq=5, Lk=5.*\(1, 3, 4, 4\)",
+        ),
         (lambda: attention.softmax_attention(_X, _X[..., :2], _X), r"same last dim"),
     ],
 )
@@ -341,11 +377,17 @@ def test_key_log_scale_matches_dense_float64(causal, key_eps):
   pq, e, v, s, rng = _scaled_inputs(n, heads, 11)
   mask, probe = _mask(2, n, 30), rng.normal(size=v.shape)
   fast = lambda q, k, vv, ls: attention.linear_attention(
-      q, k, vv, mask=mask, causal=causal, key_log_scale=ls, key_eps=key_eps, chunk_size=8)
+      q, k, vv, mask=mask, causal=causal, key_log_scale=ls, key_eps=key_eps, chunk_size=8
+  )
   dense = lambda q, k, vv, ls: attention.linear_attention_reference(
-      q, k * jnp.exp(ls)[..., None] + key_eps, vv, mask=mask, causal=causal)
-  got = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a) * probe), argnums=(0, 1, 2, 3)))(
-      pq, e, v, s) for f in (fast, dense)]
+      q, k * jnp.exp(ls)[..., None] + key_eps, vv, mask=mask, causal=causal
+  )
+  got = [
+      jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(f(*a) * probe), argnums=(0, 1, 2, 3)))(
+          pq, e, v, s
+      )
+      for f in (fast, dense)
+  ]
   assert rel_err(got[0][0], got[1][0]) < 1e-9
   for a, b in zip(got[0][1], got[1][1]):
     assert rel_err(a, b) < 1e-9
@@ -376,8 +418,9 @@ def test_key_log_scale_never_sees_the_future():
   n, heads = 12, 2
   pq, e, v, s, _ = _scaled_inputs(n, heads, 12)
   pq, e, v, s = pq[:1], e[:1], v[:1], s[:1]
-  fn = lambda a, b, c, d: attention.linear_attention(a, b, c, causal=True, key_log_scale=d,
-                                                     key_eps=0.1, chunk_size=5)[0]
+  fn = lambda a, b, c, d: attention.linear_attention(
+      a, b, c, causal=True, key_log_scale=d, key_eps=0.1, chunk_size=5
+  )[0]
   for argnum in range(4):
     jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, e, v, s)
     assert_causal_jacobian(jac, n, in_axis=4)
@@ -400,11 +443,11 @@ def test_late_huge_key_does_not_overflow_the_running_max(name):
   old = features.feature_map(name, f32(x), projection=f32(proj), causal=True)
   assert not np.all(np.isfinite(np.asarray(old)))  # the scheme this replaces overflows here
   e, s, key_eps = features.causal_key_parts(name, f32(x), projection=f32(proj))
-  out = attention.linear_attention(q, e, f32(v), causal=True, key_log_scale=s,
-                                   key_eps=key_eps)
+  out = attention.linear_attention(q, e, f32(v), causal=True, key_log_scale=s, key_eps=key_eps)
   e64, s64, _ = features.causal_key_parts(name, x, projection=proj)
-  ref = linear_dense(np.asarray(q, np.float64), e64 * jnp.exp(s64)[..., None] + key_eps, v,
-                     causal=True)
+  ref = linear_dense(
+      np.asarray(q, np.float64), e64 * jnp.exp(s64)[..., None] + key_eps, v, causal=True
+  )
   assert np.all(np.isfinite(np.asarray(out)))
   assert rel_err(out, ref) < 1e-4
 
@@ -426,5 +469,4 @@ def test_key_log_scale_refuses_what_is_not_built():
   with pytest.raises(ValueError, match="key_log_scale must be"):
     attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4)))
   with pytest.raises(ValueError, match="not built together with rpe"):
-    attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4, 2)),
-                               rpe=jnp.ones((2, 7)))
+    attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4, 2)), rpe=jnp.ones((2, 7)))

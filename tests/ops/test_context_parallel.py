@@ -24,10 +24,18 @@ CASES = [
     ("toeplitz_causal", 4, "toeplitz", {"causal": True}),
     ("scan_decay_p3", 3, "scan", {"decay": True}),
     ("linear", 4, "linear", {"mask": True}),
-    ("linear_causal_decay_den", 4, "linear", {"causal": True, "decay": True, "den": True,
-                                              "mask": True}),
-    ("linear_causal_rpe_decay", 4, "linear", {"causal": True, "rpe": True, "decay": True,
-                                              "mask": True}),
+    (
+        "linear_causal_decay_den",
+        4,
+        "linear",
+        {"causal": True, "decay": True, "den": True, "mask": True},
+    ),
+    (
+        "linear_causal_rpe_decay",
+        4,
+        "linear",
+        {"causal": True, "rpe": True, "decay": True, "mask": True},
+    ),
 ]
 SLOW_CASES = [
     ("toeplitz", 4, "toeplitz", {}),
@@ -38,8 +46,12 @@ SLOW_CASES = [
     ("linear_causal", 4, "linear", {"causal": True, "mask": True}),
     ("linear_causal_p3", 3, "linear", {"causal": True, "decay": True}),
     ("linear_rpe", 4, "linear", {"rpe": True}),
-    ("linear_causal_rpe_den", 4, "linear", {"causal": True, "rpe": True, "den": True,
-                                            "mask": True}),
+    (
+        "linear_causal_rpe_den",
+        4,
+        "linear",
+        {"causal": True, "rpe": True, "den": True, "mask": True},
+    ),
 ]
 
 
@@ -86,8 +98,11 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
       local = lambda a: cp.exclusive_scan(a["x"], axis_name="seq", log_decay=decay, block=block)
     else:
       b, h, m, d = 2, 2, 3, 4
-      args = {"q": rng.uniform(0.1, 1.0, (b, n, h, m)), "k": rng.uniform(0.1, 1.0, (b, n, h, m)),
-              "v": rng.normal(size=(b, n, h, d))}
+      args = {
+          "q": rng.uniform(0.1, 1.0, (b, n, h, m)),
+          "k": rng.uniform(0.1, 1.0, (b, n, h, m)),
+          "v": rng.normal(size=(b, n, h, d)),
+      }
       specs = {"q": split, "k": split, "v": split}
       if opts.get("rpe"):
         args["rpe"] = np.exp(0.3 * rng.normal(size=(h, 2 * n - 1)))
@@ -106,18 +121,26 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
 
       def kw(a, m):
         den = (a["den_q"], a["den_k"]) if "den_q" in a else None
-        return dict(mask=m, causal=causal, rpe=a.get("rpe"), decay=a.get("decay"),
-                    den_features=den, chunk_size=3)
+        return dict(
+            mask=m,
+            causal=causal,
+            rpe=a.get("rpe"),
+            decay=a.get("decay"),
+            den_features=den,
+            chunk_size=3,
+        )
 
       full = lambda a: attention.linear_attention(a["q"], a["k"], a["v"], **kw(a, mask))
       if mask is None:
-        local = lambda a: cp.linear_attention(a["q"], a["k"], a["v"], axis_name="seq",
-                                              **kw(a, None))
+        local = lambda a: cp.linear_attention(
+            a["q"], a["k"], a["v"], axis_name="seq", **kw(a, None)
+        )
       else:
         args["mask"] = np.asarray(mask)
         specs["mask"] = split
-        local = lambda a: cp.linear_attention(a["q"], a["k"], a["v"], axis_name="seq",
-                                              **kw(a, a["mask"]))
+        local = lambda a: cp.linear_attention(
+            a["q"], a["k"], a["v"], axis_name="seq", **kw(a, a["mask"])
+        )
     args = {k: jnp.asarray(v) for k, v in args.items()}
     sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_spec))
     ref = full(args)
@@ -149,15 +172,26 @@ print("RESULT" + json.dumps(run_cases(cases)))
 
 
 def _run(cases) -> dict:
-  env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-      "--xla_llvm_disable_expensive_passes=true"))
+  env = dict(
+      os.environ,
+      PYTHONPATH=str(ROOT),
+      XLA_FLAGS=(
+          "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+          "--xla_llvm_disable_expensive_passes=true"
+      ),
+  )
   env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, ",".join(c[0] for c in cases)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+      [sys.executable, "-c", _SCRIPT, ",".join(c[0] for c in cases)],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
-  return json.loads(line[len("RESULT"):])
+  return json.loads(line[len("RESULT") :])
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +224,11 @@ def test_a_table_of_the_wrong_length_names_the_global_length():
   from fastpos.ops import context_parallel as cp
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-  f = jax.shard_map(lambda w, x: cp.toeplitz_matmul(w, x, axis_name="seq"), mesh=mesh,
-                    in_specs=(P(), P(None, "seq")), out_specs=P(None, "seq"))
+  f = jax.shard_map(
+      lambda w, x: cp.toeplitz_matmul(w, x, axis_name="seq"),
+      mesh=mesh,
+      in_specs=(P(), P(None, "seq")),
+      out_specs=P(None, "seq"),
+  )
   with pytest.raises(ValueError, match=r"N = 8 x 1 devices = 8 needs 2N-1 = 15 \(the global"):
     f(jnp.ones((2, 7)), jnp.ones((2, 8, 3)))

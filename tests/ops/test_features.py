@@ -1,6 +1,5 @@
 """Tests for fastpos.ops.features: formulas, shapes, unbiasedness, stabilisers, errors."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +41,27 @@ def test_shape_and_dtype(name, dtype):
 
 
 def test_feature_dim_and_nonnegative_registry():
-  expected = {"softmax": 4, "elu1": 4, "relu": 4, "sikf": 4, "dpfp": 24, "favor": 7, "prf": 7,
-              "trf": 14, "nprf": 7, "orf": 7}
+  expected = {
+      "softmax": 4,
+      "elu1": 4,
+      "relu": 4,
+      "sikf": 4,
+      "dpfp": 24,
+      "favor": 7,
+      "prf": 7,
+      "trf": 14,
+      "nprf": 7,
+      "orf": 7,
+  }
   assert {n: F.feature_dim(n, 4, num_features=7, nu=3) for n in expected} == expected
   assert [n for n in expected if not F.is_nonnegative(n)] == ["trf"]
   assert [n for n in expected if F.needs_projection(n)] == list(RANDOM)
-  assert [n for n in expected if F.get_kernel(n).estimates_softmax] == ["favor", "prf", "trf",
-                                                                       "orf"]
+  assert [n for n in expected if F.get_kernel(n).estimates_softmax] == [
+      "favor",
+      "prf",
+      "trf",
+      "orf",
+  ]
 
 
 @pytest.mark.parametrize("name", RANDOM)
@@ -58,8 +71,8 @@ def test_per_head_projection_matches_shared(name):
   per_head = jnp.stack([proj, 2.0 * proj, -proj])  # [H, M, D]
   out = F.feature_map(name, x, projection=per_head, is_query=True)
   for h, w in enumerate(per_head):
-    ref = F.feature_map(name, x[:, :, h:h + 1], projection=w, is_query=True)
-    np.testing.assert_allclose(out[:, :, h:h + 1], ref, rtol=1e-13, atol=0)
+    ref = F.feature_map(name, x[:, :, h : h + 1], projection=w, is_query=True)
+    np.testing.assert_allclose(out[:, :, h : h + 1], ref, rtol=1e-13, atol=0)
 
 
 def test_jit():
@@ -173,8 +186,11 @@ def test_registered_map_matches_numpy(name, is_query):
   mask = np.ones((B, L), bool)
   mask[1, 3:] = False
   w = F.make_projection(name, _key(5), M, D, dtype=jnp.float64)
-  out = np.asarray(F.feature_map(name, jnp.asarray(x), projection=w, is_query=is_query,
-                                 mask=jnp.asarray(mask), nu=3))
+  out = np.asarray(
+      F.feature_map(
+          name, jnp.asarray(x), projection=w, is_query=is_query, mask=jnp.asarray(mask), nu=3
+      )
+  )
   ref = _NUMPY[name](x, None if w is None else np.asarray(w), mask, is_query, 3)
   assert out.dtype == np.float64 and out.shape == ref.shape
   if name == "trf":  # sin can be ~0, so the error is measured against the largest feature
@@ -201,7 +217,7 @@ def test_nonnegative(name, scale):
 # ---------------------------------------------------------------------------------------------
 # Unbiasedness: phi(q).phi(k) -> exp(q.k)
 # ---------------------------------------------------------------------------------------------
-NUM_FEATURES = 2 ** 16
+NUM_FEATURES = 2**16
 # Tolerance: each pair's relative error must be below 4 theoretical standard deviations of one
 # estimate with m = 2^16 features, and below 5% in absolute terms. For PRF (and ORF, whose
 # variance is no larger) sigma = sqrt((exp(|q+k|^2) - 1) / m) (Luo Eq. 14): <= 1.4% for
@@ -281,7 +297,7 @@ def test_orf_attention_approximates_softmax():
 # The projection sizes below repeat those used above, so the jitted projections compile once.
 def _unit_blocks(w, d):
   u = w / np.linalg.norm(w, axis=-1, keepdims=True)
-  return [u[start:start + d] for start in range(0, len(u), d)]
+  return [u[start : start + d] for start in range(0, len(u), d)]
 
 
 def test_orthogonal_projection_blocks_are_orthogonal():
@@ -408,8 +424,9 @@ def test_bad_input():
   _raises(lambda: F.is_nonnegative("rff"), "'rff'")
   for name in RANDOM:
     _raises(lambda: F.feature_map(name, x), name, "None")
-  _raises(lambda: F.feature_map("prf", x, projection=jnp.zeros((M, D + 3))), str(D + 3),
-          f"[m, {D}]")
+  _raises(
+      lambda: F.feature_map("prf", x, projection=jnp.zeros((M, D + 3))), str(D + 3), f"[m, {D}]"
+  )
   _raises(lambda: F.favor(x, jnp.zeros((H + 1, M, D)), is_query=True), str(H + 1), f"heads={H}")
   _raises(lambda: F.trf(x, jnp.zeros((2, H, M, D))), str((2, H, M, D)))
   _raises(lambda: F.feature_map("elu1", x, projection=w), "'elu1'", "no projection")
@@ -435,10 +452,16 @@ def _causal_layer(kernel: str):
   from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 
   n, width, heads = 9, 16, 2
-  cfg = AttentionConfig(num_heads=heads, head_dim=width // heads, embed_dim=width,
-                        kernel=KernelSpec(kernel, num_features=16),
-                        positional=(PositionalSpec.make("rope", {}),), max_length=n,
-                        causal=True, chunk_size=4)
+  cfg = AttentionConfig(
+      num_heads=heads,
+      head_dim=width // heads,
+      embed_dim=width,
+      kernel=KernelSpec(kernel, num_features=16),
+      positional=(PositionalSpec.make("rope", {}),),
+      max_length=n,
+      causal=True,
+      chunk_size=4,
+  )
   layer = Attention(cfg, dtype=jnp.float64)
   x = jax.random.normal(jax.random.key(1), (1, n, width), jnp.float64)
   params = layer.init(jax.random.key(0), x)
@@ -449,6 +472,7 @@ def _causal_layer(kernel: str):
       if context.method_name == "__call__" and context.module.name in ("key", "value"):
         y = y + (dk if context.module.name == "key" else dv)
       return y
+
     with nn.intercept_methods(add):
       return layer.apply(params, x)[0]
 
@@ -462,10 +486,10 @@ def test_causal_outputs_never_depend_on_later_keys_or_values(kernel):
   bit for bit (a stabiliser taken over all keys would shift it)."""
   out, n, shape = _causal_layer(kernel)
   zero = jnp.zeros(shape, jnp.float64)
-  jk, jv = jax.jacrev(out, argnums=(0, 1))(zero, zero)        # [n, D, 1, n, h, d] each
+  jk, jv = jax.jacrev(out, argnums=(0, 1))(zero, zero)  # [n, D, 1, n, h, d] each
   for jac in (jk, jv):
     jac = np.abs(np.asarray(jac)).reshape(n, -1, n, shape[2] * shape[3]).max(axis=(1, 3))
-    assert np.all(jac[np.triu_indices(n, 1)] == 0.0), jac      # [i, j]: j > i is exactly 0
+    assert np.all(jac[np.triu_indices(n, 1)] == 0.0), jac  # [i, j]: j > i is exactly 0
     assert jac.max() > 0
   base = np.asarray(out(zero, zero))
   rng = np.random.default_rng(0)
@@ -476,7 +500,11 @@ def test_causal_outputs_never_depend_on_later_keys_or_values(kernel):
       dk = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
       dv = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
       moved = np.asarray(out(dk, dv))
-      assert np.array_equal(moved[:t + 1], base[:t + 1]), (
-          kernel, t, scale, np.abs(moved[:t + 1] - base[:t + 1]).max())
-      later_changed |= not np.array_equal(moved[t + 1:], base[t + 1:])
+      assert np.array_equal(moved[: t + 1], base[: t + 1]), (
+          kernel,
+          t,
+          scale,
+          np.abs(moved[: t + 1] - base[: t + 1]).max(),
+      )
+      later_changed |= not np.array_equal(moved[t + 1 :], base[t + 1 :])
   assert later_changed  # the perturbations reach the outputs that may see them

@@ -37,9 +37,12 @@ def test_every_kernel_has_a_dense_check():
 def test_softmax_matches_dense_numpy():
   q, k, v = (np.random.default_rng(s).normal(size=(B, L, H, D)) for s in (1, 2, 3))
   mask = np.asarray(_mask())
-  out = np.asarray(attn_ops.softmax_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                              mask=jnp.asarray(mask), scale=D ** -0.5))
-  logits = np.einsum("bihd,bjhd->bhij", q, k) * D ** -0.5
+  out = np.asarray(
+      attn_ops.softmax_attention(
+          jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask=jnp.asarray(mask), scale=D**-0.5
+      )
+  )
+  logits = np.einsum("bihd,bjhd->bhij", q, k) * D**-0.5
   logits = np.where(mask[:, None, None, :], logits, -np.inf)
   weights = np.exp(logits - logits.max(-1, keepdims=True))
   weights /= weights.sum(-1, keepdims=True)
@@ -73,8 +76,16 @@ def test_entry_facts_hold(name):
   for scale in (1.0, 3.0):
     for is_query in (True, False):
       for nu in (1, 2):
-        out = np.asarray(F.feature_map(name, jnp.asarray(_x(1, scale)), projection=w,
-                                       is_query=is_query, mask=_mask(), nu=nu))
+        out = np.asarray(
+            F.feature_map(
+                name,
+                jnp.asarray(_x(1, scale)),
+                projection=w,
+                is_query=is_query,
+                mask=_mask(),
+                nu=nu,
+            )
+        )
         size = F.feature_dim(name, D, num_features=M, nu=nu)
         assert out.shape == (B, L, H, size) and size == entry.out_dim(D, M, nu)
         assert not np.any(np.isnan(out))
@@ -95,8 +106,9 @@ def test_entry_facts_hold(name):
 def test_softmax_estimators_estimate_softmax(name):
   q, k = test_features._pairs(0.3, 0.8)
   q = np.broadcast_to(q[:, :1], k.shape)
-  w = F.make_projection(name, jax.random.PRNGKey(13), test_features.NUM_FEATURES, q.shape[-1],
-                        dtype=jnp.float64)
+  w = F.make_projection(
+      name, jax.random.PRNGKey(13), test_features.NUM_FEATURES, q.shape[-1], dtype=jnp.float64
+  )
   phi_q = F.feature_map(name, jnp.asarray(q), projection=w, is_query=True)
   phi_k = F.feature_map(name, jnp.asarray(k), projection=w, is_query=False)
   a = np.asarray(test_features._attn(phi_q, phi_k))[0, 0, 0]
@@ -113,8 +125,11 @@ def test_option_defaults_are_shared():
 
 
 def test_unknown_kernel_and_option_name_the_choices():
-  for call in (lambda: F.get_kernel("elu2"), lambda: KernelSpec("elu2"),
-               lambda: compatibility.kernel_info("elu2")):
+  for call in (
+      lambda: F.get_kernel("elu2"),
+      lambda: KernelSpec("elu2"),
+      lambda: compatibility.kernel_info("elu2"),
+  ):
     with pytest.raises(ValueError) as info:
       call()
     assert "'elu2'" in str(info.value) and ", ".join(F.KERNELS) in str(info.value)
@@ -124,8 +139,15 @@ def test_unknown_kernel_and_option_name_the_choices():
   with pytest.raises(ValueError) as info:
     KernelSpec.from_config("favor", {"num_feature": 3})
   msg = str(info.value)
-  for fragment in ("'num_feature'", "kernel 'favor'", "num_features=64", "eps=1e-06",
-                   "redraw=False", "seed=0", "unused by 'favor': nu"):
+  for fragment in (
+      "'num_feature'",
+      "kernel 'favor'",
+      "num_features=64",
+      "eps=1e-06",
+      "redraw=False",
+      "seed=0",
+      "unused by 'favor': nu",
+  ):
     assert fragment in msg, (fragment, msg)
   with pytest.raises(ValueError, match="'softmax' takes: \\(none\\)"):
     KernelSpec.from_config("softmax", {"nu_": 2})

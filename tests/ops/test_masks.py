@@ -46,14 +46,18 @@ def _mask(n=N, b=B):
 
 
 def _dtype_error(name, bad):
-  return (rf"{re.escape(name)} must be a boolean array .*\(True = real token\); got "
-          rf"{BAD_DTYPE[bad]}\. Convert a 0/1 mask with {re.escape(name)}\.astype\(bool\); "
-          rf"an additive 0/-inf mask with {re.escape(name)} == 0\.")
+  return (
+      rf"{re.escape(name)} must be a boolean array .*\(True = real token\); got "
+      rf"{BAD_DTYPE[bad]}\. Convert a 0/1 mask with {re.escape(name)}\.astype\(bool\); "
+      rf"an additive 0/-inf mask with {re.escape(name)} == 0\."
+  )
 
 
 def _shape_error(name, expected, got):
-  return (rf"{re.escape(name)} must be \[.*\]={re.escape(str(expected))} .*; got shape "
-          rf"{re.escape(str(got))}\.")
+  return (
+      rf"{re.escape(name)} must be \[.*\]={re.escape(str(expected))} .*; got shape "
+      rf"{re.escape(str(got))}\."
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,22 +76,24 @@ OPS = {
     "softmax": lambda m: attention.softmax_attention(Q, K, VAL, mask=m),
     "softmax_causal": lambda m: attention.softmax_attention(Q, K, VAL, mask=m, causal=True),
     "softmax_f32_causal": lambda m: attention.softmax_attention(
-        *(a.astype(np.float32) for a in (Q, K, VAL)), mask=m, causal=True),
+        *(a.astype(np.float32) for a in (Q, K, VAL)), mask=m, causal=True
+    ),
     "softmax_reference": lambda m: attention.softmax_attention_reference(Q, K, VAL, mask=m),
     "linear": lambda m: attention.linear_attention(Q, K, VAL, mask=m),
-    "linear_causal": lambda m: attention.linear_attention(Q, K, VAL, mask=m, causal=True,
-                                                          chunk_size=4),
+    "linear_causal": lambda m: attention.linear_attention(
+        Q, K, VAL, mask=m, causal=True, chunk_size=4
+    ),
     "linear_rpe": lambda m: attention.linear_attention(Q, K, VAL, mask=m, rpe=RPE),
     "linear_reference": lambda m: attention.linear_attention_reference(Q, K, VAL, mask=m),
 }
 # The dense reference each fast op must equal with a boolean mask.
 REFERENCES = {
     "softmax": lambda m: attention.softmax_attention_reference(Q, K, VAL, mask=m),
-    "softmax_causal": lambda m: attention.softmax_attention_reference(Q, K, VAL, mask=m,
-                                                                      causal=True),
+    "softmax_causal": lambda m: attention.softmax_attention_reference(
+        Q, K, VAL, mask=m, causal=True
+    ),
     "linear": lambda m: attention.linear_attention_reference(Q, K, VAL, mask=m),
-    "linear_causal": lambda m: attention.linear_attention_reference(Q, K, VAL, mask=m,
-                                                                    causal=True),
+    "linear_causal": lambda m: attention.linear_attention_reference(Q, K, VAL, mask=m, causal=True),
     "linear_rpe": lambda m: attention.linear_attention_reference(Q, K, VAL, mask=m, rpe=RPE),
 }
 # Feature maps: fastpos/ops/features.py still casts any mask to bool (it is expected to call
@@ -95,7 +101,8 @@ REFERENCES = {
 FEATURE_OPS = {
     "sikf_keys": lambda m: features.sikf(K, is_query=False, mask=m),
     "feature_map_favor_keys": lambda m: features.feature_map(
-        "favor", K, projection=np.ones((3, D)), is_query=False, mask=m),
+        "favor", K, projection=np.ones((3, D)), is_query=False, mask=m
+    ),
 }
 
 
@@ -158,8 +165,14 @@ def test_boolean_mask_equals_the_unpadded_sequence(op):
 # Layers: Attention, Block, Tower, positional.Context.
 # ---------------------------------------------------------------------------------------------
 def _attn_cfg(kernel):
-  return AttentionConfig(num_heads=H, head_dim=E // H, embed_dim=E,
-                         kernel=KernelSpec(kernel, num_features=8), max_length=16, chunk_size=4)
+  return AttentionConfig(
+      num_heads=H,
+      head_dim=E // H,
+      embed_dim=E,
+      kernel=KernelSpec(kernel, num_features=8),
+      max_length=16,
+      chunk_size=4,
+  )
 
 
 def _x(n=N, seed=0):
@@ -261,8 +274,9 @@ def test_tower_rejects_non_boolean_masks():
 def test_context_rejects_non_boolean_mask():
   with pytest.raises(ValueError, match=_dtype_error("Context.mask", "float64")):
     positional.Context(mask=BAD["float64"](_mask()), length=N)
-  with pytest.raises(ValueError, match=_shape_error("Context.mask", (None, N + 2), (B, N))
-                     .replace("None", r"\*")):
+  with pytest.raises(
+      ValueError, match=_shape_error("Context.mask", (None, N + 2), (B, N)).replace("None", r"\*")
+  ):
     positional.Context(mask=_mask(), length=N, memory_length=2)
   assert positional.Context(mask=_mask(N + 2), length=N, memory_length=2).mask.dtype == bool
 
@@ -313,8 +327,9 @@ def test_encoder_models_boolean_mask_equals_the_derived_one(encoder):
   from ``inputs != 0`` when the batch has none."""
   model, params, batch = encoder
   derived = {k: v for k, v in batch.items() if not k.startswith("mask")}
-  np.testing.assert_array_equal(jax.jit(model.apply)(params, batch),
-                                jax.jit(model.apply)(params, derived))
+  np.testing.assert_array_equal(
+      jax.jit(model.apply)(params, batch), jax.jit(model.apply)(params, derived)
+  )
 
 
 def test_decoder_rejects_non_boolean_masks():
@@ -326,7 +341,6 @@ def test_decoder_rejects_non_boolean_masks():
   states, mmask = model.init_memory(B)
   with pytest.raises(ValueError, match=_dtype_error("memory_mask", "int32")):
     jax.jit(model.apply)(params, batch, memory=(states, BAD["int32"](np.asarray(mmask))))
-  logits, (new_states, new_mask) = jax.jit(model.apply)(params, batch,
-                                                        memory=(states, mmask))
+  logits, (new_states, new_mask) = jax.jit(model.apply)(params, batch, memory=(states, mmask))
   assert new_mask.dtype == bool and logits.shape == (B, N, V)
   np.testing.assert_array_equal(new_mask, batch["mask"][:, -3:])

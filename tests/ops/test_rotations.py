@@ -93,7 +93,7 @@ def test_rotate_pairs_matches_block_rotations(f):
       m[n, h] = np.eye(f)
       for k in range(f // 2):
         c, s = np.cos(angles[n, h, k]), np.sin(angles[n, h, k])
-        m[n, h, 2 * k:2 * k + 2, 2 * k:2 * k + 2] = [[c, -s], [s, c]]  # Eq. 23
+        m[n, h, 2 * k : 2 * k + 2, 2 * k : 2 * k + 2] = [[c, -s], [s, c]]  # Eq. 23
   got = np.asarray(rotations.rotate_pairs(x, angles))
   assert rel_err(got, _apply_dense(m, x).real) < TOL
 
@@ -148,8 +148,10 @@ def _lambda_dense(lrpe_type, f, theta, slot_pos, cycles_perm):
         m[n, h] = np.eye(f)
         for k in range(f // 2):
           a = slot_pos[n, k] * theta[h, k]
-          m[n, h, 2 * k:2 * k + 2, 2 * k:2 * k + 2] = [[np.cos(a), -np.sin(a)],
-                                                       [np.sin(a), np.cos(a)]]
+          m[n, h, 2 * k : 2 * k + 2, 2 * k : 2 * k + 2] = [
+              [np.cos(a), -np.sin(a)],
+              [np.sin(a), np.cos(a)],
+          ]
       else:
         for j in range(f):
           m[n, h, j] = np.linalg.matrix_power(_perm_matrix(cycles_perm[h]), slot_pos[n, j])[j]
@@ -196,9 +198,16 @@ def test_transform_qk_scores_depend_on_the_offset_only(lrpe_type, two_d):
   c = 2 if two_d else 1
 
   def score(s, t):
-    a, b = rotations.transform_qk(q, k, np.array([s[:c]]), np.array([t[:c]]),
-                                  lrpe_type=lrpe_type, p="identity", two_d=two_d,
-                                  theta=theta)
+    a, b = rotations.transform_qk(
+        q,
+        k,
+        np.array([s[:c]]),
+        np.array([t[:c]]),
+        lrpe_type=lrpe_type,
+        p="identity",
+        two_d=two_d,
+        theta=theta,
+    )
     return float(np.sum(np.asarray(a) * np.asarray(b)))
 
   base = score((3, 1), (5, 4))
@@ -208,9 +217,16 @@ def test_transform_qk_scores_depend_on_the_offset_only(lrpe_type, two_d):
   assert abs(score((3, 1), (6, 4)) - base) > 1e-6  # a different offset scores differently
 
 
-@pytest.mark.parametrize("lrpe_type, f, two_d, ok", [
-    (1, 1, False, True), (1, 1, True, False), (2, 1, False, False), (2, 4, True, True),
-    (3, 3, True, False)])
+@pytest.mark.parametrize(
+    "lrpe_type, f, two_d, ok",
+    [
+        (1, 1, False, True),
+        (1, 1, True, False),
+        (2, 1, False, False),
+        (2, 4, True, True),
+        (3, 3, True, False),
+    ],
+)
 def test_check_feature_dim(lrpe_type, f, two_d, ok):
   if ok:
     rotations.check_feature_dim(lrpe_type, f, two_d, "x")
@@ -222,6 +238,7 @@ def test_check_feature_dim(lrpe_type, f, two_d, ok):
 def test_ops_rotations_imports_no_flax():
   import ast
   import inspect
+
   tree = ast.parse(inspect.getsource(rotations))
   names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
   names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -111,8 +111,7 @@ def test_toeplitz_matmul_gradients_match_dense(causal):
   w = rng.normal(size=(2, 2 * n - 1))
   x = rng.normal(size=(3, 2, n, 4))
   probe = rng.normal(size=(3, 2, n, 4))
-  fast = jax.grad(lambda w, x: jnp.sum(tm(w, x, causal=causal) * probe),
-                  argnums=(0, 1))(w, x)
+  fast = jax.grad(lambda w, x: jnp.sum(tm(w, x, causal=causal) * probe), argnums=(0, 1))(w, x)
   dense = jax.grad(lambda w, x: jnp.sum(_dense_1d(w, x, causal) * probe), argnums=(0, 1))(w, x)
   for a, b in zip(fast, dense):
     assert rel_err(a, b) < 1e-9
@@ -142,7 +141,7 @@ def test_padding_never_changes_real_outputs(n_real, causal):
   w_max = rng.normal(size=(2 * n - 1,))
   x = rng.normal(size=(n_real, 3))
   x_pad = np.concatenate([x, np.zeros((n - n_real, 3))])
-  w_small = w_max[n - n_real: n + n_real - 1]
+  w_small = w_max[n - n_real : n + n_real - 1]
   padded = toeplitz.toeplitz_matmul(w_max, x_pad, causal=causal)[:n_real]
   assert rel_err(padded, toeplitz.toeplitz_matmul(w_small, x, causal=causal)) < 1e-12
 
@@ -224,16 +223,26 @@ def test_fastrpb_2d_shared_table():
     [
         (lambda: toeplitz.toeplitz_matmul(jnp.ones(7), jnp.ones(4)), r"rank >= 2.*\(4,\)"),
         (lambda: toeplitz.toeplitz_matmul(jnp.ones(8), jnp.ones((4, 2))), r"8 entries.*2N-1=7"),
-        (lambda: toeplitz.toeplitz_matmul(jnp.ones((3, 7)), jnp.ones((2, 4, 2))),
-         r"\(3,\) do not broadcast.*\(2,\)"),
-        (lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 5)), jnp.ones((10, 2)), (3, 3)),
-         r"grid \(3, 3\).*H\*W=9 but N=10"),
-        (lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 7)), jnp.ones((9, 2)), (3, 3)),
-         r"\(5, 7\).*\(5, 5\)"),
-        (lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 5)), jnp.ones((9, 2)), 3),
-         r"pair \(H, W\); got 3"),
-        (lambda: toeplitz.fastrpb_2d_matmul(jnp.ones(5), jnp.ones(4), jnp.ones((9, 2)), (3, 3)),
-         r"w_cols has length 4.*2W-1=5"),
+        (
+            lambda: toeplitz.toeplitz_matmul(jnp.ones((3, 7)), jnp.ones((2, 4, 2))),
+            r"\(3,\) do not broadcast.*\(2,\)",
+        ),
+        (
+            lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 5)), jnp.ones((10, 2)), (3, 3)),
+            r"grid \(3, 3\).*H\*W=9 but N=10",
+        ),
+        (
+            lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 7)), jnp.ones((9, 2)), (3, 3)),
+            r"\(5, 7\).*\(5, 5\)",
+        ),
+        (
+            lambda: toeplitz.toeplitz_matmul_2d(jnp.ones((5, 5)), jnp.ones((9, 2)), 3),
+            r"pair \(H, W\); got 3",
+        ),
+        (
+            lambda: toeplitz.fastrpb_2d_matmul(jnp.ones(5), jnp.ones(4), jnp.ones((9, 2)), (3, 3)),
+            r"w_cols has length 4.*2W-1=5",
+        ),
         (lambda: toeplitz.dense_toeplitz(jnp.ones(4)), r"odd length.*got 4"),
     ],
 )

@@ -53,7 +53,7 @@ def _relative_logits_loop(q, rel_k, pos_bias, two_sided=False):
   out = np.zeros((batch, heads, length, keys))
   for i in range(length):
     for j in range(keys if two_sided else memory + i + 1):
-      w_r = rel_k[keys - 1 - (memory + i - j)]                       # [heads, dim]
+      w_r = rel_k[keys - 1 - (memory + i - j)]  # [heads, dim]
       out[:, :, i, j] = np.einsum("bhd,hd->bh", q[:, i] + v[None], w_r)
   return out
 
@@ -153,7 +153,7 @@ def test_two_sided_agrees_with_one_sided_on_past_keys():
   rel_k = rng.standard_normal((memory + 2 * length - 1, heads, dim))
   pos_bias = rng.standard_normal((heads, dim))
   two = np.asarray(_fast_two_sided(q, rel_k, pos_bias=pos_bias))
-  one = np.asarray(_fast(q, rel_k[:memory + length], pos_bias=pos_bias))
+  one = np.asarray(_fast(q, rel_k[: memory + length], pos_bias=pos_bias))
   past = np.arange(memory + length)[None, :] <= memory + np.arange(length)[:, None]
   np.testing.assert_array_equal(two[..., past], one[..., past])
   assert np.all(one[..., ~past] == 0.0) and np.all(two[..., ~past] != 0.0)
@@ -168,7 +168,7 @@ def test_pos_bias_is_term_d():
   _, rel_k, pos_bias = _inputs(2, 1, 6, 3, 2, 4, np.float64)
   q = np.zeros((1, 6, 2, 4))
   got = np.asarray(_fast(q, rel_k, pos_bias=pos_bias))
-  d_tilde = np.einsum("thd,hd->ht", rel_k, pos_bias)                  # the paper's d-tilde
+  d_tilde = np.einsum("thd,hd->ht", rel_k, pos_bias)  # the paper's d-tilde
   for i in range(6):
     for j in range(3 + i + 1):
       np.testing.assert_allclose(got[0, :, i, j], d_tilde[:, j + 6 - 1 - i], rtol=1e-13)
@@ -180,7 +180,7 @@ def test_output_depends_only_on_distance(length, memory):
   rng = np.random.default_rng(3)
   heads, dim = 3, 5
   q_row = rng.standard_normal((1, 1, heads, dim))
-  q = np.tile(q_row, (2, length, 1, 1))                              # constant over i
+  q = np.tile(q_row, (2, length, 1, 1))  # constant over i
   rel_k = rng.standard_normal((memory + length, heads, dim))
   out = np.asarray(_fast(q, rel_k, pos_bias=rng.standard_normal((heads, dim))))
   # (i, j) and (i+1, j+1) are at the same distance M + i - j.
@@ -192,17 +192,20 @@ def test_output_depends_only_on_distance(length, memory):
 
 def test_relative_logits_has_no_gather():
   q, rel_k, pos_bias = _inputs(4, 2, 9, 5, 3, 4, np.float64)
-  jaxpr = str(jax.make_jaxpr(lambda a, b, c: txl.relative_logits(a, b, pos_bias=c))(
-      q, rel_k, pos_bias))
+  jaxpr = str(
+      jax.make_jaxpr(lambda a, b, c: txl.relative_logits(a, b, pos_bias=c))(q, rel_k, pos_bias)
+  )
   assert "gather" not in jaxpr
-  assert "gather" in str(jax.make_jaxpr(
-      lambda a, b: txl.relative_logits_reference(a, b))(q, rel_k))
+  assert "gather" in str(jax.make_jaxpr(lambda a, b: txl.relative_logits_reference(a, b))(q, rel_k))
 
 
 def test_two_sided_has_no_gather():
   q, rel_k, pos_bias = _inputs(4, 2, 9, 5 + 8, 3, 4, np.float64)  # M = 5: 5 + 2*9 - 1 rows
-  jaxpr = str(jax.make_jaxpr(lambda a, b, c: txl.relative_logits(
-      a, b, pos_bias=c, two_sided=True))(q, rel_k, pos_bias))
+  jaxpr = str(
+      jax.make_jaxpr(lambda a, b, c: txl.relative_logits(a, b, pos_bias=c, two_sided=True))(
+          q, rel_k, pos_bias
+      )
+  )
   assert "gather" not in jaxpr
 
 
@@ -211,8 +214,10 @@ def test_dtype_promotion():
   shape = jax.eval_shape  # dtype promotion is decided at trace time; nothing to compile
   f = txl.relative_logits
   assert shape(f, q, rel_k.astype(np.float64)).dtype == jnp.float64
-  assert shape(lambda a, b, c: f(a, b, pos_bias=c), q, rel_k, pos_bias.astype(np.float64)
-               ).dtype == jnp.float64
+  assert (
+      shape(lambda a, b, c: f(a, b, pos_bias=c), q, rel_k, pos_bias.astype(np.float64)).dtype
+      == jnp.float64
+  )
   assert shape(f, q.astype(jnp.bfloat16), rel_k.astype(jnp.bfloat16)).dtype == jnp.bfloat16
   assert shape(f, q.astype(jnp.bfloat16), rel_k).dtype == jnp.float32
 
@@ -230,7 +235,8 @@ def test_gradients_match_reference(length, memory):
 
   grads = jax.jit(jax.grad(loss(txl.relative_logits), argnums=(0, 1, 2)))(q, rel_k, pos_bias)
   want = jax.jit(jax.grad(loss(txl.relative_logits_reference), argnums=(0, 1, 2)))(
-      q, rel_k, pos_bias)
+      q, rel_k, pos_bias
+  )
   for name, g, w in zip(("q", "rel_k", "pos_bias"), grads, want):
     assert np.max(np.abs(np.asarray(w))) > 0, name
     assert rel_err(g, w) < 1e-10, name
@@ -246,7 +252,8 @@ def test_two_sided_gradients_match_reference(length, memory):
 
   grads = jax.jit(jax.grad(loss(txl.relative_logits), argnums=(0, 1, 2)))(q, rel_k, pos_bias)
   want = jax.jit(jax.grad(loss(txl.relative_logits_reference), argnums=(0, 1, 2)))(
-      q, rel_k, pos_bias)
+      q, rel_k, pos_bias
+  )
   for name, g, w in zip(("q", "rel_k", "pos_bias"), grads, want):
     assert np.max(np.abs(np.asarray(w))) > 0, name
     assert rel_err(g, w) < 1e-10, name
@@ -270,19 +277,23 @@ def test_two_sided_needs_m_plus_2l_minus_1_rows(fn, two_sided):
     assert jax.eval_shape(call, q, rel_k).shape == (1, 2, 4, 5)
 
 
-@pytest.mark.parametrize("q_shape, k_shape, v_shape, bad", [
-    ((4, 2, 3), (5, 2, 3), None, (4, 2, 3)),                    # q rank 3
-    ((1, 4, 2, 3), (6, 6), None, (6, 6)),                       # rel_k rank 2
-    ((1, 4, 2, 3), (6, 2, 3), (2, 3, 1), (2, 3, 1)),            # pos_bias rank 3
-    ((1, 4, 2, 3), (3, 2, 3), None, (3, 2, 3)),                 # rel_k shorter than L
-    ((1, 4, 2, 3), (6, 5, 3), None, (6, 5, 3)),                 # heads mismatch
-    ((1, 4, 2, 3), (6, 2, 7), None, (6, 2, 7)),                 # dim mismatch
-    ((1, 4, 2, 3), (6, 2, 3), (5, 3), (5, 3)),                  # pos_bias heads
-    ((1, 4, 2, 3), (6, 2, 3), (2, 4), (2, 4)),                  # pos_bias dim
-])
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, bad",
+    [
+        ((4, 2, 3), (5, 2, 3), None, (4, 2, 3)),  # q rank 3
+        ((1, 4, 2, 3), (6, 6), None, (6, 6)),  # rel_k rank 2
+        ((1, 4, 2, 3), (6, 2, 3), (2, 3, 1), (2, 3, 1)),  # pos_bias rank 3
+        ((1, 4, 2, 3), (3, 2, 3), None, (3, 2, 3)),  # rel_k shorter than L
+        ((1, 4, 2, 3), (6, 5, 3), None, (6, 5, 3)),  # heads mismatch
+        ((1, 4, 2, 3), (6, 2, 7), None, (6, 2, 7)),  # dim mismatch
+        ((1, 4, 2, 3), (6, 2, 3), (5, 3), (5, 3)),  # pos_bias heads
+        ((1, 4, 2, 3), (6, 2, 3), (2, 4), (2, 4)),  # pos_bias dim
+    ],
+)
 @pytest.mark.parametrize("fn", [txl.relative_logits, txl.relative_logits_reference])
 def test_bad_shapes_raise(fn, q_shape, k_shape, v_shape, bad):
   pos_bias = None if v_shape is None else np.zeros(v_shape)
   with pytest.raises(ValueError, match=re.escape(str(bad))):
-    jax.eval_shape(lambda a, b, c: fn(a, b, pos_bias=c),
-                   np.zeros(q_shape), np.zeros(k_shape), pos_bias)
+    jax.eval_shape(
+        lambda a, b, c: fn(a, b, pos_bias=c), np.zeros(q_shape), np.zeros(k_shape), pos_bias
+    )

@@ -21,11 +21,11 @@ from tests.helpers import rel_err as _real_rel_err
 HEADS = 2
 F = 6
 GRID = (3, 4)
-N1 = 11                                   # positions extracted in 1D
+N1 = 11  # positions extracted in 1D
 TYPES = (1, 2, 3)
 PS = lrpe.P_CHOICES
 CONFIGS = [(t, p) for t in TYPES for p in PS]
-WORST: dict[str, float] = {}              # worst relative errors, printed with -s
+WORST: dict[str, float] = {}  # worst relative errors, printed with -s
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,8 +42,14 @@ def _note(name: str, err: float) -> float:
 
 
 def _dims(f=F, *, two_d=False, head_dim=None) -> Dims:
-  return Dims(num_heads=HEADS, head_dim=head_dim or f, feature_dim=f, embed_dim=8,
-              max_length=16, grid=GRID if two_d else None)
+  return Dims(
+      num_heads=HEADS,
+      head_dim=head_dim or f,
+      feature_dim=f,
+      embed_dim=8,
+      max_length=16,
+      grid=GRID if two_d else None,
+  )
 
 
 def _opts(lrpe_type, p, **extra) -> tuple:
@@ -69,8 +75,7 @@ def _init_params(name: str, options: tuple, dims: Dims):
   """The initial parameters (lrpe: built by ``setup`` alone, nothing else to compile)."""
   module = _module(name, options, dims)
   if name == "lrpe":
-    return jax.jit(lambda key: module.init(key, method=lambda m: m._arrays()))(
-        jax.random.key(0))
+    return jax.jit(lambda key: module.init(key, method=lambda m: m._arrays()))(jax.random.key(0))
   x, ctx = _init_args(dims)
   return jax.jit(lambda key: module.init(key, x, x, ctx, method="features"))(jax.random.key(0))
 
@@ -158,8 +163,8 @@ def _ref_p(p, f, params, head):
     if "householder_v" not in params.get("params", {}):
       return None
     v = np.asarray(params["params"]["householder_v"])[head]
-    return (np.eye(f) - 2.0 * np.outer(v, v) / (v @ v)).astype(complex)        # Eq. 73
-  if p == "permutation":                                                      # Eq. 74
+    return (np.eye(f) - 2.0 * np.outer(v, v) / (v @ v)).astype(complex)  # Eq. 73
+  if p == "permutation":  # Eq. 74
     out = np.zeros((f, f), complex)
     half = (f + 1) // 2
     for k in range(half):
@@ -179,7 +184,7 @@ def _ref_lambda(lrpe_type, f, theta, slot_pos):
   out = np.eye(f, dtype=complex)
   for k in range(f // 2):
     a = slot_pos[k] * theta[k]
-    out[2 * k:2 * k + 2, 2 * k:2 * k + 2] = [[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]]
+    out[2 * k : 2 * k + 2, 2 * k : 2 * k + 2] = [[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]]
   return out
 
 
@@ -211,18 +216,19 @@ def _check_maps_against_reference(lrpe_type, p, options, dims, maps):
     hp = h if dict(options).get("per_head", False) else 0
     pm = _ref_p(p, f, params, hp)
     if pm is None:
-      pm = maps[0, h]                                  # Lambda^(0) = I: M_0 = P
+      pm = maps[0, h]  # Lambda^(0) = I: M_0 = P
       if p == "random_permutation":
         _assert_permutation_matrix(pm)
-      else:                                            # fixed Householder: a reflection
+      else:  # fixed Householder: a reflection
         assert rel_err(pm, _dag(pm)) < 1e-12
         assert rel_err(pm @ pm, np.eye(f)) < 1e-12
         assert np.linalg.matrix_rank(np.eye(f) - pm, tol=1e-9) == 1
     if lrpe_type in (1, 2):
       theta = params.get("params", {}).get("theta")
-      if theta is None:                                # fixed angles: the paper's ladder
-        theta = lrpe.inverse_frequencies(lrpe_type, f, two_d=two_d,
-                                         base=dict(options).get("base", 10000.0))
+      if theta is None:  # fixed angles: the paper's ladder
+        theta = lrpe.inverse_frequencies(
+            lrpe_type, f, two_d=two_d, base=dict(options).get("base", 10000.0)
+        )
       else:
         theta = np.asarray(theta)[hp]
       n_slots = f if lrpe_type == 1 else f // 2
@@ -230,17 +236,20 @@ def _check_maps_against_reference(lrpe_type, p, options, dims, maps):
       lams = [_ref_lambda(lrpe_type, f, theta, pos[s][axes]) for s in range(len(pos))]
     else:
       # pi (one per axis in 2D) read off the unit steps, Lambda = M P^H; then its powers.
-      units = [1] if not two_d else [GRID[1], 1]       # raster index of (1, 0) and (0, 1)
+      units = [1] if not two_d else [GRID[1], 1]  # raster index of (1, 0) and (0, 1)
       gens = [maps[u, h] @ _dag(pm) for u in units]
       for g in gens:
         _assert_permutation_matrix(g)
         assert not np.allclose(g, np.eye(f))
-      gens = [np.round(g.real) for g in gens]           # exact 0/1 matrices
+      gens = [np.round(g.real) for g in gens]  # exact 0/1 matrices
       if two_d:
-        assert rel_err(gens[0] @ gens[1], gens[1] @ gens[0]) == 0.0   # the axes commute
-      lams = [functools.reduce(np.matmul, [np.linalg.matrix_power(g, int(c))
-                                           for g, c in zip(gens, pos[s])])
-              for s in range(len(pos))]
+        assert rel_err(gens[0] @ gens[1], gens[1] @ gens[0]) == 0.0  # the axes commute
+      lams = [
+          functools.reduce(
+              np.matmul, [np.linalg.matrix_power(g, int(c)) for g, c in zip(gens, pos[s])]
+          )
+          for s in range(len(pos))
+      ]
     for s in range(len(pos)):
       worst = max(worst, rel_err(maps[s, h], lams[s] @ pm))
   return worst
@@ -255,8 +264,11 @@ EXTRA_1D = [  # per-head parameters, fixed angles / householder vector, odd feat
     (_opts(3, "random_permutation", per_head=True), 6),
     (_opts(2, "householder", learnable_p=False), 6),
     (_opts(1, "identity", learnable_theta=False), 6),
-    (_opts(1, "householder"), 5), (_opts(2, "identity"), 5), (_opts(2, "fourier"), 5),
-    (_opts(3, "permutation"), 5), (_opts(2, "permutation"), 7),
+    (_opts(1, "householder"), 5),
+    (_opts(2, "identity"), 5),
+    (_opts(2, "fourier"), 5),
+    (_opts(3, "permutation"), 5),
+    (_opts(2, "permutation"), 7),
 ]
 CASES_1D = [(_opts(t, p), F) for t, p in CONFIGS] + EXTRA_1D
 
@@ -323,7 +335,7 @@ def test_scores_depend_on_offset_only(lrpe_type, p, memory):
   qh, kh = _features("lrpe", options, dims, q, k)
   scores = np.einsum("bihf,bjhf->bhij", qh, kh)
   assert _note("score shift (1D)", rel_err(scores[..., 1:, 1:], scores[..., :-1, :-1])) < 1e-9
-  assert np.ptp(scores[0, 0, 0]) > 1e-2 * np.max(np.abs(scores))   # offsets told apart
+  assert np.ptp(scores[0, 0, 0]) > 1e-2 * np.max(np.abs(scores))  # offsets told apart
   w = _w(_maps("lrpe", options, dims))
   assert _note("scores vs q^T Re(W_{j-i}) k", rel_err(scores, _ref_scores(w, q, k, memory))) < 1e-9
   # Different content at every position, against the dense reference entry by entry.
@@ -359,8 +371,8 @@ def test_long_offsets_and_cycles():
     rng = np.random.default_rng(4)
     q, k = rng.standard_normal((2, 7, HEADS, F)), rng.standard_normal((2, 1007, HEADS, F))
     qh, kh = _features("lrpe", options, dims, q, k)
-    scores = np.einsum("bihf,bjhf->bhij", qh, kh)[..., 1000 - 4:]  # keys 996..1006
-    want = _ref_scores(_w(_maps("lrpe", options, dims)), q, k[:, 1000 - 4:], 4)
+    scores = np.einsum("bihf,bjhf->bhij", qh, kh)[..., 1000 - 4 :]  # keys 996..1006
+    want = _ref_scores(_w(_maps("lrpe", options, dims)), q, k[:, 1000 - 4 :], 4)
     assert _note("scores at positions ~1000", rel_err(scores, want)) < 1e-9
 
 
@@ -378,9 +390,16 @@ def _rope_classic(x, positions, base=10000.0):
   return out
 
 
-@pytest.mark.parametrize("f, two_d, base", [(6, False, 10000.0), (5, False, 10000.0),
-                                            (8, False, 500.0), (8, True, 10000.0),
-                                            (9, True, 100.0)])
+@pytest.mark.parametrize(
+    "f, two_d, base",
+    [
+        (6, False, 10000.0),
+        (5, False, 10000.0),
+        (8, False, 500.0),
+        (8, True, 10000.0),
+        (9, True, 100.0),
+    ],
+)
 def test_rope_is_lrpe_type2_identity(f, two_d, base):
   dims = _dims(f, two_d=two_d)
   rng = np.random.default_rng(5)
@@ -404,7 +423,7 @@ def test_rope_is_lrpe_type2_identity(f, two_d, base):
     assert _note("rope vs RoFormer formula", rel_err(rope[0], want_q)) < 1e-12
     assert _note("rope vs RoFormer formula", rel_err(rope[1], want_k)) < 1e-12
     if f % 2:
-      np.testing.assert_array_equal(rope[0][..., -1], q[..., -1])   # odd f: last unrotated
+      np.testing.assert_array_equal(rope[0][..., -1], q[..., -1])  # odd f: last unrotated
   else:
     # Axial: the first ceil(n/2) pairs rotate with the row, the rest with the column, each
     # with its own ladder base^(-2k/(2g)).
@@ -441,35 +460,42 @@ def test_feature_out_dim_and_shapes_under_jit(lrpe_type, p):
   cls = positional.get_class("lrpe")
   options = _opts(lrpe_type, p)
   for f in (4, 5, 10, 64):
-    assert cls.feature_out_dim(f, dict(options)) == (2 * f if lrpe_type == 1 or p == "fourier"
-                                                     else f)
+    assert cls.feature_out_dim(f, dict(options)) == (
+        2 * f if lrpe_type == 1 or p == "fourier" else f
+    )
   dims = _dims(10, head_dim=4)
   out_dim = cls.feature_out_dim(10, dict(options))
   rng = np.random.default_rng(6)
   q, k = rng.standard_normal((3, 5, HEADS, 10)), rng.standard_normal((3, 7, HEADS, 10))
-  qh, kh = _features("lrpe", options, dims, q, k)        # jitted
+  qh, kh = _features("lrpe", options, dims, q, k)  # jitted
   assert qh.shape == (3, 5, HEADS, out_dim) and kh.shape == (3, 7, HEADS, out_dim)
   # Unitary maps preserve each token's norm.
   assert rel_err(np.linalg.norm(qh, axis=-1), np.linalg.norm(q, axis=-1)) < 1e-12
   params = jax.tree.leaves(_params("lrpe", options, dims))
-  assert all(a.shape[-1] in (10, 5) for a in params)       # v [1, m], theta [1, m or m/2]
+  assert all(a.shape[-1] in (10, 5) for a in params)  # v [1, m], theta [1, m or m/2]
   assert positional.get_class("rope").feature_out_dim(10, {}) == 10
 
 
-@pytest.mark.parametrize("lrpe_type, p", [(1, "householder"), (2, "fourier"),
-                                          (3, "permutation")])
+@pytest.mark.parametrize("lrpe_type, p", [(1, "householder"), (2, "fourier"), (3, "permutation")])
 def test_float32_and_bfloat16_keep_their_dtype(lrpe_type, p):
   options, dims = _opts(lrpe_type, p), _dims()
   rng = np.random.default_rng(7)
   q = rng.standard_normal(_qk_shapes(F, 0)[0])
   want = _features("lrpe", options, dims, q, q)[0]
   params32 = jax.tree.map(lambda a: np.asarray(a, np.float32), _params("lrpe", options, dims))
-  got = _features("lrpe", options, dims, q.astype(np.float32), q.astype(np.float32),
-                  params=params32)[0]
+  got = _features(
+      "lrpe", options, dims, q.astype(np.float32), q.astype(np.float32), params=params32
+  )[0]
   assert got.dtype == np.float32
   assert _note("float32 vs float64", rel_err(got, want)) < 1e-5
-  got16 = _features("lrpe", options, dims, jnp.asarray(q, jnp.bfloat16),
-                    jnp.asarray(q, jnp.bfloat16), params=params32)[0]
+  got16 = _features(
+      "lrpe",
+      options,
+      dims,
+      jnp.asarray(q, jnp.bfloat16),
+      jnp.asarray(q, jnp.bfloat16),
+      params=params32,
+  )[0]
   assert got16.dtype == jnp.bfloat16
   assert rel_err(got16.astype(np.float64), want) < 3e-2
 
@@ -502,19 +528,28 @@ def test_2d_group_law_and_shift(case):
   err = _check_maps_against_reference(lrpe_type, p, options, dims, maps)
   assert _note("M_(r,c) = Lambda^(r,c) P vs definitions (2D)", err) < 1e-9
   eye = np.eye(f)
-  w_row, w_col = w[wd], w[1]                              # offsets (1, 0) and (0, 1)
+  w_row, w_col = w[wd], w[1]  # offsets (1, 0) and (0, 1)
   assert np.max(np.abs(w_row - eye)) > 1e-2 and np.max(np.abs(w_col - eye)) > 1e-2
   assert np.max(np.abs(w_row - w_col)) > 1e-2
   rng = np.random.default_rng(8)
   q0, k0 = rng.standard_normal((HEADS, f)), rng.standard_normal((HEADS, f))
-  qh, kh = _features("lrpe", options, dims, np.broadcast_to(q0, (f, h * wd, HEADS, f)),
-                     np.broadcast_to(k0, (f, h * wd, HEADS, f)))
+  qh, kh = _features(
+      "lrpe",
+      options,
+      dims,
+      np.broadcast_to(q0, (f, h * wd, HEADS, f)),
+      np.broadcast_to(k0, (f, h * wd, HEADS, f)),
+  )
   s = np.einsum("ihf,jhf->hij", qh[0], kh[0]).reshape(HEADS, h, wd, h, wd)
   scale = np.max(np.abs(s))
-  assert _note("score shift (2D)",
-               np.max(np.abs(s[:, 1:, :, 1:, :] - s[:, :-1, :, :-1, :])) / scale) < 1e-9
-  assert _note("score shift (2D)",
-               np.max(np.abs(s[:, :, 1:, :, 1:] - s[:, :, :-1, :, :-1])) / scale) < 1e-9
+  assert (
+      _note("score shift (2D)", np.max(np.abs(s[:, 1:, :, 1:, :] - s[:, :-1, :, :-1, :])) / scale)
+      < 1e-9
+  )
+  assert (
+      _note("score shift (2D)", np.max(np.abs(s[:, :, 1:, :, 1:] - s[:, :, :-1, :, :-1])) / scale)
+      < 1e-9
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,11 +558,13 @@ def test_2d_group_law_and_shift(case):
 def test_init_is_the_papers():
   dims = _dims(8)
   p1 = _init_params("lrpe", _opts(1, "identity"), dims)["params"]
-  np.testing.assert_allclose(np.asarray(p1["theta"]), [10000.0 ** (-2.0 * np.arange(8) / 8)],
-                             rtol=1e-15)
+  np.testing.assert_allclose(
+      np.asarray(p1["theta"]), [10000.0 ** (-2.0 * np.arange(8) / 8)], rtol=1e-15
+  )
   p2 = _init_params("lrpe", _opts(2, "householder"), dims)["params"]
-  np.testing.assert_allclose(np.asarray(p2["theta"]), [10000.0 ** (-2.0 * np.arange(4) / 8)],
-                             rtol=1e-15)
+  np.testing.assert_allclose(
+      np.asarray(p2["theta"]), [10000.0 ** (-2.0 * np.arange(4) / 8)], rtol=1e-15
+  )
   v = np.asarray(p2["householder_v"])
   assert v.shape == (1, 8) and np.all(v != 0.0) and len(np.unique(v)) == 8
   ph = _init_params("lrpe", _opts(2, "householder", per_head=True), dims)["params"]
@@ -536,10 +573,18 @@ def test_init_is_the_papers():
   # 2D: two pairs per axis, each axis with the ladder base^(-2k/4).
   np.testing.assert_allclose(np.asarray(p2d["theta"]), [[1.0, 0.01, 1.0, 0.01]], rtol=1e-15)
   assert not jax.tree.leaves(_init_params("lrpe", _opts(3, "identity"), dims))
-  assert not jax.tree.leaves(_init_params("lrpe", _opts(2, "householder", learnable_theta=False,
-                                                        learnable_p=False), dims))
-  assert positional.option_names("lrpe") == ("type", "p", "learnable_theta", "learnable_p",
-                                             "per_head", "base", "seed")
+  assert not jax.tree.leaves(
+      _init_params("lrpe", _opts(2, "householder", learnable_theta=False, learnable_p=False), dims)
+  )
+  assert positional.option_names("lrpe") == (
+      "type",
+      "p",
+      "learnable_theta",
+      "learnable_p",
+      "per_head",
+      "base",
+      "seed",
+  )
 
 
 def test_gradients_reach_theta_and_householder_vector():
@@ -575,7 +620,7 @@ def test_each_position_sees_only_its_own_input():
 def test_seed_picks_the_fixed_permutations():
   dims = _dims(8)
   m = {s: _maps("lrpe", _opts(3, "random_permutation", seed=s), dims) for s in (0, 1)}
-  assert not np.array_equal(m[0][0], m[1][0])                     # P differs
+  assert not np.array_equal(m[0][0], m[1][0])  # P differs
   again = _maps("lrpe", _opts(3, "random_permutation", seed=0), dims)
   np.testing.assert_array_equal(again, m[0])
 
@@ -617,15 +662,18 @@ def test_bad_options_raise(options, message):
     module.init(jax.random.key(0), x, x, Context(length=3), method="features")
 
 
-@pytest.mark.parametrize("name, options, f, two_d, message", [
-    ("lrpe", {"type": 2}, 1, False, "type 2 needs a feature dim >= 2 in 1D; got feature dim 1"),
-    ("lrpe", {"type": 3}, 1, False, "type 3 needs a feature dim >= 2 in 1D"),
-    ("lrpe", {"type": 2}, 3, True, "type 2 needs a feature dim >= 4 in 2D"),
-    ("lrpe", {"type": 3}, 3, True, "type 3 needs a feature dim >= 4 in 2D"),
-    ("lrpe", {"type": 1}, 1, True, "type 1 needs a feature dim >= 2 in 2D"),
-    ("rope", {}, 3, True, "rope: type 2 needs a feature dim >= 4 in 2D"),
-    ("rope", {"base": 0}, 6, False, "rope: base must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "name, options, f, two_d, message",
+    [
+        ("lrpe", {"type": 2}, 1, False, "type 2 needs a feature dim >= 2 in 1D; got feature dim 1"),
+        ("lrpe", {"type": 3}, 1, False, "type 3 needs a feature dim >= 2 in 1D"),
+        ("lrpe", {"type": 2}, 3, True, "type 2 needs a feature dim >= 4 in 2D"),
+        ("lrpe", {"type": 3}, 3, True, "type 3 needs a feature dim >= 4 in 2D"),
+        ("lrpe", {"type": 1}, 1, True, "type 1 needs a feature dim >= 2 in 2D"),
+        ("rope", {}, 3, True, "rope: type 2 needs a feature dim >= 4 in 2D"),
+        ("rope", {"base": 0}, 6, False, "rope: base must be a finite number > 0"),
+    ],
+)
 def test_too_few_features_and_bad_base_raise_at_build(name, options, f, two_d, message):
   module = positional.build(name, _dims(f, two_d=two_d), options)
   n = 12 if two_d else 3
@@ -638,8 +686,13 @@ def test_too_few_features_and_bad_base_raise_at_build(name, options, f, two_d, m
 def test_type1_with_one_feature_works_in_1d():
   dims = _dims(1)
   w = _w(_maps("lrpe", _opts(1, "identity"), dims))
-  assert abs(w[2, 0, 0, 0] - np.exp(2j * _params("lrpe", _opts(1, "identity"), dims)
-                                    ["params"]["theta"][0, 0])) < 1e-12
+  assert (
+      abs(
+          w[2, 0, 0, 0]
+          - np.exp(2j * _params("lrpe", _opts(1, "identity"), dims)["params"]["theta"][0, 0])
+      )
+      < 1e-12
+  )
 
 
 @pytest.mark.parametrize("name", ["lrpe", "rope"])
@@ -649,8 +702,7 @@ def test_call_errors(name):
   params = _init_params(name, options, dims)
   x = np.zeros((1, 4, HEADS, F))
   with pytest.raises(ValueError, match=re.escape(f"{name}: q must be [batch, length")):
-    module.apply(params, np.zeros((1, 4, HEADS, F + 1)), x, Context(length=4),
-                 method="features")
+    module.apply(params, np.zeros((1, 4, HEADS, F + 1)), x, Context(length=4), method="features")
   with pytest.raises(ValueError, match="ctx.memory_length = 0"):
     module.apply(params, x, np.zeros((1, 6, HEADS, F)), Context(length=4), method="features")
   with pytest.raises(ValueError, match="built for 1D"):
@@ -675,5 +727,4 @@ def test_compatible_with_every_kernel_causal_and_2d(name):
   for kernel in ("softmax",) + FEATURE_MAPS:
     for causal in (False, True):
       for two_d in (False, True):
-        assert cls.compatibility(KernelInfo(kernel), causal=causal, two_d=two_d,
-                                 options={}) is None
+        assert cls.compatibility(KernelInfo(kernel), causal=causal, two_d=two_d, options={}) is None

@@ -53,27 +53,46 @@ def test_a_bad_value_is_refused_with_the_scheme_option_value_and_choices(scheme,
 
 
 def test_unknown_option_names_the_valid_ones():
-  with pytest.raises(ValueError, match="unknown option 'kind' for positional scheme 'lrpe'; "
-                                       "valid options: type, p, learnable_theta"):
+  with pytest.raises(
+      ValueError,
+      match="unknown option 'kind' for positional scheme 'lrpe'; "
+      "valid options: type, p, learnable_theta",
+  ):
     positional.build("lrpe", DIMS, {"kind": 1})
   with pytest.raises(ValueError, match=r"valid options: \(none\)"):
     positional.get_class("none").resolve_options({"x": 1})
 
 
-@pytest.mark.parametrize("option, value, ok, words", [
-    (Option(1, "d", type="int", low=1), 0, False, "an integer >= 1"),
-    (Option(1, "d", type="int", low=1), True, False, "an integer >= 1"),
-    (Option(2, "d", type="int", low=2, even=True), 4, True, "an even integer >= 2"),
-    (Option(2, "d", type="int", low=2, even=True), 3, False, "an even integer >= 2"),
-    (Option(0.5, "d", type="number", low=0, low_open=True, high=1), 1.0, True,
-     "a finite number > 0 and <= 1"),
-    (Option(0.5, "d", type="number", low=0, low_open=True), float("nan"), False,
-     "a finite number > 0"),
-    (Option(None, "d", type="bool", none_ok=True), None, True, "None, True or False"),
-    (Option(None, "d", type="int", none_ok=True), 1, True, "None or an integer"),
-    (Option("a", "d", type="str", choices=("a", "b")), "c", False, "one of a, b"),
-    (Option(1, "d", type="int", choices={1: "one", 2: "two"}), 2, True, "one of 1 (one), 2 (two)"),
-])
+@pytest.mark.parametrize(
+    "option, value, ok, words",
+    [
+        (Option(1, "d", type="int", low=1), 0, False, "an integer >= 1"),
+        (Option(1, "d", type="int", low=1), True, False, "an integer >= 1"),
+        (Option(2, "d", type="int", low=2, even=True), 4, True, "an even integer >= 2"),
+        (Option(2, "d", type="int", low=2, even=True), 3, False, "an even integer >= 2"),
+        (
+            Option(0.5, "d", type="number", low=0, low_open=True, high=1),
+            1.0,
+            True,
+            "a finite number > 0 and <= 1",
+        ),
+        (
+            Option(0.5, "d", type="number", low=0, low_open=True),
+            float("nan"),
+            False,
+            "a finite number > 0",
+        ),
+        (Option(None, "d", type="bool", none_ok=True), None, True, "None, True or False"),
+        (Option(None, "d", type="int", none_ok=True), 1, True, "None or an integer"),
+        (Option("a", "d", type="str", choices=("a", "b")), "c", False, "one of a, b"),
+        (
+            Option(1, "d", type="int", choices={1: "one", 2: "two"}),
+            2,
+            True,
+            "one of 1 (one), 2 (two)",
+        ),
+    ],
+)
 def test_option_validates_and_describes(option, value, ok, words):
   assert option.is_valid(value) is ok
   assert option.describe() == words
@@ -84,7 +103,8 @@ def test_choices_refuse_bools_for_ints_and_name_every_choice():
   assert not spec.is_valid(True) and spec.is_valid(2)
   assert spec.error("lrpe", "type", True) == (
       "lrpe: unknown type True; valid choices: 1 (unitary, complex), 2 (orthogonal rotations), "
-      "3 (permutation).")
+      "3 (permutation)."
+  )
 
 
 def test_no_scheme_module_checks_option_types_itself():
@@ -94,16 +114,29 @@ def test_no_scheme_module_checks_option_types_itself():
     path = root / f"{module}.py"
     tree = ast.parse(path.read_text())
     names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    assert not names & {"_is_int", "_is_bool", "_is_real", "check_options", "check_base",
-                        "check_seed", "check_decay", "check_rel_dim"}, path.name
+    assert not names & {
+        "_is_int",
+        "_is_bool",
+        "_is_real",
+        "check_options",
+        "check_base",
+        "check_seed",
+        "check_decay",
+        "check_rel_dim",
+    }, path.name
 
 
 def test_relations_between_options():
   with pytest.raises(ValueError, match="learnable_theta=True needs type 1 or 2"):
     positional.get_class("lrpe").resolve_options({"type": 3, "learnable_theta": True})
-  with pytest.raises(ValueError, match=re.escape("max_distance must be an integer > "
-                                                 "num_buckets // 2 = 8")):
+  with pytest.raises(
+      ValueError, match=re.escape("max_distance must be an integer > " "num_buckets // 2 = 8")
+  ):
     positional.get_class("t5_bias").resolve_options({"num_buckets": 16, "max_distance": 8})
-  assert positional.get_class("t5_bias").resolve_options(
-      {"bucketed": False, "num_buckets": 16, "max_distance": 8})["bucketed"] is False
+  assert (
+      positional.get_class("t5_bias").resolve_options(
+          {"bucketed": False, "num_buckets": 16, "max_distance": 8}
+      )["bucketed"]
+      is False
+  )
   assert KernelInfo("softmax").is_softmax

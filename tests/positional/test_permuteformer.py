@@ -17,10 +17,10 @@ from tests.helpers import rel_err
 
 HEADS, F = 3, 8
 DIMS_1D = Dims(num_heads=HEADS, head_dim=4, feature_dim=F, embed_dim=12, max_length=12)
-DIMS_1D_CAUSAL = Dims(num_heads=HEADS, head_dim=4, feature_dim=F, embed_dim=12, max_length=12,
-                      causal=True)
-DIMS_2D = Dims(num_heads=HEADS, head_dim=4, feature_dim=F, embed_dim=12, max_length=12,
-               grid=(3, 4))
+DIMS_1D_CAUSAL = Dims(
+    num_heads=HEADS, head_dim=4, feature_dim=F, embed_dim=12, max_length=12, causal=True
+)
+DIMS_2D = Dims(num_heads=HEADS, head_dim=4, feature_dim=F, embed_dim=12, max_length=12, grid=(3, 4))
 TOL = 1e-12
 
 
@@ -115,7 +115,7 @@ def test_scores_depend_on_the_2d_offset_only(grid):
   n = h * w
   a, b = _positive(rng, 1, 1, HEADS, F), _positive(rng, 1, 1, HEADS, F)
   q, k = np.broadcast_to(a, (1, n, HEADS, F)), np.broadcast_to(b, (1, n, HEADS, F))
-  s = _scores(*_features(DIMS_2D, q, k, Context(length=n, grid=grid)))[0]   # [h, n, n]
+  s = _scores(*_features(DIMS_2D, q, k, Context(length=n, grid=grid)))[0]  # [h, n, n]
   groups: dict[tuple, list] = {}
   for p in range(n):
     for p2 in range(n):
@@ -134,7 +134,7 @@ def test_gather_matches_dense_matrix_powers_1d(n):
   rng = np.random.default_rng(n)
   q, k = rng.standard_normal((2, n, HEADS, F)), rng.standard_normal((2, n, HEADS, F))
   perm = _bound(DIMS_1D).permutations()[0]
-  mats = _dense_powers(perm, n)                                     # [n, h, f, f]
+  mats = _dense_powers(perm, n)  # [n, h, f, f]
   want_q = np.einsum("nhac,bnhc->bnha", mats, q)
   want_k = np.einsum("nhac,bnhc->bnha", mats, k)
   fq, fk = _features(DIMS_1D, q, k, Context(length=n))
@@ -144,8 +144,12 @@ def test_gather_matches_dense_matrix_powers_1d(n):
   assert rel_err(rq, want_q) < TOL and rel_err(rk, want_k) < TOL
   # Scores: q_i^T P^(j-i) k_j (Eq. 11 with r = 1).
   inv = lambda i, j: mats[j - i] if j >= i else np.swapaxes(mats[i - j], -1, -2)
-  want_s = np.array([[np.einsum("bha,hac,bhc->bh", q[:, i], inv(i, j), k[:, j])
-                      for j in range(n)] for i in range(n)])               # [n, n, b, h]
+  want_s = np.array(
+      [
+          [np.einsum("bha,hac,bhc->bh", q[:, i], inv(i, j), k[:, j]) for j in range(n)]
+          for i in range(n)
+      ]
+  )  # [n, n, b, h]
   assert rel_err(_scores(fq, fk), np.transpose(want_s, (2, 3, 0, 1))) < TOL
 
 
@@ -157,7 +161,7 @@ def test_gather_matches_dense_matrix_powers_2d(grid):
   q, k = rng.standard_normal((2, n, HEADS, F)), rng.standard_normal((2, n, HEADS, F))
   perms = _bound(DIMS_2D).permutations()
   rows, cols = _dense_powers(perms[0], h), _dense_powers(perms[1], w)
-  mats = np.stack([rows[p // w] @ cols[p % w] for p in range(n)])    # P_row^r P_col^c
+  mats = np.stack([rows[p // w] @ cols[p % w] for p in range(n)])  # P_row^r P_col^c
   # The two permutations commute (disjoint supports, Eq. 14).
   np.testing.assert_array_equal(mats, np.stack([cols[p % w] @ rows[p // w] for p in range(n)]))
   want_q = np.einsum("nhac,bnhc->bnha", mats, q)
@@ -170,11 +174,11 @@ def test_gather_matches_dense_matrix_powers_2d(grid):
 def test_2d_halves_move_with_their_axis_only():
   perms = _bound(DIMS_2D).permutations()
   half = F - F // 2
-  np.testing.assert_array_equal(perms[0][:, half:], np.broadcast_to(np.arange(half, F),
-                                                                    (HEADS, F - half)))
-  np.testing.assert_array_equal(perms[1][:, :half], np.broadcast_to(np.arange(half),
-                                                                    (HEADS, half)))
-  assert not np.any(np.all(perms[0] == np.arange(F), axis=-1))       # neither is the identity
+  np.testing.assert_array_equal(
+      perms[0][:, half:], np.broadcast_to(np.arange(half, F), (HEADS, F - half))
+  )
+  np.testing.assert_array_equal(perms[1][:, :half], np.broadcast_to(np.arange(half), (HEADS, half)))
+  assert not np.any(np.all(perms[0] == np.arange(F), axis=-1))  # neither is the identity
   assert not np.any(np.all(perms[1] == np.arange(F), axis=-1))
 
 
@@ -187,7 +191,7 @@ def test_power_table_matches_repeated_composition(n):
   step = np.broadcast_to(np.arange(13), (4, 13)).copy()
   for i in range(n):
     np.testing.assert_array_equal(table[i], step)
-    step = np.take_along_axis(perm, step, axis=-1)                  # pi^(i+1) = pi o pi^i
+    step = np.take_along_axis(perm, step, axis=-1)  # pi^(i+1) = pi o pi^i
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,12 +250,14 @@ def test_paper_decay_ladder():
   assert rel_err(r, want) < TOL
   assert 0.88 < r[0] < 0.881 and 0.99 < r[-1] < 0.991  # Sec. 4.2.1: r in [0.88, 0.99]
   mix = _bound(DIMS_1D_CAUSAL, (("decay", permuteformer.paper_decays(HEADS)),)).kv(
-      Context(causal=True, length=3))
+      Context(causal=True, length=3)
+  )
   assert rel_err(mix.log_decay, np.log(permuteformer.paper_decays(HEADS))) < TOL
   named = _bound(DIMS_1D_CAUSAL, (("decay", "paper"),)).kv(Context(causal=True, length=3))
   assert rel_err(named.log_decay, mix.log_decay) < TOL  # "paper" = the ladder for any heads
-  assert "Eq. 10" in compatibility.problem("relu", "permuteformer", causal=False,
-                                    options={"decay": "paper"})
+  assert "Eq. 10" in compatibility.problem(
+      "relu", "permuteformer", causal=False, options={"decay": "paper"}
+  )
 
 
 def test_decay_is_refused_where_it_is_not_defined():
@@ -266,8 +272,9 @@ def test_decay_is_refused_where_it_is_not_defined():
 # ---------------------------------------------------------------------------------------------
 def test_compatibility():
   cls = permuteformer.PermuteFormer
-  trf = cls.compatibility(KernelInfo("trf", nonnegative=False), causal=False, two_d=False,
-                          options={})
+  trf = cls.compatibility(
+      KernelInfo("trf", nonnegative=False), causal=False, two_d=False, options={}
+  )
   assert isinstance(trf, str) and "non-negative" in trf and "trf" in trf
   for kernel in ("softmax", "relu", "elu1", "favor", "dpfp"):
     for causal in (False, True):
@@ -278,13 +285,16 @@ def test_compatibility():
   for kernel in ("softmax", "relu"):
     why = compatibility.problem(kernel, "permuteformer", causal=False, options={"decay": 0.9})
     assert isinstance(why, str) and "Eq. 10" in why
-    why = compatibility.problem(kernel, "permuteformer", causal=False,
-                                options={"decay": (1.0, 0.9)})
+    why = compatibility.problem(
+        kernel, "permuteformer", causal=False, options={"decay": (1.0, 0.9)}
+    )
     assert isinstance(why, str)
-    assert compatibility.problem(kernel, "permuteformer", causal=True,
-                                 options={"decay": 0.9}) is None
-  assert compatibility.problem("relu", "permuteformer", causal=False,
-                               options={"decay": 1.0}) is None
+    assert (
+        compatibility.problem(kernel, "permuteformer", causal=True, options={"decay": 0.9}) is None
+    )
+  assert (
+      compatibility.problem("relu", "permuteformer", causal=False, options={"decay": 1.0}) is None
+  )
 
 
 @pytest.mark.parametrize("decay", [0.0, -0.5, 1.5, float("nan"), True, "0.9", (), (0.9, 2.0)])
@@ -306,11 +316,9 @@ def test_bad_options_raise():
   with pytest.raises(ValueError, match="feature dim >= 4"):
     _bound(small).kv(Context(length=4, grid=(2, 2)))
   with pytest.raises(ValueError, match=r"\[batch, length, 3, 8\]"):
-    _features(DIMS_1D, np.zeros((1, 4, HEADS, 5)), np.zeros((1, 4, HEADS, 5)),
-              Context(length=4))
+    _features(DIMS_1D, np.zeros((1, 4, HEADS, 5)), np.zeros((1, 4, HEADS, 5)), Context(length=4))
   with pytest.raises(ValueError, match="without one"):
-    _features(DIMS_2D, np.zeros((1, 4, HEADS, F)), np.zeros((1, 4, HEADS, F)),
-              Context(length=4))
+    _features(DIMS_2D, np.zeros((1, 4, HEADS, F)), np.zeros((1, 4, HEADS, F)), Context(length=4))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,13 +326,13 @@ def test_bad_options_raise():
 # ---------------------------------------------------------------------------------------------
 def test_heads_differ_and_seeds_reproduce():
   for dims in (DIMS_1D, DIMS_2D):
-    perms = _bound(dims).permutations()                              # [axes, h, f]
+    perms = _bound(dims).permutations()  # [axes, h, f]
     for p in perms.reshape(-1, F):
-      np.testing.assert_array_equal(np.sort(p), np.arange(F))        # real permutations
+      np.testing.assert_array_equal(np.sort(p), np.arange(F))  # real permutations
     per_head = [perms[:, h].tobytes() for h in range(HEADS)]
-    assert len(set(per_head)) == HEADS                               # every head its own
+    assert len(set(per_head)) == HEADS  # every head its own
     again = permuteformer.draw_permutations.__wrapped__(F, HEADS, 0, dims.grid is not None)
-    np.testing.assert_array_equal(again, perms)                      # same seed, same draw
+    np.testing.assert_array_equal(again, perms)  # same seed, same draw
     other = _bound(dims, (("seed", 1),)).permutations()
     assert not np.array_equal(other, perms)
   rng = np.random.default_rng(5)
@@ -357,7 +365,7 @@ def test_shorter_lengths_use_the_first_rows_and_longer_raise():
   long = np.zeros((1, 13, HEADS, F))
   with pytest.raises(ValueError, match="dims.max_length = 12"):
     _features(DIMS_1D, long, long, Context(length=13))
-  with pytest.raises(ValueError, match="dims.max_length = 12"):      # memory counts too
+  with pytest.raises(ValueError, match="dims.max_length = 12"):  # memory counts too
     _features(DIMS_1D, long[:, :4], long[:, :13], Context(length=4, memory_length=9))
   big = np.zeros((1, 16, HEADS, F))
   with pytest.raises(ValueError, match=re.escape("exceeds the largest grid (3, 4)")):

@@ -26,7 +26,7 @@ B, H, D = 2, 2, 3
 MAX_LENGTH = 9
 DIMS = Dims(num_heads=H, head_dim=D, feature_dim=D, embed_dim=H * D, max_length=MAX_LENGTH)
 K_SINES, KSIZE = 3, 4
-R_MC = 16384                 # realisations for the Monte Carlo checks
+R_MC = 16384  # realisations for the Monte Carlo checks
 R_SMALL = 8
 # Max |mean - target| / standard error over all (b, h, m, n) entries (a few hundred, correlated
 # through shared noise): for a correct estimator this is a maximum of |N(0, 1)| draws, ~3-4.
@@ -48,15 +48,25 @@ def _note(name: str, err: float) -> float:
 
 
 def _opts(kind, gated=True, r=R_SMALL, **extra) -> tuple:
-  return tuple(sorted({"kind": kind, "gated": gated, "num_realizations": r,
-                       "num_sines": K_SINES, "kernel_size": KSIZE, **extra}.items()))
+  return tuple(
+      sorted(
+          {
+              "kind": kind,
+              "gated": gated,
+              "num_realizations": r,
+              "num_sines": K_SINES,
+              "kernel_size": KSIZE,
+              **extra,
+          }.items()
+      )
+  )
 
 
 # ---------------------------------------------------------------------------------------------
 # Building, parameters, applying (one jit per configuration, context and shapes: each compile
 # holds a threefry draw, so the tests share a few configurations)
 # ---------------------------------------------------------------------------------------------
-LQ, MEM = 6, 2                                  # the standard shapes: 6 queries after 2 memory
+LQ, MEM = 6, 2  # the standard shapes: 6 queries after 2 memory
 LK = LQ + MEM
 
 
@@ -159,8 +169,7 @@ def _mc(qh, kh):
   r = qh.shape[-1]
   terms = r * np.einsum("bmhr,bnhr->bhmnr", qh, kh)
   mean = terms.mean(-1)
-  np.testing.assert_allclose(mean, np.einsum("bmhr,bnhr->bhmn", qh, kh), rtol=1e-10,
-                             atol=1e-12)
+  np.testing.assert_allclose(mean, np.einsum("bmhr,bnhr->bhmn", qh, kh), rtol=1e-10, atol=1e-12)
   return mean, terms.std(-1, ddof=1) / np.sqrt(r)
 
 
@@ -172,7 +181,7 @@ def _mc(qh, kh):
 def test_monte_carlo_mean_matches_relative_kernel(kind, gated):
   options = _std(kind, gated)
   q, k = _qk(LQ, LK, seed=1)
-  qh, kh = _run(options, q, k, memory=MEM)         # queries at positions 2..7, keys at 0..7
+  qh, kh = _run(options, q, k, memory=MEM)  # queries at positions 2..7, keys at 0..7
   mean, se = _mc(qh, kh)
   target = _target(options, q, k, MEM)
   z = np.max(np.abs(mean - target) / se)
@@ -191,16 +200,15 @@ def test_monte_carlo_mean_matches_relative_kernel(kind, gated):
 def test_offset_kernel_closed_form(kind, gated):
   options = _opts(kind, gated)
   n = 6
-  got = np.asarray(_module(options).apply(_params(options), n, jnp.float64,
-                                          method="offset_kernel"))
-  dense = _kernel_ref(options, np.arange(n), np.arange(n))       # [h, d, i, j]
+  got = np.asarray(_module(options).apply(_params(options), n, jnp.float64, method="offset_kernel"))
+  dense = _kernel_ref(options, np.arange(n), np.arange(n))  # [h, d, i, j]
   want = np.zeros((H, D, 2 * n - 1))
   for i in range(n):
     for j in range(n):
       want[:, :, j - i + n - 1] = dense[:, :, i, j]
   assert _note(f"offset_kernel vs reference ({kind})", rel_err(got, want)) < 1e-12
-  if kind == "conv" and not gated:   # a filter cross-correlation: zero beyond |delta| >= L
-    assert np.all(got[..., :n - KSIZE] == 0) and np.all(got[..., n + KSIZE - 1:] == 0)
+  if kind == "conv" and not gated:  # a filter cross-correlation: zero beyond |delta| >= L
+    assert np.all(got[..., : n - KSIZE] == 0) and np.all(got[..., n + KSIZE - 1 :] == 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +219,7 @@ def test_score_depends_on_offset_only_in_expectation(kind):
   options = _std(kind)
   rng = np.random.default_rng(5)
   q0, k0 = rng.normal(size=(B, 1, H, D)), rng.normal(size=(B, 1, H, D))
-  q, k = np.repeat(q0, LQ, axis=1), np.repeat(k0, LK, axis=1)   # the same content everywhere
+  q, k = np.repeat(q0, LQ, axis=1), np.repeat(k0, LK, axis=1)  # the same content everywhere
   qh, kh = _run(options, q, k, memory=MEM)
   mean, se = _mc(qh, kh)
   # Shifting both positions keeps the mean (within the joint standard error)...
@@ -240,25 +248,31 @@ def test_shapes_and_feature_out_dim(kind):
   assert qh.shape == (B, LQ, H, R_MC) and kh.shape == (B, LK, H, R_MC)
   assert spe.SPE.feature_out_dim(D, dict(_std(kind))) == R_MC
   assert spe.SPE.feature_out_dim(16, {"num_realizations": 5}) == 5
-  assert spe.SPE.feature_out_dim(16, {}) == 64                   # the default R
+  assert spe.SPE.feature_out_dim(16, {}) == 64  # the default R
   assert spe.SPE.feature_out_dim(16, {"kind": "conv"}) == 64
   params = _init(kind, True)["params"]
   if kind == "sine":
     assert {n: v.shape for n, v in params.items()} == {
-        "frequencies": (H, D, K_SINES), "phases": (H, D, K_SINES), "gains": (H, D, K_SINES),
-        "gate": (H, D)}
+        "frequencies": (H, D, K_SINES),
+        "phases": (H, D, K_SINES),
+        "gains": (H, D, K_SINES),
+        "gate": (H, D),
+    }
     f = 1 / (1 + np.exp(-np.asarray(params["frequencies"], np.float64))) / 2
-    assert np.all((f > 0) & (f < 0.5)) and np.median(f) < 0.05    # slow sinusoids at init
+    assert np.all((f > 0) & (f < 0.5)) and np.median(f) < 0.05  # slow sinusoids at init
     np.testing.assert_array_equal(params["phases"], 0.0)
     lam = np.log1p(np.exp(np.asarray(params["gains"], np.float64)))
-    np.testing.assert_allclose(np.sum(lam ** 2, axis=-1), 1.0, rtol=1e-5)  # P_d(0) = 1 at init
+    np.testing.assert_allclose(np.sum(lam**2, axis=-1), 1.0, rtol=1e-5)  # P_d(0) = 1 at init
   else:
     assert {n: v.shape for n, v in params.items()} == {
-        "filter_q": (H, D, KSIZE), "filter_k": (H, D, KSIZE), "gate": (H, D)}
+        "filter_q": (H, D, KSIZE),
+        "filter_k": (H, D, KSIZE),
+        "gate": (H, D),
+    }
     for name in ("filter_q", "filter_k"):
       w = np.asarray(params[name])
       assert np.all((w >= 0) & (w <= 2 / np.sqrt(KSIZE)))
-  np.testing.assert_array_equal(params["gate"], 0.0)                # b = 1/2 at init
+  np.testing.assert_array_equal(params["gate"], 0.0)  # b = 1/2 at init
   assert "gate" not in _init(kind, False)["params"]
   cls = positional.get_class("spe")
   assert cls.hooks == ("features",) and cls.feature_stage == "pre_phi"
@@ -285,7 +299,7 @@ def test_memory_rows_and_length_prefixes(kind):
   qm, km = _run(options, q[:, MEM:], k, memory=MEM)
   qs, ks = _run(options, q[:, :4], k[:, :4])
   assert rel_err(ks, km[:, :4]) < 1e-12
-  assert rel_err(qs[:, MEM:], qm[:, :4 - MEM]) < 1e-12
+  assert rel_err(qs[:, MEM:], qm[:, : 4 - MEM]) < 1e-12
 
 
 @pytest.mark.parametrize("kind", spe.KINDS)
@@ -301,10 +315,10 @@ def test_maps_are_position_wise_so_causal_attention_stays_causal(kind):
     fk = lambda x: module.apply(params, q, x, ctx, method="features")[1][0]
     return jax.jacfwd(fq)(q), jax.jacfwd(fk)(k)
 
-  for jac in jax.jit(jacobians)(q, k):                          # [n, h, R, b, n, h, d]
+  for jac in jax.jit(jacobians)(q, k):  # [n, h, R, b, n, h, d]
     jac = np.moveaxis(np.asarray(jac)[:, :, :, 0], 3, 1).reshape(n, n, -1)
     eye = np.eye(n, dtype=bool)
-    assert np.all(jac[~eye] == 0.0)                             # no other position's data
+    assert np.all(jac[~eye] == 0.0)  # no other position's data
     assert np.all(np.abs(jac[eye]).max(-1) > 0)
 
 
@@ -313,6 +327,7 @@ def test_maps_are_position_wise_so_causal_attention_stays_causal(kind):
 # ---------------------------------------------------------------------------------------------
 class _ThreeLayers(nn.Module):
   """SPE modules under different names (layers): a and b share the seed, c has another."""
+
   options: tuple
 
   @nn.compact
@@ -335,9 +350,9 @@ def test_noise_is_a_fixed_draw_per_seed_and_path(kind):
   fn = jax.jit(layers.apply)
   qa, qb, qc = (np.asarray(x) for x in fn(params, q, k))
   again = fn(params, q, k)
-  np.testing.assert_array_equal(qa, np.asarray(again[0]))       # same seed: same numbers
-  assert rel_err(qa, qb) > 0.1                                  # another path: another draw
-  assert rel_err(qa, qc) > 0.1                                  # another seed: another draw
+  np.testing.assert_array_equal(qa, np.asarray(again[0]))  # same seed: same numbers
+  assert rel_err(qa, qb) > 0.1  # another path: another draw
+  assert rel_err(qa, qc) > 0.1  # another seed: another draw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +386,10 @@ def test_bad_options_raise(options, message):
 
 
 def test_unknown_option_lists_valid_ones():
-  with pytest.raises(ValueError, match="kind, num_realizations, num_sines, kernel_size, gated, "
-                                       "seed, share_across_layers"):
+  with pytest.raises(
+      ValueError,
+      match="kind, num_realizations, num_sines, kernel_size, gated, " "seed, share_across_layers",
+  ):
     positional.build("spe", DIMS, {"realizations": 8})
 
 
@@ -401,11 +418,13 @@ def test_compatible_with_every_kernel_1d_only(causal):
   cls = positional.get_class("spe")
   for options in ({}, {"kind": "conv"}):
     for name in ("softmax",) + FEATURE_MAPS:
-      assert cls.compatibility(KernelInfo(name), causal=causal, two_d=False,
-                               options=options) is None
+      assert (
+          cls.compatibility(KernelInfo(name), causal=causal, two_d=False, options=options) is None
+      )
       assert compatibility.problem(name, "spe", causal=causal, options=options) is None
-      assert "no 2D form" in compatibility.problem(name, "spe", causal=causal, two_d=True,
-                                            options=options)
+      assert "no 2D form" in compatibility.problem(
+          name, "spe", causal=causal, two_d=True, options=options
+      )
 
 
 # ---------------------------------------------------------------------------------------------

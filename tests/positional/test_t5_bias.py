@@ -18,8 +18,7 @@ from tests.helpers import rel_err
 
 HEADS = 3
 DIMS_1D = Dims(num_heads=HEADS, head_dim=4, feature_dim=4, embed_dim=12, max_length=12)
-DIMS_2D = Dims(num_heads=HEADS, head_dim=4, feature_dim=4, embed_dim=12, max_length=20,
-               grid=(4, 5))
+DIMS_2D = Dims(num_heads=HEADS, head_dim=4, feature_dim=4, embed_dim=12, max_length=20, grid=(4, 5))
 # Small buckets so that short test sequences reach the log buckets and the max_distance cap.
 SMALL = (("num_buckets", 8), ("max_distance", 9))
 
@@ -38,8 +37,9 @@ def _py_bucket(rel: int, bidirectional: bool, num_buckets: int, max_distance: in
   max_exact = num_buckets // 2
   if n < max_exact:
     return ret + n
-  val = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
-                        * (num_buckets - max_exact))
+  val = max_exact + int(
+      math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+  )
   return ret + min(val, num_buckets - 1)
 
 
@@ -58,8 +58,7 @@ def _params(options: tuple, dims: Dims):
   grid = None if dims.grid is None else (2, 2)
   x = np.zeros((1, n, dims.num_heads, dims.head_dim))
   ctx = Context(length=n, grid=grid)
-  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(
-      jax.random.key(0))
+  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(jax.random.key(0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,8 +67,7 @@ def _bias_fn(options: tuple, dims: Dims, ctx: Context):
   return jax.jit(lambda params, q, k: module.apply(params, q, k, ctx, method="logits"))
 
 
-def _bias(options: tuple, dims: Dims, *, lq: int, memory: int = 0, causal: bool = False,
-          grid=None):
+def _bias(options: tuple, dims: Dims, *, lq: int, memory: int = 0, causal: bool = False, grid=None):
   """(bias [1, h, Lq, M+Lq] as numpy, the parameter table as numpy)."""
   params = _params(options, dims)
   ctx = Context(causal=causal, length=lq, memory_length=memory, grid=grid)
@@ -82,32 +80,33 @@ def _bias(options: tuple, dims: Dims, *, lq: int, memory: int = 0, causal: bool 
 # ---------------------------------------------------------------------------------------------
 # The bucketing
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 9), (8, 40), (4, 3),
-                                                       (16, 100)])
+@pytest.mark.parametrize(
+    "num_buckets, max_distance", [(32, 128), (8, 9), (8, 40), (4, 3), (16, 100)]
+)
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_buckets_match_python_transcription(num_buckets, max_distance, bidirectional):
   offsets = np.arange(-300, 301)
-  got = t5_bias.relative_position_bucket(offsets, bidirectional=bidirectional,
-                                         num_buckets=num_buckets, max_distance=max_distance)
+  got = t5_bias.relative_position_bucket(
+      offsets, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+  )
   want = [_py_bucket(int(o), bidirectional, num_buckets, max_distance) for o in offsets]
   np.testing.assert_array_equal(got, want)
   assert got.min() == 0 and got.max() == num_buckets - 1
   side = num_buckets // 2 if bidirectional else num_buckets
-  past = got[offsets <= 0][::-1]                              # distance 0, 1, 2, ...
-  np.testing.assert_array_equal(past[:side // 2], np.arange(side // 2))  # exact buckets
-  assert np.all(np.diff(past) >= 0)                           # grows with the distance
-  assert np.all(past[max_distance:] == side - 1)              # beyond max_distance: the last
+  past = got[offsets <= 0][::-1]  # distance 0, 1, 2, ...
+  np.testing.assert_array_equal(past[: side // 2], np.arange(side // 2))  # exact buckets
+  assert np.all(np.diff(past) >= 0)  # grows with the distance
+  assert np.all(past[max_distance:] == side - 1)  # beyond max_distance: the last
   if bidirectional:
     future = got[offsets > 0]
     assert np.all(future >= side) and np.all(np.diff(future) >= 0)
   else:
-    assert np.all(got[offsets > 0] == 0)                      # future keys (masked): bucket 0
+    assert np.all(got[offsets > 0] == 0)  # future keys (masked): bucket 0
 
 
 def test_t5_default_buckets_at_known_offsets():
   bucket = functools.partial(t5_bias.relative_position_bucket, num_buckets=32, max_distance=128)
-  enc = bucket(np.array([0, -1, -7, -8, -16, -127, -128, -1000, 1, 7, 16, 128]),
-               bidirectional=True)
+  enc = bucket(np.array([0, -1, -7, -8, -16, -127, -128, -1000, 1, 7, 16, 128]), bidirectional=True)
   np.testing.assert_array_equal(enc, [0, 1, 7, 8, 10, 15, 15, 15, 17, 23, 26, 31])
   dec = bucket(np.array([0, -15, -16, -32, -64, -128, 5]), bidirectional=False)
   np.testing.assert_array_equal(dec, [0, 15, 16, 21, 26, 31, 0])
@@ -160,8 +159,9 @@ def test_bias_depends_on_offset_only(options, causal):
   # distinct values as distinct buckets (per-offset: all distinct).
   offsets = np.arange(memory + lq) - (memory + lq - 1)
   if dict(options).get("bucketed", True):
-    buckets = t5_bias.relative_position_bucket(offsets, bidirectional=not causal,
-                                               num_buckets=8, max_distance=9)
+    buckets = t5_bias.relative_position_bucket(
+        offsets, bidirectional=not causal, num_buckets=8, max_distance=9
+    )
     n_distinct = len(np.unique(buckets))
     assert n_distinct >= 4
   else:
@@ -183,8 +183,9 @@ def test_memory_matches_rows_of_the_full_sequence():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("grid", [(3, 4), (4, 5), (1, 3)])
 def test_2d_per_offset_matches_reference(causal, grid):
-  got, table = _bias((("bucketed", False),), DIMS_2D, lq=grid[0] * grid[1], causal=causal,
-                     grid=grid)
+  got, table = _bias(
+      (("bucketed", False),), DIMS_2D, lq=grid[0] * grid[1], causal=causal, grid=grid
+  )
   (h, w), (mh, mw) = grid, DIMS_2D.grid
   assert table.shape == (HEADS, 2 * mh - 1, 2 * mw - 1)
   want = np.zeros((1, HEADS, h * w, h * w))
@@ -213,8 +214,11 @@ def test_2d_bucketed_matches_reference(causal, grid):
   np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("options", [(("num_buckets", 8), ("max_distance", 5)),
-                                     (("bucketed", False),)], ids=["bucketed", "offset"])
+@pytest.mark.parametrize(
+    "options",
+    [(("num_buckets", 8), ("max_distance", 5)), (("bucketed", False),)],
+    ids=["bucketed", "offset"],
+)
 def test_2d_bias_depends_on_2d_offset_only(options):
   h, w = 4, 5
   got, _ = _bias(options, DIMS_2D, lq=h * w, grid=(h, w))
@@ -254,7 +258,7 @@ def test_jit_matches_eager():
 
 def test_length_and_context_errors():
   with pytest.raises(ValueError, match="exceeds the maximum length 12"):
-    _bias((("bucketed", False),), DIMS_1D, lq=9, memory=4)            # M + Lq = 13 > 12
+    _bias((("bucketed", False),), DIMS_1D, lq=9, memory=4)  # M + Lq = 13 > 12
   module = _module(SMALL, DIMS_1D)
   params = _params(SMALL, DIMS_1D)
   q, k = np.zeros((1, 5, HEADS, 4)), np.zeros((1, 7, HEADS, 4))
@@ -264,8 +268,9 @@ def test_length_and_context_errors():
     module.apply(params, q, q, Context(length=5, grid=(1, 5)), method="logits")
   module_2d, params_2d = _module(SMALL, DIMS_2D), _params(SMALL, DIMS_2D)
   with pytest.raises(ValueError, match="only defined for 1D"):
-    module_2d.apply(params_2d, q, k, Context(length=5, memory_length=2, grid=(1, 5)),
-                    method="logits")
+    module_2d.apply(
+        params_2d, q, k, Context(length=5, memory_length=2, grid=(1, 5)), method="logits"
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -273,8 +278,10 @@ def test_length_and_context_errors():
 def test_compatibility_softmax_only(causal, two_d):
   cls = positional.get_class("t5_bias")
   for options in ({}, {"bucketed": False}):
-    assert cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=two_d,
-                             options=options) is None
+    assert (
+        cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=two_d, options=options)
+        is None
+    )
     for name in FEATURE_MAPS:
       kernel = KernelInfo(name, nonnegative=name != "trf")
       reason = cls.compatibility(kernel, causal=causal, two_d=two_d, options=options)
@@ -286,8 +293,10 @@ BAD_OPTIONS = [
     ({"num_buckets": 7}, "num_buckets must be an even integer >= 4"),
     ({"num_buckets": 2}, "num_buckets must be an even integer >= 4"),
     ({"num_buckets": "32"}, "num_buckets must be an even integer >= 4"),
-    ({"num_buckets": 32, "max_distance": 16}, "max_distance must be an integer > "
-                                               "num_buckets // 2 = 16"),
+    (
+        {"num_buckets": 32, "max_distance": 16},
+        "max_distance must be an integer > " "num_buckets // 2 = 16",
+    ),
     ({"max_distance": 100.0}, "max_distance must be an integer"),
     ({"bucketed": "yes"}, "bucketed must be True or False"),
     ({"share_across_layers": 1}, "share_across_layers must be True or False"),

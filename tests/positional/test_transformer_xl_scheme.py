@@ -18,8 +18,14 @@ from fastpos.positional import Context, Dims, KernelInfo
 from tests.helpers import rel_err
 
 HEADS, HEAD_DIM = 2, 4
-DIMS = Dims(num_heads=HEADS, head_dim=HEAD_DIM, feature_dim=HEAD_DIM, embed_dim=8,
-            max_length=16, causal=True)
+DIMS = Dims(
+    num_heads=HEADS,
+    head_dim=HEAD_DIM,
+    feature_dim=HEAD_DIM,
+    embed_dim=8,
+    max_length=16,
+    causal=True,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,8 +37,7 @@ def _init(module, shape):
   """Parameters of ``module`` (jitted: op-by-op init compiles every primitive)."""
   x = np.zeros(shape)
   ctx = Context(length=shape[1], causal=True)
-  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(
-      jax.random.key(0))
+  return jax.jit(lambda key: module.init(key, x, x, ctx, method="logits"))(jax.random.key(0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,8 +57,9 @@ def _bias_fn(options: tuple, ctx: Context):
 
 
 def _bias(q, k, *, causal, reference=False, options=(), params=None):
-  ctx = Context(causal=causal, reference=reference, length=q.shape[1],
-                memory_length=k.shape[1] - q.shape[1])
+  ctx = Context(
+      causal=causal, reference=reference, length=q.shape[1], memory_length=k.shape[1] - q.shape[1]
+  )
   params = _params(options) if params is None else params
   return np.asarray(_bias_fn(options, ctx)(params, q, k))
 
@@ -84,9 +90,9 @@ def _reference(params, q, k, *, causal, width):
       distance = memory + i - j
       if causal and distance < 0:
         continue
-      w_r = np.einsum("r,rhd->hd", _sinusoid(distance, width), w_kr)   # W_{k,R} R_{i-j}
-      terms_bd = np.einsum("bhd,hd->bh", q[:, i] + v[None], w_r)        # (b) + (d)
-      term_c = np.einsum("bhd,hd->bh", k[:, j], u)                       # (c)
+      w_r = np.einsum("r,rhd->hd", _sinusoid(distance, width), w_kr)  # W_{k,R} R_{i-j}
+      terms_bd = np.einsum("bhd,hd->bh", q[:, i] + v[None], w_r)  # (b) + (d)
+      term_c = np.einsum("bhd,hd->bh", k[:, j], u)  # (c)
       out[:, :, i, j] = (terms_bd + term_c) / math.sqrt(HEAD_DIM)
   return out
 
@@ -106,8 +112,9 @@ def test_bias_matches_paper_terms(lq, memory, causal, reference):
   assert got.shape == (2, HEADS, lq, memory + lq) and got.dtype == np.float64
   want = _reference(_params(), q, k, causal=causal, width=DIMS.embed_dim)
   seen = ~np.isnan(want)
-  assert seen.sum() == 2 * HEADS * (lq * (memory + lq) if not causal else
-                                    sum(memory + i + 1 for i in range(lq)))
+  assert seen.sum() == 2 * HEADS * (
+      lq * (memory + lq) if not causal else sum(memory + i + 1 for i in range(lq))
+  )
   assert rel_err(got[seen], want[seen]) < 1e-9
 
 
@@ -146,7 +153,7 @@ def test_causal_future_entries_hold_term_c_only():
   u = np.asarray(_params()["params"]["u"])
   term_c = np.einsum("bjhd,hd->bhj", k, u) / math.sqrt(HEAD_DIM)
   for i in range(4):
-    np.testing.assert_allclose(got[:, :, i, 3 + i + 1:], term_c[:, :, 3 + i + 1:], rtol=1e-13)
+    np.testing.assert_allclose(got[:, :, i, 3 + i + 1 :], term_c[:, :, 3 + i + 1 :], rtol=1e-13)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -163,12 +170,12 @@ def test_memory_is_the_tail_of_a_longer_sequence(causal):
 def test_position_terms_depend_on_distance_only(causal):
   lq, memory = 6, 3
   rng = np.random.default_rng(8)
-  q = np.tile(rng.standard_normal((1, 1, HEADS, HEAD_DIM)), (1, lq, 1, 1))        # same q_i
+  q = np.tile(rng.standard_normal((1, 1, HEADS, HEAD_DIM)), (1, lq, 1, 1))  # same q_i
   k = np.tile(rng.standard_normal((1, 1, HEADS, HEAD_DIM)), (1, memory + lq, 1, 1))  # same k_j
   got = _bias(q, k, causal=causal)
   np.testing.assert_allclose(got[..., 1:, 1:], got[..., :-1, :-1], rtol=1e-12, atol=1e-12)
   last = got[0, 0, -1] if causal else got[0, 0, 0]
-  assert len(np.unique(np.round(last, 9))) == memory + lq   # every distance is distinct
+  assert len(np.unique(np.round(last, 9))) == memory + lq  # every distance is distinct
   if not causal:
     # R_{-d} != R_d: keys one after and one before the query get different biases.
     assert abs(got[0, 0, 2, memory + 3] - got[0, 0, 2, memory + 1]) > 1e-3
@@ -187,14 +194,17 @@ def test_jit_float32_and_gradients():
   apply = jax.jit(lambda p, a, b: module.apply(p, a, b, ctx, method="logits"))
   got32 = apply(f32, q32, k32)
   assert got32.dtype == jnp.float32
-  want = apply(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), f32),
-               q32.astype(np.float64), k32.astype(np.float64))
+  want = apply(
+      jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), f32),
+      q32.astype(np.float64),
+      k32.astype(np.float64),
+  )
   assert rel_err(got32, want) < 1e-4
   # d sum(bias) / d u = Lq sum_{b,j} k_j / sqrt(d): term (c) reaches every (i, j).
-  grad = jax.jit(jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits").sum()))(
-      params)["params"]
-  np.testing.assert_allclose(grad["u"], 5 * k.sum(axis=(0, 1)) / math.sqrt(HEAD_DIM),
-                             rtol=1e-12)
+  grad = jax.jit(jax.grad(lambda p: module.apply(p, q, k, ctx, method="logits").sum()))(params)[
+      "params"
+  ]
+  np.testing.assert_allclose(grad["u"], 5 * k.sum(axis=(0, 1)) / math.sqrt(HEAD_DIM), rtol=1e-12)
   assert np.all(np.abs(np.asarray(grad["w_kr"])) > 0) and np.all(np.abs(grad["v"]) > 0)
 
 
@@ -204,11 +214,11 @@ def test_jit_float32_and_gradients():
 @pytest.mark.parametrize("causal", [True, False])
 def test_compatibility_softmax_only(causal):
   cls = positional.get_class("transformer_xl")
-  assert cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=False,
-                           options={}) is None
+  assert cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=False, options={}) is None
   for name in FEATURE_MAPS:
-    reason = cls.compatibility(KernelInfo(name, nonnegative=name != "trf"), causal=causal,
-                               two_d=False, options={})
+    reason = cls.compatibility(
+        KernelInfo(name, nonnegative=name != "trf"), causal=causal, two_d=False, options={}
+    )
     assert isinstance(reason, str) and "softmax" in reason and name in reason
   assert cls.hooks == ("logits",) and not cls.supports_2d and cls.supports_causal
 
@@ -218,15 +228,13 @@ def test_bad_rel_dim_raises(rel_dim):
   cls = positional.get_class("transformer_xl")
   message = "rel_dim must be None (use dims.embed_dim) or a positive even integer"
   with pytest.raises(ValueError, match=re.escape(message)):
-    cls.compatibility(KernelInfo("softmax"), causal=True, two_d=False,
-                      options={"rel_dim": rel_dim})
+    cls.compatibility(KernelInfo("softmax"), causal=True, two_d=False, options={"rel_dim": rel_dim})
   with pytest.raises(ValueError, match=re.escape(message)):
     _init(positional.build("transformer_xl", DIMS, {"rel_dim": rel_dim}), (1, 3, HEADS, HEAD_DIM))
 
 
 def test_odd_embed_dim_needs_rel_dim():
-  dims = Dims(num_heads=HEADS, head_dim=HEAD_DIM, feature_dim=HEAD_DIM, embed_dim=9,
-              max_length=8)
+  dims = Dims(num_heads=HEADS, head_dim=HEAD_DIM, feature_dim=HEAD_DIM, embed_dim=9, max_length=8)
   shape = (1, 3, HEADS, HEAD_DIM)
   with pytest.raises(ValueError, match="dims.embed_dim = 9.*set rel_dim"):
     _init(positional.build("transformer_xl", dims), shape)

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def plot_positional():
-  spec = importlib.util.spec_from_file_location("plot_positional",
-                                                ROOT / "scripts" / "plot_positional.py")
+  spec = importlib.util.spec_from_file_location(
+      "plot_positional", ROOT / "scripts" / "plot_positional.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -45,8 +46,11 @@ def figures(plot_positional, monkeypatch):
 
 
 def _line_colors(ax):
-  return [matplotlib.colors.to_rgba(line.get_color()) for line in ax.get_lines()
-          if not line.get_label().startswith("_")]
+  return [
+      matplotlib.colors.to_rgba(line.get_color())
+      for line in ax.get_lines()
+      if not line.get_label().startswith("_")
+  ]
 
 
 def _assert_distinct(ax, n):
@@ -75,11 +79,19 @@ def test_layer_names():
 def test_benchmark_figure(tmp_path):
   lengths = [256, 1024, 4096]
   series = {f"row {i}": [(n, (i + 1) * n * 1e-3) for n in lengths] for i in range(12)}
-  table = bm.Table("layer_sweep", "Attention layer fwd+bwd against N", ["N"], [["1"]], [], {},
-                   [bm.Panel("time", "N", "median ms", series),
-                    bm.Panel("memory (compiled)", "N", "MiB", series)])
-  subtitle = harness.plot_subtitle("layer", argparse.Namespace(train_batch=32,
-                                                               dtype="bfloat16"))
+  table = bm.Table(
+      "layer_sweep",
+      "Attention layer fwd+bwd against N",
+      ["N"],
+      [["1"]],
+      [],
+      {},
+      [
+          bm.Panel("time", "N", "median ms", series),
+          bm.Panel("memory (compiled)", "N", "MiB", series),
+      ],
+  )
+  subtitle = harness.plot_subtitle("layer", argparse.Namespace(train_batch=32, dtype="bfloat16"))
   assert subtitle.startswith("batch 1, bfloat16; ") and " cores)" in subtitle
   fig = harness.plot_table(table, str(tmp_path / "t.png"), subtitle)
   assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -89,21 +101,34 @@ def test_benchmark_figure(tmp_path):
     assert sorted(ax.xaxis.get_ticklocs()) == lengths
     assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "1024", "4096"]
   assert "batch 32, " in harness.plot_subtitle(
-      "train_step", argparse.Namespace(train_batch=32, dtype="float32"))
+      "train_step", argparse.Namespace(train_batch=32, dtype="float32")
+  )
 
 
 def test_positional_1d_figure(plot_positional, figures, tmp_path):
-  entries = [{"scheme": "fastrpb", "layer": f"block_{i}", "path": "",
-              "arrays": {"w": np.random.default_rng(i).normal(size=(12, 31))}}
-             for i in range(2)]
-  meta = {"config": {"task": {"name": "lra_text"},
-                     "model": {"kernel": "sikf", "positional": ["absolute", "fastrpb"],
-                               "num_layers": 2}}, "which": "best", "step": 40}
+  entries = [
+      {
+          "scheme": "fastrpb",
+          "layer": f"block_{i}",
+          "path": "",
+          "arrays": {"w": np.random.default_rng(i).normal(size=(12, 31))},
+      }
+      for i in range(2)
+  ]
+  meta = {
+      "config": {
+          "task": {"name": "lra_text"},
+          "model": {"kernel": "sikf", "positional": ["absolute", "fastrpb"], "num_layers": 2},
+      },
+      "which": "best",
+      "step": 40,
+  }
   about = plot_positional.run_description(meta)
-  assert about == ("task lra_text, kernel sikf, positional absolute+fastrpb, 2 layers "
-                   "(best checkpoint, step 40)")
-  plot_positional.plot_1d(entries, "w", f"FastRPB 1D weights\n{about}", "w",
-                          tmp_path / "w.png", [])
+  assert about == (
+      "task lra_text, kernel sikf, positional absolute+fastrpb, 2 layers "
+      "(best checkpoint, step 40)"
+  )
+  plot_positional.plot_1d(entries, "w", f"FastRPB 1D weights\n{about}", "w", tmp_path / "w.png", [])
   (fig,) = figures
   assert fig._suptitle.get_text().endswith(about)
   assert [ax.get_title() for ax in fig.axes] == ["layer 1", "layer 2"]
@@ -113,18 +138,37 @@ def test_positional_1d_figure(plot_positional, figures, tmp_path):
 
 
 def test_positional_2d_and_lrpe_figures(plot_positional, figures, tmp_path):
-  entries = [{"scheme": "fastrpb", "layer": "block_0", "path": "",
-              "arrays": {"w_rows": np.linspace(-1, 1, 7), "w_cols": np.linspace(1, -1, 9)}}]
+  entries = [
+      {
+          "scheme": "fastrpb",
+          "layer": "block_0",
+          "path": "",
+          "arrays": {"w_rows": np.linspace(-1, 1, 7), "w_cols": np.linspace(1, -1, 9)},
+      }
+  ]
   plot_positional.plot_fastrpb_2d(entries, (4, 5), {}, (1, 2), tmp_path, [], "task mnist")
-  krpe = [{"scheme": "kernelized_rpe", "layer": "shared", "path": "",
-           "arrays": {"b": np.arange(2 * 7 * 9.0).reshape(2, 7, 9)}}]
+  krpe = [
+      {
+          "scheme": "kernelized_rpe",
+          "layer": "shared",
+          "path": "",
+          "arrays": {"b": np.arange(2 * 7 * 9.0).reshape(2, 7, 9)},
+      }
+  ]
   plot_positional.plot_kernelized_rpe_2d(krpe, (4, 5), tmp_path, [], "task mnist")
-  lrpe = [{"scheme": "lrpe", "layer": "block_0", "path": "",
-           "arrays": {"theta": np.random.default_rng(0).uniform(0.1, 1, size=(11, 8))}}]
+  lrpe = [
+      {
+          "scheme": "lrpe",
+          "layer": "block_0",
+          "path": "",
+          "arrays": {"theta": np.random.default_rng(0).uniform(0.1, 1, size=(11, 8))},
+      }
+  ]
   plot_positional.plot_lrpe(lrpe, tmp_path, [], "task lra_text")
   pixel, tables, kernelized, angles = figures
-  assert pixel._suptitle.get_text().startswith("FastRPB 2D (axial): bias W2d[p, q] seen by "
-                                               "pixel p = (1, 2)")
+  assert pixel._suptitle.get_text().startswith(
+      "FastRPB 2D (axial): bias W2d[p, q] seen by " "pixel p = (1, 2)"
+  )
   assert tables._suptitle.get_text().endswith("\ntask mnist")
   (ax,) = [a for a in tables.axes if a.get_title()]
   assert ax.get_title() == "layer 1"
@@ -134,7 +178,9 @@ def test_positional_2d_and_lrpe_figures(plot_positional, figures, tmp_path):
     _assert_integer_ticks(ax.xaxis)
     _assert_integer_ticks(ax.yaxis)
   assert [a.get_title() for a in kernelized.axes if a.get_images()] == [
-      "all layers (shared), head 1", "all layers (shared), head 2"]
+      "all layers (shared), head 1",
+      "all layers (shared), head 2",
+  ]
   assert angles._suptitle.get_text() == "LRPE learned angles theta_k, per layer\ntask lra_text"
   (ax,) = [a for a in angles.axes if a.get_title()]
   _assert_distinct(ax, 11)

@@ -30,9 +30,11 @@ MODES = {
     "layer": ["--lengths", "16", "--cells", "softmax:none,elu1:fastrpb,nprf:kernelized_rpe"],
     "train_step": ["--train-rows", "Linear ELU+1 + FastRPB"],
 }
-TABLES = {"ops": ["toeplitz_matmul", "toeplitz_matmul_2d", "fastrpb_2d_matmul",
-                  "linear_attention"],
-          "layer": ["layer_sweep", "layer_cells"], "train_step": ["train_step"]}
+TABLES = {
+    "ops": ["toeplitz_matmul", "toeplitz_matmul_2d", "fastrpb_2d_matmul", "linear_attention"],
+    "layer": ["layer_sweep", "layer_cells"],
+    "train_step": ["train_step"],
+}
 
 
 def _snapshot(folder):
@@ -102,16 +104,16 @@ def test_committed_tables_only_on_request(monkeypatch, capsys):
 
 def test_bad_input_is_one_message_before_any_compute(capsys):
   assert harness.main(["--mode=ops", "--smoke", "--lengths", "1,x"]) == 2
-  assert capsys.readouterr().err == ("benchmark: --lengths must be comma-separated integers "
-                                     ">= 2; got '1,x'.\n")
+  assert capsys.readouterr().err == (
+      "benchmark: --lengths must be comma-separated integers " ">= 2; got '1,x'.\n"
+  )
   assert harness.main(["--mode=train_step", "--smoke", "--train-rows", "Nope"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("benchmark: --train-rows: unknown rows ['Nope']; valid: 'all', 'core'")
 
 
 def test_bad_cell_is_refused():
-  args = harness.resolve(harness.parse_args(["--mode=layer", "--smoke", "--cells",
-                                              "elu1:t5_bias"]))
+  args = harness.resolve(harness.parse_args(["--mode=layer", "--smoke", "--cells", "elu1:t5_bias"]))
   with pytest.raises(ValueError, match="not compatible"):
     bench_models.all_cells(args.cells)
 
@@ -127,14 +129,23 @@ def _results(tree):
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+      [sys.executable, "scripts/benchmark.py", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
 
 
 def test_cli_needs_a_mode_and_hands_flags_to_it():
   run = _cli()
-  assert run.returncode == 2 and "give --mode, one of ops, layer, train_step, all, decode, " \
-      "context_parallel, memory." in run.stderr and "Traceback" not in run.stderr
+  assert (
+      run.returncode == 2
+      and "give --mode, one of ops, layer, train_step, all, decode, "
+      "context_parallel, memory." in run.stderr
+      and "Traceback" not in run.stderr
+  )
   run = _cli("--mode=decode", "--lengths=1024,x")  # decode's own flag, checked by decode
   assert run.returncode == 2
   assert run.stderr.startswith("fastpos.bench.decode: ") and "Traceback" not in run.stderr
@@ -146,7 +157,9 @@ def test_cli_needs_a_mode_and_hands_flags_to_it():
 
 def test_memory_mode_refuses_a_bad_setting_in_one_line(capsys):
   from fastpos.bench import memory
+
   assert memory.main(["--settings=none:0,full:1"]) == 2
   assert capsys.readouterr().err == (
       "benchmark memory: --settings: bad pair 'full:1'; give remat:scan with remat in none, "
-      "block, save_matmuls, save_dots and scan 0 or 1.\n")
+      "block, save_matmuls, save_dots and scan 0 or 1.\n"
+  )

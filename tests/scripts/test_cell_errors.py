@@ -25,9 +25,13 @@ def test_worst_error_per_cell(tmp_path):
   path = tmp_path / "run.xml"
   path.write_text(XML)
   rows = cell_errors.read_junit(str(path))
-  assert sorted(rows) == sorted([("elu1", "fastrpb", "bidir-1d", 2e-16),
-                                 ("elu1", "fastrpb", "causal-2d", 3e-15),
-                                 ("softmax", "rope+fastrpb", "bidir-1d", 1e-16)])
+  assert sorted(rows) == sorted(
+      [
+          ("elu1", "fastrpb", "bidir-1d", 2e-16),
+          ("elu1", "fastrpb", "causal-2d", 3e-15),
+          ("softmax", "rope+fastrpb", "bidir-1d", 1e-16),
+      ]
+  )
   out = cell_errors.table(rows)
   assert "| elu1 | 3.0e-15 (2) | - |" in out
   assert "| softmax | - | 1.0e-16 (1) |" in out

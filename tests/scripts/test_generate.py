@@ -32,8 +32,15 @@ def workdir(tmp_path_factory):
   root = tmp_path_factory.mktemp("generate")
   c = base_config("wikitext103")
   c.task.update(data_dir=DATA, cache_dir=str(root / "cache"), segment_length=16, vocab_size=143)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0,
-                 kernel="elu1", positional="rope")
+  c.model.update(
+      num_layers=1,
+      embed_dim=16,
+      num_heads=2,
+      mlp_dim=16,
+      dropout_rate=0.0,
+      kernel="elu1",
+      positional="rope",
+  )
   c.batch_size, c.num_train_steps, c.num_eval_batches = 4, 3, 1
   c.log_every_steps = c.eval_every_steps = c.checkpoint_every_steps = 3
   c.data.num_threads = 1
@@ -42,13 +49,22 @@ def workdir(tmp_path_factory):
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        cwd=ROOT, timeout=300)
+  return subprocess.run(
+      [sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+  )
 
 
 def test_generate_samples_and_checks(workdir):
-  out = _run(f"--workdir={workdir}", "--prompt=the", "--num_tokens=6", "--top_k=20",
-             "--top_p=0.9", "--seed=1", "--check", "--tolerance=1e-5")
+  out = _run(
+      f"--workdir={workdir}",
+      "--prompt=the",
+      "--num_tokens=6",
+      "--top_k=20",
+      "--top_p=0.9",
+      "--seed=1",
+      "--check",
+      "--tolerance=1e-5",
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
   assert len(lines["sample"].split()) == 6
@@ -67,15 +83,26 @@ def test_prompt_encoding_and_flags():
   vocab = ["<pad>", "<eos>", "<unk>", "the", "game"]
   np.testing.assert_array_equal(generate.encode_prompt("the game", vocab, 5), [3, 4])
   np.testing.assert_array_equal(generate.encode_prompt("4 1", None, 5), [4, 1])
-  for text, vocab_, msg in (("0 2", None, "out of range"), ("the", None, "integer token ids"),
-                            ("99999999999", None, "token id 99999999999 is out of range"),
-                            ("Game", vocab, "not in the task's vocabulary"), ("  ", vocab,
-                                                                              "empty")):
+  for text, vocab_, msg in (
+      ("0 2", None, "out of range"),
+      ("the", None, "integer token ids"),
+      ("99999999999", None, "token id 99999999999 is out of range"),
+      ("Game", vocab, "not in the task's vocabulary"),
+      ("  ", vocab, "empty"),
+  ):
     with pytest.raises(errors.RunError, match=msg):
       generate.encode_prompt(text, vocab_, 5)
-  for bad in (dict(num_tokens=0), dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0),
-              dict(tolerance=0.0), dict(temperature=float("nan")), dict(top_p=float("inf")),
-              dict(tolerance=float("nan")), dict(seed=-1)):
+  for bad in (
+      dict(num_tokens=0),
+      dict(temperature=-1.0),
+      dict(top_k=-1),
+      dict(top_p=0.0),
+      dict(tolerance=0.0),
+      dict(temperature=float("nan")),
+      dict(top_p=float("inf")),
+      dict(tolerance=float("nan")),
+      dict(seed=-1),
+  ):
     kw = {**dict(num_tokens=1, temperature=1.0, top_k=0, top_p=1.0, tolerance=1e-4), **bad}
     with pytest.raises(errors.RunError, match=f"--{next(iter(bad))}"):
       generate.check_flags(**kw)
@@ -84,11 +111,12 @@ def test_prompt_encoding_and_flags():
 def test_sampling_cuts():
   logits = jnp.log(jnp.asarray([[0.0, 0.5, 0.3, 0.15, 0.05]]))
   key = jax.random.key(0)
-  draws = lambda **kw: {int(generate.sample_logits(logits, jax.random.fold_in(key, i), **kw)[0])
-                        for i in range(200)}
+  draws = lambda **kw: {
+      int(generate.sample_logits(logits, jax.random.fold_in(key, i), **kw)[0]) for i in range(200)
+  }
   assert draws(temperature=0.0, top_k=0, top_p=1.0) == {1}
   assert draws(temperature=1.0, top_k=2, top_p=1.0) == {1, 2}
-  assert draws(temperature=1.0, top_k=0, top_p=0.7) == {1, 2}    # 0.5 + 0.3 reaches 0.7
+  assert draws(temperature=1.0, top_k=0, top_p=0.7) == {1, 2}  # 0.5 + 0.3 reaches 0.7
   assert draws(temperature=1.0, top_k=0, top_p=1.0) == {1, 2, 3, 4}  # never 0 (padding)
 
 
@@ -104,7 +132,10 @@ def test_generate_refuses_a_best_checkpoint_whose_weights_changed(workdir, tmp_p
 
   rewrite_state(best, change)
   run = generate.build(cli.load_config(str(copy / "config.json")), str(copy))
-  with pytest.raises(CheckpointLoadError, match=r"best/3 \(DigestMismatch: 1 of \d+ arrays "
-                     r"differ from their digests: params/embed/embedding\).*--checkpoint=latest"):
+  with pytest.raises(
+      CheckpointLoadError,
+      match=r"best/3 \(DigestMismatch: 1 of \d+ arrays "
+      r"differ from their digests: params/embed/embedding\).*--checkpoint=latest",
+  ):
     generate.restore(run, str(copy), "best")
   assert "params" in generate.restore(run, str(copy), "latest")

@@ -23,13 +23,15 @@ def plot_curves():
 def _workdir(root: Path, name: str, kernel: str, losses: list[float], seed: int = 0) -> Path:
   w = root / name
   w.mkdir()
-  rows = [{"step": s, "split": "train", "time": 0.0, "loss": v}
-          for s, v in enumerate(losses, 1)]
+  rows = [{"step": s, "split": "train", "time": 0.0, "loss": v} for s, v in enumerate(losses, 1)]
   rows.append({"step": 2, "split": "train", "time": 1.0, "loss": 9.0})  # a resume rewrote it
   rows += [{"step": 2, "split": "validation", "time": 0.0, "loss": losses[1], "accuracy": 0.5}]
   (w / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  config = {"seed": seed, "log_every_steps": int(10 * losses[0]),
-            "model": {"kernel": kernel, "positional": "none"}}
+  config = {
+      "seed": seed,
+      "log_every_steps": int(10 * losses[0]),
+      "model": {"kernel": kernel, "positional": "none"},
+  }
   (w / "config.json").write_text(json.dumps(config))
   return w
 
@@ -45,8 +47,7 @@ def test_overlays_runs_with_labels_from_their_differences(plot_curves, tmp_path,
   fig = plot_curves.plot(runs, plot_curves.labels([a, b]), metrics)
   ax = fig.axes[0]
   assert ax.get_title() == "training loss" and ax.get_xlabel() == "training step"
-  assert [t.get_text() for t in ax.get_legend().get_texts()] == ["kernel=softmax",
-                                                                "kernel=elu1"]
+  assert [t.get_text() for t in ax.get_legend().get_texts()] == ["kernel=softmax", "kernel=elu1"]
   lines = ax.get_lines()
   assert list(lines[1].get_ydata()) == [4.0, 9.0, 2.5]
   assert lines[0].get_color() != lines[1].get_color()
@@ -56,13 +57,19 @@ def test_overlays_runs_with_labels_from_their_differences(plot_curves, tmp_path,
   assert capsys.readouterr().out.strip() == f"plot_curves: {out}"
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["{a}", "{missing}"], "metrics.jsonl not found: give the workdir of a train.py run."),
-    (["{a}", "--metrics", "test/loss"], "--metrics: no run has 'test/loss'; they have: "
-     "train/loss, validation/accuracy, validation/loss."),
-    (["{a}", "{a}", "--labels", "one"], "--labels has 1 entries for 2 workdirs."),
-    (["{a}", "--out", "{root}/x.nope"], "--out="),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["{a}", "{missing}"], "metrics.jsonl not found: give the workdir of a train.py run."),
+        (
+            ["{a}", "--metrics", "test/loss"],
+            "--metrics: no run has 'test/loss'; they have: "
+            "train/loss, validation/accuracy, validation/loss.",
+        ),
+        (["{a}", "{a}", "--labels", "one"], "--labels has 1 entries for 2 workdirs."),
+        (["{a}", "--out", "{root}/x.nope"], "--out="),
+    ],
+)
 def test_bad_input_is_one_line(plot_curves, tmp_path, capsys, args, needle):
   a = _workdir(tmp_path, "a", "softmax", [3.0, 2.0, 1.0])
   argv = [x.format(a=a, missing=tmp_path / "missing", root=tmp_path) for x in args]

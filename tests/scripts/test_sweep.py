@@ -31,26 +31,38 @@ from fastpos.sweep import plan, runner  # noqa: E402
 CONFIG = "configs/listops_generated.py:tiny"
 MODEL = "absolute+fastrpb+kernelized_rpe+lrpe"  # every plotted table in one tiny model
 GRID = ["seed=0,1", f"model.positional={MODEL}", "model.kernel=elu1", "num_train_steps=2"]
-NAMES = [f"seed={s}__model.positional=absolute+fastrpb+kernelized_rpe+lrpe__model.kernel=elu1"
-         f"__num_train_steps=2" for s in (0, 1)]
+NAMES = [
+    f"seed={s}__model.positional=absolute+fastrpb+kernelized_rpe+lrpe__model.kernel=elu1"
+    f"__num_train_steps=2"
+    for s in (0, 1)
+]
 
 
 # ---------------------------------------------------------------------------------------------
 # Grid, names, validation
 # ---------------------------------------------------------------------------------------------
 def test_parse_grid_splits_on_bar_when_values_hold_commas():
-  grid = plan.parse_grid(["model.kernel=elu1,sikf", "model.positional=absolute|absolute,fastrpb",
-                           "--config.seed=0"])
+  grid = plan.parse_grid(
+      ["model.kernel=elu1,sikf", "model.positional=absolute|absolute,fastrpb", "--config.seed=0"]
+  )
   assert plan.parse_grid(["model.positional=absolute,fastrpb|"]) == [
-      ("model.positional", ["absolute,fastrpb"])]
-  assert grid == [("model.kernel", ["elu1", "sikf"]),
-                  ("model.positional", ["absolute", "absolute,fastrpb"]), ("seed", ["0"])]
+      ("model.positional", ["absolute,fastrpb"])
+  ]
+  assert grid == [
+      ("model.kernel", ["elu1", "sikf"]),
+      ("model.positional", ["absolute", "absolute,fastrpb"]),
+      ("seed", ["0"]),
+  ]
   combos = plan.combinations(grid)
   assert [tuple(c.values()) for c in combos] == [
-      ("elu1", "absolute", "0"), ("elu1", "absolute,fastrpb", "0"),
-      ("sikf", "absolute", "0"), ("sikf", "absolute,fastrpb", "0")]
+      ("elu1", "absolute", "0"),
+      ("elu1", "absolute,fastrpb", "0"),
+      ("sikf", "absolute", "0"),
+      ("sikf", "absolute,fastrpb", "0"),
+  ]
   assert plan.run_name(combos[1]) == (
-      "model.kernel=elu1__model.positional=absolute+fastrpb__seed=0")
+      "model.kernel=elu1__model.positional=absolute+fastrpb__seed=0"
+  )
   assert plan.run_name({"task.data_dir": "/a b/c"}) == "task.data_dir=_a-b_c"
   for bad in (["seed"], ["seed=0,,1"], ["seed=0,0"], ["seed=0", "seed=1"]):
     with pytest.raises(ValueError):
@@ -79,27 +91,35 @@ def test_arg_keys_go_into_the_config_argument():
   # The papers' experiment files pick a table cell by their argument (kernel=..., pos=...).
   path, arg = plan.split_config_spec(str(ROOT / "configs/listops_generated.py:tiny"))
   assert arg == "tiny"
-  runs = plan.validate(path, arg, plan.parse_grid(["arg.kernel=elu1,sikf", "arg.pos=none",
-                                                     "seed=1"]))
-  assert list(runs) == ["arg.kernel=elu1__arg.pos=none__seed=1",
-                        "arg.kernel=sikf__arg.pos=none__seed=1"]
+  runs = plan.validate(
+      path, arg, plan.parse_grid(["arg.kernel=elu1,sikf", "arg.pos=none", "seed=1"])
+  )
+  assert list(runs) == [
+      "arg.kernel=elu1__arg.pos=none__seed=1",
+      "arg.kernel=sikf__arg.pos=none__seed=1",
+  ]
   overrides, resolved = runs["arg.kernel=sikf__arg.pos=none__seed=1"]
   assert resolved["experiment"] == {"row": "Linear, SIKF", "col": "None"}
   assert resolved["model"]["kernel"] == "sikf" and resolved["model"]["positional"] == "absolute"
   assert resolved["task"]["max_length"] == 32 and resolved["seed"] == 1
   assert plan.config_argv(path, arg, overrides) == [
-      f"--config={path}:tiny,kernel=sikf,pos=none", "--config.seed=1"]
+      f"--config={path}:tiny,kernel=sikf,pos=none",
+      "--config.seed=1",
+  ]
   assert plan.merge_arg("tiny,kernel=dpfp", {"kernel": "sikf"}) == "tiny,kernel=sikf"
   with pytest.raises(ValueError, match="unknown config argument 'kernl'; valid: kernel, pos, tiny"):
     plan.validate(path, arg, plan.parse_grid(["arg.kernl=sikf"]))
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("model.kernl=elu1", "unknown override key 'model.kernl'"),
-    ("sed=1", "Nearby valid keys: seed"),
-    ("model=elu1", "is a block of the config"),
-    ("model.dropout_rate=high", "could not convert string to float: 'high'"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("model.kernl=elu1", "unknown override key 'model.kernl'"),
+        ("sed=1", "Nearby valid keys: seed"),
+        ("model=elu1", "is a block of the config"),
+        ("model.dropout_rate=high", "could not convert string to float: 'high'"),
+    ],
+)
 def test_validate_rejects_bad_overrides_before_running(spec, message):
   path, arg = plan.split_config_spec(str(ROOT / CONFIG))
   with pytest.raises(ValueError, match=message) as e:
@@ -111,27 +131,56 @@ def test_validate_rejects_bad_overrides_before_running(spec, message):
 # ---------------------------------------------------------------------------------------------
 # make_tables from fixture results
 # ---------------------------------------------------------------------------------------------
-LABELS = {"elu1": "Linear, ELU + 1", "sikf": "Linear, SIKF", "absolute": "None",
-          "absolute+fastrpb": "FastRPB"}
-PAPER = {"table": "FastRPB Table 1 (ListOps)", "metric": "accuracy",
-         "results": {"Linear, SIKF|None": 12.55, "Linear, SIKF|FastRPB": [11.47, 4.79]}}
+LABELS = {
+    "elu1": "Linear, ELU + 1",
+    "sikf": "Linear, SIKF",
+    "absolute": "None",
+    "absolute+fastrpb": "FastRPB",
+}
+PAPER = {
+    "table": "FastRPB Table 1 (ListOps)",
+    "metric": "accuracy",
+    "results": {"Linear, SIKF|None": 12.55, "Linear, SIKF|FastRPB": [11.47, 4.79]},
+}
 
 
-def _fixture_run(d: Path, kernel: str, positional: str, seed: int, acc: float | None,
-                 task: str = "listops", lr: float = 1e-3, paper: dict | None = PAPER) -> None:
+def _fixture_run(
+    d: Path,
+    kernel: str,
+    positional: str,
+    seed: int,
+    acc: float | None,
+    task: str = "listops",
+    lr: float = 1e-3,
+    paper: dict | None = PAPER,
+) -> None:
   run = d / f"{kernel}_{positional}_{seed}_{task}_{lr}"
   run.mkdir(parents=True)
-  config = {"seed": seed, "task": {"name": task, "max_length": 100},
-            "model": {"kernel": kernel, "positional": positional, "kernel_options": {"nu": 1}},
-            "optimizer": {"learning_rate": lr}, "num_train_steps": 600}
+  config = {
+      "seed": seed,
+      "task": {"name": task, "max_length": 100},
+      "model": {"kernel": kernel, "positional": positional, "kernel_options": {"nu": 1}},
+      "optimizer": {"learning_rate": lr},
+      "num_train_steps": 600,
+  }
   if paper:  # what configs/common.py set_paper records
     config["experiment"] = {"row": LABELS[kernel], "col": LABELS[positional]}
     config["paper"] = paper
   (run / "config.json").write_text(json.dumps(config))
   if acc is not None:
-    (run / "results_test.json").write_text(json.dumps(
-        {"split": "test", "step": 600, "checkpoint": "best", "task": task,
-         "accuracy": acc, "loss": 1.0, "num_examples": 1000.0}))
+    (run / "results_test.json").write_text(
+        json.dumps(
+            {
+                "split": "test",
+                "step": 600,
+                "checkpoint": "best",
+                "task": task,
+                "accuracy": acc,
+                "loss": 1.0,
+                "num_examples": 1000.0,
+            }
+        )
+    )
 
 
 @pytest.fixture
@@ -149,21 +198,34 @@ def fixture_sweep(tmp_path):
 
 def test_make_tables_markdown_from_fixture_results(fixture_sweep, tmp_path, capsys):
   other = tmp_path / "other_task"  # a second sweep folder (another table): its own block
-  _fixture_run(other, "sikf", "absolute", 0, 0.5, task="lra_text",
-               paper={"table": "FastRPB Table 1 (Text)", "metric": "accuracy",
-                      "results": {"Linear, SIKF|None": 61.64}})
+  _fixture_run(
+      other,
+      "sikf",
+      "absolute",
+      0,
+      0.5,
+      task="lra_text",
+      paper={
+          "table": "FastRPB Table 1 (Text)",
+          "metric": "accuracy",
+          "results": {"Linear, SIKF|None": 61.64},
+      },
+  )
   assert make_tables.main([str(fixture_sweep), str(other)]) == 0
   out = capsys.readouterr().out
-  expected_listops = "\n".join([
-      "### FastRPB Table 1 (ListOps): test accuracy (%)",
-      "",
-      "| model | None | None (paper) | FastRPB | FastRPB (paper) |",  # the paper's order
-      "|---|---|---|---|---|",
-      "| Linear, SIKF | 25.00 (n=1 of 3) | 12.55 | missing | 11.47 ± 4.79 |",
-      "| Linear, ELU + 1 | 33.00 ± 2.65 (n=3) | – | 42.00 ± 2.00 (n=3) | – |",
-      "",
-      "mean ± sample std over seeds; n = runs with results. (paper): FastRPB Table 1 (ListOps).",
-  ])
+  expected_listops = "\n".join(
+      [
+          "### FastRPB Table 1 (ListOps): test accuracy (%)",
+          "",
+          "| model | None | None (paper) | FastRPB | FastRPB (paper) |",  # the paper's order
+          "|---|---|---|---|---|",
+          "| Linear, SIKF | 25.00 (n=1 of 3) | 12.55 | missing | 11.47 ± 4.79 |",
+          "| Linear, ELU + 1 | 33.00 ± 2.65 (n=3) | – | 42.00 ± 2.00 (n=3) | – |",
+          "",
+          "mean ± sample std over seeds; n = runs with results. (paper): FastRPB Table 1"
+          " (ListOps).",
+      ]
+  )
   assert expected_listops in out
   assert "### FastRPB Table 1 (Text): test accuracy (%)" in out
   assert "| Linear, SIKF | 50.00 (n=1) | 61.64 |" in out
@@ -172,8 +234,11 @@ def test_make_tables_markdown_from_fixture_results(fixture_sweep, tmp_path, caps
 
 def test_make_tables_without_labels_uses_kernel_and_positional(tmp_path, capsys):
   d = tmp_path / "plain"
-  for kernel, positional, seed, acc in (("elu1", "absolute", 0, 0.2), ("elu1", "absolute", 1, 0.3),
-                                        ("sikf", "absolute+fastrpb", 0, 0.4)):
+  for kernel, positional, seed, acc in (
+      ("elu1", "absolute", 0, 0.2),
+      ("elu1", "absolute", 1, 0.3),
+      ("sikf", "absolute+fastrpb", 0, 0.4),
+  ):
     _fixture_run(d, kernel, positional, seed, acc, paper=None)
   assert make_tables.main([str(d)]) == 0
   out = capsys.readouterr().out
@@ -188,10 +253,10 @@ def test_make_tables_latex_and_blocks_per_varying_field(fixture_sweep, capsys):
   assert make_tables.main([str(d), "--format=latex"]) == 0
   out = capsys.readouterr().out
   assert r"\begin{tabular}{lcccc}" in out and r"\end{tabular}" in out
-  assert (r"\textbf{FastRPB Table 1 (ListOps) (optimizer.learning\_rate=0.001)}: "
-          r"test accuracy (\%)") in out
-  assert (r"Linear, ELU + 1 & $33.00 \pm 2.65$ (n=3) & -- & $42.00 \pm 2.00$ (n=3) & -- \\"
-          in out)
+  assert (
+      r"\textbf{FastRPB Table 1 (ListOps) (optimizer.learning\_rate=0.001)}: " r"test accuracy (\%)"
+  ) in out
+  assert r"Linear, ELU + 1 & $33.00 \pm 2.65$ (n=3) & -- & $42.00 \pm 2.00$ (n=3) & -- \\" in out
   assert r"Linear, SIKF & 25.00 (n=1 of 3) & 12.55 & missing & $11.47 \pm 4.79$ \\" in out
   assert r"(optimizer.learning\_rate=0.003)" in out
   assert r"Linear, ELU + 1 & 60.00 (n=1) & --" in out
@@ -200,16 +265,27 @@ def test_make_tables_latex_and_blocks_per_varying_field(fixture_sweep, capsys):
 
 def test_make_tables_one_block_for_a_table_whose_columns_are_tasks(tmp_path, capsys):
   # LRPE Table 4: rows are encodings, columns are tasks; one sweep folder per task.
-  paper = {"table": "LRPE Table 4", "metric": "accuracy",
-           "results": {"Type1|Text": 66.80, "Type1|ListOps": 39.84}}
+  paper = {
+      "table": "LRPE Table 4",
+      "metric": "accuracy",
+      "results": {"Type1|Text": 66.80, "Type1|ListOps": 39.84},
+  }
   dirs = []
   for task, label, acc in (("lra_text", "Text", 0.6), ("listops", "ListOps", 0.4)):
     d = tmp_path / task
     run = d / "arg.pe=type1__seed=0"
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(
-        {"seed": 0, "task": {"name": task}, "model": {"kernel": "elu1"},
-         "experiment": {"row": "Type1", "col": label}, "paper": paper}))
+    (run / "config.json").write_text(
+        json.dumps(
+            {
+                "seed": 0,
+                "task": {"name": task},
+                "model": {"kernel": "elu1"},
+                "experiment": {"row": "Type1", "col": label},
+                "paper": paper,
+            }
+        )
+    )
     (run / "results_test.json").write_text(json.dumps({"accuracy": acc}))
     dirs.append(str(d))
   assert make_tables.main(dirs) == 0
@@ -234,13 +310,20 @@ def test_pixel_bias_2d_is_a_row_of_the_dense_toeplitz_matrix():
   rows, cols = rng.normal(size=9), rng.normal(size=7)
   p = pixel[0] * grid[1] + pixel[1]  # raster index of the query pixel
   dense = np.asarray(toeplitz.dense_toeplitz_2d(jnp.asarray(full), grid))
-  np.testing.assert_allclose(plot_positional.pixel_bias_2d(full, grid, pixel),
-                             dense[p].reshape(grid), rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(
+      plot_positional.pixel_bias_2d(full, grid, pixel),
+      dense[p].reshape(grid),
+      rtol=1e-12,
+      atol=1e-12,
+  )
   axial = rows[:, None] + cols[None, :]  # FastRPB's W2d = X + Y as one offset table
   dense = np.asarray(toeplitz.dense_toeplitz_2d(jnp.asarray(axial), grid))
   np.testing.assert_allclose(
       plot_positional.pixel_bias_2d(None, grid, pixel, rows=rows, cols=cols),
-      dense[p].reshape(grid), rtol=1e-12, atol=1e-12)
+      dense[p].reshape(grid),
+      rtol=1e-12,
+      atol=1e-12,
+  )
   assert plot_positional.default_pixel((28, 28)) == (12, 10)
   assert plot_positional.default_pixel((4, 6)) == (2, 3)
   np.testing.assert_array_equal(plot_positional.offsets(7), np.arange(-3, 4))
@@ -249,27 +332,50 @@ def test_pixel_bias_2d_is_a_row_of_the_dense_toeplitz_matrix():
 
 
 def test_fastrpb_2d_figures_from_a_parameter_tree(tmp_path):
-  entries = [{"scheme": "fastrpb", "layer": "block_0", "path": "encoder/block_0/attention/"
-              "pos_fastrpb", "arrays": {"w_rows": np.linspace(-1, 1, 7),
-                                        "w_cols": np.linspace(1, -1, 9)}}]
+  entries = [
+      {
+          "scheme": "fastrpb",
+          "layer": "block_0",
+          "path": "encoder/block_0/attention/" "pos_fastrpb",
+          "arrays": {"w_rows": np.linspace(-1, 1, 7), "w_cols": np.linspace(1, -1, 9)},
+      }
+  ]
   written = []
   plot_positional.plot_fastrpb_2d(entries, (4, 5), {}, (1, 2), tmp_path, written)
   assert [p.name for p in written] == ["fastrpb_2d_pixel_1_2.png", "fastrpb_2d_tables.png"]
   full = [{**entries[0], "arrays": {"w": np.arange(2 * 7 * 9.0).reshape(2, 7, 9)}}]
-  plot_positional.plot_fastrpb_2d(full, (4, 5), {"mode_2d": "full", "per_head": True},
-                                  (0, 0), tmp_path / "full", written)
-  krpe = [{"scheme": "kernelized_rpe", "layer": "block_0", "path": "",
-           "arrays": {"b": np.ones((2, 7, 9))}}]
+  plot_positional.plot_fastrpb_2d(
+      full, (4, 5), {"mode_2d": "full", "per_head": True}, (0, 0), tmp_path / "full", written
+  )
+  krpe = [
+      {
+          "scheme": "kernelized_rpe",
+          "layer": "block_0",
+          "path": "",
+          "arrays": {"b": np.ones((2, 7, 9))},
+      }
+  ]
   plot_positional.plot_kernelized_rpe_2d(krpe, (4, 5), tmp_path, written)
   assert len(written) == 5
   assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
-  tree = {"encoder": {"block_1": {"attention": {"pos_fastrpb": {"w": np.zeros(3)}}},
-                      "block_0": {"attention": {"pos_lrpe": {"theta": np.ones((1, 2))},
-                                                "query": {"kernel": np.zeros(2)}}},
-                      "pos_kernelized_rpe_shared": {"b": np.zeros((2, 3))}}}
+  tree = {
+      "encoder": {
+          "block_1": {"attention": {"pos_fastrpb": {"w": np.zeros(3)}}},
+          "block_0": {
+              "attention": {
+                  "pos_lrpe": {"theta": np.ones((1, 2))},
+                  "query": {"kernel": np.zeros(2)},
+              }
+          },
+          "pos_kernelized_rpe_shared": {"b": np.zeros((2, 3))},
+      }
+  }
   found = plot_positional.find_schemes(tree)
   assert [(e["scheme"], e["layer"]) for e in found] == [
-      ("lrpe", "block_0"), ("fastrpb", "block_1"), ("kernelized_rpe", "shared")]
+      ("lrpe", "block_0"),
+      ("fastrpb", "block_1"),
+      ("kernelized_rpe", "shared"),
+  ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,15 +384,30 @@ def test_fastrpb_2d_figures_from_a_parameter_tree(tmp_path):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   cache = tmp_path_factory.mktemp("jax_cache")
-  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "PYTHON": sys.executable}
+  return {
+      **os.environ,
+      "JAX_COMPILATION_CACHE_DIR": str(cache),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+      "PYTHON": sys.executable,
+  }
 
 
 def _sweep(sweep_dir: Path, grid: list[str], env: dict, *extra: str):
   return subprocess.run(
-      [str(ROOT / "scripts" / "sweep.sh"), f"--config={CONFIG}", f"--sweep_dir={sweep_dir}",
-       *extra, *grid], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+      [
+          str(ROOT / "scripts" / "sweep.sh"),
+          f"--config={CONFIG}",
+          f"--sweep_dir={sweep_dir}",
+          *extra,
+          *grid,
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=900,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +423,12 @@ def swept(tmp_path_factory, env):
 def test_sweep_runs_every_combination(swept):
   d, proc, manifest = swept
   assert manifest["config"] == f"{ROOT / CONFIG}"
-  assert manifest["grid"] == {"seed": ["0", "1"], "model.positional": [MODEL],
-                              "model.kernel": ["elu1"], "num_train_steps": ["2"]}
+  assert manifest["grid"] == {
+      "seed": ["0", "1"],
+      "model.positional": [MODEL],
+      "model.kernel": ["elu1"],
+      "num_train_steps": ["2"],
+  }
   assert sorted(manifest["runs"]) == sorted(NAMES)
   for seed, name in enumerate(NAMES):
     run = manifest["runs"][name]
@@ -321,23 +446,29 @@ def test_sweep_runs_every_combination(swept):
 
 def test_rerun_skips_finished_runs(swept, env, tmp_path):
   d, _, _ = swept
-  stamps = {n: ((d / n / "results_test.json").stat().st_mtime_ns,
-                (d / n / "sweep.log").stat().st_size) for n in NAMES}
+  stamps = {
+      n: ((d / n / "results_test.json").stat().st_mtime_ns, (d / n / "sweep.log").stat().st_size)
+      for n in NAMES
+  }
   proc = _sweep(d, GRID, env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stderr.count("[skip]") == 2 and "[run]" not in proc.stdout
   assert "2 skipped (finished before), 0 done" in proc.stdout
   for n in NAMES:  # nothing ran: results and logs untouched
-    assert ((d / n / "results_test.json").stat().st_mtime_ns,
-            (d / n / "sweep.log").stat().st_size) == stamps[n]
+    assert (
+        (d / n / "results_test.json").stat().st_mtime_ns,
+        (d / n / "sweep.log").stat().st_size,
+    ) == stamps[n]
   # --mode=print lists only unfinished runs: none here, both in a fresh sweep directory.
   proc = _sweep(d, GRID, env, "--mode=print")
   assert proc.returncode == 0 and proc.stdout == "", proc.stderr
   proc = _sweep(tmp_path / "fresh", GRID, env, "--mode=print")
   lines = proc.stdout.strip().splitlines()
   assert proc.returncode == 0 and len(lines) == 2, proc.stderr
-  assert all("/train.py --config=" in l and "/eval.py --config=" in l and "--config.seed=" in l
-             for l in lines)
+  assert all(
+      "/train.py --config=" in l and "/eval.py --config=" in l and "--config.seed=" in l
+      for l in lines
+  )
   assert not (tmp_path / "fresh" / NAMES[0]).exists()  # printed, not run
   # A workdir whose config.json differs from the combination's config is not finished.
   resolved = json.loads((d / "sweep.json").read_text())["runs"][NAMES[0]]["config"]
@@ -345,8 +476,7 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
   done, why = plan.finished(d / NAMES[0], {**resolved, "num_train_steps": 3})
   assert not done and "differs from the sweep's config in num_train_steps" in why
   # Scoring another split: the runs are trained, not yet evaluated on it.
-  assert plan.finished(d / NAMES[0], resolved, "validation") == (False,
-                                                                  "trained, not evaluated")
+  assert plan.finished(d / NAMES[0], resolved, "validation") == (False, "trained, not evaluated")
   proc = _sweep(d, GRID, env, "--mode=print", "--split=validation")
   lines = proc.stdout.strip().splitlines()
   assert proc.returncode == 0 and len(lines) == 2, proc.stderr
@@ -355,8 +485,7 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
 
 def test_make_tables_from_the_sweep(swept, capsys):
   d, _, _ = swept
-  accs = [json.loads((d / n / "results_test.json").read_text())["accuracy"] * 100
-          for n in NAMES]
+  accs = [json.loads((d / n / "results_test.json").read_text())["accuracy"] * 100 for n in NAMES]
   mean, std = float(np.mean(accs)), float(np.std(accs, ddof=1))
   # The grid overrides model fields, so the table cell that listops_generated.py records
   # (experiment.row / .col) is not the run's: lay the table out by the model fields.
@@ -390,8 +519,11 @@ def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys
 def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
   d, _, _ = swept
   written = plot_positional.plot_workdir(d / NAMES[0], tmp_path, which="best")
-  assert sorted(p.name for p in written) == ["fastrpb_1d.png", "kernelized_rpe.png",
-                                             "lrpe_theta.png"]
+  assert sorted(p.name for p in written) == [
+      "fastrpb_1d.png",
+      "kernelized_rpe.png",
+      "lrpe_theta.png",
+  ]
   for p in written:
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
   params, meta = plot_positional.load_checkpoint(d / NAMES[0], "best")
@@ -405,8 +537,13 @@ def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
 def test_gpus_mode_runs_one_run_per_device_in_parallel(env, tmp_path):
   # Two runs that fail at the config check (no compilation): each gets its own device id.
   d = tmp_path / "gpus"
-  proc = _sweep(d, ["model.positional=t5_bias", "model.kernel=elu1", "seed=0,1"], env,
-                "--mode=gpus", "--gpus=3,5")
+  proc = _sweep(
+      d,
+      ["model.positional=t5_bias", "model.kernel=elu1", "seed=0,1"],
+      env,
+      "--mode=gpus",
+      "--gpus=3,5",
+  )
   assert proc.returncode == 1 and "0 done, 0 failed, 2 bad_input" in proc.stdout, proc.stdout
   runs = json.loads((d / "sweep.json").read_text())["runs"]
   assert sorted(r["gpu"] for r in runs.values()) == ["3", "5"]
@@ -423,9 +560,20 @@ def _sweep_py(sweep_dir: Path, grid: list[str], *extra: str, path: str = ""):
   env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
   env["PATH"] = path or env.get("PATH", "")
   return subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
-       f"--sweep_dir={sweep_dir}", *extra, *grid], cwd=ROOT, capture_output=True, text=True,
-      env=env, timeout=300)
+      [
+          sys.executable,
+          str(ROOT / "scripts" / "sweep.py"),
+          f"--config={CONFIG}",
+          f"--sweep_dir={sweep_dir}",
+          *extra,
+          *grid,
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=300,
+  )
 
 
 def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
@@ -435,12 +583,12 @@ def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
   proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", path=str(no_gpu))
   assert proc.returncode == 0, proc.stderr
   assert [l for l in proc.stderr.splitlines() if l.startswith("[plan]")] == [
-      f"[plan] seed={s}: run" for s in range(3)]
+      f"[plan] seed={s}: run" for s in range(3)
+  ]
   assert "no GPU found on this machine (nvidia-smi is not installed)" in proc.stderr
   assert "Traceback" not in proc.stderr and not d.exists()
   # With the GPUs named, the plan says which run starts where.
-  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5",
-                   path=str(no_gpu))
+  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5", path=str(no_gpu))
   assert proc.returncode == 0, proc.stderr
   assert "[plan] seed=0: run on GPU 3" in proc.stderr
   assert "[plan] seed=1: run on GPU 5" in proc.stderr
@@ -449,8 +597,9 @@ def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
   # A real run stops with one message before creating anything.
   proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", path=str(no_gpu))
   assert proc.returncode == 2 and proc.stdout == ""
-  assert proc.stderr.startswith("sweep: --mode=gpus: no GPU found on this machine "
-                                "(nvidia-smi is not installed).")
+  assert proc.stderr.startswith(
+      "sweep: --mode=gpus: no GPU found on this machine " "(nvidia-smi is not installed)."
+  )
   assert proc.stderr.count("\n") == 1 and "--mode=sequential" in proc.stderr
   assert not d.exists()
 
@@ -489,14 +638,23 @@ def fake_python(tmp_path):
 
 def test_exit_codes_are_reported_apart(tmp_path, fake_python):
   from fastpos.train import errors  # pylint: disable=import-outside-toplevel
-  codes = {0: "done", 1: "failed", errors.EXIT_BAD_INPUT: "bad_input",
-           errors.EXIT_NONFINITE: "nonfinite", errors.EXIT_LOCKED: "locked",
-           errors.EXIT_PREEMPTED: "preempted"}
+
+  codes = {
+      0: "done",
+      1: "failed",
+      errors.EXIT_BAD_INPUT: "bad_input",
+      errors.EXIT_NONFINITE: "nonfinite",
+      errors.EXIT_LOCKED: "locked",
+      errors.EXIT_PREEMPTED: "preempted",
+  }
   d = tmp_path / "sweep"
   proc = _sweep_py(d, [f"seed={','.join(map(str, codes))}"], f"--python={fake_python}")
   assert proc.returncode == 1, proc.stdout + proc.stderr  # some runs need a fix
-  assert ("6 runs" in proc.stdout and "1 done, 1 failed, 1 bad_input, 1 nonfinite, 1 locked, "
-          "1 preempted, 0 interrupted / not started." in proc.stdout), proc.stdout
+  assert (
+      "6 runs" in proc.stdout
+      and "1 done, 1 failed, 1 bad_input, 1 nonfinite, 1 locked, "
+      "1 preempted, 0 interrupted / not started." in proc.stdout
+  ), proc.stdout
   runs = json.loads((d / "sweep.json").read_text())["runs"]
   assert {n: r["status"] for n, r in runs.items()} == {f"seed={c}": s for c, s in codes.items()}
   assert "FAILED seed=1: train exited with status 1\n" in proc.stdout
@@ -517,12 +675,24 @@ def test_exit_codes_are_reported_apart(tmp_path, fake_python):
 def test_ctrl_c_stops_the_runs_and_says_how_to_resume(tmp_path, fake_python):
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
+
   d = tmp_path / "sweep"
   env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
   p = subprocess.Popen(
-      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--config={CONFIG}",
-       f"--sweep_dir={d}", f"--python={fake_python}", "seed=99,0"], cwd=ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+      [
+          sys.executable,
+          str(ROOT / "scripts" / "sweep.py"),
+          f"--config={CONFIG}",
+          f"--sweep_dir={d}",
+          f"--python={fake_python}",
+          "seed=99,0",
+      ],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+  )
   log = d / "seed=99" / "sweep.log"
   deadline = time.time() + 120
   while not (log.exists() and "training" in log.read_text()) and time.time() < deadline:

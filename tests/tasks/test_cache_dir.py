@@ -19,8 +19,9 @@ def test_cache_root_order(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   monkeypatch.delenv("FASTPOS_CACHE_DIR", raising=False)
   monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-  assert paths.cache_dir("wikitext103") == str(tmp_path / "home" / ".cache" / "fastpos" /
-                                               "wikitext103")
+  assert paths.cache_dir("wikitext103") == str(
+      tmp_path / "home" / ".cache" / "fastpos" / "wikitext103"
+  )
   monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # invalid per the XDG spec: ignored
   assert paths.cache_root() == str(tmp_path / "home" / ".cache" / "fastpos")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -54,12 +55,18 @@ def _writable(root) -> None:
       os.chmod(os.path.join(folder, name), 0o644)
 
 
-@pytest.mark.parametrize("name, fixture, fields", [
-    ("wikitext103", "wikitext", dict(segment_length=16, vocab_size=50)),
-    ("lra_retrieval", "retrieval", dict(max_length=64)),
-    ("text_lm", "wikitext", dict(level="word", vocab_size=50, include="*.tokens",
-                                 segment_length=16)),
-])
+@pytest.mark.parametrize(
+    "name, fixture, fields",
+    [
+        ("wikitext103", "wikitext", dict(segment_length=16, vocab_size=50)),
+        ("lra_retrieval", "retrieval", dict(max_length=64)),
+        (
+            "text_lm",
+            "wikitext",
+            dict(level="word", vocab_size=50, include="*.tokens", segment_length=16),
+        ),
+    ],
+)
 def test_a_read_only_data_root_is_left_untouched(tmp_path, monkeypatch, name, fixture, fields):
   """The default cache goes to $XDG_CACHE_HOME/fastpos/<task>; the data folder gets nothing."""
   monkeypatch.delenv("FASTPOS_CACHE_DIR", raising=False)

@@ -98,6 +98,7 @@ def test_list_names_every_task_and_source(capsys):
 
 def test_every_registered_task_can_be_fetched():
   from fastpos import tasks  # pylint: disable=import-outside-toplevel
+
   downloaded = {n for n in tasks.task_names() if not tasks.get_task_class(n).generated}
   assert {"synthetic", "mqar"}.isdisjoint(downloaded) and len(downloaded) >= 6
   assert downloaded <= set(dd.TASKS), "a registered task has no fetch entry"
@@ -105,14 +106,20 @@ def test_every_registered_task_can_be_fetched():
 
 def test_dry_run_plan(tmp_path, capsys):
   root = str(tmp_path / "root")
-  steps = dd.run(["pathfinder", "listops", "lra_retrieval", "wikitext103", "mnist", "listops"],
-                 root, dry_run=True, fetch=_refuse)
+  steps = dd.run(
+      ["pathfinder", "listops", "lra_retrieval", "wikitext103", "mnist", "listops"],
+      root,
+      dry_run=True,
+      fetch=_refuse,
+  )
   assert [s.resource for s in steps] == ["lra_release", "wikitext103", "mnist"]
   lra, wiki, mnist = steps
   assert lra.tasks == ["pathfinder", "listops", "lra_retrieval"]  # one archive, one fetch
   lra_dir = os.path.join(root, "lra_release")
-  assert lra.outputs == [os.path.join(lra_dir, f) for f in
-                         ("pathfinder32", "pathfinder128", "listops-1000", "tsv_data")]
+  assert lra.outputs == [
+      os.path.join(lra_dir, f)
+      for f in ("pathfinder32", "pathfinder128", "listops-1000", "tsv_data")
+  ]
   assert "UNVERIFIED" in lra.checksum and not lra.present
   assert "md5 9ddaacaf6af0710eda8c456decff7832" in wiki.checksum
   assert wiki.outputs == [os.path.join(root, "wikitext-103")]
@@ -129,8 +136,18 @@ def test_dry_run_plan(tmp_path, capsys):
 def test_dry_run_alone_plans_every_task(tmp_path):
   # The README's way to see the plan: no task named. Run as a user would (no traceback).
   root = tmp_path / "root"
-  proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "download_data.py"), "--dry_run",
-                         "--data_dir", str(root)], capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+      [
+          sys.executable,
+          os.path.join(SCRIPTS, "download_data.py"),
+          "--dry_run",
+          "--data_dir",
+          str(root),
+      ],
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr
   for task in dd.TASKS:
     assert task in proc.stdout
@@ -204,8 +221,14 @@ def test_lra_fetch_verify_unpack_and_skip(tmp_path, capsys):
   steps = dd.run(["listops", "pathfinder"], root, resources=resources, fetch=_refuse)
   assert all(s.done for s in steps)
   # Another resolution later: unpacked from the kept archive, no fetch.
-  dd.run(["pathfinder"], root, resources=resources, fetch=_refuse, pathfinder=(64,),
-         delete_archives=True)
+  dd.run(
+      ["pathfinder"],
+      root,
+      resources=resources,
+      fetch=_refuse,
+      pathfinder=(64,),
+      delete_archives=True,
+  )
   assert os.path.exists(os.path.join(lra, "pathfinder64", dd.MARKER))
   assert os.listdir(os.path.join(root, "downloads")) == []
 
@@ -213,6 +236,7 @@ def test_lra_fetch_verify_unpack_and_skip(tmp_path, capsys):
 def test_unpacked_files_are_what_the_tasks_read(tmp_path):
   from fastpos import tasks  # pylint: disable=import-outside-toplevel
   from fastpos.tasks import listops, retrieval  # pylint: disable=import-outside-toplevel
+
   archive = str(tmp_path / "lra.tar.gz")
   make_lra_archive(archive, prefix="lra_release")  # the other reported prefix
   root = str(tmp_path / "root")
@@ -239,14 +263,17 @@ def test_checksum_mismatch_stops_before_unpacking(tmp_path, capsys):
   make_lra_archive(archive)
   root = str(tmp_path / "root")
   resources = _resources("file://" + archive, {"md5": "0" * 32})
-  with pytest.raises(dd.DownloadError, match=r"md5 of .*lra_release\.gz\.part is [0-9a-f]{32}, "
-                                             r"expected 0{32}"):
+  with pytest.raises(
+      dd.DownloadError, match=r"md5 of .*lra_release\.gz\.part is [0-9a-f]{32}, " r"expected 0{32}"
+  ):
     dd.run(["listops"], root, resources=resources)
   assert os.listdir(os.path.join(root, "downloads")) == ["lra_release.gz.part.bad"]
   assert not os.path.exists(os.path.join(root, "lra_release", "listops-1000"))
   # A corrupt archive already in place is caught too (and main turns it into exit code 2).
-  os.replace(os.path.join(root, "downloads", "lra_release.gz.part.bad"),
-             os.path.join(root, "downloads", "lra_release.gz"))
+  os.replace(
+      os.path.join(root, "downloads", "lra_release.gz.part.bad"),
+      os.path.join(root, "downloads", "lra_release.gz"),
+  )
   with pytest.raises(dd.DownloadError, match="md5 of"):
     dd.run(["listops"], root, resources=resources, fetch=_refuse)
 
@@ -262,7 +289,7 @@ def test_resume_extends_the_part_file(tmp_path):
   def flaky(url, part):  # the first call dies half way
     calls.append(os.path.getsize(part) if os.path.exists(part) else 0)
     with open(part, "ab") as f:
-      f.write(data[calls[-1]:len(data) // 2] if len(calls) == 1 else data[calls[-1]:])
+      f.write(data[calls[-1] : len(data) // 2] if len(calls) == 1 else data[calls[-1] :])
     if len(calls) == 1:
       raise ConnectionError("connection reset")
 
@@ -287,8 +314,11 @@ def test_archive_without_a_needed_folder(tmp_path):
   archive = str(tmp_path / "lra.tar.gz")
   make_lra_archive(archive, skip=("tsv_data",))
   root = str(tmp_path / "root")
-  with pytest.raises(dd.DownloadError, match=r"holds no folder tsv_data; its entries start "
-                                             r"with: lra_release/lra_release/listops-1000"):
+  with pytest.raises(
+      dd.DownloadError,
+      match=r"holds no folder tsv_data; its entries start "
+      r"with: lra_release/lra_release/listops-1000",
+  ):
     dd.run(["lra_retrieval"], root, resources=_resources("file://" + archive, {}))
   # No staging folder is left, nor the lra_release/ folder the failed run created; the
   # verified archive stays for the next run.
@@ -310,8 +340,9 @@ def test_foreign_folder_is_not_overwritten(tmp_path):
   root = tmp_path / "root"
   (root / "lra_release" / "tsv_data").mkdir(parents=True)
   (root / "lra_release" / "tsv_data" / "mine.txt").write_text("keep")
-  with pytest.raises(dd.DownloadError, match=r"tsv_data exists but was not completed by this "
-                                             r"script"):
+  with pytest.raises(
+      dd.DownloadError, match=r"tsv_data exists but was not completed by this " r"script"
+  ):
     dd.run(["lra_retrieval"], str(root), resources=_resources("file://" + archive, {}))
   assert (root / "lra_release" / "tsv_data" / "mine.txt").read_text() == "keep"
 
@@ -325,21 +356,25 @@ def _wikitext_zip(path, *, texts):
 
 
 def test_wikitext_zip_with_file_checksums(tmp_path):
-  texts = {f"wiki.{s}.tokens": f" = Title {s} = \n the cat sat \n" for s in
-           ("train", "valid", "test")}
+  texts = {
+      f"wiki.{s}.tokens": f" = Title {s} = \n the cat sat \n" for s in ("train", "valid", "test")
+  }
   archive = str(tmp_path / "wikitext-103-v1.zip")
   checksums = _wikitext_zip(archive, texts=texts)
-  files = {f"wikitext-103/{n}": ("sha1", hashlib.sha1(t.encode()).hexdigest())
-           for n, t in texts.items()}
-  wiki = dataclasses.replace(dd.WIKITEXT, url="file://" + archive, checksums=checksums,
-                             file_checksums=files)
+  files = {
+      f"wikitext-103/{n}": ("sha1", hashlib.sha1(t.encode()).hexdigest()) for n, t in texts.items()
+  }
+  wiki = dataclasses.replace(
+      dd.WIKITEXT, url="file://" + archive, checksums=checksums, file_checksums=files
+  )
   root = str(tmp_path / "root")
   dd.run(["wikitext103"], root, resources={**dd.RESOURCES, "wikitext103": wiki})
   for name, text in texts.items():
     assert _read(os.path.join(root, "wikitext-103", name)).decode() == text
   # A wrong file digest is caught after unpacking.
-  bad = dataclasses.replace(wiki, file_checksums={
-      **files, "wikitext-103/wiki.test.tokens": ("sha1", "0" * 40)})
+  bad = dataclasses.replace(
+      wiki, file_checksums={**files, "wikitext-103/wiki.test.tokens": ("sha1", "0" * 40)}
+  )
   root2 = str(tmp_path / "root2")
   with pytest.raises(dd.DownloadError, match=r"sha1 of unpacked wiki\.test\.tokens"):
     dd.run(["wikitext103"], root2, resources={**dd.RESOURCES, "wikitext103": bad})
@@ -348,8 +383,11 @@ def test_wikitext_zip_with_file_checksums(tmp_path):
 
 def test_tfds_without_tensorflow_says_how_to_install(tmp_path, monkeypatch):
   real = dd.importlib.util.find_spec
-  monkeypatch.setattr(dd.importlib.util, "find_spec",
-                      lambda name, *a: None if name == "tensorflow" else real(name, *a))
+  monkeypatch.setattr(
+      dd.importlib.util,
+      "find_spec",
+      lambda name, *a: None if name == "tensorflow" else real(name, *a),
+  )
   with pytest.raises(dd.DownloadError) as e:
     dd.run(["lra_image"], str(tmp_path / "root"), fetch=_refuse)
   msg = str(e.value)
@@ -379,17 +417,31 @@ with contextlib.redirect_stdout(io.StringIO()):
   dd.run(["listops"], {str(tmp_path / "root")!r}, resources={{**dd.RESOURCES, "lra_release": lra}})
 print(json.dumps(sorted(sys.modules)))
 """
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        cwd=str(tmp_path), timeout=120)
+  proc = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), timeout=120
+  )
   assert proc.returncode == 0, proc.stderr
   modules = json.loads(proc.stdout)
   assert os.path.exists(tmp_path / "root" / "lra_release" / "listops-1000" / dd.MARKER)
-  heavy = {m.split(".")[0] for m in modules} & {"jax", "jaxlib", "flax", "ml_collections",
-                                                 "absl", "grain", "orbax", "optax"}
+  heavy = {m.split(".")[0] for m in modules} & {
+      "jax",
+      "jaxlib",
+      "flax",
+      "ml_collections",
+      "absl",
+      "grain",
+      "orbax",
+      "optax",
+  }
   assert not heavy, f"download_data.py imported {sorted(heavy)}"
   assert [m for m in modules if m.startswith("fastpos")] == [
-      "fastpos", "fastpos.tasks", "fastpos.tasks.base", "fastpos.tasks.download",
-      "fastpos.tasks.info", "fastpos.tasks.paths"]
+      "fastpos",
+      "fastpos.tasks",
+      "fastpos.tasks.base",
+      "fastpos.tasks.download",
+      "fastpos.tasks.info",
+      "fastpos.tasks.paths",
+  ]
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -398,6 +450,7 @@ print(json.dumps(sorted(sys.modules)))
 def test_train_two_steps_on_fetched_listops(tmp_path):
   from fastpos.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from fastpos.train.config import base_config  # pylint: disable=import-outside-toplevel
+
   archive = str(tmp_path / "lra.tar.gz")
   make_lra_archive(archive)
   root = str(tmp_path / "root")

@@ -28,8 +28,12 @@ OPS = ("[MIN", "[MAX", "[MED", "[SM")
 # ------------------------------------------------------------ independent evaluators
 
 _CALLS = {"[MIN": "MIN(", "[MAX": "MAX(", "[MED": "MED(", "[SM": "SM("}
-_FUNCS = {"MIN": lambda *a: min(a), "MAX": lambda *a: max(a),
-          "MED": lambda *a: math.floor(statistics.median(a)), "SM": lambda *a: sum(a) % 10}
+_FUNCS = {
+    "MIN": lambda *a: min(a),
+    "MAX": lambda *a: max(a),
+    "MED": lambda *a: math.floor(statistics.median(a)),
+    "SM": lambda *a: sum(a) % 10,
+}
 
 
 def eval_python(expr: str) -> int:
@@ -142,15 +146,18 @@ def test_encode_decode_round_trip():
     assert lo.decode(lo.encode(expr)) == expr
 
 
-@pytest.mark.parametrize("expr,token,pos", [
-    ("[MAX 2 [MEDIAN 3 ] ]", "[MEDIAN", 2),
-    ("MAX 4 3 MIN 2 3 ", "MAX", 0),  # LRA's bracket-less tokens are not ListOps tokens here
-    ("[min 1 2 ]", "[min", 0),
-    ("[MAX 1 2 ]]", "]]", 3),
-    ("[MIN5 ]", "[MIN5", 0),
-    ("1 10", "10", 1),
-    ("[MAX 1 <pad> ]", "<pad>", 2),
-])
+@pytest.mark.parametrize(
+    "expr,token,pos",
+    [
+        ("[MAX 2 [MEDIAN 3 ] ]", "[MEDIAN", 2),
+        ("MAX 4 3 MIN 2 3 ", "MAX", 0),  # LRA's bracket-less tokens are not ListOps tokens here
+        ("[min 1 2 ]", "[min", 0),
+        ("[MAX 1 2 ]]", "]]", 3),
+        ("[MIN5 ]", "[MIN5", 0),
+        ("1 10", "10", 1),
+        ("[MAX 1 <pad> ]", "<pad>", 2),
+    ],
+)
 def test_encode_unknown_token(expr, token, pos):
   with pytest.raises(ValueError, match=rf"{token!r}.*position {pos}".replace("[", r"\[")):
     lo.encode(expr)
@@ -187,20 +194,23 @@ def test_brackets_are_tokens():
 # ---------------------------------------------------------------------- evaluator
 
 
-@pytest.mark.parametrize("expr,value", [
-    ("7", 7),
-    ("[MIN 4 2 8 ]", 2),
-    ("[MAX 4 2 8 ]", 8),
-    ("[MED 4 2 8 ]", 4),
-    ("[MED 2 5 ]", 3),  # even count: LRA's int(np.median) floors 3.5
-    ("[MED 9 0 5 2 ]", 3),
-    ("[MED 1 2 ]", 1),
-    ("[SM 9 9 9 ]", 7),
-    ("[SM 5 5 ]", 0),
-    ("[MAX 2 9 [MIN 4 7 ] 0 ]", 9),
-    ("[SM [MED 1 8 ] [MIN [MAX 3 9 ] 6 ] 2 ]", 2),
-    ("( ( ( ( ( [MAX 2 ) 9 ) ( ( ( [MIN 4 ) 7 ) ] ) ) 0 ) ] )", 9),
-])
+@pytest.mark.parametrize(
+    "expr,value",
+    [
+        ("7", 7),
+        ("[MIN 4 2 8 ]", 2),
+        ("[MAX 4 2 8 ]", 8),
+        ("[MED 4 2 8 ]", 4),
+        ("[MED 2 5 ]", 3),  # even count: LRA's int(np.median) floors 3.5
+        ("[MED 9 0 5 2 ]", 3),
+        ("[MED 1 2 ]", 1),
+        ("[SM 9 9 9 ]", 7),
+        ("[SM 5 5 ]", 0),
+        ("[MAX 2 9 [MIN 4 7 ] 0 ]", 9),
+        ("[SM [MED 1 8 ] [MIN [MAX 3 9 ] 6 ] 2 ]", 2),
+        ("( ( ( ( ( [MAX 2 ) 9 ) ( ( ( [MIN 4 ) 7 ) ] ) ) 0 ) ] )", 9),
+    ],
+)
 def test_evaluate_known(expr, value):
   assert lo.evaluate(expr) == value
   assert eval_python(expr) == value
@@ -221,17 +231,20 @@ def test_evaluate_deep_and_long():
   assert lo.evaluate("[SM " + "1 " * 3000 + "]") == 0
 
 
-@pytest.mark.parametrize("expr,match", [
-    ("", "empty"),
-    ("[MAX 1 2", "not closed"),
-    ("1 2", "follows the end"),
-    ("[MAX 1 ] 3", "follows the end"),
-    ("]", "closes no operator"),
-    ("[MAX ]", "no arguments"),
-    ("( [MAX 1 ]", r"'\(' not closed"),
-    ("[MAX 1 ] )", r"unbalanced '\)'"),
-    ("[MAX 1 x ]", "unknown ListOps token 'x'"),
-])
+@pytest.mark.parametrize(
+    "expr,match",
+    [
+        ("", "empty"),
+        ("[MAX 1 2", "not closed"),
+        ("1 2", "follows the end"),
+        ("[MAX 1 ] 3", "follows the end"),
+        ("]", "closes no operator"),
+        ("[MAX ]", "no arguments"),
+        ("( [MAX 1 ]", r"'\(' not closed"),
+        ("[MAX 1 ] )", r"unbalanced '\)'"),
+        ("[MAX 1 x ]", "unknown ListOps token 'x'"),
+    ],
+)
 def test_evaluate_errors(expr, match):
   with pytest.raises(ValueError, match=match):
     lo.evaluate(expr)
@@ -295,8 +308,10 @@ def test_generate_tree_distribution():
   # A window holding every tree (depth 3, 3 arguments: 1..17 tokens) leaves LRA's process
   # unconditioned: a node above max_depth is an operator w.p. 1/4, 2..max_args arguments and
   # the operator uniform. 3000 trees: standard errors ~0.01.
-  trees = [parse_tree(e) for e, _ in lo.generate(3000, seed=8, min_length=1, max_length=17,
-                                                 max_depth=3, max_args=3)]
+  trees = [
+      parse_tree(e)
+      for e, _ in lo.generate(3000, seed=8, min_length=1, max_length=17, max_depth=3, max_args=3)
+  ]
   roots = [t for t in trees if not isinstance(t, int)]
   assert abs(len(roots) / len(trees) - 0.25) < 0.04
   second = [a for t in roots for a in t[1]]
@@ -306,7 +321,8 @@ def test_generate_tree_distribution():
   freq = np.array([sum(t[0] == op for t in ops) for op in OPS]) / len(ops)
   assert np.all(np.abs(freq - 0.25) < 0.06), freq
   digits = np.bincount([t for t in trees if isinstance(t, int)], minlength=10) / (
-      len(trees) - len(roots))
+      len(trees) - len(roots)
+  )
   assert np.all(np.abs(digits - 0.1) < 0.035), digits
 
 
@@ -316,15 +332,21 @@ def test_generate_covers_all_classes():
   assert counts.size == 10 and counts.min() > 0, counts
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(min_length=61, max_length=60), "exceeds max_length"),
-    (dict(max_args=1), "max_args must be an integer >= 2"),
-    (dict(max_depth=0), "max_depth must be an integer >= 1"),
-    (dict(seed=-1), "seed must be an integer >= 0"),
-    (dict(num_examples=-1), "num_examples must be an integer >= 0"),
-    (dict(min_length=500, max_length=600, max_depth=3, max_args=3), "possible lengths are 4..17"),
-    (dict(parens="yes"), "parens must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(min_length=61, max_length=60), "exceeds max_length"),
+        (dict(max_args=1), "max_args must be an integer >= 2"),
+        (dict(max_depth=0), "max_depth must be an integer >= 1"),
+        (dict(seed=-1), "seed must be an integer >= 0"),
+        (dict(num_examples=-1), "num_examples must be an integer >= 0"),
+        (
+            dict(min_length=500, max_length=600, max_depth=3, max_args=3),
+            "possible lengths are 4..17",
+        ),
+        (dict(parens="yes"), "parens must be True or False"),
+    ],
+)
 def test_generate_bad_arguments(kwargs, match):
   args = dict(num_examples=3, seed=0, **SHORT)
   args.update(kwargs)
@@ -364,17 +386,23 @@ def _write(tmp_path, text, name="basic_train.tsv"):
   return str(path)
 
 
-@pytest.mark.parametrize("body,match", [
-    ("Src\tTarget\n[MAX 1 2 ]\t2\n", r":1: header"),
-    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 1 2 ]\t1\textra\n", r":3: expected 2 .*got 3"),
-    ("Source\tTarget\n[MAX 1 2 ]\n", r":2: expected 2 .*got 1"),
-    ("Source\tTarget\n[MAX 1 2 ]\t10\n", r":2: label '10'"),
-    ("Source\tTarget\n[MAX 1 2 ]\tx\n", r":2: label 'x'"),
-    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MEDIAN 1 2 ]\t1\n", r":3: unknown ListOps token '\[MEDIAN'"),
-    ("Source\tTarget\n[MAX 1 2\t2\n", r":2: malformed expression"),
-    ("Source\tTarget\n( [MAX 1 2 ]\t2\n", r":2: malformed expression"),
-    ("Source\tTarget\n\t2\n", r":2: empty expression"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("Src\tTarget\n[MAX 1 2 ]\t2\n", r":1: header"),
+        ("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 1 2 ]\t1\textra\n", r":3: expected 2 .*got 3"),
+        ("Source\tTarget\n[MAX 1 2 ]\n", r":2: expected 2 .*got 1"),
+        ("Source\tTarget\n[MAX 1 2 ]\t10\n", r":2: label '10'"),
+        ("Source\tTarget\n[MAX 1 2 ]\tx\n", r":2: label 'x'"),
+        (
+            "Source\tTarget\n[MAX 1 2 ]\t2\n[MEDIAN 1 2 ]\t1\n",
+            r":3: unknown ListOps token '\[MEDIAN'",
+        ),
+        ("Source\tTarget\n[MAX 1 2\t2\n", r":2: malformed expression"),
+        ("Source\tTarget\n( [MAX 1 2 ]\t2\n", r":2: malformed expression"),
+        ("Source\tTarget\n\t2\n", r":2: empty expression"),
+    ],
+)
 def test_read_tsv_bad_lines(tmp_path, body, match):
   path = _write(tmp_path, body)
   with pytest.raises(ValueError, match=rf"basic_train\.tsv{match}"):
@@ -416,23 +444,27 @@ def _check_arrays(data, n, max_length):
 def test_load_split_generated():
   splits = {}
   for split in lo.SPLITS:
-    data = lo.load_split(split, source="generated", max_length=64, num_examples=30, seed=3,
-                         min_length=20)
+    data = lo.load_split(
+        split, source="generated", max_length=64, num_examples=30, seed=3, min_length=20
+    )
     lengths = _check_arrays(data, 30, 64)
     assert lengths.min() >= 20 and lengths.max() <= 64
     expected = lo.generate(30, seed=lo.split_seed(3, split), min_length=20, max_length=64)
-    for row, length, target, (expr, label) in zip(data["inputs"], lengths, data["targets"],
-                                                  expected):
+    for row, length, target, (expr, label) in zip(
+        data["inputs"], lengths, data["targets"], expected
+    ):
       np.testing.assert_array_equal(row[:length], lo.encode(expr))
       assert target == label == eval_python(lo.decode(row))
     splits[split] = data["inputs"]
   assert not np.array_equal(splits["train"], splits["validation"])
   assert not np.array_equal(splits["validation"], splits["test"])
-  again = lo.load_split("test", source="generated", max_length=64, num_examples=30, seed=3,
-                        min_length=20)
+  again = lo.load_split(
+      "test", source="generated", max_length=64, num_examples=30, seed=3, min_length=20
+  )
   np.testing.assert_array_equal(again["inputs"], splits["test"])
-  other = lo.load_split("test", source="generated", max_length=64, num_examples=30, seed=4,
-                        min_length=20)
+  other = lo.load_split(
+      "test", source="generated", max_length=64, num_examples=30, seed=4, min_length=20
+  )
   assert not np.array_equal(other["inputs"], splits["test"])
 
 
@@ -445,16 +477,14 @@ def test_load_split_generated_default_size(monkeypatch):
 @pytest.mark.parametrize("parens", [False, True])
 def test_load_split_tsv(parens):
   rows = lo.read_tsv(_fixture("val"))
-  data = lo.load_split("validation", source="tsv", data_dir=TESTDATA, max_length=128,
-                       parens=parens)
+  data = lo.load_split("validation", source="tsv", data_dir=TESTDATA, max_length=128, parens=parens)
   lengths = _check_arrays(data, len(rows), 128)
   for row, length, target, (expr, label) in zip(data["inputs"], lengths, data["targets"], rows):
     # Without parens: the release's redundant ( and ) tokens are dropped.
     want = expr if parens else " ".join(t for t in expr.split() if t not in ("(", ")"))
     assert lo.decode(row) == want and length == len(want.split())
     assert target == label
-  first = lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=128,
-                        num_examples=5)
+  first = lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=128, num_examples=5)
   _check_arrays(first, 5, 128)
   with pytest.raises(ValueError, match="num_examples=13 but .* holds 12"):
     lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=128, num_examples=13)
@@ -467,18 +497,26 @@ def test_load_split_truncate_and_error(caplog):
   assert len(long) >= 2
   caplog.clear()
   with caplog.at_level("WARNING"):
-    data = lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=max_length,
-                         parens=True)
+    data = lo.load_split(
+        "train", source="tsv", data_dir=TESTDATA, max_length=max_length, parens=True
+    )
   warnings = [r for r in caplog.records if r.levelname == "WARNING"]
   assert len(warnings) == 1
   assert f"{len(long)} of {len(lengths)} expressions are longer than max_length=30" in (
-      warnings[0].getMessage())
+      warnings[0].getMessage()
+  )
   rows = lo.read_tsv(_fixture("train"))
   for i in long:
     np.testing.assert_array_equal(data["inputs"][i], lo.encode(rows[i][0])[:max_length])
   with pytest.raises(ValueError, match=rf"example {long[0]} has {lengths[long[0]]} tokens"):
-    lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=max_length,
-                  parens=True, on_overflow="error")
+    lo.load_split(
+        "train",
+        source="tsv",
+        data_dir=TESTDATA,
+        max_length=max_length,
+        parens=True,
+        on_overflow="error",
+    )
   caplog.clear()
   with caplog.at_level("WARNING"):  # paren-free, everything fits: no warning
     lo.load_split("train", source="tsv", data_dir=TESTDATA, max_length=max_length)
@@ -491,8 +529,9 @@ def _boom(*args, **kwargs):
 
 def test_load_split_cache_generated(tmp_path, monkeypatch):
   cache = str(tmp_path / "cache")
-  args = dict(source="generated", max_length=60, num_examples=20, seed=1, min_length=20,
-              cache_dir=cache)
+  args = dict(
+      source="generated", max_length=60, num_examples=20, seed=1, min_length=20, cache_dir=cache
+  )
   first = lo.load_split("train", **args)
   files = os.listdir(cache)
   assert len(files) == 1 and files[0].startswith(f"listops_v{lo.CACHE_VERSION}_generated_train")
@@ -533,18 +572,21 @@ def test_load_split_cache_tsv(tmp_path, monkeypatch, caplog):
   assert third["inputs"].shape == (1, 30) and lo.decode(third["inputs"][0]) == "[MAX 1 2 ]"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(split="val"), "valid splits: train, validation, test"),
-    (dict(source="file"), "valid sources: generated, tsv"),
-    (dict(on_overflow="drop"), "valid choices: truncate, error"),
-    (dict(max_length=0), "max_length must be an integer >= 1"),
-    (dict(num_examples=-2), "num_examples must be an integer >= 0"),
-    (dict(min_length=61), "min_length=61 exceeds max_length=60"),
-    (dict(seed=-1), "seed must be an integer >= 0"),
-    (dict(source="tsv"), "needs data_dir"),
-    (dict(cache_dir=""), "cache_dir must be a non-empty path"),
-    (dict(parens=1), "parens must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(split="val"), "valid splits: train, validation, test"),
+        (dict(source="file"), "valid sources: generated, tsv"),
+        (dict(on_overflow="drop"), "valid choices: truncate, error"),
+        (dict(max_length=0), "max_length must be an integer >= 1"),
+        (dict(num_examples=-2), "num_examples must be an integer >= 0"),
+        (dict(min_length=61), "min_length=61 exceeds max_length=60"),
+        (dict(seed=-1), "seed must be an integer >= 0"),
+        (dict(source="tsv"), "needs data_dir"),
+        (dict(cache_dir=""), "cache_dir must be a non-empty path"),
+        (dict(parens=1), "parens must be True or False"),
+    ],
+)
 def test_load_split_bad_arguments(kwargs, match):
   args = dict(split="train", source="generated", max_length=60, num_examples=2, min_length=20)
   args.update(kwargs)
@@ -557,6 +599,7 @@ def test_load_split_bad_arguments(kwargs, match):
 
 def _task_cfg(**kw):
   from fastpos import tasks  # pylint: disable=import-outside-toplevel
+
   cfg = tasks.task_config("listops")
   cfg.update({"source": "tsv", "max_length": 512, **kw})
   return cfg
@@ -564,6 +607,7 @@ def _task_cfg(**kw):
 
 def test_task_reads_tsv_from_the_data_root():
   from fastpos import tasks  # pylint: disable=import-outside-toplevel
+
   task = tasks.make_task(_task_cfg(data_dir=TESTDATA_ROOT, parens=True))
   for split, stem in (("train", "train"), ("validation", "val"), ("test", "test")):
     rows = lo.read_tsv(_fixture(stem))
@@ -575,6 +619,7 @@ def test_task_reads_tsv_from_the_data_root():
 
 def test_task_missing_files_name_the_root(tmp_path, monkeypatch):
   from fastpos import tasks  # pylint: disable=import-outside-toplevel
+
   task = tasks.make_task(_task_cfg(data_dir=str(tmp_path)))
   with pytest.raises(FileNotFoundError) as e:
     task.source("validation")

@@ -21,8 +21,7 @@ def test_shapes_and_info(variant):
   assert (info.kind, info.vocab_size, info.max_length) == ("lm", c.vocab_size, 40)
   src = make_task(c).source("train")
   assert len(src) == 40
-  for key, dtype in (("inputs", np.int32), ("targets", np.int32), ("mask", bool),
-                     ("score", bool)):
+  for key, dtype in (("inputs", np.int32), ("targets", np.int32), ("mask", bool), ("score", bool)):
     assert src.arrays[key].shape == (40, 40) and src.arrays[key].dtype == dtype, key
   x = src.arrays["inputs"]
   assert x.min() >= 0 and x.max() < c.vocab_size
@@ -75,14 +74,17 @@ def test_copy_answers_are_the_repeated_segment():
     np.testing.assert_array_equal(t[s], x[:6])
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(variant="recall"), "unknown variant 'recall'; valid variants: mqar, copy"),
-    (dict(num_pairs=40), r"num_pairs must be in \[1, 32\]"),
-    (dict(num_pairs=4, num_queries=5), r"num_queries must be in \[1, num_pairs=4\]"),
-    (dict(seq_len=20, num_pairs=8), r"seq_len=20 is too short .* >= 2 \* \(num_pairs"),
-    (dict(variant="copy", seq_len=10, copy_length=5), r"copy_length must be in \[1, 4\]"),
-    (dict(variant="copy", vocab_size=4), "vocab_size must be >= 5"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(variant="recall"), "unknown variant 'recall'; valid variants: mqar, copy"),
+        (dict(num_pairs=40), r"num_pairs must be in \[1, 32\]"),
+        (dict(num_pairs=4, num_queries=5), r"num_queries must be in \[1, num_pairs=4\]"),
+        (dict(seq_len=20, num_pairs=8), r"seq_len=20 is too short .* >= 2 \* \(num_pairs"),
+        (dict(variant="copy", seq_len=10, copy_length=5), r"copy_length must be in \[1, 4\]"),
+        (dict(variant="copy", vocab_size=4), "vocab_size must be >= 5"),
+    ],
+)
 def test_bad_options_raise(overrides, match):
   with pytest.raises(ValueError, match=match):
     task_info(cfg(**overrides))

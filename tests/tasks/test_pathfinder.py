@@ -101,12 +101,15 @@ def test_info_and_grid():
   assert pathx.max_length == 16384 and pathx.grid == (128, 128)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("resolution", 31, r"unknown resolution 31; valid choices: 32, 64, 128, 256"),
-    ("difficulty", "medium", r"unknown difficulty 'medium'; valid choices: easy, intermediate"),
-    ("split_order", "random", r"unknown split_order 'random'; valid choices: lra, metadata"),
-    ("num_threads", 0, r"num_threads must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("resolution", 31, r"unknown resolution 31; valid choices: 32, 64, 128, 256"),
+        ("difficulty", "medium", r"unknown difficulty 'medium'; valid choices: easy, intermediate"),
+        ("split_order", "random", r"unknown split_order 'random'; valid choices: lra, metadata"),
+        ("num_threads", 0, r"num_threads must be an integer >= 1"),
+    ],
+)
 def test_bad_config(field, value, match):
   cfg = _cfg("")
   cfg[field] = value
@@ -156,11 +159,16 @@ def test_metadata_order_and_difficulty(tmp_path):
   root = str(tmp_path / "data")
   examples = make_release(root, difficulty="easy")
   task = tasks.make_task(_cfg(root, difficulty="easy", split_order="metadata"))
-  got = {s: [int(r[0]) - 1 for r in task.source(s).arrays["inputs"]]
-         for s in ("train", "validation", "test")}
+  got = {
+      s: [int(r[0]) - 1 for r in task.source(s).arrays["inputs"]]
+      for s in ("train", "validation", "test")
+  }
   gs = [e["g"] for e in examples]
-  assert got == {"train": [g for g in gs[:17] if g != EMPTY], "validation": gs[17:19],
-                 "test": gs[19:]}
+  assert got == {
+      "train": [g for g in gs[:17] if g != EMPTY],
+      "validation": gs[17:19],
+      "test": gs[19:],
+  }
   with pytest.raises(FileNotFoundError, match="curv_contour_length_14"):  # "hard" is absent
     tasks.make_task(_cfg(root)).source("train")
 
@@ -190,8 +198,9 @@ def test_cache_hit_and_invalidation(root, tmp_path, monkeypatch):
     lines = f.readlines()
   with open(meta, "w") as f:
     f.writelines(lines[:-1])
-  total = sum(len(pf.load_split(s, data_dir=root)["targets"])
-              for s in ("train", "validation", "test"))
+  total = sum(
+      len(pf.load_split(s, data_dir=root)["targets"]) for s in ("train", "validation", "test")
+  )
   assert total == 19 and len(os.listdir(cache)) == 6
   assert not [f for f in os.listdir(cache) if f.startswith(".tmp")]
 
@@ -208,24 +217,32 @@ def _rewrite_meta(root, text):
     f.write(text)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("imgs/0 sample_0.png 0 1\nimgs/0 sample_1.png 1\n", r"0\.npy:2: expected at least 4"),
-    ("imgs/0 sample_0.png 0 2\n", r"0\.npy:1: label '2' is not 0 or 1"),
-    ("imgs/0 sample_0.png 0 1\nimgs/0 sample_1.png 1 0", r"0\.npy: does not end in a newline"),
-    ("imgs/0 sample_0.png 0 1\nimgs/9 sample_0.png 0 1\n",
-     r"imgs/9/sample_0\.png' \(listed at .*0\.npy:2\) does not exist"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("imgs/0 sample_0.png 0 1\nimgs/0 sample_1.png 1\n", r"0\.npy:2: expected at least 4"),
+        ("imgs/0 sample_0.png 0 2\n", r"0\.npy:1: label '2' is not 0 or 1"),
+        ("imgs/0 sample_0.png 0 1\nimgs/0 sample_1.png 1 0", r"0\.npy: does not end in a newline"),
+        (
+            "imgs/0 sample_0.png 0 1\nimgs/9 sample_0.png 0 1\n",
+            r"imgs/9/sample_0\.png' \(listed at .*0\.npy:2\) does not exist",
+        ),
+    ],
+)
 def test_bad_metadata_names_file_and_line(root, text, match):
   _rewrite_meta(root, text)
   with pytest.raises(ValueError, match=match):
     pf.load_split("train", data_dir=root)
 
 
-@pytest.mark.parametrize("kind, match", [
-    ("garbage", r"sample_0\.png' \(listed at .*0\.npy:1\) is not a readable PNG"),
-    ("size", r"sample_0\.png' .* is 16x32; expected 32x32"),
-    ("16bit", r"sample_0\.png' .* has mode 'I;16'"),
-])
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("garbage", r"sample_0\.png' \(listed at .*0\.npy:1\) is not a readable PNG"),
+        ("size", r"sample_0\.png' .* is 16x32; expected 32x32"),
+        ("16bit", r"sample_0\.png' .* has mode 'I;16'"),
+    ],
+)
 def test_bad_png_names_the_file(root, kind, match):
   path = os.path.join(_folder(root), "imgs", "0", "sample_0.png")
   if kind == "garbage":
@@ -266,8 +283,9 @@ def test_missing_data_names_path_and_command(tmp_path):
 def test_train_and_evaluate_two_steps_with_2d_scheme(root, tmp_path):
   c = base_config("pathfinder")
   c.task.update(data_dir=root, num_threads=1)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0,
-                 positional="fastrpb")
+  c.model.update(
+      num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0, positional="fastrpb"
+  )
   c.batch_size = 4
   c.num_train_steps = 2
   c.schedule.update(name="constant", warmup_steps=1)

@@ -108,7 +108,7 @@ def test_splits_shapes_masks_labels(root, split):
     assert a["targets"][i] == label
     for key, mkey, text in (("inputs", "mask", t1), ("inputs2", "mask2", t2)):
       row, mask = a[key][i], a[mkey][i]
-      assert mask.sum() == len(text) and mask[:len(text)].all()  # real bytes first
+      assert mask.sum() == len(text) and mask[: len(text)].all()  # real bytes first
       np.testing.assert_array_equal(row[~mask], 0)  # then padding
       assert rt.decode(row) == text
   ex = src[2]
@@ -127,15 +127,22 @@ def test_truncation_warns_once_with_counts(root, caplog):
   with caplog.at_level("WARNING"):
     data = rt.load_split("train", data_dir=root, max_length=max_length)
   warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-  assert warnings == [f"lra_retrieval train: truncated {pairs} of {len(rows)} examples to "
-                      f"{max_length} tokens ({docs} of {2 * len(rows)} documents were longer)."]
+  assert warnings == [
+      f"lra_retrieval train: truncated {pairs} of {len(rows)} examples to "
+      f"{max_length} tokens ({docs} of {2 * len(rows)} documents were longer)."
+  ]
   for i, (_, t1, t2) in enumerate(rows):
     assert rt.decode(data["inputs"][i]) == t1[:max_length]
     assert rt.decode(data["inputs2"][i]) == t2[:max_length]
-  long_line = next(i for i, (_, t1, t2) in enumerate(rows)
-                   if len(t1) > max_length or len(t2) > max_length) + 1
-  with pytest.raises(ValueError, match=rf"new_aan_pairs\.train\.tsv:{long_line}: text[12] has "
-                                       rf"\d+ bytes, more than max_length=80"):
+  long_line = (
+      next(i for i, (_, t1, t2) in enumerate(rows) if len(t1) > max_length or len(t2) > max_length)
+      + 1
+  )
+  with pytest.raises(
+      ValueError,
+      match=rf"new_aan_pairs\.train\.tsv:{long_line}: text[12] has "
+      rf"\d+ bytes, more than max_length=80",
+  ):
     rt.load_split("train", data_dir=root, max_length=max_length, on_overflow="error")
   caplog.clear()
   with caplog.at_level("WARNING"):  # everything fits: no warning
@@ -183,12 +190,15 @@ def test_cache_hit_is_used_and_keyed(root, tmp_path, monkeypatch):
   assert len(os.listdir(other)) == 1
 
 
-@pytest.mark.parametrize("body, match", [
-    (b"1\tA\tB\tonly four\n", r":1: expected 5 tab-separated columns .*got 4"),
-    (b"1\tA\tB\tx\ty\n0\tA\tB\tx\ty\tz\n", r":2: expected 5 tab-separated columns .*got 6"),
-    (b"1\tA\tB\tx\ty\n2\tA\tB\tx\ty\n", r":2: label b'2' is not 0 or 1"),
-    (b"1\tA\tB\tx\ty\n\n1\tA\tB\tx\ty\n", r":2: empty line"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (b"1\tA\tB\tonly four\n", r":1: expected 5 tab-separated columns .*got 4"),
+        (b"1\tA\tB\tx\ty\n0\tA\tB\tx\ty\tz\n", r":2: expected 5 tab-separated columns .*got 6"),
+        (b"1\tA\tB\tx\ty\n2\tA\tB\tx\ty\n", r":2: label b'2' is not 0 or 1"),
+        (b"1\tA\tB\tx\ty\n\n1\tA\tB\tx\ty\n", r":2: empty line"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, body, match):
   path = rt.tsv_path(str(tmp_path), "train")
   os.makedirs(os.path.dirname(path))
@@ -217,11 +227,14 @@ def test_missing_data_names_path_and_command(tmp_path):
   assert f"python scripts/download_data.py lra_retrieval --data_dir {tmp_path}`" in msg
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("max_length", 0, "max_length must be an integer >= 1"),
-    ("on_overflow", "drop", "valid choices: truncate, error"),
-    ("num_validation", -1, "num_validation must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("max_length", 0, "max_length must be an integer >= 1"),
+        ("on_overflow", "drop", "valid choices: truncate, error"),
+        ("num_validation", -1, "num_validation must be an integer >= 0"),
+    ],
+)
 def test_bad_config(field, value, match):
   cfg = _cfg("")
   cfg[field] = value
@@ -256,8 +269,9 @@ def test_pair_order_and_labels_survive_batching(root):
     batch = next(it)
     assert batch["inputs"].shape == (4, 48) and batch["inputs2"].shape == (4, 48)
     assert batch["targets"].shape == (4,) and batch["weight"].tolist() == [1.0] * 4
-    for x1, x2, m1, m2, y in zip(batch["inputs"], batch["inputs2"], batch["mask"],
-                                 batch["mask2"], batch["targets"]):
+    for x1, x2, m1, m2, y in zip(
+        batch["inputs"], batch["inputs2"], batch["mask"], batch["mask2"], batch["targets"]
+    ):
       f1, i1, s1 = _trace(x1)
       f2, i2, s2 = _trace(x2)
       assert (f1, s1, f2, s2) == ("train", "a", "train", "b") and i1 == i2
@@ -270,8 +284,7 @@ def test_pair_order_and_labels_survive_batching(root):
   # Evaluation: in order, the last batch filled with weight-0 copies.
   rows, weights = [], []
   for batch in data_lib.eval_iterator(task.source("test"), _pipeline_cfg(4)):
-    for x1, x2, y, w in zip(batch["inputs"], batch["inputs2"], batch["targets"],
-                            batch["weight"]):
+    for x1, x2, y, w in zip(batch["inputs"], batch["inputs2"], batch["targets"], batch["weight"]):
       (_, i1, _), (_, i2, _) = _trace(x1), _trace(x2)
       assert i1 == i2 and y == labels["test"][i1]
       rows.append(i1)
@@ -282,8 +295,15 @@ def test_pair_order_and_labels_survive_batching(root):
 def test_train_and_evaluate_two_steps(root, tmp_path):
   c = base_config("lra_retrieval")
   c.task.update(data_dir=root, max_length=32)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0,
-                 kernel="softmax", positional="none")
+  c.model.update(
+      num_layers=1,
+      embed_dim=16,
+      num_heads=2,
+      mlp_dim=16,
+      dropout_rate=0.0,
+      kernel="softmax",
+      positional="none",
+  )
   c.batch_size = 4
   c.num_train_steps = 2
   c.schedule.update(name="constant", warmup_steps=1)

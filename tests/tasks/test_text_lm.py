@@ -66,11 +66,17 @@ def test_files_are_listed_in_order_with_patterns(corpus, tmp_path):
   root, _ = corpus
   assert text_lm.text_files(str(root)) == [str(root / "a.txt"), str(root / "b_sub" / "b.txt")]
   assert text_lm.text_files(str(root), "*.md, *.txt") == [
-      str(root / "a.txt"), str(root / "b_sub" / "b.txt"), str(root / "c.md")]
+      str(root / "a.txt"),
+      str(root / "b_sub" / "b.txt"),
+      str(root / "c.md"),
+  ]
   # A file named directly is read whatever its name, in the order named, once.
   spec = f"{root / 'c.md'},{root},{root / 'a.txt'}"
-  assert text_lm.text_files(spec) == [str(root / "c.md"), str(root / "a.txt"),
-                                      str(root / "b_sub" / "b.txt")]
+  assert text_lm.text_files(spec) == [
+      str(root / "c.md"),
+      str(root / "a.txt"),
+      str(root / "b_sub" / "b.txt"),
+  ]
 
 
 def test_split_is_contiguous_at_line_starts_and_deterministic(corpus, tmp_path):
@@ -81,15 +87,23 @@ def test_split_is_contiguous_at_line_starts_and_deterministic(corpus, tmp_path):
   n = len(data)
   for part, start_fraction in zip(parts[1:], (0.65, 0.85)):
     start = data.index(part) if part else n
-    assert start == 0 or data[start - 1:start] == b"\n"  # cut at a line start
-    assert 0 <= start - round(start_fraction * n) < data[round(start_fraction * n):].index(
-        b"\n") + 2  # the first line start at or after the fraction
-  again = tasks.make_task(_cfg(root, tmp_path / "d", validation_fraction=0.2,
-                               test_fraction=0.15))
+    assert start == 0 or data[start - 1 : start] == b"\n"  # cut at a line start
+    assert (
+        0 <= start - round(start_fraction * n) < data[round(start_fraction * n) :].index(b"\n") + 2
+    )  # the first line start at or after the fraction
+  again = tasks.make_task(_cfg(root, tmp_path / "d", validation_fraction=0.2, test_fraction=0.15))
   for split in tasks.SPLITS:
     np.testing.assert_array_equal(again.token_stream(split), task.token_stream(split))
-  word = tasks.make_task(_cfg(root, tmp_path / "e", validation_fraction=0.2,
-                              test_fraction=0.15, level="word", vocab_size=8))
+  word = tasks.make_task(
+      _cfg(
+          root,
+          tmp_path / "e",
+          validation_fraction=0.2,
+          test_fraction=0.15,
+          level="word",
+          vocab_size=8,
+      )
+  )
   assert [word.split_text(s) for s in tasks.SPLITS] == parts  # the same text at both levels
 
 
@@ -105,8 +119,8 @@ def test_bytes_round_trip(corpus, tmp_path):
   src = task.source("train")  # WikiText-103's segments of the stream
   x, y = src.arrays["inputs"].reshape(-1), src.arrays["targets"].reshape(-1)
   n = streams[0].size
-  np.testing.assert_array_equal(x[:n - 1], streams[0][:-1])
-  np.testing.assert_array_equal(y[:n - 1], streams[0][1:])
+  np.testing.assert_array_equal(x[: n - 1], streams[0][:-1])
+  np.testing.assert_array_equal(y[: n - 1], streams[0][1:])
   assert not (tmp_path / "c").exists()  # bytes: nothing to cache
 
 
@@ -115,8 +129,10 @@ def test_words_vocabulary_from_train_only_round_trip_and_cache(corpus, tmp_path,
   cache = tmp_path / "cache"
   task = tasks.make_task(_cfg(root, cache, level="word", vocab_size=9))
   parts = [task.split_text(s).decode("utf-8") for s in tasks.SPLITS]
-  words = {s: [w for line in p.split("\n")[:-1] for w in line.split() + ["<eos>"]]
-           for s, p in zip(tasks.SPLITS, parts)}
+  words = {
+      s: [w for line in p.split("\n")[:-1] for w in line.split() + ["<eos>"]]
+      for s, p in zip(tasks.SPLITS, parts)
+  }
   counts = collections.Counter(words["train"])
   ranked = sorted((w for w in counts if w != "<eos>"), key=lambda w: (-counts[w], w))
   assert task.vocabulary() == ["<pad>", "<unk>", "<eos>"] + ranked[:6]
@@ -126,7 +142,12 @@ def test_words_vocabulary_from_train_only_round_trip_and_cache(corpus, tmp_path,
     assert task.decode(task.token_stream(split)) == " ".join(want)
   files = sorted(os.listdir(cache))
   assert len(files) == 4 and sorted(os.listdir(root)) == [
-      ".h.txt", ".hidden", "a.txt", "b_sub", "c.md"]  # nothing written beside the text
+      ".h.txt",
+      ".hidden",
+      "a.txt",
+      "b_sub",
+      "c.md",
+  ]  # nothing written beside the text
 
   def fail(*args, **kwargs):
     raise AssertionError("rebuilt although cached")
@@ -144,16 +165,20 @@ def test_words_vocabulary_from_train_only_round_trip_and_cache(corpus, tmp_path,
 
 def test_errors_name_the_path_or_field_and_the_fix(tmp_path):
   missing = tmp_path / "nope.txt"
-  with pytest.raises(FileNotFoundError, match=rf"'{missing}' \(config.task.paths\) does not "
-                     r"exist; set config.task.paths"):
+  with pytest.raises(
+      FileNotFoundError,
+      match=rf"'{missing}' \(config.task.paths\) does not " r"exist; set config.task.paths",
+  ):
     tasks.make_task(_cfg(missing, tmp_path)).source("train")
   with pytest.raises(ValueError, match="config.task.paths is empty"):
     tasks.make_task(_cfg("", tmp_path)).source("train")
   folder = tmp_path / "docs"
   folder.mkdir()
   (folder / "a.rst").write_text("text\n")
-  with pytest.raises(FileNotFoundError, match=r"holds no file matching "
-                     r"config.task.include='\*.txt'.*'\*.md,\*.rst'"):
+  with pytest.raises(
+      FileNotFoundError,
+      match=r"holds no file matching " r"config.task.include='\*.txt'.*'\*.md,\*.rst'",
+  ):
     tasks.make_task(_cfg(folder, tmp_path)).source("train")
   (folder / "empty.txt").write_text("")
   with pytest.raises(ValueError, match=r"empty.txt' \(config.task.paths\) is empty"):
@@ -161,17 +186,20 @@ def test_errors_name_the_path_or_field_and_the_fix(tmp_path):
   with pytest.raises(ValueError, match=r"hold no text \(1 file\(s\), all empty\)"):
     tasks.make_task(_cfg(folder, tmp_path)).source("train")
   (folder / "latin.txt").write_bytes("line one\ncaf\xe9\n".encode("latin-1"))
-  with pytest.raises(ValueError, match=r"latin.txt' is not UTF-8 text \(.* at byte 12, line "
-                     r"2\). Convert it"):
+  with pytest.raises(
+      ValueError, match=r"latin.txt' is not UTF-8 text \(.* at byte 12, line " r"2\). Convert it"
+  ):
     tasks.make_task(_cfg(folder, tmp_path)).source("train")
-  bad = [({"level": "char"}, r"unknown config.task.level 'char'; valid choices: byte, word"),
-         ({"validation_fraction": 0.0}, r"validation_fraction must be a number in \(0, 1\)"),
-         ({"test_fraction": 1.0}, r"test_fraction must be a number in \[0, 1\)"),
-         ({"validation_fraction": 0.6, "test_fraction": 0.4}, "their sum must be below 1"),
-         ({"vocab_size": 300}, "level='byte' has 257 ids"),
-         ({"level": "word"}, "level='word' needs config.task.vocab_size"),
-         ({"eval_stride": 17}, r"eval_stride must be an integer in \[0, segment_length=16\]"),
-         ({"segment_length": 0}, "segment_length must be an integer >= 1")]
+  bad = [
+      ({"level": "char"}, r"unknown config.task.level 'char'; valid choices: byte, word"),
+      ({"validation_fraction": 0.0}, r"validation_fraction must be a number in \(0, 1\)"),
+      ({"test_fraction": 1.0}, r"test_fraction must be a number in \[0, 1\)"),
+      ({"validation_fraction": 0.6, "test_fraction": 0.4}, "their sum must be below 1"),
+      ({"vocab_size": 300}, "level='byte' has 257 ids"),
+      ({"level": "word"}, "level='word' needs config.task.vocab_size"),
+      ({"eval_stride": 17}, r"eval_stride must be an integer in \[0, segment_length=16\]"),
+      ({"segment_length": 0}, "segment_length must be an integer >= 1"),
+  ]
   for fields, message in bad:
     with pytest.raises(ValueError, match=message):
       tasks.make_task(_cfg(folder, tmp_path, **fields))
@@ -182,8 +210,11 @@ def test_short_text_and_missing_test_split(tmp_path):
   path.write_text("one line only, no other\n")
   task = tasks.make_task(_cfg(path, tmp_path))
   assert len(task.source("train")) == 2  # the one line: validation and test cuts fall at its end
-  with pytest.raises(ValueError, match="the validation split .* has nothing to predict .* 1 "
-                     "lines.*raise config.task.validation_fraction"):
+  with pytest.raises(
+      ValueError,
+      match="the validation split .* has nothing to predict .* 1 "
+      "lines.*raise config.task.validation_fraction",
+  ):
     task.source("validation")
   path.write_text("".join(f"line {i}\n" for i in range(40)))
   task = tasks.make_task(_cfg(path, tmp_path, test_fraction=0.0))
@@ -204,8 +235,11 @@ def lm():
   info = text_lm.TextLmTask.info_from_config(_cfg("unused", "unused"))
   model = build_model(cfg.model, info)
   x = jnp.ones((ROWS, info.max_length), jnp.int32)
-  params = jax.jit(lambda: model.init({"params": jax.random.PRNGKey(0)},
-                                      {"inputs": x, "mask": x > 0}, train=False))()
+  params = jax.jit(
+      lambda: model.init(
+          {"params": jax.random.PRNGKey(0)}, {"inputs": x, "mask": x > 0}, train=False
+      )
+  )()
   apply = jax.jit(lambda x: model.apply(params, {"inputs": x, "mask": x > 0}, train=False))
   score = jax.jit(lambda x, b: loss_and_metrics(apply(x), b, "lm")[1]["loss"])
 
@@ -214,12 +248,13 @@ def lm():
     return np.pad(np.asarray(x), ((0, ROWS - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
   def logits(inputs):
-    return np.asarray(apply(pad(inputs)), np.float64)[:inputs.shape[0]]
+    return np.asarray(apply(pad(inputs)), np.float64)[: inputs.shape[0]]
 
   def loss(arrays):  # (sum, count) of the trainer's loss over the rows (padded rows weigh 0)
     batch = {k: pad(v) for k, v in arrays.items()}
     batch["weight"] = pad(np.ones(arrays["inputs"].shape[0], np.float32))
     return tuple(float(v) for v in score(batch["inputs"], batch))
+
   return logits, loss
 
 
@@ -243,8 +278,8 @@ def test_sliding_window_loss_equals_a_direct_evaluation(corpus, tmp_path, lm, st
   last = np.zeros(n - 1, np.int32)
   for i in range(n - 1):  # target stream[i + 1], scored by window w
     w = 0 if i < length else (i - length) // step + 1
-    ctx = stream[w * step:i + 1]
-    contexts[i, :ctx.size], last[i] = ctx, ctx.size - 1
+    ctx = stream[w * step : i + 1]
+    contexts[i, : ctx.size], last[i] = ctx, ctx.size - 1
   out = logits(contexts)[np.arange(n - 1), last]  # [n - 1, 257], float64
   top = out.max(-1)
   logp = out[np.arange(n - 1), stream[1:]] - top - np.log(np.exp(out - top[:, None]).sum(-1))
@@ -256,10 +291,16 @@ def test_sliding_window_loss_equals_a_direct_evaluation(corpus, tmp_path, lm, st
 def test_train_and_evaluate_two_steps(corpus, tmp_path):
   root, data = corpus
   c = cli.load_config(os.path.join(ROOT, "configs", "text_lm.py:tiny"))
-  c.task.update(paths=str(root), include="*.txt", cache_dir=str(tmp_path / "cache"),
-                segment_length=16)
-  c.update(batch_size=4, num_train_steps=2, log_every_steps=1, eval_every_steps=2,
-           checkpoint_every_steps=2)
+  c.task.update(
+      paths=str(root), include="*.txt", cache_dir=str(tmp_path / "cache"), segment_length=16
+  )
+  c.update(
+      batch_size=4,
+      num_train_steps=2,
+      log_every_steps=1,
+      eval_every_steps=2,
+      checkpoint_every_steps=2,
+  )
   c.schedule.update(name="constant", warmup_steps=0)
   c.data.num_threads = 1
   r = train_and_evaluate(c, tmp_path / "work")

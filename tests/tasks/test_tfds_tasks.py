@@ -52,8 +52,13 @@ IMDB_TRAIN = [
     ("short", 1),
     ("Twelfth review, quite average overall.", 0),
 ]
-IMDB_TEST = [("Test one, good.", 1), ("Test two: bad bad bad bad bad bad bad bad.", 0),
-             ("tr\u00e8s bien", 1), ("meh", 0), ("The finale " * 6, 1)]
+IMDB_TEST = [
+    ("Test one, good.", 1),
+    ("Test two: bad bad bad bad bad bad bad bad.", 0),
+    ("tr\u00e8s bien", 1),
+    ("meh", 0),
+    ("The finale " * 6, 1),
+]
 TEXT_MAX = 40  # bytes: 3 of the 12 train reviews and 2 of the 5 test reviews are longer
 
 # CIFAR-10: image i is filled with CIFAR_COLORS[i], except pixel (1, 3) which is pure red.
@@ -106,8 +111,10 @@ def _write_datasets(tfds_dir: str) -> None:
       return imdb.Builder._get_pkg_dir_path()
 
     def _split_generators(self, dl_manager):
-      return {s: examples({"text": t, "label": y} for t, y in rows)
-              for s, rows in (("train", IMDB_TRAIN), ("test", IMDB_TEST))}
+      return {
+          s: examples({"text": t, "label": y} for t, y in rows)
+          for s, rows in (("train", IMDB_TRAIN), ("test", IMDB_TEST))
+      }
 
   class Cifar(cifar.Cifar10, skip_registration=True):
     name = "cifar10"
@@ -115,8 +122,11 @@ def _write_datasets(tfds_dir: str) -> None:
 
     def _split_generators(self, dl_manager):
       def rows(colors):  # PIL images: tfds encodes them to PNG without TensorFlow
-        return ({"id": f"img{i}", "image": PIL.Image.fromarray(_cifar_image(c)),
-                 "label": i % 10} for i, c in enumerate(colors))
+        return (
+            {"id": f"img{i}", "image": PIL.Image.fromarray(_cifar_image(c)), "label": i % 10}
+            for i, c in enumerate(colors)
+        )
+
       return {"train": examples(rows(CIFAR_COLORS)), "test": examples(rows(CIFAR_TEST_COLORS))}
 
   class Mnist(mnist.MNIST, skip_registration=True):
@@ -125,8 +135,8 @@ def _write_datasets(tfds_dir: str) -> None:
 
     def _split_generators(self, dl_manager):
       def rows(n):
-        return ({"image": PIL.Image.fromarray(_mnist_image(i)), "label": i % 10}
-                for i in range(n))
+        return ({"image": PIL.Image.fromarray(_mnist_image(i)), "label": i % 10} for i in range(n))
+
       return {"train": examples(rows(NUM_MNIST_TRAIN)), "test": examples(rows(NUM_MNIST_TEST))}
 
   Imdb(data_dir=tfds_dir, config="plain_text").download_and_prepare(file_format="array_record")
@@ -153,9 +163,10 @@ def mocked_tfds(root, num_examples: int):
     os.makedirs(os.path.join(root, "tfds", folder), exist_ok=True)
     Path(root, "tfds", folder, "dataset_info.json").write_text("{}")
   single = lambda self, keys: [self[k] for k in keys]  # noqa: E731 (see module docstring)
-  with tfds.testing.mock_data(num_examples=num_examples,
-                              policy=tfds.testing.MockPolicy.USE_CODE), mock.patch(
-      "tensorflow_datasets.core.data_sources.base.BaseDataSource.__getitems__", single):
+  with (
+      tfds.testing.mock_data(num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE),
+      mock.patch("tensorflow_datasets.core.data_sources.base.BaseDataSource.__getitems__", single),
+  ):
     yield
 
 
@@ -167,8 +178,11 @@ def _cfg(name, root, **kw):
 
 
 def _warnings(caplog):
-  return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
-          and "OpenCV" not in r.getMessage()]
+  return [
+      r.getMessage()
+      for r in caplog.records
+      if r.levelname == "WARNING" and "OpenCV" not in r.getMessage()
+  ]
 
 
 def _boom(*args, **kwargs):
@@ -245,35 +259,42 @@ def test_text_reads_the_prepared_files(prepared, caplog):
     for raw, label in seen[s]:
       assert label == labels[full[raw]]
   assert sorted(r for r, _ in seen["test"]) == sorted(
-      t.encode("utf-8")[:TEXT_MAX] for t, _ in IMDB_TEST)
+      t.encode("utf-8")[:TEXT_MAX] for t, _ in IMDB_TEST
+  )
   # Untruncated rows decode back to the review.
   src = task.source("train")
   for row in src.arrays["inputs"]:
     if row[-1] == 0:
       assert text.decode(row) in labels
   # One warning per split with the count of reviews longer than TEXT_MAX bytes.
-  long = {t.encode("utf-8")[:TEXT_MAX] for t, _ in IMDB_TRAIN
-          if len(t.encode("utf-8")) > TEXT_MAX}
+  long = {t.encode("utf-8")[:TEXT_MAX] for t, _ in IMDB_TRAIN if len(t.encode("utf-8")) > TEXT_MAX}
   assert len(long) == 3
   warns = _warnings(caplog)
   for s in ("train", "validation"):
     k = sum(r in long for r, _ in seen[s])
     want = [w for w in warns if w.startswith(f"lra_text {s}:")]
     if k:
-      assert want == [f"lra_text {s}: truncated {k} of {len(seen[s])} examples to {TEXT_MAX} "
-                      f"tokens (bytes), as LRA does."]
+      assert want == [
+          f"lra_text {s}: truncated {k} of {len(seen[s])} examples to {TEXT_MAX} "
+          f"tokens (bytes), as LRA does."
+      ]
     else:
       assert want == []
   assert [w for w in warns if w.startswith("lra_text test:")] == [
-      f"lra_text test: truncated 2 of 5 examples to {TEXT_MAX} tokens (bytes), as LRA does."]
+      f"lra_text test: truncated 2 of 5 examples to {TEXT_MAX} tokens (bytes), as LRA does."
+  ]
 
 
 def test_validation_is_seeded_and_disjoint(prepared):
   def parts(seed):
-    task = tasks.make_task(_cfg("lra_text", prepared, max_length=64, validation_fraction=0.25,
-                                validation_seed=seed))
-    return {s: {row.tobytes() for row in task.source(s).arrays["inputs"]}
-            for s in ("train", "validation")}
+    task = tasks.make_task(
+        _cfg("lra_text", prepared, max_length=64, validation_fraction=0.25, validation_seed=seed)
+    )
+    return {
+        s: {row.tobytes() for row in task.source(s).arrays["inputs"]}
+        for s in ("train", "validation")
+    }
+
   a, b, c = parts(0), parts(0), parts(1)
   assert a == b  # deterministic for a seed
   assert not a["train"] & a["validation"] and len(a["train"] | a["validation"]) == 12
@@ -286,8 +307,11 @@ def test_validation_is_seeded_and_disjoint(prepared):
 
 def test_text_overflow_error(prepared):
   task = tasks.make_task(_cfg("lra_text", prepared, max_length=TEXT_MAX, on_overflow="error"))
-  with pytest.raises(ValueError, match=r"lra_text test example \d \(imdb_reviews/plain_text test "
-                                       r"example \d\) has \d+ bytes, more than max_length=40"):
+  with pytest.raises(
+      ValueError,
+      match=r"lra_text test example \d \(imdb_reviews/plain_text test "
+      r"example \d\) has \d+ bytes, more than max_length=40",
+  ):
     task.source("test")
   ok = tasks.make_task(_cfg("lra_text", prepared, max_length=200, on_overflow="error"))
   assert ok.source("test").arrays["inputs"].shape == (5, 200)
@@ -309,13 +333,15 @@ def test_text_cache_hit(prepared, tmp_path, monkeypatch, caplog):
   assert len([w for w in _warnings(caplog) if "lra_text test: truncated 2 of 5" in w]) == 1
   monkeypatch.undo()
   tasks.make_task(_cfg("lra_text", prepared, max_length=41, cache_dir=str(cache))).source(
-      "test")  # another length is another file
+      "test"
+  )  # another length is another file
   assert len(os.listdir(cache)) == 3 and not [f for f in os.listdir(cache) if ".tmp" in f]
   # The default cache folder is $FASTPOS_CACHE_DIR/lra_text, nothing under the data root.
   monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
   tasks.make_task(_cfg("lra_text", prepared, max_length=16)).source("test")
-  assert any(f.startswith("lra_text_v1_test_len16_")
-             for f in os.listdir(tmp_path / "caches" / "lra_text"))
+  assert any(
+      f.startswith("lra_text_v1_test_len16_") for f in os.listdir(tmp_path / "caches" / "lra_text")
+  )
   assert not os.path.exists(os.path.join(prepared, "cache"))
   # A corrupt cache file is named, not silently rebuilt.
   victim = cache / files[0]
@@ -328,8 +354,9 @@ def test_text_cache_hit(prepared, tmp_path, monkeypatch, caplog):
 
 
 def test_grayscale_formula():
-  pixels = np.array([[255, 255, 255], [0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255],
-                     [10, 200, 30]], np.uint8)
+  pixels = np.array(
+      [[255, 255, 255], [0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255], [10, 200, 30]], np.uint8
+  )
   # By hand: 0.2989 * 255.5 = 76.37, 0.5870 * 255.5 = 149.98, 0.1140 * 255.5 = 29.13;
   # (10, 200, 30): (2.989 + 117.4 + 3.42) / 255 * 255.5 = 124.05; white: 0.9999 * 255.5.
   assert image.rgb_to_grayscale(pixels).tolist() == [255, 0, 76, 149, 29, 124]
@@ -345,10 +372,13 @@ def test_grayscale_formula():
     image.rgb_to_grayscale(np.zeros((2, 4), np.uint8))
 
 
-@pytest.mark.parametrize("name,n_train,n_val,n_test,grid", [
-    ("lra_image", 8, 2, 4, (32, 32)),
-    ("mnist", 8, 2, 4, (28, 28)),
-])
+@pytest.mark.parametrize(
+    "name,n_train,n_val,n_test,grid",
+    [
+        ("lra_image", 8, 2, 4, (32, 32)),
+        ("mnist", 8, 2, 4, (28, 28)),
+    ],
+)
 def test_images_from_prepared_files(prepared, name, n_train, n_val, n_test, grid):
   task = tasks.make_task(_cfg(name, prepared, validation_fraction=0.2))
   h, w = grid
@@ -410,8 +440,7 @@ def test_image_cache_hit(prepared, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------- mock data
 
 
-@pytest.mark.parametrize("name,length", [("lra_text", 24), ("lra_image", 1024),
-                                         ("mnist", 784)])
+@pytest.mark.parametrize("name,length", [("lra_text", 24), ("lra_image", 1024), ("mnist", 784)])
 def test_mock_data_shapes(tmp_path, monkeypatch, name, length):
   monkeypatch.setenv("FASTPOS_CACHE_DIR", str(tmp_path / "caches"))
   kw = {"max_length": length} if name == "lra_text" else {}
@@ -432,8 +461,11 @@ def test_mock_data_shapes(tmp_path, monkeypatch, name, length):
 
 def test_missing_data_message(tmp_path, monkeypatch):
   monkeypatch.setattr(tfds, "data_source", _boom)  # checked before tfds is asked
-  for name, folder in (("lra_text", "imdb_reviews/plain_text"), ("lra_image", "cifar10"),
-                       ("mnist", "mnist")):
+  for name, folder in (
+      ("lra_text", "imdb_reviews/plain_text"),
+      ("lra_image", "cifar10"),
+      ("mnist", "mnist"),
+  ):
     task = tasks.make_task(_cfg(name, tmp_path))
     with pytest.raises(FileNotFoundError) as e:
       task.source("train")
@@ -442,8 +474,11 @@ def test_missing_data_message(tmp_path, monkeypatch):
     assert f"`python scripts/download_data.py {name} --data_dir {tmp_path}`" in msg
   # A folder without a prepared version (an interrupted preparation) is missing data too.
   (tmp_path / "tfds" / "mnist" / "incomplete.ABC_3.0.1").mkdir(parents=True)
-  with pytest.raises(FileNotFoundError, match=r"mnist/<version>/dataset_info\.json.*holds no "
-                                              r"prepared version.*download_data\.py mnist"):
+  with pytest.raises(
+      FileNotFoundError,
+      match=r"mnist/<version>/dataset_info\.json.*holds no "
+      r"prepared version.*download_data\.py mnist",
+  ):
     tasks.make_task(_cfg("mnist", tmp_path)).source("test")
   # The trainer stops before anything is built or written.
   cfg = tiny_config()
@@ -460,9 +495,12 @@ def test_broken_dataset_message(prepared, tmp_path):
     shard.unlink()
   task = tasks.make_task(_cfg("mnist", tmp_path))
   assert task.source("test").arrays["inputs"].shape == (NUM_MNIST_TEST, 784)
-  with pytest.raises(ValueError, match=r"'mnist' in '.*mnist/3\.0\.1' cannot be read .*"
-                                       r"mnist-train\.array_record.*incomplete or corrupt.*"
-                                       r"download_data\.py mnist --data_dir"):
+  with pytest.raises(
+      ValueError,
+      match=r"'mnist' in '.*mnist/3\.0\.1' cannot be read .*"
+      r"mnist-train\.array_record.*incomplete or corrupt.*"
+      r"download_data\.py mnist --data_dir",
+  ):
     task.source("train")
 
 
@@ -480,16 +518,18 @@ def _train_two_steps(tmp_path, task_cfg, **model):
 
 def test_train_two_steps_lra_text(tmp_path):
   with mocked_tfds(tmp_path, 16):
-    out = _train_two_steps(tmp_path, _cfg("lra_text", tmp_path, max_length=32,
-                                          validation_fraction=0.25))
+    out = _train_two_steps(
+        tmp_path, _cfg("lra_text", tmp_path, max_length=32, validation_fraction=0.25)
+    )
   assert out["validation"]["num_examples"] == 4
 
 
 @pytest.mark.slow  # 1024 tokens and a 2D scheme: the compile takes a while on a small CPU
 def test_train_two_steps_lra_image_fastrpb(tmp_path):
   with mocked_tfds(tmp_path, 16):
-    out = _train_two_steps(tmp_path, _cfg("lra_image", tmp_path, validation_fraction=0.25),
-                           positional="fastrpb")
+    out = _train_two_steps(
+        tmp_path, _cfg("lra_image", tmp_path, validation_fraction=0.25), positional="fastrpb"
+    )
   saved = json.loads((tmp_path / "workdir" / "config.json").read_text())
   assert saved["model"]["positional"] == "fastrpb" and saved["task"]["name"] == "lra_image"
   assert out["validation"]["num_examples"] == 4

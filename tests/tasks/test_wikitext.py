@@ -43,7 +43,8 @@ def _tokens(path):
 TRAIN = _tokens(FILES["train"])
 COUNTS = collections.Counter(TRAIN)
 WORDS = ["<pad>", "<unk>", "<eos>"] + sorted(
-    (w for w in COUNTS if w not in ("<unk>", "<eos>")), key=lambda w: (-COUNTS[w], w))
+    (w for w in COUNTS if w not in ("<unk>", "<eos>")), key=lambda w: (-COUNTS[w], w)
+)
 V = len(WORDS)  # 143 for this fixture
 
 
@@ -96,7 +97,9 @@ def test_streams_round_trip_and_unknown_words_become_unk(task):
     assert sum(w not in WORDS for w in words) > 0  # the fixture has unknown words
     assert np.count_nonzero(ids == wt.UNK_ID) == want.count("<unk>")
   assert wt.encode(["Harbour", "Atlantis"], task.vocabulary()).tolist() == [
-      WORDS.index("Harbour"), wt.UNK_ID]
+      WORDS.index("Harbour"),
+      wt.UNK_ID,
+  ]
 
 
 def test_segments_continue_the_stream(task):
@@ -109,12 +112,12 @@ def test_segments_continue_the_stream(task):
     assert x.shape == y.shape == m.shape == (s, L)
     assert x.dtype == y.dtype == np.int32 and m.dtype == bool
     flat_x, flat_y, flat_m = x.reshape(-1), y.reshape(-1), m.reshape(-1)
-    np.testing.assert_array_equal(flat_x[:n - 1], stream[:-1])
-    np.testing.assert_array_equal(flat_y[:n - 1], stream[1:])
+    np.testing.assert_array_equal(flat_x[: n - 1], stream[:-1])
+    np.testing.assert_array_equal(flat_y[: n - 1], stream[1:])
     # The target of a segment's last position is the next segment's first input.
     np.testing.assert_array_equal(y[:-1, -1], x[1:, 0])
-    assert flat_m.sum() == n - 1 and np.all(flat_m[:n - 1])
-    assert np.all(flat_x[n - 1:] == 0) and np.all(flat_y[n - 1:] == 0)
+    assert flat_m.sum() == n - 1 and np.all(flat_m[: n - 1])
+    assert np.all(flat_x[n - 1 :] == 0) and np.all(flat_y[n - 1 :] == 0)
     ex = src[0]
     assert set(ex) == {"inputs", "targets", "mask"} and ex["targets"].shape == (L,)
 
@@ -143,8 +146,7 @@ def test_cache_hit_rebuilds_nothing_and_a_changed_file_rebuilds(tmp_path, monkey
   path = root / "wikitext-103" / "wiki.test.tokens"
   os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
   third = tasks.make_task(cfg)
-  np.testing.assert_array_equal(third.source("test").arrays["inputs"],
-                                arrays["test"]["inputs"])
+  np.testing.assert_array_equal(third.source("test").arrays["inputs"], arrays["test"]["inputs"])
   assert len(os.listdir(tmp_path / "cache")) == 5
 
 
@@ -187,7 +189,12 @@ def test_bad_files(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     task = tasks.make_task(_cfg(tmp_path / "cache", data_dir=str(tmp_path), vocab_size=6))
     assert wt.decode(task.token_stream("train"), task.vocabulary()) == [
-        "a", "b", "<eos>", "c", "<eos>"]
+        "a",
+        "b",
+        "<eos>",
+        "c",
+        "<eos>",
+    ]
   assert "has no newline" in caplog.text
 
 
@@ -234,12 +241,17 @@ def test_stream_batches_continue_row_by_row(task):
 def test_train_and_evaluate_two_steps(tmp_path):
   """No memory: shuffled segments through a tiny causal decoder; perplexity reported."""
   c = base_config("wikitext103")
-  c.task.update(data_dir=ROOT, cache_dir=str(tmp_path / "cache"), segment_length=L,
-                vocab_size=V)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0,
-                 positional="none")
-  c.update(batch_size=4, num_train_steps=2, log_every_steps=1, eval_every_steps=2,
-           checkpoint_every_steps=2)
+  c.task.update(data_dir=ROOT, cache_dir=str(tmp_path / "cache"), segment_length=L, vocab_size=V)
+  c.model.update(
+      num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.0, positional="none"
+  )
+  c.update(
+      batch_size=4,
+      num_train_steps=2,
+      log_every_steps=1,
+      eval_every_steps=2,
+      checkpoint_every_steps=2,
+  )
   c.schedule.update(name="constant", warmup_steps=0)
   c.data.num_threads = 1
   r = train_and_evaluate(c, tmp_path / "work")

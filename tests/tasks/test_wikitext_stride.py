@@ -17,8 +17,9 @@ from fastpos.train.steps import loss_and_metrics
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "wikitext")
 
 
-@pytest.mark.parametrize("n,length,stride", [(2, 4, 2), (10, 4, 2), (11, 4, 1), (30, 8, 3),
-                                             (9, 8, 8), (50, 16, 5)])
+@pytest.mark.parametrize(
+    "n,length,stride", [(2, 4, 2), (10, 4, 2), (11, 4, 1), (30, 8, 3), (9, 8, 8), (50, 16, 5)]
+)
 def test_windows_score_every_target_once_with_context(n, length, stride):
   stream = np.arange(100, 100 + n)
   w = wt.windows(stream, length, stride)
@@ -39,8 +40,7 @@ def test_windows_score_every_target_once_with_context(n, length, stride):
 
 def test_eval_splits_use_windows(tmp_path):
   c = tasks.task_config("wikitext103")
-  c.update(data_dir=ROOT, cache_dir=str(tmp_path), segment_length=16, vocab_size=143,
-           eval_stride=4)
+  c.update(data_dir=ROOT, cache_dir=str(tmp_path), segment_length=16, vocab_size=143, eval_stride=4)
   task = tasks.make_task(c)
   valid, train = task.load_split("validation"), task.load_split("train")
   assert "score" in valid and "score" not in train
@@ -52,7 +52,11 @@ def test_eval_splits_use_windows(tmp_path):
 
 def test_loss_counts_scored_tokens_only():
   logits = jnp.zeros((1, 4, 5))
-  batch = {"targets": jnp.zeros((1, 4), jnp.int32), "weight": jnp.ones(1),
-           "mask": jnp.ones((1, 4), bool), "score": jnp.asarray([[False, False, True, True]])}
+  batch = {
+      "targets": jnp.zeros((1, 4), jnp.int32),
+      "weight": jnp.ones(1),
+      "mask": jnp.ones((1, 4), bool),
+      "score": jnp.asarray([[False, False, True, True]]),
+  }
   loss, metrics = loss_and_metrics(logits, batch, "lm")
   assert float(metrics["loss"][1]) == 2.0 and np.isclose(float(loss), 2 * np.log(5))

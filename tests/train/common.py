@@ -15,8 +15,9 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   c = base_config("synthetic")
   # 12 training examples = 3 batches per epoch: the 4-step runs cross an epoch boundary.
   c.task.update(max_length=12, min_length=6, num_train=12, num_validation=10, num_test=13)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.1,
-                 norm="batch")
+  c.model.update(
+      num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.1, norm="batch"
+  )
   c.batch_size = 4
   c.num_train_steps = 4
   c.optimizer.learning_rate = 1e-2

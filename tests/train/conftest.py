@@ -14,8 +14,11 @@ from jax.experimental.compilation_cache import compilation_cache
 
 @pytest.fixture(scope="package", autouse=True)
 def _compilation_cache(tmp_path_factory):
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
+  keys = (
+      "jax_compilation_cache_dir",
+      "jax_persistent_cache_min_compile_time_secs",
+      "jax_persistent_cache_min_entry_size_bytes",
+  )
   previous = {k: getattr(jax.config, k) for k in keys}
   compilation_cache.reset_cache()
   cache = tmp_path_factory.getbasetemp() / "train_jax_cache"

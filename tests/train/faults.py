@@ -43,17 +43,26 @@ def fault_sites(step_dir: Path, kind: str) -> list[tuple[Path, int, int]]:
   if kind == "array_data":
     files = [f for f in state.rglob("*") if f.is_file() and f.parent.name == "d"]
   elif kind == "state_index":
-    files = [f for f in state.rglob("*") if f.is_file() and (
-        f.name in ("manifest.ocdbt", "_METADATA", "_sharding") or
-        f.parent.name == "array_metadatas")]
+    files = [
+        f
+        for f in state.rglob("*")
+        if f.is_file()
+        and (
+            f.name in ("manifest.ocdbt", "_METADATA", "_sharding")
+            or f.parent.name == "array_metadatas"
+        )
+    ]
   elif kind == "orbax_metadata":
-    files = [f for f in step_dir.rglob("*") if f.is_file() and
-             f.name in ("_CHECKPOINT_METADATA", "commit_success.txt")]
+    files = [
+        f
+        for f in step_dir.rglob("*")
+        if f.is_file() and f.name in ("_CHECKPOINT_METADATA", "commit_success.txt")
+    ]
   elif kind == "data_iterator":
     files = sorted((step_dir / "data").glob("process_*.json"))
   elif kind in ("meta", "digests"):
     meta_file = step_dir / "meta" / "metadata"
-    (lo, hi) = _spans_of_meta(meta_file)[0 if kind == "meta" else 1]
+    lo, hi = _spans_of_meta(meta_file)[0 if kind == "meta" else 1]
     return [(meta_file, lo, hi)]
   else:
     raise ValueError(f"unknown fault kind {kind!r}; valid: {', '.join(KINDS)}")
@@ -80,8 +89,9 @@ def flip(step_dir: Path, kind: str, rng: np.random.Generator) -> tuple[Path, int
   return f, offset, value
 
 
-def rewrite_state(step_dir: Path, change: Callable[[dict], None], *,
-                  redigest: bool = False) -> None:
+def rewrite_state(
+    step_dir: Path, change: Callable[[dict], None], *, redigest: bool = False
+) -> None:
   """Rewrites ``step_dir/state`` through orbax (well formed, so orbax sees nothing wrong) with
   ``change(tree)`` applied in place to the saved tree (nested dicts of numpy arrays). The
   meta keeps the digests of the old contents unless ``redigest`` (then the checkpoint is
@@ -93,9 +103,11 @@ def rewrite_state(step_dir: Path, change: Callable[[dict], None], *,
   with ocp.StandardCheckpointer() as c:
     c.save(step_dir / "state", raw)
   if redigest:
+
     def update(meta):
       meta["digests"]["arrays"] = digest_lib.array_digests(raw)
       meta["digests"]["meta"] = digest_lib.meta_digest(meta)
+
     edit_json(step_dir / "meta" / "metadata", update)
 
 

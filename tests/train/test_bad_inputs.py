@@ -38,14 +38,23 @@ def _one_line(e: BaseException, *needles: str) -> str:
   return text
 
 
-@pytest.mark.parametrize("body, needles", [
-    ("import not_a_module_here\ndef get_config(arg=None):\n  return None\n",
-     ["bad.py:1: imports 'not_a_module_here', which is not installed"]),
-    ("def get_config(arg=None):\n  return {}['model']\n",
-     ["bad.py:2: get_config raised KeyError: 'model'; fix the config file."]),
-    ("x = 1 / 0\ndef get_config(arg=None):\n  return None\n",
-     ["bad.py:1: loading the file raised ZeroDivisionError: division by zero"]),
-])
+@pytest.mark.parametrize(
+    "body, needles",
+    [
+        (
+            "import not_a_module_here\ndef get_config(arg=None):\n  return None\n",
+            ["bad.py:1: imports 'not_a_module_here', which is not installed"],
+        ),
+        (
+            "def get_config(arg=None):\n  return {}['model']\n",
+            ["bad.py:2: get_config raised KeyError: 'model'; fix the config file."],
+        ),
+        (
+            "x = 1 / 0\ndef get_config(arg=None):\n  return None\n",
+            ["bad.py:1: loading the file raised ZeroDivisionError: division by zero"],
+        ),
+    ],
+)
 def test_a_config_file_that_fails_is_one_line(tmp_path, body, needles):
   (tmp_path / "bad.py").write_text(body)
   with pytest.raises(cli.ConfigError) as info:
@@ -72,13 +81,17 @@ def test_a_data_root_that_is_a_file(tmp_path):
   err = io.StringIO()
   with contextlib.redirect_stderr(err):
     assert download_data.main(["listops", "--data_dir", str(root)]) == 2
-  assert err.getvalue() == (f"error: --data_dir: {root} is a file, not a folder; give a folder "
-                            "(it is created when missing).\n")
+  assert err.getvalue() == (
+      f"error: --data_dir: {root} is a file, not a folder; give a folder "
+      "(it is created when missing).\n"
+  )
 
 
 def test_argparse_errors_are_one_line(capsys):
-  for main, argv in ((download_data.main, ["--bogus"]),
-                     (sweep_cli.main, ["--config=c.py", "--sweep_dir=d", "--mode=bogus"])):
+  for main, argv in (
+      (download_data.main, ["--bogus"]),
+      (sweep_cli.main, ["--config=c.py", "--sweep_dir=d", "--mode=bogus"]),
+  ):
     with pytest.raises(SystemExit) as info:
       main(argv)
     assert info.value.code == 2
@@ -86,16 +99,24 @@ def test_argparse_errors_are_one_line(capsys):
     assert len(lines) == 1 and ("--bogus" in lines[0] or "'bogus'" in lines[0]), lines
 
 
-@pytest.mark.parametrize("env, needle", [
-    ({"GRACE_S": "x"}, "GRACE_S must be an integer >= 0 (seconds); got 'x'."),
-    ({"COORDINATOR_PORT": "99999"}, "COORDINATOR_PORT must be an integer in [1, 65535]; got"),
-    ({}, "N=0 is not a number of processes >= 1"),
-])
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"GRACE_S": "x"}, "GRACE_S must be an integer >= 0 (seconds); got 'x'."),
+        ({"COORDINATOR_PORT": "99999"}, "COORDINATOR_PORT must be an integer in [1, 65535]; got"),
+        ({}, "N=0 is not a number of processes >= 1"),
+    ],
+)
 def test_launch_local_checks_its_arguments(tmp_path, env, needle):
   n = "0" if not env else "1"
-  proc = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), n, "--", "true"],
-                        env={**os.environ, **env}, cwd=tmp_path, capture_output=True,
-                        text=True, timeout=60)
+  proc = subprocess.run(
+      ["bash", str(ROOT / "scripts" / "launch_local.sh"), n, "--", "true"],
+      env={**os.environ, **env},
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and needle in proc.stderr
   assert not (tmp_path / "launch_logs").exists()
 
@@ -113,4 +134,5 @@ def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
   assert info.value.filename == str(tmp_path / "metrics.jsonl")
   assert cli.message(info.value) == (
       f"No space left on device: '{tmp_path / 'metrics.jsonl'}'; the disk is full: free space "
-      "there or use a --workdir on another disk.")
+      "there or use a --workdir on another disk."
+  )

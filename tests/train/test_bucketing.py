@@ -60,8 +60,9 @@ def test_train_batches_are_bucketed_restorable_and_cover_each_epoch():
     assert sorted(r for b in epoch for r in _rows(b)) == everything  # each example once
   fresh = data.train_iterator(src, cfg)
   np.testing.assert_array_equal(next(fresh)["inputs"], first[0]["inputs"])  # seeded
-  other = data.train_iterator(src, tiny_config(**{"data.bucket_lengths": BUCKETS,
-                                                  "data.bucket_window": 3, "seed": 1}))
+  other = data.train_iterator(
+      src, tiny_config(**{"data.bucket_lengths": BUCKETS, "data.bucket_window": 3, "seed": 1})
+  )
   assert _rows(next(other)) + _rows(next(other)) != _rows(first[0]) + _rows(first[1])
 
 
@@ -96,16 +97,23 @@ def test_bucketing_changes_no_example_output():
   classifier head returns float32 logits: equal to float32 rounding)."""
   cfg, src = _source("test")
   mc = cfg.model
-  mc.update(kernel="sikf", positional="absolute+fastrpb", dtype="float64", dropout_rate=0.0,
-            norm="post", pooling="mean")
+  mc.update(
+      kernel="sikf",
+      positional="absolute+fastrpb",
+      dtype="float64",
+      dropout_rate=0.0,
+      norm="post",
+      pooling="mean",
+  )
   model = build_model(mc, tasks.make_task(cfg.task).info)
   full = {k: src.arrays[k] for k in ("inputs", "mask")}
   variables = model.init(jax.random.key(0), full)
   # Random, not initial, parameters: FastRPB's weights start at zero.
   leaves, tree = jax.tree.flatten(variables)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  variables = jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
-                                        for k, x in zip(keys, leaves)])
+  variables = jax.tree.unflatten(
+      tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
   apply = jax.jit(lambda b: model.apply(variables, b))
   reference = dict(zip(_rows(full), np.asarray(apply(full))))
   worst, widths = 0.0, set()
@@ -119,13 +127,16 @@ def test_bucketing_changes_no_example_output():
   assert min(widths) < 12  # some batches were cut
 
 
-@pytest.mark.parametrize("override, match", [
-    ({"data.bucket_lengths": (9, 7)}, "strictly increasing"),
-    ({"data.bucket_lengths": (0, 7)}, r"must lie in \[1, task.max_length=12\]"),
-    ({"data.bucket_lengths": (7, 13)}, r"must lie in \[1, task.max_length=12\]"),
-    ({"data.bucket_lengths": (7.5,)}, "must be integers"),
-    ({"data.bucket_lengths": (7,), "data.bucket_window": 0}, "bucket_window=0 must be"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"data.bucket_lengths": (9, 7)}, "strictly increasing"),
+        ({"data.bucket_lengths": (0, 7)}, r"must lie in \[1, task.max_length=12\]"),
+        ({"data.bucket_lengths": (7, 13)}, r"must lie in \[1, task.max_length=12\]"),
+        ({"data.bucket_lengths": (7.5,)}, "must be integers"),
+        ({"data.bucket_lengths": (7,), "data.bucket_window": 0}, "bucket_window=0 must be"),
+    ],
+)
 def test_bad_bucket_config_stops_with_one_message(override, match):
   with pytest.raises(ValueError, match=match):
     bucketing.bucket_lengths(tiny_config(**override), 12)

@@ -47,8 +47,12 @@ def _restore(trained, workdir: Path, which: str):
     return it, restore
 
   try:
-    out = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta,
-                               data_iter_for=data_iter_for if which == "latest" else None)
+    out = ckpts.restore_newest(
+        run.abstract_state,
+        which,
+        check=run.check_meta,
+        data_iter_for=data_iter_for if which == "latest" else None,
+    )
   finally:
     ckpts.close()
   state, meta, it = out
@@ -67,11 +71,19 @@ def _write_checkpoints(run, src, workdir: Path) -> None:
     for step in (2, 4):
       state = jax.tree.map(
           lambda x: jax.device_put(rng.normal(size=x.shape).astype(x.dtype), x.sharding)
-          if jnp.issubdtype(x.dtype, jnp.floating) else x, state).replace(step=jnp.int32(step))
+          if jnp.issubdtype(x.dtype, jnp.floating)
+          else x,
+          state,
+      ).replace(step=jnp.int32(step))
       for _ in range(2):
         next(it)
-      meta = {"rng": [1, step], "config": config_meta(run.cfg, run.info), "step": step,
-              "data": trainer_lib._data_meta(run, len(src), 0, 0, step), "log_window": None}
+      meta = {
+          "rng": [1, step],
+          "config": config_meta(run.cfg, run.info),
+          "step": step,
+          "data": trainer_lib._data_meta(run, len(src), 0, 0, step),
+          "log_window": None,
+      }
       ckpts.save(step, state, it, meta)
     ckpts.save_best(4, state, {**meta, "metrics": {"loss": 1.0, "accuracy": 0.5}})
     ckpts.wait()
@@ -92,6 +104,7 @@ def trained(tmp_path_factory):
 
 
 class _Warnings(logging.Handler):
+
   def __init__(self):
     super().__init__(logging.WARNING)
     self.messages = []
@@ -148,18 +161,19 @@ def test_a_flip_in_the_newest_checkpoint_is_detected_or_harmless(trained, tmp_pa
   inject(trained, tmp_path, "latest", kind, seed)
 
 
-@pytest.mark.parametrize("kind", ["array_data", *(pytest.param(k, marks=pytest.mark.slow)
-                                                   for k in ("meta", "digests"))])
+@pytest.mark.parametrize(
+    "kind", ["array_data", *(pytest.param(k, marks=pytest.mark.slow) for k in ("meta", "digests"))]
+)
 def test_a_flip_in_best_is_detected_or_harmless(trained, tmp_path, kind):
   inject(trained, tmp_path, "best", kind, 0)
 
 
-def test_flips_in_array_data_files_that_orbax_misses_are_caught_by_the_digests(trained,
-                                                                              tmp_path):
+def test_flips_in_array_data_files_that_orbax_misses_are_caught_by_the_digests(trained, tmp_path):
   """The case the digests are for: chunks outside the B-tree carry no checksum. Seeds whose
   flip lands in such a chunk come back through orbax with changed values."""
-  caught = collections.Counter(inject(trained, tmp_path, "latest", "array_data", seed)
-                               for seed in range(10, 14))
+  caught = collections.Counter(
+      inject(trained, tmp_path, "latest", "array_data", seed) for seed in range(10, 14)
+  )
   assert caught[("detected", "digests")] >= 1, caught
 
 
@@ -169,12 +183,23 @@ def test_exhaustive_fault_table(trained, tmp_path):
   rows = []
   for which, kinds, n in (("latest", KINDS, 40), ("best", BEST_KINDS, 20)):
     for kind in kinds:
-      outcomes = collections.Counter(inject(trained, tmp_path, which, kind, 1000 + s)
-                                     for s in range(n))
-      rows.append((which, kind, n, outcomes[("detected", "digests")],
-                   outcomes[("detected", "orbax")], outcomes[("harmless", "")]))
-  print("\n| checkpoint | file kind | flips | caught by digests | refused by orbax / JSON "
-        "| harmless (bit-identical) | silent |")
+      outcomes = collections.Counter(
+          inject(trained, tmp_path, which, kind, 1000 + s) for s in range(n)
+      )
+      rows.append(
+          (
+              which,
+              kind,
+              n,
+              outcomes[("detected", "digests")],
+              outcomes[("detected", "orbax")],
+              outcomes[("harmless", "")],
+          )
+      )
+  print(
+      "\n| checkpoint | file kind | flips | caught by digests | refused by orbax / JSON "
+      "| harmless (bit-identical) | silent |"
+  )
   print("|---|---|---|---|---|---|---|")
   for which, kind, n, digests, orbax, harmless in rows:
     print(f"| {which} | {kind} | {n} | {digests} | {orbax} | {harmless} | 0 |")
@@ -192,11 +217,15 @@ def test_a_step_metadata_orbax_cannot_list_is_a_damaged_checkpoint(trained, tmp_
   shutil.copytree(trained["root"], workdir)
   step_dir = workdir / ("checkpoints" if which == "latest" else "best") / "4"
   f = step_dir / "_CHECKPOINT_METADATA"
-  f.write_text(f.read_text().replace('"commit_timestamp_nsecs": 1', '"commit_timestamp_nsecs": 1.',
-                                     1))
+  f.write_text(
+      f.read_text().replace('"commit_timestamp_nsecs": 1', '"commit_timestamp_nsecs": 1.', 1)
+  )
   if which == "best":
-    with pytest.raises(CheckpointLoadError, match=rf"can be listed: {step_dir} \(ValueError: "
-                       r"Object must be of type .* in its _CHECKPOINT_METADATA\)"):
+    with pytest.raises(
+        CheckpointLoadError,
+        match=rf"can be listed: {step_dir} \(ValueError: "
+        r"Object must be of type .* in its _CHECKPOINT_METADATA\)",
+    ):
       _restore(trained, workdir, which)
     return
   assert _restore(trained, workdir, which)[1]["step"] == 2

@@ -26,11 +26,11 @@ import pytest
 
 from fastpos import tasks
 from fastpos.train import (
-  NonFiniteLossError,
-  RunError,
-  WorkdirLockedError,
-  evaluate,
-  train_and_evaluate,
+    NonFiniteLossError,
+    RunError,
+    WorkdirLockedError,
+    evaluate,
+    train_and_evaluate,
 )
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
@@ -43,8 +43,12 @@ from tests.train.faults import edit_json, rewrite_state
 
 ROOT = Path(__file__).resolve().parents[2]
 # Rows at steps 2, 4, 6; validation at 3 and 6; checkpoints at 2, 3, 4, 6 (the last 3 kept).
-SETTINGS = {"num_train_steps": 6, "log_every_steps": 2, "eval_every_steps": 3,
-            "checkpoint_every_steps": 2}
+SETTINGS = {
+    "num_train_steps": 6,
+    "log_every_steps": 2,
+    "eval_every_steps": 3,
+    "checkpoint_every_steps": 2,
+}
 
 
 def config(**overrides):
@@ -101,8 +105,11 @@ def _copy(runs, tmp_path, name="stopped"):
 def test_sigint_saves_and_the_resumed_run_equals_the_uninterrupted_one(runs, tmp_path):
   stopped = runs["stopped"]
   assert stopped["stopped_early"] and stopped["signal"] == "SIGINT" and stopped["step"] == 5
-  assert any(m.startswith("preempted at step 5 (SIGINT): saved ") and
-             m.endswith("checkpoints/5; restart to continue.") for m in runs["messages"])
+  assert any(
+      m.startswith("preempted at step 5 (SIGINT): saved ")
+      and m.endswith("checkpoints/5; restart to continue.")
+      for m in runs["messages"]
+  )
   workdir = _copy(runs, tmp_path)
   assert not (workdir / workdir_lib.LOCK_NAME).exists()  # released on the way out
   resumed = train_and_evaluate(config(), workdir)
@@ -112,17 +119,31 @@ def test_sigint_saves_and_the_resumed_run_equals_the_uninterrupted_one(runs, tmp
   # stopped run saved after step 5 (its window travels in the checkpoint).
   full_rows = _rows(runs["root"] / "full")
   assert [(r["step"], r["split"]) for r in full_rows] == [
-      (2, "train"), (3, "validation"), (4, "train"), (6, "train"), (6, "validation")]
+      (2, "train"),
+      (3, "validation"),
+      (4, "train"),
+      (6, "train"),
+      (6, "validation"),
+  ]
   assert _rows(workdir) == full_rows
-  strip = lambda events: sorted((s, t, v) for s, t, v in events  # noqa: E731
-                                if t.split("/")[-1] not in TIME_DEPENDENT)
+  strip = lambda events: sorted(
+      (s, t, v) for s, t, v in events if t.split("/")[-1] not in TIME_DEPENDENT  # noqa: E731
+  )
   assert strip(_events(workdir)) == strip(_events(runs["root"] / "full"))
 
 
-@pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
-                                    "remove_meta", "remove_data", "weight_changed"])
-def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_path, damage,
-                                                                    caplog):
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncate_state",
+        "remove_state_data",
+        "bad_meta_json",
+        "remove_meta",
+        "remove_data",
+        "weight_changed",
+    ],
+)
+def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_path, damage, caplog):
   workdir = _copy(runs, tmp_path)
   _damage(workdir / "checkpoints" / "5", damage)
   with caplog.at_level(logging.WARNING):
@@ -131,12 +152,16 @@ def test_damaged_newest_checkpoint_falls_back_and_the_run_continues(runs, tmp_pa
   assert_trees_equal(runs["full"]["state"], resumed["state"])  # replayed 5 and 6 exactly
   assert _rows(workdir) == _rows(runs["root"] / "full")
   assert (workdir / "checkpoints" / "5.corrupt").is_dir()  # kept, moved aside
-  assert any("checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+      "checkpoints/5 does not load" in r.getMessage() and "5.corrupt" in r.getMessage()
+      for r in caplog.records
+  )
   if damage == "weight_changed":  # the report names the array
-    assert any("DigestMismatch: 1 of " in r.getMessage() and
-               "arrays differ from their digests: params/embed/embedding" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "DigestMismatch: 1 of " in r.getMessage()
+        and "arrays differ from their digests: params/embed/embedding" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def _damage(step_dir: Path, how: str) -> None:
@@ -166,8 +191,10 @@ def _damage(step_dir: Path, how: str) -> None:
     (state / "_METADATA").unlink()
   # Well-formed checkpoints whose contents differ from what was saved: only digests see them.
   elif how == "weight_changed":  # one flipped bit, as in an array chunk (no checksum)
+
     def change(tree):
       tree["params"]["embed"]["embedding"].view(np.uint32)[3, 2] ^= np.uint32(1 << 22)
+
     rewrite_state(step_dir, change)
   elif how == "rng_edited":
     edit_json(step_dir / "meta" / "metadata", lambda m: m["rng"].__setitem__(0, 12345))
@@ -177,12 +204,22 @@ def _damage(step_dir: Path, how: str) -> None:
     raise ValueError(how)
 
 
-@pytest.mark.parametrize("damage", ["truncate_state", "remove_state_data", "bad_meta_json",
-                                    "meta_not_a_record", "remove_meta", "empty_folder",
-                                    "remove_checkpoint_metadata", "remove_state_metadata",
-                                    "weight_changed", "rng_edited"])
-def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path, damage,
-                                                                 caplog):
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncate_state",
+        "remove_state_data",
+        "bad_meta_json",
+        "meta_not_a_record",
+        "remove_meta",
+        "empty_folder",
+        "remove_checkpoint_metadata",
+        "remove_state_metadata",
+        "weight_changed",
+        "rng_edited",
+    ],
+)
+def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path, damage, caplog):
   workdir = _copy(runs, tmp_path)
   _damage(workdir / "checkpoints" / "5", damage)
   before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
@@ -217,18 +254,23 @@ def test_an_edited_data_position_is_caught(runs, tmp_path, caplog):
   _damage(workdir / "checkpoints" / "5", "data_position_edited")
   with caplog.at_level(logging.WARNING):
     assert _restore_latest(workdir) == (4, {"next_index": 4})
-  assert any("checkpoints/5 does not load (DigestMismatch: the data-iterator state "
-             "process_0-of-1.json differs from its digest)" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+      "checkpoints/5 does not load (DigestMismatch: the data-iterator state "
+      "process_0-of-1.json differs from its digest)" in r.getMessage()
+      for r in caplog.records
+  )
 
 
 def test_best_with_a_changed_weight_is_refused_by_evaluate(runs, tmp_path):
   workdir = _copy(runs, tmp_path)
   (step,) = [p for p in (workdir / "best").iterdir()]
   _damage(step, "weight_changed")
-  with pytest.raises(CheckpointLoadError, match=r"no checkpoint in .*best loads: .*best/\d+ "
-                     r"\(DigestMismatch: 1 of \d+ arrays differ from their digests: "
-                     r"params/embed/embedding\).*--checkpoint=latest"):
+  with pytest.raises(
+      CheckpointLoadError,
+      match=r"no checkpoint in .*best loads: .*best/\d+ "
+      r"\(DigestMismatch: 1 of \d+ arrays differ from their digests: "
+      r"params/embed/embedding\).*--checkpoint=latest",
+  ):
     evaluate(config(), workdir, "validation")
 
 
@@ -240,9 +282,11 @@ def test_a_checkpoint_without_digests_loads_with_a_warning(runs, tmp_path, caplo
     res = evaluate(config(), workdir, "validation", checkpoint="latest")
   assert res["step"] == 5
   warned = [r.getMessage() for r in caplog.records if "without digests" in r.getMessage()]
-  assert len(warned) == 1 and warned[0].endswith("checkpoints/5 was written without digests "
-                                                 "(before checkpoints recorded them): loaded "
-                                                 "unverified."), warned
+  assert len(warned) == 1 and warned[0].endswith(
+      "checkpoints/5 was written without digests "
+      "(before checkpoints recorded them): loaded "
+      "unverified."
+  ), warned
 
 
 def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
@@ -256,14 +300,15 @@ def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
   finally:
     ckpts.close()
   assert good == 4 and len(skipped) == 1
-  assert skipped[0].endswith("checkpoints/5 (DigestMismatch: 1 of 70 arrays differ from their "
-                             "digests: params/embed/embedding)")
+  assert skipped[0].endswith(
+      "checkpoints/5 (DigestMismatch: 1 of 70 arrays differ from their "
+      "digests: params/embed/embedding)"
+  )
   assert (workdir / "checkpoints" / "5").is_dir()  # named, not moved
 
 
 @pytest.mark.parametrize("verified", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_a_non_finite_first_step_after_a_restore_blames_the_checkpoint(runs, tmp_path,
-                                                                       verified):
+def test_a_non_finite_first_step_after_a_restore_blames_the_checkpoint(runs, tmp_path, verified):
   """A huge weight saved with matching digests (or in a checkpoint without digests): the
   checkpoint, not the learning rate, is named."""
   workdir = _copy(runs, tmp_path)
@@ -275,11 +320,17 @@ def test_a_non_finite_first_step_after_a_restore_blames_the_checkpoint(runs, tmp
   rewrite_state(step_dir, huge, redigest=verified)
   if not verified:
     edit_json(step_dir / "meta" / "metadata", lambda m: m.pop("digests"))
-  how = (r"its digests verify, so it is as it was saved" if verified
-         else r"it was written without digests, so it is unverified")
-  with pytest.raises(NonFiniteLossError, match=rf"at step 6, the first step after restoring "
-                     rf".*checkpoints/5; training stopped. Suspect that checkpoint, not the "
-                     rf"learning rate \({how}"):
+  how = (
+      r"its digests verify, so it is as it was saved"
+      if verified
+      else r"it was written without digests, so it is unverified"
+  )
+  with pytest.raises(
+      NonFiniteLossError,
+      match=rf"at step 6, the first step after restoring "
+      rf".*checkpoints/5; training stopped. Suspect that checkpoint, not the "
+      rf"learning rate \({how}",
+  ):
     train_and_evaluate(config(), workdir)
 
 
@@ -289,8 +340,9 @@ def test_no_checkpoint_loads_lists_them(runs, tmp_path):
   assert steps == [3, 4, 5]
   for s in steps:
     _damage(workdir / "checkpoints" / str(s), "bad_meta_json")
-  with pytest.raises(CheckpointLoadError, match=r"no checkpoint in .*checkpoints loads: "
-                     r".*/5 \(.*/4 \(.*/3 \("):
+  with pytest.raises(
+      CheckpointLoadError, match=r"no checkpoint in .*checkpoints loads: " r".*/5 \(.*/4 \(.*/3 \("
+  ):
     evaluate(config(), workdir, "validation", checkpoint="latest")
   with pytest.raises(CheckpointLoadError, match=r"moved to 5.corrupt.*moved to 3.corrupt"):
     train_and_evaluate(config(), workdir)
@@ -300,20 +352,31 @@ def test_no_checkpoint_loads_lists_them(runs, tmp_path):
 def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path):
   """lr 1e30 after a warmup from 0: step 1 leaves the parameters unchanged (lr 0), step 2
   sends them to ~1e29 (finite, but their loss is not): checkpoint 1 is the last good one."""
-  bad = {"optimizer.learning_rate": 1e30, "optimizer.grad_clip_norm": 0.0,
-         "schedule.warmup_steps": 2, "checkpoint_every_steps": 1, "eval_every_steps": 100,
-         "log_every_steps": 100, "num_train_steps": 6}
-  with pytest.raises(NonFiniteLossError, match=r"at step 2;.*last good checkpoint is step 1 "
-                     r"in .*checkpoints \(verified, left intact\)"):
+  bad = {
+      "optimizer.learning_rate": 1e30,
+      "optimizer.grad_clip_norm": 0.0,
+      "schedule.warmup_steps": 2,
+      "checkpoint_every_steps": 1,
+      "eval_every_steps": 100,
+      "log_every_steps": 100,
+      "num_train_steps": 6,
+  }
+  with pytest.raises(
+      NonFiniteLossError,
+      match=r"at step 2;.*last good checkpoint is step 1 "
+      r"in .*checkpoints \(verified, left intact\)",
+  ):
     train_and_evaluate(tiny_config(**bad), tmp_path)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
   state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "1" / "state")
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
   res = evaluate(tiny_config(**bad), tmp_path, "validation", checkpoint="latest")
   assert res["step"] == 1 and np.isfinite(res["loss"])
-  sane = train_and_evaluate(tiny_config(**{**bad, "optimizer.learning_rate": 1e-2,
-                                           "num_train_steps": 3}), tmp_path,
-                            allow_config_change=True)
+  sane = train_and_evaluate(
+      tiny_config(**{**bad, "optimizer.learning_rate": 1e-2, "num_train_steps": 3}),
+      tmp_path,
+      allow_config_change=True,
+  )
   assert sane["step"] == 3 and np.isfinite(sane["train"]["loss"])
 
 
@@ -322,11 +385,18 @@ def test_batch_size_change_resumes_at_the_same_example(runs, tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     res = train_and_evaluate(config(batch_size=2), workdir, allow_config_change=True)
   assert res["step"] == 6
-  assert any("batch_size changed from 4 to 2: resuming at example 20" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+      "batch_size changed from 4 to 2: resuming at example 20" in r.getMessage()
+      for r in caplog.records
+  )
   meta = json.loads((workdir / "checkpoints" / "6" / "meta" / "metadata").read_text())
-  assert meta["data"] == {"examples": 22, "start": 20, "start_step": 5, "batch_size": 2,
-                          "num_examples": 12}
+  assert meta["data"] == {
+      "examples": 22,
+      "start": 20,
+      "start_step": 5,
+      "batch_size": 2,
+      "num_examples": 12,
+  }
   # Batch 0 of the new iterator is examples 20, 21: the first half of the old batch 5.
   src = tasks.make_task(config().task).source("train")
   old = data_lib.train_iterator(src, config())
@@ -353,8 +423,11 @@ def test_a_live_holder_keeps_the_workdir(runs, tmp_path):
   holder = {"host": socket.gethostname(), "pid": os.getppid(), "started": 0}
   (workdir / workdir_lib.LOCK_NAME).write_text(json.dumps(holder))
   (workdir / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
-  with pytest.raises(WorkdirLockedError, match=rf"in use by another trainer \(pid "
-                     rf"{os.getppid()} on host {socket.gethostname()}.*delete .*train.lock"):
+  with pytest.raises(
+      WorkdirLockedError,
+      match=rf"in use by another trainer \(pid "
+      rf"{os.getppid()} on host {socket.gethostname()}.*delete .*train.lock",
+  ):
     train_and_evaluate(config(), workdir)
   assert (workdir / "checkpoints" / "6.orbax-checkpoint-tmp").is_dir()
   assert json.loads((workdir / workdir_lib.LOCK_NAME).read_text()) == holder
@@ -374,9 +447,14 @@ lock.release()
 def test_a_second_process_holding_the_lock_stops_the_trainer(tmp_path):
   workdir = tmp_path / "w"
   workdir.mkdir()
-  proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(workdir)], cwd=ROOT,
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _HOLD, str(workdir)],
+      cwd=ROOT,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=dict(os.environ, PYTHONPATH=str(ROOT)),
+  )
   try:
     assert proc.stdout.readline().strip() == "held"
     with pytest.raises(WorkdirLockedError, match=rf"pid {proc.pid} on host"):
@@ -392,15 +470,16 @@ def test_a_stale_lock_is_taken_over(tmp_path, caplog):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
   lock_path = tmp_path / workdir_lib.LOCK_NAME
-  lock_path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
-                                   "started": 0}))
+  lock_path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
   with caplog.at_level(logging.WARNING):
     with workdir_lib.WorkdirLock(tmp_path):
       assert json.loads(lock_path.read_text())["pid"] == os.getpid()
       with pytest.raises(WorkdirLockedError, match=rf"pid {os.getpid()}"):
         workdir_lib.WorkdirLock(tmp_path).acquire()  # a second trainer, same process
-  assert any("left by a trainer that is gone" in r.getMessage() and str(dead.pid) in
-             r.getMessage() for r in caplog.records)
+  assert any(
+      "left by a trainer that is gone" in r.getMessage() and str(dead.pid) in r.getMessage()
+      for r in caplog.records
+  )
   assert not lock_path.exists()
 
 
@@ -453,16 +532,21 @@ def test_disk_full_during_a_save_is_one_message(tmp_path, monkeypatch, caplog):
 
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
   with caplog.at_level(logging.WARNING):
-    with pytest.raises(RunError, match=r"No space left on device in .*(checkpoints|best): "
-                       r"free space or use another --workdir"):
+    with pytest.raises(
+        RunError,
+        match=r"No space left on device in .*(checkpoints|best): "
+        r"free space or use another --workdir",
+    ):
       train_and_evaluate(config(num_train_steps=2), tmp_path / "run")
   assert not (tmp_path / "run" / workdir_lib.LOCK_NAME).exists()
   assert not [r for r in caplog.records if r.exc_info]  # no background tracebacks
 
 
 def test_os_error_reason_reads_tensorstore_messages():
-  err = ValueError("RESOURCE_EXHAUSTED: Failed to write 166 bytes to file 7: No space left "
-                   "on device [os_error_code='28']")
+  err = ValueError(
+      "RESOURCE_EXHAUSTED: Failed to write 166 bytes to file 7: No space left "
+      "on device [os_error_code='28']"
+  )
   assert workdir_lib.os_error_reason(err) == os.strerror(errno.ENOSPC)
   try:
     try:

@@ -17,10 +17,21 @@ CONFIG = "--config=configs/synthetic.py:tiny"
 def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   workdir = tmp_path / "run"
   train = subprocess.Popen(
-      [sys.executable, "train.py", CONFIG, f"--workdir={workdir}",
-       "--config.num_train_steps=100000", "--config.log_every_steps=1",
-       "--config.eval_every_steps=100000", "--config.checkpoint_every_steps=100000"],
-      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      [
+          sys.executable,
+          "train.py",
+          CONFIG,
+          f"--workdir={workdir}",
+          "--config.num_train_steps=100000",
+          "--config.log_every_steps=1",
+          "--config.eval_every_steps=100000",
+          "--config.checkpoint_every_steps=100000",
+      ],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+  )
   metrics = workdir / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and train.poll() is None:
@@ -41,8 +52,13 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   assert json.loads((workdir / "config.json").read_text())["task"]["name"] == "synthetic"
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
 
-  ev = subprocess.run([sys.executable, "eval.py", CONFIG, f"--workdir={workdir}"],
-                      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  ev = subprocess.run(
+      [sys.executable, "eval.py", CONFIG, f"--workdir={workdir}"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert ev.returncode == 0, ev.stderr[-3000:]
   results = json.loads((workdir / "results_test.json").read_text())
   # No evaluation ran before SIGTERM, so there is no best checkpoint: the latest is scored.
@@ -54,9 +70,20 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
 def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path):
   workdir = tmp_path / "run"
   proc = subprocess.run(
-      [sys.executable, "train.py", CONFIG, "--config.seed=1234", "--config.model.kernel=sikf",
-       "--print_config", f"--workdir={workdir}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          "train.py",
+          CONFIG,
+          "--config.seed=1234",
+          "--config.model.kernel=sikf",
+          "--print_config",
+          f"--workdir={workdir}",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "seed: 1234" in proc.stdout.splitlines()
   assert "  kernel: sikf" in proc.stdout.splitlines() and "name: synthetic" in proc.stdout
@@ -64,13 +91,21 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path):
   # No --workdir needed; a bad override still fails with its message.
   proc = subprocess.run(
       [sys.executable, "train.py", CONFIG, "--config.no_such_field=1", "--print_config"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 2 and "no_such_field" in proc.stderr
 
 
 def test_train_cli_stops_on_bad_config(tmp_path):
   proc = subprocess.run(
       [sys.executable, "train.py", CONFIG, f"--workdir={tmp_path}", "--config.task.name=cifar"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode != 0
   assert "config.task.name must be one of synthetic, listops" in proc.stderr

@@ -76,8 +76,10 @@ def _changed(cfg, path: str, value) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
-@pytest.mark.parametrize("task", ["synthetic", "listops", "lra_text", "pathfinder", "mqar",
-                                  "wikitext103", "lra_retrieval"])
+@pytest.mark.parametrize(
+    "task",
+    ["synthetic", "listops", "lra_text", "pathfinder", "mqar", "wikitext103", "lra_retrieval"],
+)
 def test_every_results_field_is_refused_and_every_free_one_passes(tmp_path, task):
   cfg = _config(task)
   _write_run(tmp_path, cfg)
@@ -129,10 +131,10 @@ def test_changes_accumulate_and_eval_reads_the_effective_config(tmp_path):
   config_record.record(tmp_path, 8, changes)
   entries = config_record.read_changes(tmp_path)
   assert [e["step"] for e in entries] == [5, 9] and [e["checkpoint"] for e in entries] == [4, 8]
-  assert entries[0]["changes"] == [{"field": "seed", "old": 0, "new": 5,
-                                    "affects_results": True}]
+  assert entries[0]["changes"] == [{"field": "seed", "old": 0, "new": 5, "affects_results": True}]
   assert config_record.describe(entries) == (
-      "config changed at step 5: seed 0 -> 5 (config_changes.jsonl)")
+      "config changed at step 5: seed 0 -> 5 (config_changes.jsonl)"
+  )
   loaded = cli.load_config(str(tmp_path / "config.json"))  # what eval.py reads
   assert loaded.seed == 5 and loaded.log_every_steps == 7
   assert (tmp_path / "config.json").read_bytes() == saved
@@ -164,13 +166,22 @@ def _copy(workdir: Path, tmp_path: Path) -> Path:
 def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path, caplog):
   workdir = _copy(two_steps, tmp_path)
   saved = (workdir / "config.json").read_bytes()
-  listing = sorted((str(p.relative_to(workdir)), p.stat().st_mtime_ns)
-                   for p in workdir.rglob("*") if p.name != "train.lock")
+  listing = sorted(
+      (str(p.relative_to(workdir)), p.stat().st_mtime_ns)
+      for p in workdir.rglob("*")
+      if p.name != "train.lock"
+  )
   changed = tiny_config(num_train_steps=4, seed=1, **{"task.seed": 2})
   with pytest.raises(errors.RunError, match=r"results: seed 0 -> 1; task.seed 0 -> 2\. Res"):
     train_and_evaluate(changed, workdir)
-  assert sorted((str(p.relative_to(workdir)), p.stat().st_mtime_ns)
-                for p in workdir.rglob("*") if p.name != "train.lock") == listing
+  assert (
+      sorted(
+          (str(p.relative_to(workdir)), p.stat().st_mtime_ns)
+          for p in workdir.rglob("*")
+          if p.name != "train.lock"
+      )
+      == listing
+  )
   # The trainer logs through absl's logger, whose own level an earlier flag parse may have
   # raised to WARNING: set it here too.
   with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="absl"):
@@ -180,13 +191,21 @@ def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path
   (entry,) = config_record.read_changes(workdir)
   assert entry["step"] == 3 and entry["checkpoint"] == 2
   assert [(c["field"], c["affects_results"]) for c in entry["changes"]] == [
-      ("num_train_steps", False), ("seed", True), ("task.seed", True)]  # constant schedule
+      ("num_train_steps", False),
+      ("seed", True),
+      ("task.seed", True),
+  ]  # constant schedule
   assert read_text(workdir / "tensorboard", "config_changes") == [
-      (3, "num_train_steps 2 -> 4 (no effect on results)\nseed 0 -> 1\ntask.seed 0 -> 2")]
-  (summary,) = [r.getMessage() for r in caplog.records  # the run's last line
-                if "metrics.jsonl, tensorboard/, config.json" in r.getMessage()]
+      (3, "num_train_steps 2 -> 4 (no effect on results)\nseed 0 -> 1\ntask.seed 0 -> 2")
+  ]
+  (summary,) = [
+      r.getMessage()
+      for r in caplog.records  # the run's last line
+      if "metrics.jsonl, tensorboard/, config.json" in r.getMessage()
+  ]
   assert "; config changed at step 3: seed 0 -> 1, task.seed 0 -> 2 (config_changes.jsonl)" in (
-      summary), summary
+      summary
+  ), summary
   # The same config again: nothing new to record; config.json still the start's.
   train_and_evaluate(tiny_config(num_train_steps=4, seed=1, **{"task.seed": 2}), workdir)
   assert len(config_record.read_changes(workdir)) == 1
@@ -196,12 +215,16 @@ def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path
 def test_free_fields_change_silently_and_are_recorded(two_steps, tmp_path):
   workdir = _copy(two_steps, tmp_path)
   saved = (workdir / "config.json").read_bytes()
-  train_and_evaluate(tiny_config(num_train_steps=3, log_every_steps=3,
-                                 **{"data.num_threads": 2}), workdir)
+  train_and_evaluate(
+      tiny_config(num_train_steps=3, log_every_steps=3, **{"data.num_threads": 2}), workdir
+  )
   assert (workdir / "config.json").read_bytes() == saved
   (entry,) = config_record.read_changes(workdir)
   assert {c["field"]: c["affects_results"] for c in entry["changes"]} == {
-      "data.num_threads": False, "log_every_steps": False, "num_train_steps": False}
+      "data.num_threads": False,
+      "log_every_steps": False,
+      "num_train_steps": False,
+  }
 
 
 @pytest.mark.slow
@@ -210,12 +233,24 @@ def test_train_py_refuses_a_changed_learning_rate(two_steps, tmp_path):
   saved = (workdir / "config.json").read_bytes()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "train.py", f"--config={workdir}/config.json", f"--workdir={workdir}",
-       "--config.optimizer.learning_rate=0.5", "--config.num_train_steps=3"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      [
+          sys.executable,
+          "train.py",
+          f"--config={workdir}/config.json",
+          f"--workdir={workdir}",
+          "--config.optimizer.learning_rate=0.5",
+          "--config.num_train_steps=3",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == errors.EXIT_BAD_INPUT and "Traceback" not in proc.stderr
   (line,) = proc.stderr.strip().splitlines()
   assert line.startswith("train.py: the run in ") and (
-      "results: optimizer.learning_rate 0.01 -> 0.5. Resume" in line), line
+      "results: optimizer.learning_rate 0.01 -> 0.5. Resume" in line
+  ), line
   assert (workdir / "config.json").read_bytes() == saved
   assert not (workdir / "config_changes.jsonl").exists()

@@ -21,8 +21,9 @@ from fastpos.train.config import base_config, complete_task
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
-CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py")
-                 if not p.name.startswith("_") and p.stem != "common")
+CONFIGS = sorted(
+    p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_") and p.stem != "common"
+)
 
 
 def test_the_required_configs_exist():
@@ -69,9 +70,17 @@ def test_config_loads_and_builds_its_model(path):
   batch = {"inputs": jnp.ones((2, n), jnp.int32), "mask": jnp.ones((2, n), bool)}
   if info.kind == "retrieval":
     batch.update(inputs2=batch["inputs"], mask2=batch["mask"])
-  variables = jax.eval_shape(lambda: model.init(
-      {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1),
-       "features": jax.random.PRNGKey(2)}, batch, train=False))
+  variables = jax.eval_shape(
+      lambda: model.init(
+          {
+              "params": jax.random.PRNGKey(0),
+              "dropout": jax.random.PRNGKey(1),
+              "features": jax.random.PRNGKey(2),
+          },
+          batch,
+          train=False,
+      )
+  )
   logits = jax.eval_shape(lambda v: model.apply(v, batch, train=False), variables)
   want = (2, n, info.vocab_size) if info.kind == "lm" else (2, info.num_classes)
   assert logits.shape == want
@@ -80,9 +89,10 @@ def test_config_loads_and_builds_its_model(path):
 
 
 def test_command_line_overrides_reach_any_field():
-  cfg = cli.load_config(f"{CONFIG_DIR / 'synthetic.py'}:tiny",
-                        [("model.kernel", "sikf"), ("optimizer.learning_rate", "0.5"),
-                         ("task.num_train", "77")])
+  cfg = cli.load_config(
+      f"{CONFIG_DIR / 'synthetic.py'}:tiny",
+      [("model.kernel", "sikf"), ("optimizer.learning_rate", "0.5"), ("task.num_train", "77")],
+  )
   assert cfg.model.kernel == "sikf" and cfg.optimizer.learning_rate == 0.5
   assert cfg.task.num_train == 77 and cfg.model.embed_dim == 16  # the tiny variant
   with pytest.raises(cli.ConfigError, match="nonexistent_field"):
@@ -117,26 +127,52 @@ def test_a_bad_argument_names_the_choices():
 
 
 def test_configs_import_no_fastpos_and_load_from_any_folder(tmp_path):
-  code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-          "from configs import fastrpb_table1, listops_generated, wikitext103_nprf_table2; "
-          "c = listops_generated.get_config('tiny'); "
-          "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-          "('fastpos', 'jax', 'orbax', 'grain', 'flax', 'numpy')); "
-          "print(c.model.kernel, heavy)")
-  out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60, check=True).stdout
+  code = (
+      "import sys; sys.path.insert(0, sys.argv[1]); "
+      "from configs import fastrpb_table1, listops_generated, wikitext103_nprf_table2; "
+      "c = listops_generated.get_config('tiny'); "
+      "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+      "('fastpos', 'jax', 'orbax', 'grain', 'flax', 'numpy')); "
+      "print(c.model.kernel, heavy)"
+  )
+  out = subprocess.run(
+      [sys.executable, "-c", code, str(ROOT)],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=60,
+      check=True,
+  ).stdout
   assert out.strip() == "sikf []"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+  )
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "train.py"),
-       f"--config={CONFIG_DIR / 'lra_text_fastrpb.py'}:tiny", "--print_config"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+      [
+          sys.executable,
+          str(ROOT / "train.py"),
+          f"--config={CONFIG_DIR / 'lra_text_fastrpb.py'}:tiny",
+          "--print_config",
+      ],
+      cwd=tmp_path,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr
   assert "positional: absolute+fastrpb" in proc.stdout and "max_length: 128" in proc.stdout
   assert "on_overflow: truncate" in proc.stdout  # a field of the task class, filled in
-  proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--list_configs"],
-                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "train.py"), "--list_configs"],
+      cwd=tmp_path,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr
   assert f"{CONFIG_DIR / 'fastrpb_table1.py'}: FastRPB Table 1" in proc.stdout
 
@@ -153,8 +189,11 @@ def test_list_configs_shows_every_file_and_its_arguments():
 def test_the_trainer_completes_a_config_built_in_python(tmp_path):
   from configs import listops_generated  # pylint: disable=import-outside-toplevel
   from fastpos.train import trainer  # pylint: disable=import-outside-toplevel
+
   cfg = listops_generated.get_config("tiny")  # config.task: the fields the file sets
   assert "num_train" in cfg.task and "seed" not in cfg.task
   run = trainer._Run(cfg, tmp_path, None)  # pylint: disable=protected-access
-  assert run.cfg.task.to_dict() == cli.load_config(
-      f"{CONFIG_DIR / 'listops_generated.py'}:tiny").task.to_dict()
+  assert (
+      run.cfg.task.to_dict()
+      == cli.load_config(f"{CONFIG_DIR / 'listops_generated.py'}:tiny").task.to_dict()
+  )

@@ -58,12 +58,17 @@ def test_every_single_bit_flip_and_every_swap_changes_the_digest():
 
 def test_host_and_device_agree_for_every_dtype(monkeypatch):
   rng = np.random.default_rng(1)
-  tree = {"f32": rng.normal(size=(3, 5)).astype(np.float32),
-          "bf16": jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16),
-          "f16": rng.normal(size=(2, 2)).astype(np.float16),
-          "i8": np.arange(-5, 6, dtype=np.int8), "u8": np.arange(9, dtype=np.uint8),
-          "i32": np.int32(7), "bool": np.array([True, False, True]),
-          "key": jax.random.key(3), "empty": np.zeros((0, 4), np.float32)}
+  tree = {
+      "f32": rng.normal(size=(3, 5)).astype(np.float32),
+      "bf16": jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16),
+      "f16": rng.normal(size=(2, 2)).astype(np.float16),
+      "i8": np.arange(-5, 6, dtype=np.int8),
+      "u8": np.arange(9, dtype=np.uint8),
+      "i32": np.int32(7),
+      "bool": np.array([True, False, True]),
+      "key": jax.random.key(3),
+      "empty": np.zeros((0, 4), np.float32),
+  }
   host = digest_lib.array_digests(tree)
   monkeypatch.setattr(digest_lib, "HOST_MAX_ELEMENTS", -1)
   assert digest_lib.array_digests(tree) == host
@@ -88,8 +93,13 @@ def test_check_arrays_names_what_differs():
 
 
 def test_meta_digest_checks_values_not_formatting():
-  meta = {"rng": [1, 2], "config": {"model": {"x": 1e-6}}, "step": 4, "data": None,
-          "log_window": None}
+  meta = {
+      "rng": [1, 2],
+      "config": {"model": {"x": 1e-6}},
+      "step": 4,
+      "data": None,
+      "log_window": None,
+  }
   meta["digests"] = {"format": 1, "arrays": {}, "meta": digest_lib.meta_digest(meta)}
   assert digest_lib.check_meta(dict(reversed(list(meta.items())))) == meta["digests"]
   with pytest.raises(digest_lib.DigestMismatch, match="differs from its digest"):
@@ -115,11 +125,16 @@ print("DIGESTS", sorted({digest.array_digests({"x": w})["x"] for w in ways}))
 
 @pytest.mark.slow  # a subprocess with 4 simulated devices: ~10 s
 def test_the_digest_does_not_depend_on_the_sharding():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=str(ROOT))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT))
   env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+      [sys.executable, "-c", _SHARDED],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [l for l in proc.stdout.splitlines() if l.startswith("DIGESTS")]
   x = np.random.default_rng(0).normal(size=(8, 300, 40)).astype(np.float32)

@@ -21,19 +21,31 @@ from fastpos.models import build_model
 from fastpos.train import cli, errors
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
-                 if not p.name.startswith("_") and p.stem != "common")
+CONFIGS = sorted(
+    p for p in (ROOT / "configs").glob("*.py") if not p.name.startswith("_") and p.stem != "common"
+)
 LISTOPS = "--config=configs/listops_generated.py:tiny"
-LISTOPS_TSV = [LISTOPS, "--config.task.source=tsv", "--config.task.num_train=0",
-               "--config.task.num_validation=0", "--config.task.num_test=0"]
+LISTOPS_TSV = [
+    LISTOPS,
+    "--config.task.source=tsv",
+    "--config.task.num_train=0",
+    "--config.task.num_validation=0",
+    "--config.task.num_test=0",
+]
 # What the trainer leaves today when the data check fails: the checkpoint managers are made
 # before the data is read.
 
 
 def _run(script: str, *args: str, data_dir: Path) -> subprocess.CompletedProcess:
   env = dict(os.environ, FASTPOS_DATA_DIR=str(data_dir), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+      [sys.executable, script, *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
 
 
 def _listing(path: Path):
@@ -81,26 +93,59 @@ def data_dir(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Config errors (subprocess)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, needles", [
-    (["--config=configs/no_such_config.py"], ["'configs/no_such_config.py' not found",
-                                               "configs/synthetic.py"]),
-    (["--config=configs/listops_generatd.py:tiny"], ["did you mean configs/listops_generated.py"]),
-    (["--config=configs/listops_generated.py:tiny,kernal=sikf"],
-     ["unknown config argument 'kernal'; valid: kernel, pos, tiny"]),
-    ([LISTOPS, "--config.model.kernell=x"],
-     ["--config.model.kernell=x", "no field 'kernell'", "Did you mean model.kernel",
-      "Fields of config.model: ", "positional_options"]),
-    ([LISTOPS, "--config.model.kernel.name=x"], ["config.model.kernel is a field (str)"]),
-    ([LISTOPS, "--config.num_train_steps=ten"], ["'ten' is not an integer"]),
-    ([LISTOPS, "--config.async_checkpoints=maybe"], ["'maybe' is not a boolean"]),
-    ([LISTOPS, "--config.model.positional_options.fastrpb.per_haed=True"],
-     ["scheme 'fastrpb' has no option 'per_haed'", "Did you mean per_head"]),
-    ([LISTOPS, "--config.model.positional_options.fastrbp.per_head=True"],
-     ["unknown positional scheme 'fastrbp'", "Did you mean fastrpb"]),
-    ([LISTOPS, "--workdri=x"], ["Unknown command line flag 'workdri'"]),
-    ([LISTOPS], ["--workdir is required"]),
-], ids=["missing-file", "file-typo", "arg-typo", "unknown-field", "field-not-block", "bad-int",
-        "bad-bool", "option-typo", "scheme-typo", "flag-typo", "no-workdir"])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (
+            ["--config=configs/no_such_config.py"],
+            ["'configs/no_such_config.py' not found", "configs/synthetic.py"],
+        ),
+        (
+            ["--config=configs/listops_generatd.py:tiny"],
+            ["did you mean configs/listops_generated.py"],
+        ),
+        (
+            ["--config=configs/listops_generated.py:tiny,kernal=sikf"],
+            ["unknown config argument 'kernal'; valid: kernel, pos, tiny"],
+        ),
+        (
+            [LISTOPS, "--config.model.kernell=x"],
+            [
+                "--config.model.kernell=x",
+                "no field 'kernell'",
+                "Did you mean model.kernel",
+                "Fields of config.model: ",
+                "positional_options",
+            ],
+        ),
+        ([LISTOPS, "--config.model.kernel.name=x"], ["config.model.kernel is a field (str)"]),
+        ([LISTOPS, "--config.num_train_steps=ten"], ["'ten' is not an integer"]),
+        ([LISTOPS, "--config.async_checkpoints=maybe"], ["'maybe' is not a boolean"]),
+        (
+            [LISTOPS, "--config.model.positional_options.fastrpb.per_haed=True"],
+            ["scheme 'fastrpb' has no option 'per_haed'", "Did you mean per_head"],
+        ),
+        (
+            [LISTOPS, "--config.model.positional_options.fastrbp.per_head=True"],
+            ["unknown positional scheme 'fastrbp'", "Did you mean fastrpb"],
+        ),
+        ([LISTOPS, "--workdri=x"], ["Unknown command line flag 'workdri'"]),
+        ([LISTOPS], ["--workdir is required"]),
+    ],
+    ids=[
+        "missing-file",
+        "file-typo",
+        "arg-typo",
+        "unknown-field",
+        "field-not-block",
+        "bad-int",
+        "bad-bool",
+        "option-typo",
+        "scheme-typo",
+        "flag-typo",
+        "no-workdir",
+    ],
+)
 def test_train_config_errors(tmp_path, data_dir, args, needles):
   workdir = tmp_path / "run"
   if "--workdir is required" not in needles:
@@ -115,9 +160,14 @@ def test_nested_option_override_gets_past_the_config(tmp_path, data_dir):
   # is checked after the config: a cheap proof that the override was accepted.
   workdir = tmp_path / "a_file"
   workdir.write_text("x")
-  proc = _run("train.py", LISTOPS, "--config.model.positional=fastrpb",
-              "--config.model.positional_options.fastrpb.per_head=True",
-              f"--workdir={workdir}", data_dir=data_dir)
+  proc = _run(
+      "train.py",
+      LISTOPS,
+      "--config.model.positional=fastrpb",
+      "--config.model.positional_options.fastrpb.per_head=True",
+      f"--workdir={workdir}",
+      data_dir=data_dir,
+  )
   _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", "is a file")
   assert workdir.read_text() == "x"
 
@@ -130,9 +180,9 @@ def test_a_bug_still_shows_its_traceback(tmp_path, data_dir):
       "from configs import common\nfrom fastpos.train import config as config_lib\n"
       "def _bug(cfg):\n  raise RuntimeError('a bug in the package')\n"
       "def get_config(arg=None):\n  config_lib.validate = _bug\n"
-      "  return common.base_config('synthetic')\n")
-  proc = _run("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}",
-              data_dir=data_dir)
+      "  return common.base_config('synthetic')\n"
+  )
+  proc = _run("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}", data_dir=data_dir)
   assert proc.returncode == errors.EXIT_FAILED, proc.stderr
   assert "Traceback" in proc.stderr and "RuntimeError: a bug in the package" in proc.stderr
 
@@ -142,23 +192,38 @@ def test_a_bug_still_shows_its_traceback(tmp_path, data_dir):
 # ---------------------------------------------------------------------------------------------
 def test_missing_data(tmp_path, data_dir):
   workdir = tmp_path / "run"
-  proc = _run("train.py", "--config=configs/lra_text_fastrpb.py:tiny", f"--workdir={workdir}",
-              data_dir=data_dir)
-  _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", "not found",
-               f"python scripts/download_data.py lra_text --data_dir {data_dir}")
+  proc = _run(
+      "train.py",
+      "--config=configs/lra_text_fastrpb.py:tiny",
+      f"--workdir={workdir}",
+      data_dir=data_dir,
+  )
+  _one_message(
+      proc,
+      errors.EXIT_BAD_INPUT,
+      "train.py",
+      "not found",
+      f"python scripts/download_data.py lra_text --data_dir {data_dir}",
+  )
   _untouched(None, workdir)
 
 
 GOOD_ROWS = "Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4 ]\t3\n"
 
 
-@pytest.mark.parametrize("train_tsv, needles", [
-    (b"Src\tTarget\n[MAX 1 2 ]\t2\n", ["basic_train.tsv:1: header"]),
-    (b"Source\tTarget\n[MAX 1 2 ]\t12\n", ["basic_train.tsv:2: label '12'"]),
-    (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4", ["basic_train.tsv:3:", "cut-off row"]),
-    (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 \xe9 ]\t3\n",
-     ["basic_train.tsv:3: not UTF-8 text (byte 0xe9 at column 8)"]),
-], ids=["bad-header", "bad-label", "cut-off-row", "not-utf8"])
+@pytest.mark.parametrize(
+    "train_tsv, needles",
+    [
+        (b"Src\tTarget\n[MAX 1 2 ]\t2\n", ["basic_train.tsv:1: header"]),
+        (b"Source\tTarget\n[MAX 1 2 ]\t12\n", ["basic_train.tsv:2: label '12'"]),
+        (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4", ["basic_train.tsv:3:", "cut-off row"]),
+        (
+            b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 \xe9 ]\t3\n",
+            ["basic_train.tsv:3: not UTF-8 text (byte 0xe9 at column 8)"],
+        ),
+    ],
+    ids=["bad-header", "bad-label", "cut-off-row", "not-utf8"],
+)
 def test_malformed_listops_tsv(tmp_path, data_dir, train_tsv, needles):
   folder = data_dir / "lra_release" / "listops-1000"
   folder.mkdir(parents=True)
@@ -228,14 +293,23 @@ def test_disk_full(tmp_path, data_dir):
   # fails in a dozen threads at once; the run still ends in one line that says so.
   disk = tmp_path / "small_disk"
   disk.mkdir()
-  if os.geteuid() != 0 or subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
-      capture_output=True).returncode != 0:
+  if (
+      os.geteuid() != 0
+      or subprocess.run(
+          ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True
+      ).returncode
+      != 0
+  ):
     pytest.skip("making a small disk needs root and mount (tmpfs)")
   try:
-    proc = _run("train.py", "--config=configs/synthetic.py:tiny", f"--workdir={disk / 'run'}",
-                "--config.model.embed_dim=128", "--config.model.mlp_dim=512",
-                data_dir=data_dir)
+    proc = _run(
+        "train.py",
+        "--config=configs/synthetic.py:tiny",
+        f"--workdir={disk / 'run'}",
+        "--config.model.embed_dim=128",
+        "--config.model.mlp_dim=512",
+        data_dir=data_dir,
+    )
   finally:
     subprocess.run(["umount", str(disk)], check=True)
   out = proc.stdout + proc.stderr
@@ -255,10 +329,16 @@ def trained(tmp_path_factory):
   base = tmp_path_factory.mktemp("trained")
   workdir, data_dir = base / "run", base / "data"
   data_dir.mkdir()
-  proc = _run("train.py", "--config=configs/synthetic.py:tiny", f"--workdir={workdir}",
-              "--config.num_train_steps=2", "--config.eval_every_steps=2",
-              "--config.checkpoint_every_steps=2", "--config.log_every_steps=1",
-              data_dir=data_dir)
+  proc = _run(
+      "train.py",
+      "--config=configs/synthetic.py:tiny",
+      f"--workdir={workdir}",
+      "--config.num_train_steps=2",
+      "--config.eval_every_steps=2",
+      "--config.checkpoint_every_steps=2",
+      "--config.log_every_steps=1",
+      data_dir=data_dir,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   # The trainer's last line: the metric beside the baseline, tokens/s and the outputs.
   last = proc.stderr.strip().splitlines()[-1]
@@ -285,8 +365,14 @@ def test_eval_workdir_alone(trained):
 
 def test_eval_saved_config_json_with_an_override(trained):
   workdir, data_dir = trained
-  proc = _run("eval.py", f"--config={workdir / 'config.json'}", f"--workdir={workdir}",
-              "--split=validation", "--config.task.num_validation=32", data_dir=data_dir)
+  proc = _run(
+      "eval.py",
+      f"--config={workdir / 'config.json'}",
+      f"--workdir={workdir}",
+      "--split=validation",
+      "--config.task.num_validation=32",
+      data_dir=data_dir,
+  )
   results = _results(proc, workdir, "validation")
   assert results["step"] == 2 and results["num_examples"] == 32
 
@@ -297,8 +383,10 @@ def test_eval_errors(tmp_path, trained, case):
   args, needles = {
       "missing": ([f"--workdir={tmp_path / 'nope'}"], ["does not exist"]),
       "no-config": ([f"--workdir={tmp_path}"], ["has no config.json"]),
-      "bad-override": ([f"--workdir={workdir}", "--config.task.num_tset=3"],
-                       ["no field 'num_tset'", "Did you mean task.num_test"]),
+      "bad-override": (
+          [f"--workdir={workdir}", "--config.task.num_tset=3"],
+          ["no field 'num_tset'", "Did you mean task.num_test"],
+      ),
   }[case]
   before = _listing(workdir)
   proc = _run("eval.py", *args, data_dir=data_dir)
@@ -333,21 +421,30 @@ def test_saved_config_json_round_trips(tmp_path, path):
 
 def test_nested_option_overrides():
   spec = str(ROOT / "configs/synthetic.py:tiny")
-  cfg = cli.load_config(spec, [("model.positional", "absolute+fastrpb+lrpe+permuteformer"),
-                               ("model.positional_options.fastrpb.per_head", "True"),
-                               ("model.positional_options.fastrpb.mode_2d", "full"),
-                               ("model.positional_options.lrpe.type", "3"),
-                               ("model.positional_options.lrpe.learnable_theta", "false"),
-                               ("model.positional_options.permuteformer.decay", "(1.0, 1)"),
-                               ("model.positional_options.absolute", "{'kind': 'sinusoidal'}")])
+  cfg = cli.load_config(
+      spec,
+      [
+          ("model.positional", "absolute+fastrpb+lrpe+permuteformer"),
+          ("model.positional_options.fastrpb.per_head", "True"),
+          ("model.positional_options.fastrpb.mode_2d", "full"),
+          ("model.positional_options.lrpe.type", "3"),
+          ("model.positional_options.lrpe.learnable_theta", "false"),
+          ("model.positional_options.permuteformer.decay", "(1.0, 1)"),
+          ("model.positional_options.absolute", "{'kind': 'sinusoidal'}"),
+      ],
+  )
   opts = cfg.model.positional_options.to_dict()
-  assert opts == {"fastrpb": {"per_head": True, "mode_2d": "full"},
-                  "lrpe": {"type": 3, "learnable_theta": False},
-                  "permuteformer": {"decay": (1.0, 1)}, "absolute": {"kind": "sinusoidal"}}
+  assert opts == {
+      "fastrpb": {"per_head": True, "mode_2d": "full"},
+      "lrpe": {"type": 3, "learnable_theta": False},
+      "permuteformer": {"decay": (1.0, 1)},
+      "absolute": {"kind": "sinusoidal"},
+  }
   assert type(opts["lrpe"]["type"]) is int
   # The same config as a config file's dict literal would give: one form, one config.json.
-  literal = cli.load_config(spec, [("model.positional_options",
-                                     "{'fastrpb': {'per_head': True, 'mode_2d': 'full'}}")])
+  literal = cli.load_config(
+      spec, [("model.positional_options", "{'fastrpb': {'per_head': True, 'mode_2d': 'full'}}")]
+  )
   assert cfg.model.positional_options.fastrpb == literal.model.positional_options.fastrpb
   with pytest.raises(ValueError, match="fastrpb: option mode_2d='full' would be ignored"):
     build_model(cfg.model, tasks.task_info(cfg.task))  # a 2D option on a 1D task is refused
@@ -359,18 +456,21 @@ def test_nested_option_overrides():
   assert neg.model.positional_options.fastrpb.per_head is False
 
 
-@pytest.mark.parametrize("key, raw, match", [
-    ("model.positional_options.fastrpb.per_head", "sure", "'sure' is not a boolean"),
-    ("model.positional_options.lrpe.type", "2.5", "'2.5' is not an integer"),
-    ("model.positional_options.rope.base", "big", "could not convert string to float: 'big'"),
-    ("model.positional_options.fastrpb.per_head.x", "1", "goes deeper"),
-    ("model.positional_options.fastrpb", "{'per_haed': True}", "has no option 'per_haed'"),
-    ("model.positional_options.spe.kind", None, "needs a value"),
-    ("model.embed_dim", None, "needs a value"),
-    ("model.kernel_options.num_features", "1.5", "'1.5' is not an integer"),
-    ("mesh.rules", "3", "is not a tuple"),
-    ("nope", "1", "the config has no field 'nope'"),
-])
+@pytest.mark.parametrize(
+    "key, raw, match",
+    [
+        ("model.positional_options.fastrpb.per_head", "sure", "'sure' is not a boolean"),
+        ("model.positional_options.lrpe.type", "2.5", "'2.5' is not an integer"),
+        ("model.positional_options.rope.base", "big", "could not convert string to float: 'big'"),
+        ("model.positional_options.fastrpb.per_head.x", "1", "goes deeper"),
+        ("model.positional_options.fastrpb", "{'per_haed': True}", "has no option 'per_haed'"),
+        ("model.positional_options.spe.kind", None, "needs a value"),
+        ("model.embed_dim", None, "needs a value"),
+        ("model.kernel_options.num_features", "1.5", "'1.5' is not an integer"),
+        ("mesh.rules", "3", "is not a tuple"),
+        ("nope", "1", "the config has no field 'nope'"),
+    ],
+)
 def test_bad_overrides(key, raw, match):
   with pytest.raises(cli.ConfigError, match=match) as e:
     cli.load_config(str(ROOT / "configs/synthetic.py"), [(key, raw)])
@@ -379,9 +479,15 @@ def test_bad_overrides(key, raw, match):
 
 
 def test_overrides_keep_types():
-  cfg = cli.load_config(str(ROOT / "configs/synthetic.py"),
-                        {"optimizer.learning_rate": "1", "seed": "7", "async_checkpoints": "no",
-                         "mesh.rules": "(('mlp/.*kernel', (None, 'model')),)"})
+  cfg = cli.load_config(
+      str(ROOT / "configs/synthetic.py"),
+      {
+          "optimizer.learning_rate": "1",
+          "seed": "7",
+          "async_checkpoints": "no",
+          "mesh.rules": "(('mlp/.*kernel', (None, 'model')),)",
+      },
+  )
   assert cfg.optimizer.learning_rate == 1.0 and type(cfg.optimizer.learning_rate) is float
   assert cfg.seed == 7 and cfg.async_checkpoints is False
   assert cfg.mesh.rules == (("mlp/.*kernel", (None, "model")),)
@@ -390,12 +496,25 @@ def test_overrides_keep_types():
 
 
 def test_split_overrides():
-  argv = ["train.py", "--config=x.py:tiny", "--config.a.b=1", "--config.flag",
-          "--noconfig.other", "--workdir=w", "--config.a.b=2", "--", "--config.after=3"]
+  argv = [
+      "train.py",
+      "--config=x.py:tiny",
+      "--config.a.b=1",
+      "--config.flag",
+      "--noconfig.other",
+      "--workdir=w",
+      "--config.a.b=2",
+      "--",
+      "--config.after=3",
+  ]
   rest, overrides = cli.split_overrides(argv)
   assert rest == ["train.py", "--config=x.py:tiny", "--workdir=w", "--", "--config.after=3"]
-  assert overrides == [("a.b", "1", False), ("flag", None, False), ("other", None, True),
-                       ("a.b", "2", False)]
+  assert overrides == [
+      ("a.b", "1", False),
+      ("flag", None, False),
+      ("other", None, True),
+      ("a.b", "2", False),
+  ]
 
 
 def test_user_exit_codes_and_messages():
@@ -406,6 +525,8 @@ def test_user_exit_codes_and_messages():
   assert cli.user_exit_code(RuntimeError("x")) is None  # a bug
   assert cli.user_exit_code(KeyError("x")) is None
   full = OSError(28, "No space left on device", "/w/checkpoints/5")
-  assert cli.message(full) == ("No space left on device: '/w/checkpoints/5'; the disk is "
-                               "full: free space there or use a --workdir on another disk.")
+  assert cli.message(full) == (
+      "No space left on device: '/w/checkpoints/5'; the disk is "
+      "full: free space there or use a --workdir on another disk."
+  )
   assert cli.message(ValueError("line one\n  line two")) == "line one line two"

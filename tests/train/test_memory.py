@@ -44,8 +44,16 @@ def memory_config(cache_dir, **overrides) -> ml_collections.ConfigDict:
   stream epoch is 3 steps, so step 4 starts the streams again (a memory reset)."""
   c = base_config("wikitext103")
   c.task.update(data_dir=ROOT, cache_dir=str(cache_dir), segment_length=L, vocab_size=V)
-  c.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, dropout_rate=0.1,
-                 kernel="softmax", positional="transformer_xl", memory_length=L)
+  c.model.update(
+      num_layers=1,
+      embed_dim=16,
+      num_heads=2,
+      mlp_dim=16,
+      dropout_rate=0.1,
+      kernel="softmax",
+      positional="transformer_xl",
+      memory_length=L,
+  )
   c.batch_size = 4
   c.eval_batch_size = 2  # validation: 2 streams of 2 segments
   c.num_train_steps = 4
@@ -86,13 +94,17 @@ def _stream_losses(model, params, src, num_streams):
   steps = data_lib.num_stream_steps(s, num_streams)
   index = np.arange(num_streams * steps)
   real = index < s
-  x, y, m = (np.where(real.reshape(-1, 1), src.arrays[k][index % s], 0).reshape(
-      num_streams, steps * L) for k in ("inputs", "targets", "mask"))
+  x, y, m = (
+      np.where(real.reshape(-1, 1), src.arrays[k][index % s], 0).reshape(num_streams, steps * L)
+      for k in ("inputs", "targets", "mask")
+  )
   m = m.astype(bool)  # slots past the last segment are all padding (causal: no effect)
-  logits = jax.jit(model.apply)({"params": params},
-                                {"inputs": jnp.asarray(x), "mask": jnp.asarray(m)})
+  logits = jax.jit(model.apply)(
+      {"params": params}, {"inputs": jnp.asarray(x), "mask": jnp.asarray(m)}
+  )
   scored = np.where(real.reshape(-1, 1), src.arrays["mask"][index % s], False).reshape(
-      num_streams, steps * L)
+      num_streams, steps * L
+  )
   return np.where(scored, _ce(logits, y), np.nan)
 
 
@@ -125,8 +137,7 @@ def test_resume_with_memory_is_bitwise_exact(runs):
 
   assert train_losses("split") == train_losses("full") and len(train_losses("full")) == 4
   # Checkpoint 2 of the uninterrupted run holds the memory the stopped run ended with.
-  saved = ocp.StandardCheckpointer().restore(runs["root"] / "full" / "checkpoints" / "2" /
-                                             "state")
+  saved = ocp.StandardCheckpointer().restore(runs["root"] / "full" / "checkpoints" / "2" / "state")
   want = jax.tree.leaves(jax.device_get(runs["first"]["state"].memory))
   got = jax.tree.leaves(saved["memory"])
   assert len(got) == len(want) == 2
@@ -175,8 +186,13 @@ def constant_params_steps(runs):
 
 def _run_steps(model, params, batches, grad_accum_steps):
   tx = optax.sgd(0.0)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                     collections={}, memory=model.init_memory(4))
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=tx.init(params),
+      collections={},
+      memory=model.init_memory(4),
+  )
   step = jax.jit(make_train_step(model, tx, "lm", grad_accum_steps, memory=True))
   history = []
   for b in batches:
@@ -191,14 +207,16 @@ def test_training_carries_the_memory_and_resets_it_per_epoch(constant_params_ste
   ce = _stream_losses(_full_model(cfg, 3 * L), run["params"], src, 4)  # [4 streams, 3L]
   history = run[1]["metrics"]
   for t in range(3):  # step t scores positions [tL, (t+1)L) of every stream
-    want = np.nansum(ce[:, t * L:(t + 1) * L])
-    count = np.sum(~np.isnan(ce[:, t * L:(t + 1) * L]))
+    want = np.nansum(ce[:, t * L : (t + 1) * L])
+    count = np.sum(~np.isnan(ce[:, t * L : (t + 1) * L]))
     loss_sum, loss_count = history[t]["loss"]
     assert loss_count == count and rel_err(loss_sum, want) < 1e-5, t
   # Step 4 starts the streams again: reset memory, so the loss of step 1 exactly.
   assert history[3]["loss"][0] == history[0]["loss"][0]
-  np.testing.assert_array_equal(np.asarray(run[1]["state"].params["embed"]["embedding"]),
-                                np.asarray(run["params"]["embed"]["embedding"]))
+  np.testing.assert_array_equal(
+      np.asarray(run[1]["state"].params["embed"]["embedding"]),
+      np.asarray(run["params"]["embed"]["embedding"]),
+  )
 
 
 @pytest.mark.slow
@@ -239,8 +257,7 @@ def test_gradient_accumulation_splits_and_merges_the_memory(constant_params_step
   run[2] = _run_steps(run["model"], run["params"], run["batches"], 2)
   for a, b in zip(run[1]["metrics"], run[2]["metrics"]):
     assert rel_err(b["loss"][0], a["loss"][0]) < 1e-5 and b["loss"][1] == a["loss"][1]
-  for a, b in zip(jax.tree.leaves(run[1]["state"].memory),
-                  jax.tree.leaves(run[2]["state"].memory)):
+  for a, b in zip(jax.tree.leaves(run[1]["state"].memory), jax.tree.leaves(run[2]["state"].memory)):
     if a.dtype == bool:
       np.testing.assert_array_equal(a, b)
     else:
@@ -268,15 +285,19 @@ def test_four_devices_match_one_with_memory(tmp_path):
   overrides = {"eval_batch_size": 4, "optimizer.eps": 1e-4, "model.dropout_rate": 0.0}
   one = train_and_evaluate(memory_config(tmp_path / "cache", **overrides), tmp_path / "one")
   root = Path(__file__).resolve().parents[2]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=str(root))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(root))
   env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES, str(tmp_path / "four"),
-                         json.dumps(overrides)], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=600)
+  proc = subprocess.run(
+      [sys.executable, "-c", _FOUR_DEVICES, str(tmp_path / "four"), json.dumps(overrides)],
+      cwd=root,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  four = json.loads(line[len("RESULT"):])
+  four = json.loads(line[len("RESULT") :])
   assert four["spec"] == "P('data',)"
   for split in ("train", "validation"):
     assert rel_err(four[split]["loss"], one[split]["loss"]) < 1e-5, split

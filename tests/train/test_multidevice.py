@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # Adam's eps is raised from 1e-9: biases that feed a BatchNorm or a softmax have a zero
 # gradient, i.e. round-off that differs with the reduction order, and a tiny eps would turn
 # that noise into full-size (and device-count dependent) updates.
-OVERRIDES = {"batch_size": 8, "num_train_steps": 3, "eval_every_steps": 3,
-             "checkpoint_every_steps": 3, "optimizer.eps": 1e-4}
+OVERRIDES = {
+    "batch_size": 8,
+    "num_train_steps": 3,
+    "eval_every_steps": 3,
+    "checkpoint_every_steps": 3,
+    "optimizer.eps": 1e-4,
+}
 MESHES = {
     "data4": {},  # 4-way data parallel
     "data2_model2": {"mesh.model": 2, "mesh.rules": (("kernel$", (None, "model")),)},
@@ -59,18 +64,22 @@ def one_device(tmp_path_factory):
   return train_and_evaluate(tiny_config(**OVERRIDES), tmp_path_factory.mktemp("one"))
 
 
-@pytest.mark.parametrize("mesh", [
-    "data4", pytest.param("data2_model2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh", ["data4", pytest.param("data2_model2", marks=pytest.mark.slow)])
 def test_four_devices_match_one(tmp_path, one_device, mesh):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=str(ROOT))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT))
   env.pop("JAX_PLATFORMS", None)
   overrides = {**OVERRIDES, **MESHES[mesh]}
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), json.dumps(overrides)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+      [sys.executable, "-c", _SCRIPT, str(tmp_path), json.dumps(overrides)],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  result = json.loads(line[len("RESULT"):])
+  result = json.loads(line[len("RESULT") :])
   data = 4 // overrides.get("mesh.model", 1)
   assert f"config.batch_size=7 is not divisible by the {data} device(s)" in result["bad_batch"]
 

@@ -34,10 +34,17 @@ LAUNCH = str(ROOT / "scripts" / "launch_local.sh")
 STEPS = 6
 # Adam's eps is raised from 1e-9: a zero-gradient bias gets round-off that depends on the
 # reduction order (the device count), which a tiny eps turns into full-size updates.
-ARGS = ("--config=configs/listops_generated.py:tiny", f"--config.num_train_steps={STEPS}",
-        "--config.log_every_steps=1", "--config.eval_every_steps=2",
-        "--config.checkpoint_every_steps=2", "--config.schedule.name=constant",
-        "--config.optimizer.eps=1e-4", "--heartbeat_timeout=10", "--shutdown_timeout=30")
+ARGS = (
+    "--config=configs/listops_generated.py:tiny",
+    f"--config.num_train_steps={STEPS}",
+    "--config.log_every_steps=1",
+    "--config.eval_every_steps=2",
+    "--config.checkpoint_every_steps=2",
+    "--config.schedule.name=constant",
+    "--config.optimizer.eps=1e-4",
+    "--heartbeat_timeout=10",
+    "--shutdown_timeout=30",
+)
 TIMEOUT_S = 420  # any one run; nothing here may hang
 TIMING = ("time", "steps_per_second", "tokens_per_second")
 # XLA's CPU backend compiles these tiny programs faster without its LLVM optimizations;
@@ -55,15 +62,26 @@ def _env(devices: int | None = None, **extra: str) -> dict[str, str]:
 
 def _start_launch(n: int, devices: int, *args: str, grace_s: int = 10) -> subprocess.Popen:
   return subprocess.Popen(
-      [LAUNCH, str(n), "--", "train.py", *args], cwd=ROOT,
+      [LAUNCH, str(n), "--", "train.py", *args],
+      cwd=ROOT,
       env=_env(DEVICES_PER_PROCESS=str(devices), GRACE_S=str(grace_s)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+  )
 
 
 def _start(script: str, devices: int, *args: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=_env(devices),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
+  return subprocess.Popen(
+      [sys.executable, script, *args],
+      cwd=ROOT,
+      env=_env(devices),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+  )
 
 
 def _kill(proc: subprocess.Popen) -> str:
@@ -126,8 +144,10 @@ def test_two_processes_log_what_one_process_logs(runs):
   # Process 0 writes the logs; every process writes its own log file through the launcher.
   logs = runs["two_proc"] / "launch_logs"
   assert sorted(p.name for p in logs.iterdir()) == ["process_0.log", "process_1.log"]
-  assert "4 devices (mesh {'data': 4, 'model': 1}), 2 process(es)" in (
-      runs["two_proc"] / "train.log").read_text()
+  assert (
+      "4 devices (mesh {'data': 4, 'model': 1}), 2 process(es)"
+      in (runs["two_proc"] / "train.log").read_text()
+  )
 
 
 def _resume_rows(runs, name: str, proc: subprocess.Popen, what: str) -> None:
@@ -146,12 +166,13 @@ def test_two_process_checkpoint_resumes_on_other_layouts_and_evaluates(runs):
     workdir = runs["root"] / f"resume_{devices}"
     shutil.copytree(runs["two_proc"], workdir)
     procs[devices] = _start("train.py", devices, *ARGS, f"--workdir={workdir}")
-  evaluation = _start("eval.py", 1, f"--workdir={runs['two_proc']}", "--split=validation",
-                      "--checkpoint=latest")
+  evaluation = _start(
+      "eval.py", 1, f"--workdir={runs['two_proc']}", "--split=validation", "--checkpoint=latest"
+  )
   for devices, proc in procs.items():
     _resume_rows(runs, f"resume_{devices}", proc, f"resume on 1 process x {devices} devices")
   out = _finish(evaluation, "eval.py on 1 device")
-  results = json.loads(out[out.index("{"):out.rindex("}") + 1])
+  results = json.loads(out[out.index("{") : out.rindex("}") + 1])
   own = _rows(runs["two_proc"])[(4, "validation")]
   assert results["step"] == 4 and results["split"] == "validation"
   for name in ("loss", "accuracy", "num_examples"):
@@ -163,8 +184,18 @@ def test_restarting_both_processes_resumes_exactly(runs):
   workdir = runs["root"] / "restart_two"
   shutil.copytree(runs["two_proc"], workdir)
   address = f"--coordinator_address=localhost:{_free_port()}"
-  procs = [_start("train.py", 2, *ARGS, f"--workdir={workdir}", address, "--num_processes=2",
-                  f"--process_id={i}") for i in (0, 1)]
+  procs = [
+      _start(
+          "train.py",
+          2,
+          *ARGS,
+          f"--workdir={workdir}",
+          address,
+          "--num_processes=2",
+          f"--process_id={i}",
+      )
+      for i in (0, 1)
+  ]
   try:
     assert "resumed from" in _finish(procs[1], "process 1 of the restart")
     _resume_rows(runs, "restart_two", procs[0], "process 0 of the restart")
@@ -184,8 +215,9 @@ def _children(pid: int, all_children: bool = False) -> dict[int, int]:
   """{JAX_PROCESS_ID: pid} of the launcher's processes ({pid: pid} of every child of ``pid``
   with ``all_children``)."""
   out = {}
-  for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                              text=True).stdout.split():
+  for child in subprocess.run(
+      ["pgrep", "-P", str(pid)], capture_output=True, text=True
+  ).stdout.split():
     if all_children:
       out[int(child)] = int(child)
       continue
@@ -207,9 +239,16 @@ def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
   workdir = tmp_path / "killed"
   # A long run; the launcher's grace (GRACE_S) is longer than the bound, so the survivor
   # must stop by itself (the distributed service misses the dead process's heartbeats).
-  launch = _start_launch(2, 2, *ARGS, f"--workdir={workdir}", "--config.num_train_steps=100000",
-                         f"--heartbeat_timeout={HEARTBEAT_S}", "--shutdown_timeout=5",
-                         grace_s=KILL_BOUND_S * 2)
+  launch = _start_launch(
+      2,
+      2,
+      *ARGS,
+      f"--workdir={workdir}",
+      "--config.num_train_steps=100000",
+      f"--heartbeat_timeout={HEARTBEAT_S}",
+      "--shutdown_timeout=5",
+      grace_s=KILL_BOUND_S * 2,
+  )
   try:
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + TIMEOUT_S
@@ -231,8 +270,9 @@ def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
   assert "process 1 was killed by signal KILL" in out
   assert "stopped: process 1 failed with code 137" in out
   survivor = (workdir / "launch_logs" / "process_0.log").read_text()
-  assert "process(es) 1 of 2 stopped answering the distributed service" in survivor, (
-      survivor[-4000:])
+  assert "process(es) 1 of 2 stopped answering the distributed service" in survivor, survivor[
+      -4000:
+  ]
   assert "Traceback" not in survivor and "Check failure" not in survivor, survivor[-4000:]
   assert took < KILL_BOUND_S
   assert subprocess.run(["kill", "-0", str(pids[0])], capture_output=True).returncode != 0
@@ -242,9 +282,20 @@ def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
 def test_a_frozen_process_stops_the_other_with_its_code_and_one_line(tmp_path):
   # Started by hand, so that the survivor's own exit code is seen (not the launcher's).
   address = f"--coordinator_address=localhost:{_free_port()}"
-  procs = [_start("train.py", 1, *ARGS, f"--workdir={tmp_path / 'frozen'}", address,
-                  "--num_processes=2", f"--process_id={i}", "--config.num_train_steps=100000",
-                  f"--heartbeat_timeout={HEARTBEAT_S}") for i in (0, 1)]
+  procs = [
+      _start(
+          "train.py",
+          1,
+          *ARGS,
+          f"--workdir={tmp_path / 'frozen'}",
+          address,
+          "--num_processes=2",
+          f"--process_id={i}",
+          "--config.num_train_steps=100000",
+          f"--heartbeat_timeout={HEARTBEAT_S}",
+      )
+      for i in (0, 1)
+  ]
   try:
     metrics = tmp_path / "frozen" / "metrics.jsonl"
     deadline = time.time() + TIMEOUT_S
@@ -263,7 +314,8 @@ def test_a_frozen_process_stops_the_other_with_its_code_and_one_line(tmp_path):
         _kill(proc)
   assert procs[0].returncode == errors.EXIT_PEER_LOST, out[-4000:]
   assert out.rstrip().splitlines()[-1] == "train.py: " + distributed.peer_lost_message(
-      [1], 2, HEARTBEAT_S)
+      [1], 2, HEARTBEAT_S
+  )
   assert "Traceback" not in out and "Check failure" not in out, out[-4000:]
   assert took < KILL_BOUND_S
 
@@ -271,24 +323,60 @@ def test_a_frozen_process_stops_the_other_with_its_code_and_one_line(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Settings and the launcher alone (no training)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("environ, needles", [
-    ({"JAX_COORDINATOR_ADDRESS": "localhost:1234"},
-     ["JAX_COORDINATOR_ADDRESS=localhost:1234 is set", "--num_processes (or JAX_NUM_PROCESSES)"]),
-    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
-     ["JAX_NUM_PROCESSES=2 is set", "--coordinator_address (or JAX_COORDINATOR_ADDRESS)"]),
-    ({"JAX_COORDINATOR_ADDRESS": "localhost:1234", "JAX_NUM_PROCESSES": "2"},
-     ["JAX_NUM_PROCESSES=2 is set", "--process_id (or JAX_PROCESS_ID) is not"]),
-    ({"JAX_COORDINATOR_ADDRESS": "localhost:1234", "JAX_NUM_PROCESSES": "2",
-      "JAX_PROCESS_ID": "2"}, ["JAX_PROCESS_ID=2 is out of range", "0..1"]),
-    ({"JAX_COORDINATOR_ADDRESS": "localhost", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
-     ["JAX_COORDINATOR_ADDRESS='localhost' is not HOST:PORT"]),
-    ({"JAX_COORDINATOR_ADDRESS": "localhost:99999", "JAX_NUM_PROCESSES": "2",
-      "JAX_PROCESS_ID": "0"}, ["'localhost:99999' is not HOST:PORT", "1..65535"]),
-    ({"JAX_COORDINATOR_ADDRESS": "no-such-host.invalid:1234", "JAX_NUM_PROCESSES": "2",
-      "JAX_PROCESS_ID": "0"}, ["host 'no-such-host.invalid' is unknown"]),
-    ({"JAX_NUM_PROCESSES": "two"}, ["JAX_NUM_PROCESSES='two' is not an integer"]),
-    ({"JAX_NUM_PROCESSES": "0"}, ["JAX_NUM_PROCESSES=0", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "environ, needles",
+    [
+        (
+            {"JAX_COORDINATOR_ADDRESS": "localhost:1234"},
+            [
+                "JAX_COORDINATOR_ADDRESS=localhost:1234 is set",
+                "--num_processes (or JAX_NUM_PROCESSES)",
+            ],
+        ),
+        (
+            {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            ["JAX_NUM_PROCESSES=2 is set", "--coordinator_address (or JAX_COORDINATOR_ADDRESS)"],
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "localhost:1234", "JAX_NUM_PROCESSES": "2"},
+            ["JAX_NUM_PROCESSES=2 is set", "--process_id (or JAX_PROCESS_ID) is not"],
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "localhost:1234",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "2",
+            },
+            ["JAX_PROCESS_ID=2 is out of range", "0..1"],
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "localhost",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "0",
+            },
+            ["JAX_COORDINATOR_ADDRESS='localhost' is not HOST:PORT"],
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "localhost:99999",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "0",
+            },
+            ["'localhost:99999' is not HOST:PORT", "1..65535"],
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "no-such-host.invalid:1234",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "0",
+            },
+            ["host 'no-such-host.invalid' is unknown"],
+        ),
+        ({"JAX_NUM_PROCESSES": "two"}, ["JAX_NUM_PROCESSES='two' is not an integer"]),
+        ({"JAX_NUM_PROCESSES": "0"}, ["JAX_NUM_PROCESSES=0", ">= 1"]),
+    ],
+)
 def test_partial_or_bad_settings_name_the_value(environ, needles):
   with pytest.raises(distributed.DistributedError) as e:
     distributed.settings(environ=environ)
@@ -296,13 +384,23 @@ def test_partial_or_bad_settings_name_the_value(environ, needles):
     assert needle in str(e.value)
 
 
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "0",
-         "SLURM_LOCALID": "0"}
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
 
 
 def test_clusters_of_several_processes_are_detected(monkeypatch):
-  for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-               "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri"):
+  for name in (
+      "SLURM_JOB_ID",
+      "SLURM_STEP_NODELIST",
+      "SLURM_NTASKS",
+      "SLURM_PROCID",
+      "SLURM_LOCALID",
+      "OMPI_MCA_orte_hnp_uri",
+  ):
     monkeypatch.delenv(name, raising=False)
   assert distributed.detected_cluster() is None
   for name, value in SLURM.items():
@@ -314,29 +412,60 @@ def test_clusters_of_several_processes_are_detected(monkeypatch):
 
 
 def test_complete_settings_and_single_process():
-  s = distributed.settings(environ={"JAX_COORDINATOR_ADDRESS": "localhost:1234",
-                                    "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
+  s = distributed.settings(
+      environ={
+          "JAX_COORDINATOR_ADDRESS": "localhost:1234",
+          "JAX_NUM_PROCESSES": "2",
+          "JAX_PROCESS_ID": "1",
+      }
+  )
   assert (s.coordinator_address, s.num_processes, s.process_id) == ("localhost:1234", 2, 1)
   assert distributed.settings(environ={}).num_processes is None
   assert distributed.settings(environ={"JAX_NUM_PROCESSES": "1"}).num_processes == 1
 
 
 def test_bad_flags_stop_before_compute_and_a_missing_peer_in_bounded_time(tmp_path):
-  common = ["train.py", "--config=configs/listops_generated.py:tiny",
-            f"--workdir={tmp_path / 'run'}"]
-  bad = subprocess.run([sys.executable, *common, "--num_processes=2", "--process_id=2",
-                        "--coordinator_address=localhost:1234"], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=120)
+  common = [
+      "train.py",
+      "--config=configs/listops_generated.py:tiny",
+      f"--workdir={tmp_path / 'run'}",
+  ]
+  bad = subprocess.run(
+      [
+          sys.executable,
+          *common,
+          "--num_processes=2",
+          "--process_id=2",
+          "--coordinator_address=localhost:1234",
+      ],
+      cwd=ROOT,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert bad.returncode == 2, bad.stderr[-3000:]
   assert bad.stderr.strip().splitlines()[-1] == (
       "train.py: --process_id=2 is out of range for --num_processes=2; give each process its "
-      "own id in 0..1.")
+      "own id in 0..1."
+  )
   assert not (tmp_path / "run").exists()
   start = time.time()
-  alone = subprocess.run([sys.executable, *common, "--num_processes=2", "--process_id=1",
-                          f"--coordinator_address=localhost:{_free_port()}",
-                          "--initialization_timeout=3"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=120)
+  alone = subprocess.run(
+      [
+          sys.executable,
+          *common,
+          "--num_processes=2",
+          "--process_id=1",
+          f"--coordinator_address=localhost:{_free_port()}",
+          "--initialization_timeout=3",
+      ],
+      cwd=ROOT,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   took = time.time() - start
   assert alone.returncode == 2, alone.stderr[-3000:]
   last = alone.stderr.strip().splitlines()[-1]
@@ -350,13 +479,19 @@ def test_bad_flags_stop_before_compute_and_a_missing_peer_in_bounded_time(tmp_pa
 def test_launcher_stops_the_rest_when_one_fails_and_forwards_signals(tmp_path):
   # Process 1 fails after 2 s (the others have set their trap by then); the others would run
   # for 100 s.
-  script = ('trap "echo got $0; exit 75" TERM; echo "$JAX_PROCESS_ID/$JAX_NUM_PROCESSES '
-            '$JAX_COORDINATOR_ADDRESS $XLA_FLAGS"; [ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && '
-            'exit 3; sleep 100 & wait')
+  script = (
+      'trap "echo got $0; exit 75" TERM; echo "$JAX_PROCESS_ID/$JAX_NUM_PROCESSES '
+      '$JAX_COORDINATOR_ADDRESS $XLA_FLAGS"; [ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && '
+      "exit 3; sleep 100 & wait"
+  )
   start = time.time()
-  failed = subprocess.run([LAUNCH, "3", f"--log_dir={tmp_path / 'a'}", "--", "bash", "-c",
-                           script, "TERM"], env=_env(DEVICES_PER_PROCESS="3"),
-                          capture_output=True, text=True, timeout=60)
+  failed = subprocess.run(
+      [LAUNCH, "3", f"--log_dir={tmp_path / 'a'}", "--", "bash", "-c", script, "TERM"],
+      env=_env(DEVICES_PER_PROCESS="3"),
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
   assert time.time() - start < 30
   assert failed.returncode == 3, failed.stderr
   assert "process 1 exited with code 3; stopping the others" in failed.stderr
@@ -367,13 +502,27 @@ def test_launcher_stops_the_rest_when_one_fails_and_forwards_signals(tmp_path):
   assert first.endswith("--xla_force_host_platform_device_count=3")
   assert "got TERM" in logs["process_0.log"] and "got TERM" in logs["process_2.log"]
   # SIGTERM to the launcher reaches every process; their code (75: saved) is the launcher's.
-  launch = subprocess.Popen([LAUNCH, "2", f"--log_dir={tmp_path / 'b'}", "--", "bash", "-c",
-                             script.replace('[ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && exit 3; ', ""),
-                             "TERM"], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+  launch = subprocess.Popen(
+      [
+          LAUNCH,
+          "2",
+          f"--log_dir={tmp_path / 'b'}",
+          "--",
+          "bash",
+          "-c",
+          script.replace('[ "$JAX_PROCESS_ID" = 1 ] && sleep 2 && exit 3; ', ""),
+          "TERM",
+      ],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+  )
   deadline = time.time() + 30  # until both have set their trap (and said so)
-  while time.time() < deadline and sum(
-      bool(p.read_text()) for p in (tmp_path / "b").glob("*.log")) < 2:
+  while (
+      time.time() < deadline
+      and sum(bool(p.read_text()) for p in (tmp_path / "b").glob("*.log")) < 2
+  ):
     time.sleep(0.1)
   launch.send_signal(signal.SIGTERM)
   launch.communicate(timeout=30)
@@ -383,11 +532,12 @@ def test_launcher_stops_the_rest_when_one_fails_and_forwards_signals(tmp_path):
 
 
 def test_launcher_refuses_bad_arguments():
-  for args, needle in ((["0", "--", "train.py"], "N=0 is not a number of processes"),
-                       (["2", "--bogus", "--", "train.py"], "unknown option --bogus"),
-                       (["2", "train.py"], "then -- and the command (e.g.")):
-    proc = subprocess.run([LAUNCH, *args], env=_env(), capture_output=True, text=True,
-                          timeout=30)
+  for args, needle in (
+      (["0", "--", "train.py"], "N=0 is not a number of processes"),
+      (["2", "--bogus", "--", "train.py"], "unknown option --bogus"),
+      (["2", "train.py"], "then -- and the command (e.g."),
+  ):
+    proc = subprocess.run([LAUNCH, *args], env=_env(), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
 
 
@@ -398,8 +548,13 @@ def test_launcher_runs_python_files_with_the_projects_environment(tmp_path):
   script = tmp_path / "which.py"
   script.write_text("import sys; print('python:', sys.executable)\n")
   env = {k: v for k, v in _env().items() if k != "PYTHON"}
-  proc = subprocess.run([LAUNCH, "1", f"--log_dir={tmp_path / 'logs'}", "--", str(script)],
-                        env=env, capture_output=True, text=True, timeout=60)
+  proc = subprocess.run(
+      [LAUNCH, "1", f"--log_dir={tmp_path / 'logs'}", "--", str(script)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
   assert proc.returncode == 0, proc.stderr
   log = (tmp_path / "logs" / "process_0.log").read_text()
   assert f"python: {venv}" in log, log

@@ -28,21 +28,36 @@ def test_schedule(name):
   assert float(s(10)) == pytest.approx(2.0)  # the peak
   end = {"cosine": 0.2, "linear": 0.2, "constant": 2.0, "rsqrt": 2.0 * (10 / 110) ** 0.5}[name]
   assert float(s(110)) == pytest.approx(end, rel=1e-5)
-  mid = {"cosine": 0.2 + 1.8 * 0.5, "linear": 1.1, "constant": 2.0,
-         "rsqrt": 2.0 * (10 / 60) ** 0.5}[name]
+  mid = {
+      "cosine": 0.2 + 1.8 * 0.5,
+      "linear": 1.1,
+      "constant": 2.0,
+      "rsqrt": 2.0 * (10 / 60) ** 0.5,
+  }[name]
   assert float(s(60)) == pytest.approx(mid, rel=1e-5)
 
 
 def test_weight_decay_skips_biases_norms_and_positional_tables():
   c = model_config()
-  c.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, kernel="elu1", norm="pre",
-           positional="absolute,fastrpb,kernelized_rpe")
+  c.update(
+      num_layers=1,
+      embed_dim=16,
+      num_heads=2,
+      mlp_dim=16,
+      kernel="elu1",
+      norm="pre",
+      positional="absolute,fastrpb,kernelized_rpe",
+  )
   c.positional_options.fastrpb = {"per_head": True}  # a 2-d table: skipped by its name
   model = build_model(c, TaskInfo("classify", 16, 4, 12))
   batch = {"inputs": jnp.ones((1, 12), jnp.int32), "mask": jnp.ones((1, 12), bool)}
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch))["params"]
-  mask = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(
-      decay_mask(params, base_config("synthetic").optimizer.no_decay))}
+  mask = {
+      jax.tree_util.keystr(p): v
+      for p, v in jax.tree_util.tree_leaves_with_path(
+          decay_mask(params, base_config("synthetic").optimizer.no_decay)
+      )
+  }
   decayed = sorted(k for k, v in mask.items() if v)
   assert all(k.endswith("['kernel']") or k.endswith("['embedding']") for k in decayed)
   assert any("pos_fastrpb" in k for k in mask) and not any("pos_" in k for k in decayed)

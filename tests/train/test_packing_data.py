@@ -48,6 +48,7 @@ def test_packed_batches_hold_each_example_once_and_restore():
   for a, b in zip(rest, [next(again) for _ in range(4)]):
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
+
   def segments_of(batch):
     out = []
     for r in np.flatnonzero(batch["weight"]):
@@ -58,10 +59,15 @@ def test_packed_batches_hold_each_example_once_and_restore():
         assert np.all(np.diff(where) == 1)  # contiguous
         np.testing.assert_array_equal(pos[where], np.arange(len(where)))
         tokens = batch["inputs"][r, where]
-        i = next(i for i in range(len(src)) if sizes[i] == len(where) and
-                 np.array_equal(src.arrays["inputs"][i, :len(where)], tokens))
-        np.testing.assert_array_equal(batch["targets"][r, where],
-                                      src.arrays["targets"][i, :len(where)])
+        i = next(
+            i
+            for i in range(len(src))
+            if sizes[i] == len(where)
+            and np.array_equal(src.arrays["inputs"][i, : len(where)], tokens)
+        )
+        np.testing.assert_array_equal(
+            batch["targets"][r, where], src.arrays["targets"][i, : len(where)]
+        )
         out.append(i)
     return out
 
@@ -83,8 +89,9 @@ def test_packing_refusals():
 
   def model(kernel, scheme, **kw):
     c = model_config()
-    c.update(kernel=kernel, positional=scheme, num_layers=1, embed_dim=16, num_heads=2,
-             mlp_dim=16, **kw)
+    c.update(
+        kernel=kernel, positional=scheme, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=16, **kw
+    )
     return build_model(c, lm)
 
   packing.check_config(cfg, "lm", N, model("softmax", "absolute"))
@@ -93,5 +100,6 @@ def test_packing_refusals():
   with pytest.raises(ValueError, match="kernel 'elu1' is linear"):
     packing.check_config(cfg, "lm", N, model("elu1", "absolute"))
   with pytest.raises(ValueError, match="choose one"):
-    packing.check_config(_cfg(**{"data.bucket_lengths": (8,)}), "lm", N,
-                         model("softmax", "absolute"))
+    packing.check_config(
+        _cfg(**{"data.bucket_lengths": (8,)}), "lm", N, model("softmax", "absolute")
+    )

@@ -15,9 +15,11 @@ from tests.train.common import tiny_config
 
 
 def test_real_tokens_counts_masked_tokens_of_real_examples():
-  batch = {"weight": jnp.array([1.0, 1.0, 0.0]),  # the third example is padding
-           "mask": jnp.array([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], bool),
-           "mask2": jnp.array([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool)}
+  batch = {
+      "weight": jnp.array([1.0, 1.0, 0.0]),  # the third example is padding
+      "mask": jnp.array([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], bool),
+      "mask2": jnp.array([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool),
+  }
   assert float(real_tokens(batch)) == 2 + 3 + 1 + 4
   del batch["mask2"]
   assert float(real_tokens(batch)) == 5
@@ -42,12 +44,13 @@ def test_train_log_says_compiling_and_is_appended_on_resume(resumed_run):
   workdir, first_log = resumed_run
   log = (workdir / "train.log").read_text()
   assert log.startswith(first_log)  # appended, not rewritten
-  second = log[len(first_log):]
+  second = log[len(first_log) :]
   for part in (first_log, second):
     for name in ("train", "eval"):
       assert f"compiling the {name} step..." in part
       assert part.index(f"compiling the {name} step...") < part.index(
-          f"compiled the {name} step in ")
+          f"compiled the {name} step in "
+      )
     assert "tokens/s" in part
   assert "resumed from " in second and "resumed from " not in first_log
   assert "step 4/4 " in second
@@ -69,8 +72,11 @@ def test_tokens_per_second_in_metrics_and_tensorboard(resumed_run):
   assert len({r["tokens_per_step"] for r in train}) > 1  # counted per batch, not a constant
   tags = {(step, tag) for step, tag, _ in read_scalars(workdir / "tensorboard")}
   for step in (1, 2, 3, 4):
-    assert {(step, "train/tokens_per_second"), (step, "train/steps_per_second"),
-            (step, "train/tokens_per_step")} <= tags
+    assert {
+        (step, "train/tokens_per_second"),
+        (step, "train/steps_per_second"),
+        (step, "train/tokens_per_step"),
+    } <= tags
 
 
 def test_a_run_that_fails_its_checks_writes_no_log(tmp_path):

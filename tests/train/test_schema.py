@@ -21,8 +21,9 @@ from fastpos.train import cli, errors
 from fastpos.train import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
-                 if not p.name.startswith("_") and p.stem != "common")
+CONFIGS = sorted(
+    p for p in (ROOT / "configs").glob("*.py") if not p.name.startswith("_") and p.stem != "common"
+)
 
 
 def _variants(path: Path) -> list[str]:
@@ -92,8 +93,12 @@ def _bad_values(decl: config_schema.Field) -> list:
   t = decl.type
   if decl.choices is not None:
     return ["bogus", 12345] if t == "str" else [33, "32", 1.5]
-  out = {"bool": [1, "true", None], "str": [3, None, True], "tuple": ["x", 3],
-         "block": [3, "x"]}.get(t)
+  out = {
+      "bool": [1, "true", None],
+      "str": [3, None, True],
+      "tuple": ["x", 3],
+      "block": [3, "x"],
+  }.get(t)
   if out is not None:
     return out
   out = ["7", True, None]
@@ -130,8 +135,11 @@ def _with(cfg: ml_collections.ConfigDict, path: str, value) -> ml_collections.Co
 
 
 def _declared_paths() -> list[str]:
-  paths = [p for p in config_schema.FIELDS if p not in config_schema.OPEN_BLOCKS
-           and p not in ("model.positional_options",)]
+  paths = [
+      p
+      for p in config_schema.FIELDS
+      if p not in config_schema.OPEN_BLOCKS and p not in ("model.positional_options",)
+  ]
   paths += ["task.name"] + [f"model.kernel_options.{k}" for k in config_schema.KERNEL_OPTIONS]
   paths += sorted({f"task.{k}" for f in config_schema.TASK_FIELDS.values() for k in f})
   return paths
@@ -189,8 +197,12 @@ def test_bad_positional_options_are_refused_naming_the_option(scheme):
 
 def test_unknown_fields_are_refused_naming_the_valid_ones():
   cfg = config_lib.base_config("synthetic")
-  for path, needle in [("model.num_layer", "num_layers"), ("task.max_lenght", "max_length"),
-                       ("model.kernel_options.m", "num_features"), ("sead", "seed")]:
+  for path, needle in [
+      ("model.num_layer", "num_layers"),
+      ("task.max_lenght", "max_length"),
+      ("model.kernel_options.m", "num_features"),
+      ("sead", "seed"),
+  ]:
     with pytest.raises(errors.RunError, match=rf"^config\.{path} is not a .*{needle}"):
       config_lib.validate(_with(cfg, path, 1))
   with pytest.raises(errors.RunError, match=r"config.task: synthetic task: need 1 <= min_len"):
@@ -204,7 +216,8 @@ def test_a_new_field_is_one_declaration():
   decl = config_schema.Field("str", choices=("none", "block"), trajectory=False)
   assert not decl.is_valid("full") and decl.is_valid("block") and not decl.affects({})
   assert config_schema.error("model.remat", decl, "full") == (
-      "config.model.remat must be one of none, block; got 'full'.")
+      "config.model.remat must be one of none, block; got 'full'."
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,20 +225,41 @@ def test_a_new_field_is_one_declaration():
 # ---------------------------------------------------------------------------------------------
 def _train(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "train.py", "--config=configs/synthetic.py:tiny",
-                         *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+      [sys.executable, "train.py", "--config=configs/synthetic.py:tiny", *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
 
 
-@pytest.mark.parametrize("override, needle", [
-    pytest.param("batch_size=-8", "config.batch_size must be an integer >= 1; got -8.",
-                 marks=pytest.mark.slow),
-    pytest.param("seed=-1", "config.seed must be an integer >= 0 and <= 4294967295; got -1.",
-                 marks=pytest.mark.slow),
-    pytest.param("precision=bogus", "config.precision must be one of default, high, highest",
-                 marks=pytest.mark.slow),
-    pytest.param("optimizer.learning_rate=nan", "learning_rate must be a finite number > 0",
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        pytest.param(
+            "batch_size=-8",
+            "config.batch_size must be an integer >= 1; got -8.",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "seed=-1",
+            "config.seed must be an integer >= 0 and <= 4294967295; got -1.",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "precision=bogus",
+            "config.precision must be one of default, high, highest",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "optimizer.learning_rate=nan",
+            "learning_rate must be a finite number > 0",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_train_py_refuses_in_one_line(tmp_path, override, needle):
   proc = _train(f"--config.{override}", f"--workdir={tmp_path / 'run'}")
   assert "Traceback" not in proc.stderr and proc.returncode == errors.EXIT_BAD_INPUT, proc.stderr
@@ -236,15 +270,19 @@ def test_train_py_refuses_in_one_line(tmp_path, override, needle):
 
 def test_load_config_validates():
   """What train.py / eval.py / --print_config load is checked before anything else happens."""
-  with pytest.raises(errors.RunError, match=r"^config.model.dropout_rate must be a finite "
-                     r"number in \[0, 1\); got 1.5\.$"):
-    cli.load_config(str(ROOT / "configs" / "synthetic.py") + ":tiny",
-                    [("model.dropout_rate", "1.5")])
+  with pytest.raises(
+      errors.RunError,
+      match=r"^config.model.dropout_rate must be a finite " r"number in \[0, 1\); got 1.5\.$",
+  ):
+    cli.load_config(
+        str(ROOT / "configs" / "synthetic.py") + ":tiny", [("model.dropout_rate", "1.5")]
+    )
 
 
 @pytest.mark.slow
 def test_print_config_validates():
   proc = _train("--config.model.dropout_rate=1.5", "--print_config")
   assert proc.returncode == errors.EXIT_BAD_INPUT and not proc.stdout, proc.stdout
-  assert proc.stderr.strip() == ("train.py: config.model.dropout_rate must be a finite number "
-                                 "in [0, 1); got 1.5.")
+  assert proc.stderr.strip() == (
+      "train.py: config.model.dropout_rate must be a finite number " "in [0, 1); got 1.5."
+  )

@@ -22,23 +22,31 @@ from tests.train import test_multiprocess as mp
 def _mesh(procs, names):
   """A mesh-like object whose device at each position belongs to process ``procs[...]``."""
   procs = np.asarray(procs)
-  devices = np.vectorize(lambda p: types.SimpleNamespace(process_index=int(p)),
-                         otypes=[object])(procs)
-  return types.SimpleNamespace(devices=devices, axis_names=names,
-                               shape=dict(zip(names, procs.shape)))
+  devices = np.vectorize(lambda p: types.SimpleNamespace(process_index=int(p)), otypes=[object])(
+      procs
+  )
+  return types.SimpleNamespace(
+      devices=devices, axis_names=names, shape=dict(zip(names, procs.shape))
+  )
 
 
-@pytest.mark.parametrize("procs, names, want", [
-    # seq=4 over 2 processes x 2 devices, one row: both processes read it.
-    ([[[0], [0], [1], [1]]], ("data", "seq", "model"), {0: (0, 1), 1: (0, 1)}),
-    # seq=2 inside each process, 2 rows: each its own (the usual layout).
-    ([[[0], [0]], [[1], [1]]], ("data", "seq", "model"), {0: (0, 2), 1: (1, 2)}),
-    # 4 processes, data=2 x seq=2 across processes: two groups of two.
-    ([[[0], [1]], [[2], [3]]], ("data", "seq", "model"), {0: (0, 2), 1: (0, 2), 2: (1, 2),
-                                                          3: (1, 2)}),
-    # no seq axis: process order.
-    ([[1], [0]], ("data", "model"), {0: (1, 2), 1: (0, 2)}),
-])
+@pytest.mark.parametrize(
+    "procs, names, want",
+    [
+        # seq=4 over 2 processes x 2 devices, one row: both processes read it.
+        ([[[0], [0], [1], [1]]], ("data", "seq", "model"), {0: (0, 1), 1: (0, 1)}),
+        # seq=2 inside each process, 2 rows: each its own (the usual layout).
+        ([[[0], [0]], [[1], [1]]], ("data", "seq", "model"), {0: (0, 2), 1: (1, 2)}),
+        # 4 processes, data=2 x seq=2 across processes: two groups of two.
+        (
+            [[[0], [1]], [[2], [3]]],
+            ("data", "seq", "model"),
+            {0: (0, 2), 1: (0, 2), 2: (1, 2), 3: (1, 2)},
+        ),
+        # no seq axis: process order.
+        ([[1], [0]], ("data", "model"), {0: (1, 2), 1: (0, 2)}),
+    ],
+)
 def test_processes_holding_the_same_rows_read_the_same_rows(procs, names, want):
   mesh = _mesh(procs, names)
   assert {p: sharding_lib.row_group(mesh, p) for p in want} == want
@@ -46,8 +54,10 @@ def test_processes_holding_the_same_rows_read_the_same_rows(procs, names, want):
 
 def test_processes_sharing_some_rows_but_not_all_are_refused():
   mesh = _mesh([[[0], [0], [1]], [[1], [2], [2]]], ("data", "seq", "model"))
-  with pytest.raises(ValueError, match=r"overlapping but different rows of the data axis "
-                     r"\(\[0\] and \[0, 1\]\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"overlapping but different rows of the data axis " r"\(\[0\] and \[0, 1\]\)",
+  ):
     sharding_lib.row_group(mesh, 0)
 
 

@@ -21,27 +21,39 @@ def _src(targets):
 def test_summary_line(tmp_path):
   task = types.SimpleNamespace(task_name="listops", metric="accuracy", has_split=lambda s: True)
   info = TaskInfo(kind="classify", vocab_size=20, num_classes=10, max_length=4)
-  rows = [{"step": 50, "split": "train", "tokens_per_second": 1000.0},
-          {"step": 100, "split": "train", "tokens_per_second": 3000.0},
-          {"step": 100, "split": "validation", "accuracy": 0.5}]
+  rows = [
+      {"step": 50, "split": "train", "tokens_per_second": 1000.0},
+      {"step": 100, "split": "train", "tokens_per_second": 3000.0},
+      {"step": 100, "split": "validation", "accuracy": 0.5},
+  ]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  result = {"step": 100, "validation": {"accuracy": 0.375, "loss": 1.0},
-            "best": {"step": 50, "accuracy": 0.4}}
+  result = {
+      "step": 100,
+      "validation": {"accuracy": 0.375, "loss": 1.0},
+      "best": {"step": 50, "accuracy": 0.4},
+  }
   # training's majority is 3 (3 of 5); it is 1 of 4 validation examples
   line = summary_line(tmp_path, task, info, result, _src([3, 3, 3, 1, 2]), _src([3, 1, 1, 2]))
-  assert line.startswith("listops: step 100; validation accuracy 37.50% (best 40.00% at step "
-                         "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
-                         f"workdir {tmp_path}: metrics.jsonl")
+  assert line.startswith(
+      "listops: step 100; validation accuracy 37.50% (best 40.00% at step "
+      "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
+      f"workdir {tmp_path}: metrics.jsonl"
+  )
   assert "test accuracy" not in line and "plot_positional.py" not in line  # no config.json
   assert f"; test: python eval.py --workdir={tmp_path} --split=test" in line
-  for positional, plots in (("absolute+fastrpb", True), ("rope", False), ("lrpe", True),
-                            ("none", False)):
+  for positional, plots in (
+      ("absolute+fastrpb", True),
+      ("rope", False),
+      ("lrpe", True),
+      ("none", False),
+  ):
     (tmp_path / "config.json").write_text(json.dumps({"model": {"positional": positional}}))
     line = summary_line(tmp_path, task, info, result, _src([3]), _src([3]))
     assert (f"plots: python scripts/plot_positional.py {tmp_path}" in line) == plots, positional
   (tmp_path / "results_test.json").write_text(json.dumps({"accuracy": 0.41, "step": 50}))
   assert "; test accuracy 41.00% (step 50);" in summary_line(
-      tmp_path, task, info, result, _src([3]), _src([3]))
+      tmp_path, task, info, result, _src([3]), _src([3])
+  )
 
 
 def test_no_test_command_without_a_test_split(tmp_path):
@@ -58,7 +70,8 @@ def test_no_test_command_without_a_test_split(tmp_path):
   assert line.startswith("text_lm: step 10; validation loss 2; workdir") and "eval.py" not in line
   cfg.test_fraction = 0.1
   assert f"test: python eval.py --workdir={tmp_path} --split=test" in summary_line(
-      tmp_path, tasks.make_task(cfg), info, result, None, None)
+      tmp_path, tasks.make_task(cfg), info, result, None, None
+  )
 
 
 def test_the_plotted_schemes_are_plot_positional_s():

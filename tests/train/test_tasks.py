@@ -27,11 +27,11 @@ def test_synthetic_is_deterministic_and_splits_differ():
   for split in tasks.SPLITS:
     for key in ("inputs", "targets", "mask"):
       np.testing.assert_array_equal(a.source(split).arrays[key], b.source(split).arrays[key])
-  assert not np.array_equal(a.source("validation").arrays["inputs"],
-                            a.source("test").arrays["inputs"])
+  assert not np.array_equal(
+      a.source("validation").arrays["inputs"], a.source("test").arrays["inputs"]
+  )
   c = _synthetic(seed=1)
-  assert not np.array_equal(a.source("train").arrays["inputs"],
-                            c.source("train").arrays["inputs"])
+  assert not np.array_equal(a.source("train").arrays["inputs"], c.source("train").arrays["inputs"])
 
 
 def test_synthetic_labels_are_strict_majorities():
@@ -42,7 +42,7 @@ def test_synthetic_labels_are_strict_majorities():
   assert lengths.min() >= 1 and lengths.max() <= 9
   np.testing.assert_array_equal(data["mask"], x != 0)
   for row, label in zip(x, y):
-    assert np.all(row[:(row != 0).sum()] != 0) and np.all(row[(row != 0).sum():] == 0)
+    assert np.all(row[: (row != 0).sum()] != 0) and np.all(row[(row != 0).sum() :] == 0)
     counts = np.bincount(row, minlength=10)[1:4]
     assert counts[label] > np.delete(counts, label).max()
   assert set(np.unique(y)) == {0, 1, 2}
@@ -75,6 +75,7 @@ def test_array_source_checks():
   task = _synthetic()
 
   class Broken(type(task)):
+
     def load_split(self, split):
       return {"inputs": np.ones((2, 32), np.int32), "targets": np.array([0, 9])}
 
@@ -84,8 +85,16 @@ def test_array_source_checks():
 
 def _listops_cfg(**kw):
   cfg = tasks.task_config("listops")
-  cfg.update({"min_length": 10, "max_length": 40, "num_train": 30, "num_validation": 8,
-              "num_test": 8, **kw})
+  cfg.update(
+      {
+          "min_length": 10,
+          "max_length": 40,
+          "num_train": 30,
+          "num_validation": 8,
+          "num_test": 8,
+          **kw,
+      }
+  )
   return cfg
 
 
@@ -113,8 +122,11 @@ def test_missing_listops_files_stop_before_training(tmp_path):
 def test_listops_task_reads_the_release_files():
   data_dir = Path(__file__).resolve().parents[1] / "testdata" / "listops"
   for parens in (False, True):
-    task = tasks.make_task(_listops_cfg(source="tsv", data_dir=str(data_dir), max_length=64,
-                                        parens=parens, num_train=0))
+    task = tasks.make_task(
+        _listops_cfg(
+            source="tsv", data_dir=str(data_dir), max_length=64, parens=parens, num_train=0
+        )
+    )
     src = task.source("train")
     x, y = src.arrays["inputs"], src.arrays["targets"]
     has_parens = np.isin(x, [listops.VOCAB.index("("), listops.VOCAB.index(")")]).any()

@@ -74,12 +74,16 @@ def test_config_and_hparams_written_once(run):
 
   acc = event_accumulator.EventAccumulator(str(workdir / "tensorboard")).Reload()
   content = acc.PluginTagToContent("hparams")
-  assert set(content) == {"_hparams_/experiment", "_hparams_/session_start_info",
-                          "_hparams_/session_end_info"}
+  assert set(content) == {
+      "_hparams_/experiment",
+      "_hparams_/session_start_info",
+      "_hparams_/session_end_info",
+  }
   from tensorboard.plugins.hparams import plugin_data_pb2
 
   start = plugin_data_pb2.HParamsPluginData.FromString(
-      content["_hparams_/session_start_info"]).session_start_info.hparams
+      content["_hparams_/session_start_info"]
+  ).session_start_info.hparams
   assert "model.num_layers" in start and "optimizer.learning_rate" in start
   assert {k.split(".")[0] for k in start} == {"model", "optimizer", "task"}  # no cadence etc.
   assert start["model.num_layers"].number_value == json.loads(text)["model"]["num_layers"]

@@ -14,8 +14,9 @@ from fastpos import tasks
 from fastpos.train import cli, train_and_evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py")
-                 if not p.name.startswith("_") and p.stem != "common")
+CONFIGS = sorted(
+    p for p in (ROOT / "configs").glob("*.py") if not p.name.startswith("_") and p.stem != "common"
+)
 
 
 def _tiny_specs() -> list[str]:
@@ -67,20 +68,33 @@ def test_tiny_task_builds_from_the_fixtures(spec, no_real_data):
 
 
 def test_tiny_fixtures_are_overridable(no_real_data):
-  cfg = cli.load_config(f"{ROOT / 'configs' / 'wikitext103_nprf_table2.py'}:tiny",
-                        [("task.data_dir", "")])
+  cfg = cli.load_config(
+      f"{ROOT / 'configs' / 'wikitext103_nprf_table2.py'}:tiny", [("task.data_dir", "")]
+  )
   with pytest.raises(FileNotFoundError, match="download_data.py wikitext103"):
     tasks.make_task(cfg.task).source("train")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [
-    "wikitext103_nprf_table2.py:tiny", "fastrpb_table1.py:tiny,task=listops",
-    "permuteformer_table1.py:tiny,task=retrieval", "text_lm.py:tiny"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "wikitext103_nprf_table2.py:tiny",
+        "fastrpb_table1.py:tiny,task=listops",
+        "permuteformer_table1.py:tiny,task=retrieval",
+        "text_lm.py:tiny",
+    ],
+)
 def test_tiny_config_trains_two_steps(spec, tmp_path, no_real_data):
-  cfg = cli.load_config(f"{ROOT / 'configs' / spec}", [
-      ("num_train_steps", "2"), ("log_every_steps", "1"), ("eval_every_steps", "2"),
-      ("checkpoint_every_steps", "2")])
+  cfg = cli.load_config(
+      f"{ROOT / 'configs' / spec}",
+      [
+          ("num_train_steps", "2"),
+          ("log_every_steps", "1"),
+          ("eval_every_steps", "2"),
+          ("checkpoint_every_steps", "2"),
+      ],
+  )
   r = train_and_evaluate(cfg, tmp_path / "work")
   assert r["step"] == 2 and np.isfinite(r["validation"]["loss"])
   assert not list((ROOT / "tests" / "testdata").rglob("cache"))  # nothing cached there

@@ -39,10 +39,15 @@ def test_resume_is_bitwise_exact(runs):
   full, resumed = runs["full"]["state"], runs["second"]["state"]
   assert "batch_stats" in full.collections  # a non-param collection is carried and resumed
   assert_trees_equal(full, resumed)  # params, Adam moments, counts, batch stats, step
+
   # The losses of steps 3 and 4 (after the resume) are the uninterrupted run's, bit for bit.
   def train_losses(name):
-    return {r["step"]: r["loss"] for r in _jsonl(runs["root"] / name / "metrics.jsonl")
-            if r["split"] == "train"}
+    return {
+        r["step"]: r["loss"]
+        for r in _jsonl(runs["root"] / name / "metrics.jsonl")
+        if r["split"] == "train"
+    }
+
   full_losses, split_losses = train_losses("full"), train_losses("split")
   assert sorted(full_losses) == [1, 2, 3, 4]
   assert all(split_losses[s] == full_losses[s] for s in (1, 2, 3, 4))
@@ -106,7 +111,9 @@ def test_evaluate_pads_and_masks_the_last_batch(runs):
   state = runs["full"]["state"]
   logits = build_model(cfg.model, task.info).apply(
       {"params": state.params, **state.collections},
-      {"inputs": test["inputs"], "mask": test["mask"]}, train=False)
+      {"inputs": test["inputs"], "mask": test["mask"]},
+      train=False,
+  )
   logits = np.asarray(logits, np.float64)
   log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   loss = np.mean(log_z - logits[np.arange(13), test["targets"]])
@@ -128,14 +135,20 @@ def test_checkpoint_of_another_model_stops(runs):
   assert Checkpoints(workdir, tiny_config(), read_only=True).latest_step() == 4
 
 
-@pytest.mark.parametrize("override, error, match", [
-    ({"task.name": "imagenet"}, ValueError, r"unknown task 'imagenet'; valid tasks: synthetic"),
-    ({"model.kernel": "cosine"}, ValueError, r"config.model.kernel must be one of softmax, "),
-    ({"model.positional": "fastrpb,rope9"}, ValueError, r"rope9"),
-    ({"schedule.name": "step"}, ValueError, r"schedule.name must be one of cosine, linear, "
-     r"constant, rsqrt; got 'step'"),
-    ({"grad_accum_steps": 3}, ValueError, r"grad_accum_steps=3 must divide"),
-])
+@pytest.mark.parametrize(
+    "override, error, match",
+    [
+        ({"task.name": "imagenet"}, ValueError, r"unknown task 'imagenet'; valid tasks: synthetic"),
+        ({"model.kernel": "cosine"}, ValueError, r"config.model.kernel must be one of softmax, "),
+        ({"model.positional": "fastrpb,rope9"}, ValueError, r"rope9"),
+        (
+            {"schedule.name": "step"},
+            ValueError,
+            r"schedule.name must be one of cosine, linear, " r"constant, rsqrt; got 'step'",
+        ),
+        ({"grad_accum_steps": 3}, ValueError, r"grad_accum_steps=3 must divide"),
+    ],
+)
 def test_bad_input_stops_with_one_message(tmp_path, override, error, match):
   with pytest.raises(error, match=match):
     train_and_evaluate(tiny_config(**override), tmp_path)
