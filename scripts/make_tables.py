@@ -121,7 +121,7 @@ def default_metric(task: str, results: list[dict]) -> str:
     for key in ("accuracy", "f1", "perplexity", "loss"):
       if any(key in r for r in results):
         return key
-    raise ValueError(f"no known metric in the results of task {task!r}; pass --metric.")
+    raise ValueError(f"no known metric in the results of task {task!r}; pass --metric.") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import pathlib
 import platform as py_platform
 import shlex
 import sys
@@ -412,7 +413,7 @@ def update_readme(path: str, mode: str, tables, targets, meta, args) -> None:
   start = f"<!-- benchmark:{args.platform}:{mode}:start -->"
   end = f"<!-- benchmark:{args.platform}:{mode}:end -->"
   body = section_text(mode, tables, targets, meta, args)
-  text = open(path).read() if os.path.exists(path) else "# Measurements\n"
+  text = pathlib.Path(path).read_text() if os.path.exists(path) else "# Measurements\n"
   if start in text and end in text:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)

@@ -130,7 +130,7 @@ def _run(compiled, args) -> float:
 PRIMED_BELOW_S = 2.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Limits:
   """When not to run a case (its memory is still reported from the compiled executable).
 

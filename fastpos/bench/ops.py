@@ -443,7 +443,7 @@ def _targets(results, lengths) -> list[bm.Target]:
             r is not None and r <= 1.2,
             n,
             lengths,
-            lambda: f"{r:.2f}x (fft {bm.fmt_ms(fast.time_s)} ms, floor "
+            lambda r=r, fast=fast, floor=floor: f"{r:.2f}x (fft {bm.fmt_ms(fast.time_s)} ms, floor "
             f"{bm.fmt_ms(floor.time_s)} ms)",
         )
     )
@@ -458,8 +458,8 @@ def _targets(results, lengths) -> list[bm.Target]:
             r is not None and r >= need,
             n,
             lengths,
-            lambda: f"{r:.2f}x (dense {bm.fmt_ms(dense.time_s)} ms, fft "
-            f"{bm.fmt_ms(fast.time_s)} ms)",
+            lambda r=r, dense=dense, fast=fast: f"{r:.2f}x (dense {bm.fmt_ms(dense.time_s)} ms, "
+            f"fft {bm.fmt_ms(fast.time_s)} ms)",
         )
     )
   for p in ("fwd+bwd", "fwd"):
@@ -474,7 +474,7 @@ def _targets(results, lengths) -> list[bm.Target]:
             r is not None and r <= 2.0,
             4096,
             lengths,
-            lambda: f"{r:.2f}x (causal {bm.fmt_ms(c.time_s)} ms, bidirectional "
+            lambda r=r, c=c, b=b: f"{r:.2f}x (causal {bm.fmt_ms(c.time_s)} ms, bidirectional "
             f"{bm.fmt_ms(b.time_s)} ms)",
         )
     )

@@ -179,10 +179,7 @@ def _folder_complete(path: str, required: Sequence[str]) -> bool:
 def _tfds_prepared(name: str, root: str) -> bool:
   """Whether DIR/tfds/<name> holds a prepared version (a dataset_info.json below it)."""
   folder = os.path.join(root, paths.TFDS_SUBDIR, name)
-  for dirpath, _, files in os.walk(folder):
-    if "dataset_info.json" in files:
-      return True
-  return False
+  return any("dataset_info.json" in files for _, _, files in os.walk(folder))
 
 
 def parse_resolutions(text: str) -> tuple[int, ...]:

@@ -182,10 +182,7 @@ class WorkdirLock:
 
   def _read(self, fd: int | None = None) -> dict:
     try:
-      if fd is None:
-        text = self.path.read_text()
-      else:
-        text = os.pread(fd, 4096, 0).decode()
+      text = self.path.read_text() if fd is None else os.pread(fd, 4096, 0).decode()
       holder = json.loads(text)
       return holder if isinstance(holder, dict) else {}
     except (OSError, ValueError):
