@@ -537,6 +537,12 @@ def test_readme_sections_cited_in_code_and_docs_exist():
     for m in re.finditer(r"README(?:'s)?,? \(?\"([^\"]+)\"", text):
       if m.group(1) not in headings:
         problems.append(f"{path}: README section {m.group(1)!r} is not a heading of README.md")
+  text = re.sub(r"\s+", " ", prose)
+  problems += [
+      f"README.md: see {m.group(1)!r}: no such heading"
+      for m in re.finditer(r"\bsee \"([^\"]+)\"", text)
+      if m.group(1) not in headings
+  ]
   assert not problems, "\n".join(problems)
 
 
