@@ -27,7 +27,7 @@ from pathlib import Path
 
 from absl import flags
 
-from fastpos.train import cli, distributed, errors, program, train_and_evaluate
+from fastpos.train import cli, config_files, distributed, errors, program, train_and_evaluate
 
 _CONFIG = cli.define_config_flag(
     "experiment config: configs/<experiment>.py[:variant]; override any field "
@@ -58,7 +58,9 @@ _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_proces
 def main(argv: list[str]) -> int:
   program.no_extra_args(argv)
   if _LIST_CONFIGS.value:
-    print(cli.list_configs(Path(__file__).resolve().parent / "configs"), end="", flush=True)
+    print(
+        config_files.list_configs(Path(__file__).resolve().parent / "configs"), end="", flush=True
+    )
     return errors.EXIT_OK
   cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
   if cfg is None:

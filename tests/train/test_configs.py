@@ -17,7 +17,7 @@ import pytest
 from configs import common
 from fastpos import config_schema, tasks
 from fastpos.models import build_model
-from fastpos.train import cli, errors
+from fastpos.train import cli, config_files, errors
 from fastpos.train import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_an_incomplete_task_block_is_refused_naming_the_missing_fields():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_loads_and_builds_its_model(path):
-  module = cli.load_module(str(path))
+  module = config_files.load_module(str(path))
   doc = module.__doc__ or ""
   assert f"python train.py --config=configs/{path.name}" in doc, "docstring gives the command"
   assert "Hardware:" in doc
@@ -187,7 +187,7 @@ def test_configs_import_without_jax_and_load_from_any_folder(tmp_path):
 
 
 def test_list_configs_shows_every_file_and_its_arguments():
-  out = cli.list_configs(CONFIG_DIR)
+  out = config_files.list_configs(CONFIG_DIR)
   listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
   assert [Path(p).name for p in listed] == [p.name for p in CONFIGS]  # not common.py
   assert "first command" in out  # listops_generated.py's first docstring sentence
