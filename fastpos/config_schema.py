@@ -169,10 +169,6 @@ def _path(**kw) -> Field:
   return _str("", valid="a path ('' for the default)", **kw)
 
 
-def _count(default: int, low: int = 0) -> Field:
-  return _int(default, low)
-
-
 # The base config, in its printed order; each field's comment says what it does. A block's
 # fields follow it ("model", then "model.<field>").
 FIELDS: dict[str, Field] = {
@@ -320,12 +316,9 @@ KERNEL_OPTIONS: dict[str, Field] = {
 }
 
 
-def _splits(num_train: int, num_validation: int, num_test: int) -> dict[str, Field]:
-  return {
-      "num_train": _count(num_train),
-      "num_validation": _count(num_validation),
-      "num_test": _count(num_test),
-  }
+def _splits() -> dict[str, Field]:
+  """Examples per split, 0 meaning the loader's default (all of a file)."""
+  return {k: _int(0, 0) for k in ("num_train", "num_validation", "num_test")}
 
 
 def _tfds() -> dict[str, Field]:
@@ -365,7 +358,7 @@ TASK_FIELDS: dict[str, dict[str, Field]] = {
         "max_length": _int(2000, 1),  # padded length (LRA: 2000)
         "min_length": _int(500, 1),  # shortest generated expression in tokens (LRA: 500)
         # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
-        **_splits(0, 0, 0),
+        **_splits(),
         "seed": _seed(),  # generator seed (independent of the training seed)
         "on_overflow": _str("truncate", _OVERFLOW),  # longer expressions: truncate or error
         # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]`
@@ -402,7 +395,7 @@ TASK_FIELDS: dict[str, dict[str, Field]] = {
         # Longer documents: "truncate" (counted warning) or "error".
         "on_overflow": _str("truncate", _OVERFLOW),
         # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).
-        **_splits(0, 0, 0),
+        **_splits(),
     },
     "pathfinder": {
         # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
