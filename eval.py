@@ -16,14 +16,12 @@ import os
 
 from absl import flags
 
-from fastpos.train import cli, distributed, errors, evaluate
+from fastpos.train import cli, distributed, errors, evaluate, program
 from fastpos.train import workdir as workdir_lib
 
-_CONFIG = flags.DEFINE_string(
-    "config",
-    None,
+_CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "
-    "Override fields with --config.<field>=<value>",
+    "Override fields with --config.<field>=<value>"
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py")
 _SPLIT = flags.DEFINE_enum("split", "test", ["test", "validation", "train"], "split to score")
@@ -33,8 +31,9 @@ _CHECKPOINT = flags.DEFINE_enum(
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
-def main(argv: cli.Argv) -> int:
-  workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+def main(argv: list[str]) -> int:
+  program.no_extra_args(argv)
+  workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   if not os.path.isdir(workdir):
     what = (
         "is a symlink loop"
@@ -44,16 +43,12 @@ def main(argv: cli.Argv) -> int:
         else "does not exist"
     )
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
-  spec = _CONFIG.value
-  if not spec:
-    spec = os.path.join(workdir, "config.json")
-    if not os.path.isfile(spec):
-      raise errors.RunError(
-          f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
-          "give the workdir of a run, or its config with --config=configs/<experiment>.py."
-      )
-  cfg = cli.load_config(spec, argv.overrides)
-  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
+  cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
+  if cfg is None:
+    raise errors.RunError(
+        f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
+        "give the workdir of a run, or its config with --config=configs/<experiment>.py."
+    )
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   results = evaluate(cfg, workdir, _SPLIT.value, checkpoint=_CHECKPOINT.value)
   print(json.dumps(results, indent=2))
@@ -61,4 +56,4 @@ def main(argv: cli.Argv) -> int:
 
 
 if __name__ == "__main__":
-  cli.run(main, "eval.py")
+  program.run(main, "eval.py", cli.with_saved_config)

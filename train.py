@@ -27,13 +27,11 @@ from pathlib import Path
 
 from absl import flags
 
-from fastpos.train import cli, distributed, errors, train_and_evaluate
+from fastpos.train import cli, config_files, distributed, errors, program, train_and_evaluate
 
-_CONFIG = flags.DEFINE_string(
-    "config",
-    None,
+_CONFIG = cli.define_config_flag(
     "experiment config: configs/<experiment>.py[:variant]; override any field "
-    "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)",
+    "with --config.<field>=<value> (e.g. --config.model.kernel=sikf)"
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and logs go")
 _PRINT_CONFIG = flags.DEFINE_bool(
@@ -57,18 +55,20 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
-def main(argv: cli.Argv) -> int:
+def main(argv: list[str]) -> int:
+  program.no_extra_args(argv)
   if _LIST_CONFIGS.value:
-    cli.no_extra_args(argv)
-    print(cli.list_configs(Path(__file__).resolve().parent / "configs"), end="", flush=True)
+    print(
+        config_files.list_configs(Path(__file__).resolve().parent / "configs"), end="", flush=True
+    )
     return errors.EXIT_OK
-  spec = cli.require("config", _CONFIG.value, "--config=configs/listops_generated.py")
-  cfg = cli.load_config(spec, argv.overrides)
-  cli.no_extra_args(argv)  # after the overrides: `--config.seed 3` is told to use '='
+  cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
+  if cfg is None:
+    raise errors.RunError("--config is required, e.g. --config=configs/listops_generated.py.")
   if _PRINT_CONFIG.value:
     print(cfg, end="", flush=True)
     return errors.EXIT_OK
-  workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+  workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   result = train_and_evaluate(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
@@ -77,4 +77,4 @@ def main(argv: cli.Argv) -> int:
 
 
 if __name__ == "__main__":
-  cli.run(main, "train.py")
+  program.run(main, "train.py")

@@ -1,137 +1,32 @@
-"""What the experiment files share: the base config, the argument parser, LRA's task settings,
-the kernel rows of the papers' tables and the ``tiny`` shrink.
+"""What the experiment files share: the base config, the argument parser, the typed builder of a
+paper table's cell, LRA's task settings, the kernel rows of the papers' tables and the ``tiny``
+shrink.
 
-Imports ml_collections only, so that loading a config (``train.py --print_config``,
-``--list_configs``) does not start the trainer. ``config.task`` holds the task's name and the
-fields a file sets; train.py fills in the task's other fields from its class
-(``fastpos.train.config.complete_task``) when it loads the file, before the ``--config.*``
-overrides. ``tests/train/test_configs.py`` checks that ``base_config`` here, completed, equals
-``fastpos.train.config.base_config`` for every task.
+``base_config(task)`` is ``fastpos.config_schema.base_config``: the complete config of a run on
+``task`` (every field, the task's block included), declared once with each field's comment and
+valid values in that leaf module (no jax, flax or numpy), so that loading a config
+(``train.py --print_config``, ``--list_configs``) starts no trainer. A file changes the fields
+that differ; ``get_config`` returns the whole config and nothing completes it later.
 
 A config file defines ``ARGS`` (its arguments and their defaults), optionally ``CHOICES``
 (argument -> valid values) and ``get_config(arg=None)``; ``arg`` is what follows the colon in
-``--config=configs/x.py:task=text,tiny`` and is read by ``parse_arg``.
-
-What each field may hold (type, range or choices) and whether changing it changes a run's
-results is declared in ``fastpos.config_schema`` (a leaf module: no jax, flax or numpy), which
-train.py checks every loaded config against; a new field needs a line there.
+``--config=configs/x.py:task=text,tiny`` and is read by ``parse_arg``. A table file builds its
+cells with ``table_config`` from its ``Settings`` and ``Row`` s; another file reuses a table's
+cell through the table's typed builder, never by rebuilding its argument string.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import ml_collections
 
+from fastpos.config_schema import base_config
 
-def base_config(task: str) -> ml_collections.ConfigDict:
-  """The base config for a run on task ``task`` (``config.task`` holds only its name)."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0  # seeds parameter init, dropout and the training data order (separate streams)
-  # The task's block: its name here; train.py adds the task's default fields
-  # (fastpos.tasks.<task module>.default_config()) that the file does not set.
-  c.task = ml_collections.ConfigDict(dict(name=task))
-
-  # The model (fastpos.models.config.model_config, the same fields and defaults).
-  c.model = ml_collections.ConfigDict()
-  # Attention similarity: "softmax" or a feature map of fastpos.ops.features.FEATURE_MAPS
-  # (elu1, relu, sikf, dpfp, favor, prf, trf, nprf, orf).
-  c.model.kernel = "softmax"
-  # Feature-map options: random features m (favor/prf/trf/nprf/orf), DPFP's nu, the
-  # denominator guard, and whether random projections are redrawn every training step.
-  c.model.kernel_options = ml_collections.ConfigDict(
-      dict(num_features=64, nu=1, eps=1e-6, redraw=False, seed=0)
-  )
-  # Positional schemes joined by "+" or ",", applied in this order at their hooks
-  # (fastpos.positional.SCHEMES; "none" for no positional information).
-  c.model.positional = "none"
-  # Per-scheme options, by scheme name: {scheme: {option: value}}; unset options keep the
-  # scheme class's defaults. On the command line one option at a time:
-  # --config.model.positional_options.fastrpb.per_head=True.
-  c.model.positional_options = ml_collections.ConfigDict()
-  c.model.num_layers = 4
-  c.model.embed_dim = 256  # D, the model width
-  c.model.num_heads = 4
-  c.model.head_dim = 0  # 0 means embed_dim // num_heads
-  c.model.mlp_dim = 1024
-  c.model.dropout_rate = 0.1
-  c.model.norm = "post"  # "post" (LRA's layout) or "pre" LayerNorm; "batch" = post BatchNorm
-  c.model.pooling = "mean"  # encoder pooling: "mean" over real tokens or "cls" (a prepended token)
-  c.model.max_length = 0  # longest sequence the positional tables serve; 0: the task's
-  c.model.dtype = "float32"  # activations: "float32" or "bfloat16" (params stay float32)
-  c.model.tie_embeddings = True  # lm only: output projection = input embedding transposed
-  c.model.memory_length = 0  # lm only: Transformer-XL memory M (the transformer_xl scheme)
-  c.model.chunk_size = 0  # causal linear attention chunk; 0 picks it from the shape
-  # Image tasks: True gives the positional schemes the image grid (2D positions); False treats
-  # the image as its raster sequence (1D schemes, e.g. SPE, or "w/o 2D rel. pos.").
-  c.model.use_grid = True
-  # What a block keeps for backward: "none", "block" (recompute all but its input) or
-  # "save_matmuls" (keep the matmul outputs); changes memory and time, never the numbers.
-  c.model.remat = "none"
-  # nn.scan over the layers (one compiled body; parameters stacked under "layers").
-  c.model.scan_layers = False
-
-  # Batches and duration. Durations are in optimizer steps.
-  c.batch_size = 32  # global batch per optimizer step, over all devices and hosts
-  c.eval_batch_size = 0  # global evaluation batch; 0 means batch_size
-  c.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
-  c.num_train_steps = 5000
-
-  # AdamW (decoupled weight decay), global-norm gradient clipping.
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 1e-3  # peak learning rate, reached after the warmup
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.98
-  c.optimizer.eps = 1e-9
-  c.optimizer.weight_decay = 0.01  # AdamW decay (multiplied by the learning rate)
-  # Parameters whose path has a component matching one of these fnmatch patterns get no
-  # weight decay (biases, norm scales, positional tables); 0-d / 1-d parameters never do.
-  c.optimizer.no_decay = "*bias*,*scale*,pos_*,*positional*"
-  c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm; 0 disables clipping
-
-  # Learning-rate schedule: linear warmup from 0, then decay to end_factor * peak.
-  c.schedule = ml_collections.ConfigDict()
-  c.schedule.name = "cosine"  # "cosine", "linear", "constant" or "rsqrt" (after the warmup)
-  c.schedule.warmup_steps = 500
-  c.schedule.end_factor = 0.0  # final learning rate / peak learning rate
-
-  # Cadences, in optimizer steps.
-  c.log_every_steps = 50  # progress line, metrics.jsonl and TensorBoard for training
-  c.eval_every_steps = 500  # evaluate on the validation split (never test)
-  c.num_eval_batches = 0  # validation batches per evaluation; 0 means the whole split
-  c.checkpoint_every_steps = 500  # also saved at the end, on SIGTERM and at each evaluation
-  c.keep_checkpoints = 3  # the last few checkpoints kept (the best one is kept apart)
-  c.async_checkpoints = True  # write checkpoints in a background thread
-
-  # Precision of float32 matmuls on accelerators ("default", "high", "highest"); the
-  # activation dtype is config.model.dtype.
-  c.precision = "default"
-
-  # Device mesh: axes ("data", "model"). The data axis takes the devices that the model
-  # axis does not; batches are split over "data".
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.model = 1  # devices on the model axis (1 = pure data parallelism)
-  c.mesh.seq = 1  # devices each sequence is split over (context parallelism; linear kernels)
-  # Parameter sharding rules: ((regex over the "/"-joined parameter path, spec), ...) with
-  # spec a tuple of mesh axis names or None per dimension, e.g. ((r"mlp/.*kernel",
-  # (None, "model")),). The first matching rule wins; unmatched parameters are replicated.
-  c.mesh.rules = ()
-
-  # Host input pipeline (grain).
-  c.data = ml_collections.ConfigDict()
-  c.data.num_threads = 2  # threads reading examples
-  c.data.prefetch = 4  # batches read ahead
-  # Length bucketing (classify / retrieval tasks): increasing lengths in [1, task.max_length]
-  # a batch is cut to (the shortest holding its longest example; max_length is added); () pads
-  # every batch to task.max_length. Changes the batches drawn, so a run's results.
-  c.data.bucket_lengths = ()
-  c.data.bucket_window = 16  # >= 1 global batches sorted (or packed) together
-  # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes none /
-  # absolute / t5_bias / rope / kernelized_rpe): several examples per row. Changes results.
-  c.data.pack = False
-  return c
+__all__ = ["Row", "Settings", "base_config", "parse_arg", "table_config"]
 
 
 def parse_arg(
@@ -177,13 +72,90 @@ def parse_arg(
 
 
 # ---------------------------------------------------------------------------------------------
+# The typed builder of a paper table's cell
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """A table's training settings on one task: what its cells change in ``base_config(task)``.
+
+  Attributes:
+    task: the task's name; ``task_fields`` the fields of its block that differ.
+    model: ``config.model`` fields every cell shares (sizes, pooling, dropout).
+    eval_every_steps: also the checkpoint cadence.
+    grad_clip_norm: None keeps the base's.
+    optimizer: other AdamW fields (b1, b2, eps); ``kernel_options`` feature-map options.
+  """
+
+  task: str
+  model: Mapping[str, Any]
+  batch_size: int
+  num_train_steps: int
+  warmup_steps: int
+  learning_rate: float
+  weight_decay: float
+  eval_every_steps: int
+  task_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  schedule: str = "cosine"
+  grad_clip_norm: float | None = None
+  optimizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  kernel_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def config(self) -> ml_collections.ConfigDict:
+    """The base config of ``task`` with these settings."""
+    c = base_config(self.task)
+    c.task.update(self.task_fields)
+    c.model.update(self.model)
+    c.model.kernel_options.update(self.kernel_options)
+    c.batch_size = self.batch_size
+    c.num_train_steps = self.num_train_steps
+    c.schedule.update(name=self.schedule, warmup_steps=self.warmup_steps)
+    c.optimizer.update(learning_rate=self.learning_rate, weight_decay=self.weight_decay)
+    if self.grad_clip_norm is not None:
+      c.optimizer.grad_clip_norm = self.grad_clip_norm
+    c.optimizer.update(self.optimizer)
+    c.eval_every_steps = c.checkpoint_every_steps = self.eval_every_steps
+    return c
+
+
+class Row(NamedTuple):
+  """A row or column of a paper's table: its ``config.model`` fields (``positional_options``:
+  scheme -> options) and the paper's label."""
+
+  fields: Mapping[str, Any]
+  label: str
+
+
+def table_config(
+    settings: Settings,
+    *rows: Row,
+    table: str,
+    results: Mapping[str, float],
+    col: str | None = None,
+    metric: str = "accuracy",
+    tiny: bool = False,
+) -> ml_collections.ConfigDict:
+  """The config of one cell of a paper's table: ``settings`` with the model fields of each of
+  ``rows`` in order (a kernel row, then a positional column), the cell recorded by its labels
+  (row: the first's; column: ``col``, else the second's) with the paper's ``results``, and the
+  ``tiny`` variant on request."""
+  c = settings.config()
+  for row in rows:
+    set_model(c, row.fields)
+  col = col if col is not None else rows[1].label
+  set_paper(c, row=rows[0].label, col=col, table=table, results=results, metric=metric)
+  if tiny:
+    make_tiny(c)
+  return c
+
+
+# ---------------------------------------------------------------------------------------------
 # LRA (google-research/long-range-arena, lra_benchmarks/*/configs): each task's base settings.
 # LRA's learning-rate rule 0.05 * linear_warmup * rsqrt_decay (ListOps, Text, Retrieval) peaks at
 # 0.05 / sqrt(warmup); here that peak is the AdamW learning rate with a cosine decay (an
 # approximation). Image and Pathfinder use LRA's own AdamW + cosine values.
 # ---------------------------------------------------------------------------------------------
-LRA_TASKS: dict[str, dict] = {
-    "listops": dict(
+LRA_TASKS: dict[str, Settings] = {
+    "listops": Settings(
         task="listops",
         task_fields=dict(source="tsv", max_length=2000),
         model=dict(
@@ -196,7 +168,7 @@ LRA_TASKS: dict[str, dict] = {
         weight_decay=0.1,
         eval_every_steps=500,
     ),
-    "text": dict(
+    "text": Settings(
         task="lra_text",
         task_fields=dict(max_length=4000),
         model=dict(
@@ -209,7 +181,7 @@ LRA_TASKS: dict[str, dict] = {
         weight_decay=0.1,
         eval_every_steps=1000,
     ),
-    "retrieval": dict(
+    "retrieval": Settings(
         task="lra_retrieval",
         task_fields=dict(max_length=4000),
         model=dict(
@@ -224,9 +196,8 @@ LRA_TASKS: dict[str, dict] = {
         weight_decay=0.1,
         eval_every_steps=500,
     ),
-    "image": dict(
+    "image": Settings(
         task="lra_image",
-        task_fields=dict(),
         model=dict(
             num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64, pooling="mean", dropout_rate=0.3
         ),
@@ -238,9 +209,8 @@ LRA_TASKS: dict[str, dict] = {
         grad_clip_norm=0.0,
         eval_every_steps=175,
     ),
-    "pathfinder": dict(
+    "pathfinder": Settings(
         task="pathfinder",
-        task_fields=dict(),
         model=dict(
             num_layers=1,
             embed_dim=32,
@@ -267,37 +237,16 @@ LRA_LABELS = {
     "pathfinder": "Pathfinder",
 }
 
-# The kernel rows of the papers' tables: argument value -> (model fields, the paper's label).
-KERNELS: dict[str, tuple[dict, str]] = {
-    "softmax": (dict(kernel="softmax"), "Original"),
-    "dpfp": (dict(kernel="dpfp"), "Linear, DPFP"),
-    "sikf": (dict(kernel="sikf"), "Linear, SIKF"),
-    "relu": (dict(kernel="relu"), "Linear, ReLU"),
-    "elu1": (dict(kernel="elu1"), "Linear, ELU + 1"),
-    "favor": (dict(kernel="favor"), "Performer"),
+# The kernel rows of the papers' tables, by argument value.
+KERNELS: dict[str, Row] = {
+    "softmax": Row(dict(kernel="softmax"), "Original"),
+    "dpfp": Row(dict(kernel="dpfp"), "Linear, DPFP"),
+    "sikf": Row(dict(kernel="sikf"), "Linear, SIKF"),
+    "relu": Row(dict(kernel="relu"), "Linear, ReLU"),
+    "elu1": Row(dict(kernel="elu1"), "Linear, ELU + 1"),
+    "favor": Row(dict(kernel="favor"), "Performer"),
 }
 SINUSOIDAL = {"absolute": {"kind": "sinusoidal"}}  # positional_options: fixed sin/cos table
-
-
-def config_from_settings(s: Mapping) -> ml_collections.ConfigDict:
-  """The base config with a task's settings (the format of ``LRA_TASKS`` values: task,
-  task_fields, model, batch_size, num_train_steps, warmup_steps, learning_rate, weight_decay,
-  eval_every_steps and optionally schedule, grad_clip_norm, optimizer, kernel_options)."""
-  c = base_config(s["task"])
-  c.task.update(s["task_fields"])
-  c.model.update(s["model"])
-  c.batch_size = s["batch_size"]
-  c.num_train_steps = s["num_train_steps"]
-  c.schedule.warmup_steps = s["warmup_steps"]
-  c.schedule.name = s.get("schedule", "cosine")
-  c.optimizer.learning_rate = s["learning_rate"]
-  c.optimizer.weight_decay = s["weight_decay"]
-  if "grad_clip_norm" in s:
-    c.optimizer.grad_clip_norm = s["grad_clip_norm"]
-  c.optimizer.update(s.get("optimizer", {}))  # other AdamW fields (b1, b2, eps)
-  c.model.kernel_options.update(s.get("kernel_options", {}))
-  c.eval_every_steps = c.checkpoint_every_steps = s["eval_every_steps"]
-  return c
 
 
 def set_model(c: ml_collections.ConfigDict, fields: Mapping) -> None:

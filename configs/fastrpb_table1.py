@@ -26,17 +26,17 @@ import ml_collections
 
 from configs import common
 
-# Columns: argument value -> (model fields, the paper's label).
-COLUMNS: dict[str, tuple[dict, str]] = {
-    "none": (dict(positional="absolute"), "None"),
-    "fastrpb": (dict(positional="absolute+fastrpb"), "FastRPB"),
-    "sinspe": (
+# Columns by argument value.
+COLUMNS: dict[str, common.Row] = {
+    "none": common.Row(dict(positional="absolute"), "None"),
+    "fastrpb": common.Row(dict(positional="absolute+fastrpb"), "FastRPB"),
+    "sinspe": common.Row(
         dict(
             positional="absolute+spe", positional_options={"spe": {"kind": "sine"}}, use_grid=False
         ),
         "sinSPE",
     ),
-    "convspe": (
+    "convspe": common.Row(
         dict(
             positional="absolute+spe", positional_options={"spe": {"kind": "conv"}}, use_grid=False
         ),
@@ -44,7 +44,7 @@ COLUMNS: dict[str, tuple[dict, str]] = {
     ),
     # The paper's RPE column (softmax only): a learned per-offset logits bias b_{j-i}. With a
     # linear kernel the same table mixes keys by FFT (Luo et al.), a cell the paper lacks.
-    "rpe": (dict(positional="absolute+kernelized_rpe"), "RPE"),
+    "rpe": common.Row(dict(positional="absolute+kernelized_rpe"), "RPE"),
 }
 ROWS = {k: common.KERNELS[k] for k in ("softmax", "dpfp", "sikf", "relu", "favor")}
 TASKS = ("listops", "text", "retrieval", "image")
@@ -103,19 +103,17 @@ ARGS = dict(task="text", kernel="sikf", pos="fastrpb", tiny=False)
 CHOICES = dict(task=TASKS, kernel=tuple(ROWS), pos=tuple(COLUMNS))
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(common.LRA_TASKS[a.task])
-  (row_fields, row), (col_fields, col) = ROWS[a.kernel], COLUMNS[a.pos]
-  common.set_model(c, row_fields)
-  common.set_model(c, col_fields)
-  common.set_paper(
-      c,
-      row=row,
-      col=col,
-      table=f"FastRPB Table 1 ({common.LRA_LABELS[a.task]})",
-      results=RESULTS[a.task],
+def build(*, task: str, kernel: str, pos: str, tiny: bool) -> ml_collections.ConfigDict:
+  """The cell (``kernel`` row, ``pos`` column) of the ``task`` block (values as ``CHOICES``)."""
+  return common.table_config(
+      common.LRA_TASKS[task],
+      ROWS[kernel],
+      COLUMNS[pos],
+      table=f"FastRPB Table 1 ({common.LRA_LABELS[task]})",
+      results=RESULTS[task],
+      tiny=tiny,
   )
-  if a.tiny:
-    common.make_tiny(c)
-  return c
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return build(**common.parse_arg(arg, choices=CHOICES, **ARGS))

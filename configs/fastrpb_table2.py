@@ -23,8 +23,8 @@ from configs import common
 
 ROWS = {k: common.KERNELS[k] for k in ("softmax", "dpfp", "sikf", "elu1", "favor")}
 COLUMNS = {
-    "none": (dict(positional="absolute"), "w/o FastRPB"),
-    "fastrpb": (dict(positional="absolute+fastrpb"), "w/ FastRPB"),
+    "none": common.Row(dict(positional="absolute"), "w/o FastRPB"),
+    "fastrpb": common.Row(dict(positional="absolute+fastrpb"), "w/ FastRPB"),
 }
 RESULTS = common.results(
     [label for _, label in ROWS.values()],
@@ -45,9 +45,8 @@ LEARNING_RATES = {
     ("favor", "fastrpb"): 1.0e-4,
 }
 STEPS_PER_EPOCH = 54_000 // 64
-SETTINGS = dict(
+SETTINGS = common.Settings(
     task="mnist",
-    task_fields=dict(),
     model=dict(
         num_layers=8, embed_dim=256, num_heads=8, mlp_dim=1024, pooling="mean", dropout_rate=0.1
     ),
@@ -66,12 +65,13 @@ CHOICES = dict(kernel=tuple(ROWS), pos=tuple(COLUMNS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(SETTINGS)
-  (row_fields, row), (col_fields, col) = ROWS[a.kernel], COLUMNS[a.pos]
-  common.set_model(c, row_fields)
-  common.set_model(c, col_fields)
+  c = common.table_config(
+      SETTINGS,
+      ROWS[a.kernel],
+      COLUMNS[a.pos],
+      table="FastRPB Table 2 (MNIST)",
+      results=RESULTS,
+      tiny=a.tiny,
+  )
   c.optimizer.learning_rate = LEARNING_RATES[(a.kernel, a.pos)]
-  common.set_paper(c, row=row, col=col, table="FastRPB Table 2 (MNIST)", results=RESULTS)
-  if a.tiny:
-    common.make_tiny(c)
   return c

@@ -35,7 +35,7 @@ from configs import common, fastrpb_table1
 
 ROWS = common.KERNELS
 COLUMNS = fastrpb_table1.COLUMNS
-SETTINGS = dict(
+SETTINGS = common.Settings(
     task="listops",
     task_fields=dict(
         source="generated",
@@ -62,22 +62,16 @@ CHOICES = dict(kernel=tuple(ROWS), pos=tuple(COLUMNS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(SETTINGS)
-  (row_fields, row), (col_fields, col) = ROWS[a.kernel], COLUMNS[a.pos]
-  common.set_model(c, row_fields)
-  common.set_model(c, col_fields)
-  common.set_paper(
-      c,
-      row=row,
-      col=col,
+  c = common.table_config(
+      SETTINGS,
+      ROWS[a.kernel],
+      COLUMNS[a.pos],
       table="FastRPB Table 1 (ListOps)",
       results=fastrpb_table1.RESULTS["listops"],
+      tiny=a.tiny,
   )
   if a.bucket:  # length bucketing: ~2.5x the real tokens/s, 4 train-step compiles (not 1)
-    c.data.bucket_lengths = (32, 48, 64)
+    c.data.bucket_lengths = (16, 24) if a.tiny else (32, 48, 64)
   if a.tiny:
-    common.make_tiny(c)
     c.task.update(min_length=10, max_length=32, num_train=256, num_validation=64, num_test=64)
-    if a.bucket:
-      c.data.bucket_lengths = (16, 24)
   return c

@@ -30,7 +30,7 @@ CHOICES = {k: v for k, v in fastrpb_table1.CHOICES.items() if k != "task"}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  common.parse_arg(arg, choices=CHOICES, **ARGS)  # no task= here: this file is Text's
-  c = fastrpb_table1.get_config(",".join(filter(None, ["task=text", arg])))
+  a = common.parse_arg(arg, choices=CHOICES, **ARGS)  # no task= here: this file is Text's
+  c = fastrpb_table1.build(task="text", **a)
   c.model.update(remat="block", scan_layers=True)
   return c

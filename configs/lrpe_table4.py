@@ -20,19 +20,19 @@ import ml_collections
 
 from configs import common
 
-ROWS: dict[str, tuple[dict, str]] = {
-    "base": (dict(kernel="elu1", positional="none"), "Base"),
-    "rope": (dict(kernel="elu1", positional="rope"), "RoPE"),
-    "per": (dict(kernel="elu1", positional="permuteformer"), "Per"),
-    "type1": (
+ROWS: dict[str, common.Row] = {
+    "base": common.Row(dict(kernel="elu1", positional="none"), "Base"),
+    "rope": common.Row(dict(kernel="elu1", positional="rope"), "RoPE"),
+    "per": common.Row(dict(kernel="elu1", positional="permuteformer"), "Per"),
+    "type1": common.Row(
         dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 1}}),
         "Type1",
     ),
-    "type2": (
+    "type2": common.Row(
         dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 2}}),
         "Type2",
     ),
-    "type3": (
+    "type3": common.Row(
         dict(kernel="elu1", positional="lrpe", positional_options={"lrpe": {"type": 3}}),
         "Type3",
     ),
@@ -57,11 +57,13 @@ CHOICES = dict(task=TASKS, pe=tuple(ROWS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(common.LRA_TASKS[a.task])
-  fields, row = ROWS[a.pe]
-  common.set_model(c, fields)
+  c = common.table_config(
+      common.LRA_TASKS[a.task],
+      ROWS[a.pe],
+      col=common.LRA_LABELS[a.task],
+      table="LRPE Table 4",
+      results=RESULTS,
+      tiny=a.tiny,
+  )
   c.model.norm = "batch"
-  common.set_paper(c, row=row, col=common.LRA_LABELS[a.task], table="LRPE Table 4", results=RESULTS)
-  if a.tiny:
-    common.make_tiny(c)
   return c

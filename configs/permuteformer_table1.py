@@ -21,16 +21,16 @@ import ml_collections
 
 from configs import common
 
-ROWS: dict[str, tuple[dict, str]] = {
-    "transformer": (dict(kernel="softmax", positional="absolute"), "Transformer"),
-    "sinusoidal": (
+ROWS: dict[str, common.Row] = {
+    "transformer": common.Row(dict(kernel="softmax", positional="absolute"), "Transformer"),
+    "sinusoidal": common.Row(
         dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
         "w/ sinusoidal pos emb",
     ),
-    "performer": (dict(kernel="favor", positional="absolute"), "Performer"),
-    "roformer": (dict(kernel="favor", positional="rope"), "RoFormer"),
-    "permuteformer": (dict(kernel="relu", positional="permuteformer"), "PermuteFormer"),
-    "permuteformer_1d": (
+    "performer": common.Row(dict(kernel="favor", positional="absolute"), "Performer"),
+    "roformer": common.Row(dict(kernel="favor", positional="rope"), "RoFormer"),
+    "permuteformer": common.Row(dict(kernel="relu", positional="permuteformer"), "PermuteFormer"),
+    "permuteformer_1d": common.Row(
         dict(kernel="relu", positional="permuteformer", use_grid=False),
         "w/o 2D rel pos",
     ),
@@ -55,12 +55,11 @@ CHOICES = dict(task=TASKS, model=tuple(ROWS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(common.LRA_TASKS[a.task])
-  fields, row = ROWS[a.model]
-  common.set_model(c, fields)
-  common.set_paper(
-      c, row=row, col=common.LRA_LABELS[a.task], table="PermuteFormer Table 1", results=RESULTS
+  return common.table_config(
+      common.LRA_TASKS[a.task],
+      ROWS[a.model],
+      col=common.LRA_LABELS[a.task],
+      table="PermuteFormer Table 1",
+      results=RESULTS,
+      tiny=a.tiny,
   )
-  if a.tiny:
-    common.make_tiny(c)
-  return c

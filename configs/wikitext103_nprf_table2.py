@@ -27,20 +27,20 @@ import ml_collections
 
 from configs import common
 
-ROWS: dict[str, tuple[dict, str]] = {
-    "vanilla": (
+ROWS: dict[str, common.Row] = {
+    "vanilla": common.Row(
         dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
         "Vanilla Transformer",
     ),
-    "linear": (
+    "linear": common.Row(
         dict(kernel="elu1", positional="absolute", positional_options=common.SINUSOIDAL),
         "Linear Transformer",
     ),
-    "trf": (
+    "trf": common.Row(
         dict(kernel="trf", positional="absolute", positional_options=common.SINUSOIDAL),
         "TRF-Transformer",
     ),
-    "nprf_rpe": (
+    "nprf_rpe": common.Row(
         dict(
             kernel="nprf",
             positional="absolute+kernelized_rpe",
@@ -52,7 +52,7 @@ ROWS: dict[str, tuple[dict, str]] = {
 RESULTS = common.results(
     [label for _, label in ROWS.values()], ["WikiText-103"], [(33.0,), (38.4,), (33.6,), (30.6,)]
 )
-SETTINGS = dict(
+SETTINGS = common.Settings(
     task="wikitext103",
     task_fields=dict(segment_length=512, eval_stride=0),
     model=dict(
@@ -82,17 +82,12 @@ CHOICES = dict(model=tuple(ROWS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(SETTINGS)
-  fields, row = ROWS[a.model]
-  common.set_model(c, fields)
-  common.set_paper(
-      c,
-      row=row,
+  return common.table_config(
+      SETTINGS,
+      ROWS[a.model],
       col="WikiText-103",
       table="Luo et al. Table 2 (validation perplexity)",
       results=RESULTS,
       metric="perplexity",
+      tiny=a.tiny,
   )
-  if a.tiny:
-    common.make_tiny(c)
-  return c

@@ -30,16 +30,16 @@ import ml_collections
 from configs import common
 
 _PAPER_DECAY = "paper"  # permuteformer's decay option: per-head r = paper_decays(num_heads)
-ROWS: dict[str, tuple[dict, str]] = {
-    "transformer": (
+ROWS: dict[str, common.Row] = {
+    "transformer": common.Row(
         dict(kernel="softmax", positional="absolute", positional_options=common.SINUSOIDAL),
         "Transformer",
     ),
-    "performer": (
+    "performer": common.Row(
         dict(kernel="favor", positional="absolute", positional_options=common.SINUSOIDAL),
         "Performer",
     ),
-    "permuteformer": (
+    "permuteformer": common.Row(
         dict(
             kernel="relu",
             positional="permuteformer",
@@ -47,8 +47,8 @@ ROWS: dict[str, tuple[dict, str]] = {
         ),
         "PermuteFormer",
     ),
-    "no_r": (dict(kernel="relu", positional="permuteformer"), "PermuteFormer w/o r"),
-    "no_perm": (
+    "no_r": common.Row(dict(kernel="relu", positional="permuteformer"), "PermuteFormer w/o r"),
+    "no_perm": common.Row(
         dict(
             kernel="relu",
             positional="permuteformer",
@@ -62,7 +62,7 @@ RESULTS = common.results(
     ["WikiText-103"],
     [(30.18,), (36.87,), (32.49,), (35.76,), (33.08,)],
 )
-SETTINGS = dict(
+SETTINGS = common.Settings(
     task="wikitext103",
     task_fields=dict(segment_length=512, eval_stride=256),
     model=dict(
@@ -90,17 +90,12 @@ CHOICES = dict(model=tuple(ROWS))
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = common.config_from_settings(SETTINGS)
-  fields, row = ROWS[a.model]
-  common.set_model(c, fields)
-  common.set_paper(
-      c,
-      row=row,
+  return common.table_config(
+      SETTINGS,
+      ROWS[a.model],
       col="WikiText-103",
       table="PermuteFormer Table 4 (test perplexity)",
       results=RESULTS,
       metric="perplexity",
+      tiny=a.tiny,
   )
-  if a.tiny:
-    common.make_tiny(c)
-  return c

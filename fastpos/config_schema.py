@@ -1,20 +1,24 @@
-"""What each config field may hold, and whether changing it changes a run's results.
+"""The config: every field's default, what it means, what it may hold, and whether changing it
+changes a run's results. The one source of the base config.
 
-A leaf module: it imports the standard library only (no jax, flax or numpy), so the experiment
-files under ``configs/`` and the package can both use it. ``FIELDS`` declares every field of
-the base config, ``TASK_FIELDS`` every field of each task's ``config.task`` block and
-``KERNEL_OPTIONS`` the feature maps' options; a positional scheme's options are declared by its
-``option_spec`` (``fastpos.positional``) and checked by ``fastpos.train.config.validate``.
+A leaf module: it imports the standard library and ml_collections only (no jax, flax or
+numpy), so that the experiment files under ``configs/`` and the package both build on it and a
+config loads without starting the trainer. ``FIELDS`` declares every field of the base config
+(in its printed order, each with its comment), ``TASK_FIELDS`` every field of each task's
+``config.task`` block and ``KERNEL_OPTIONS`` the feature maps' options; a positional scheme's
+options are declared by its ``option_spec`` (``fastpos.positional``) and checked by
+``fastpos.train.config.validate``. ``base_config(task)`` builds the complete config of a run on
+``task`` from the declarations (``task_config(name)`` and ``model_config()`` its parts).
 
-Each ``Field`` says the type, the valid range or choices, and ``trajectory``: True when a new
-value changes what a run computes (its parameters, its data order, which checkpoint is best),
-False when it changes only how the run is carried out (log cadence, data threads, device
-layout). A resumed run may change a field of the second kind freely; one of the first kind
-only on request (``train.py --allow_config_change``), and the change is recorded.
+Each ``Field`` says the default, the type, the valid range or choices, and ``trajectory``: True
+when a new value changes what a run computes (its parameters, its data order, which checkpoint
+is best), False when it changes only how the run is carried out (log cadence, data threads,
+device layout). A resumed run may change a field of the second kind freely; one of the first
+kind only on request (``train.py --allow_config_change``), and the change is recorded.
 
 ``check(cfg)`` raises ``ConfigValueError`` with one line naming the first bad field, its value
 and the valid values. Declaring a new field is one line beside its neighbours, e.g.
-``"model.remat": Field("str", choices=("none", "block"), trajectory=False)``; the schema test
+``"model.remat": _str("none", ("none", "block"), trajectory=False)``; the schema test
 (tests/train/test_schema.py) fails for a config field that has no declaration.
 """
 
@@ -47,6 +51,9 @@ class Field:
     trajectory: whether a new value changes the run's results; a callable of the whole
       config for a field whose effect depends on another (``num_train_steps`` moves a
       decaying schedule only).
+    default: the value of the base config (``base_config``); blocks start empty.
+    base: False for a block only some configs have (the paper's cell and numbers).
+    check: a predicate for what a type and range cannot say (the items of a tuple).
   """
 
   type: str
@@ -57,6 +64,9 @@ class Field:
   choices: tuple | None = None
   valid: str = ""
   trajectory: bool | Callable[[Any], bool] = True
+  default: Any = None
+  base: bool = True
+  check: Callable[[Any], bool] | None = None
 
   def __post_init__(self):
     if self.type not in TYPES:
@@ -88,6 +98,8 @@ class Field:
 
   def is_valid(self, value: Any) -> bool:
     if not _TYPE_CHECKS[self.type](value):
+      return False
+    if self.check is not None and not self.check(value):
       return False
     if self.choices is not None:
       return value in self.choices
@@ -127,191 +139,362 @@ def _decays(cfg) -> bool:
   return cfg["schedule"]["name"] in ("cosine", "linear")
 
 
-# Shorthands for the declarations below.
-def _int(low=None, high=None, **kw) -> Field:
-  return Field("int", low=low, high=high, **kw)
+# Shorthands for the declarations below: the default first, then the valid values.
+def _int(default: int, low=None, high=None, **kw) -> Field:
+  return Field("int", default=default, low=low, high=high, **kw)
 
 
-def _float(low=None, high=None, **kw) -> Field:
-  return Field("float", low=low, high=high, **kw)
+def _float(default: float, low=None, high=None, **kw) -> Field:
+  return Field("float", default=default, low=low, high=high, **kw)
 
 
-def _str(choices=None, valid="", **kw) -> Field:
-  return Field("str", choices=tuple(choices) if choices is not None else None, valid=valid, **kw)
+def _str(default: str, choices=None, valid="", **kw) -> Field:
+  choices = tuple(choices) if choices is not None else None
+  return Field("str", default=default, choices=choices, valid=valid, **kw)
 
 
-_BOOL = Field("bool")
-_SEED = _int(0, _SEED_HIGH)
-_PATH = _str(valid="a path ('' for the default)")
-_FREE_PATH = _str(valid="a path ('' for the default)", trajectory=False)
+def _bool(default: bool, **kw) -> Field:
+  return Field("bool", default=default, **kw)
 
-# The base config (fastpos.train.config.base_config, configs/common.base_config).
+
+def _block(**kw) -> Field:
+  return Field("block", **kw)
+
+
+def _seed(default: int = 0) -> Field:
+  return _int(default, 0, _SEED_HIGH)
+
+
+def _path(**kw) -> Field:
+  return _str("", valid="a path ('' for the default)", **kw)
+
+
+# The base config, in its printed order; each field's comment says what it does. A block's
+# fields follow it ("model", then "model.<field>").
 FIELDS: dict[str, Field] = {
-    "seed": _SEED,
-    "task": Field("block"),  # its fields: TASK_FIELDS[config.task.name]
-    "model": Field("block"),
-    "model.kernel": _str(KERNELS),
-    "model.kernel_options": Field("block"),  # its fields: KERNEL_OPTIONS
-    "model.positional": _str(valid="scheme names of fastpos.positional joined by '+' or ','"),
-    # Its blocks, by scheme name: each scheme's option_spec.
-    "model.positional_options": Field("block"),
-    "model.num_layers": _int(1),
-    "model.embed_dim": _int(1),
-    "model.num_heads": _int(1),
-    "model.head_dim": _int(0),
-    "model.mlp_dim": _int(1),
-    "model.dropout_rate": _float(0, 1, high_open=True),
-    "model.norm": _str(("post", "pre", "batch")),
-    "model.pooling": _str(("mean", "cls")),
-    "model.max_length": _int(0),
-    "model.dtype": _str(("float32", "bfloat16")),
-    "model.tie_embeddings": _BOOL,
-    "model.memory_length": _int(0),
-    "model.chunk_size": _int(0),
-    "model.use_grid": _BOOL,
-    # What a block keeps for its backward pass: the same numbers, less memory, more compute.
-    "model.remat": _str(("none", "block", "save_matmuls", "save_dots"), trajectory=False),
-    # Stacks the layers' parameters on one axis: a checkpoint of the other layout won't load.
-    "model.scan_layers": _BOOL,
-    "batch_size": _int(1),
-    "eval_batch_size": _int(0),  # the order of an LM's evaluation streams follows it
-    "grad_accum_steps": _int(1),
-    "num_train_steps": _int(1, trajectory=_decays),
-    "optimizer": Field("block"),
-    "optimizer.learning_rate": _float(0, low_open=True),
-    "optimizer.b1": _float(0, 1, high_open=True),
-    "optimizer.b2": _float(0, 1, high_open=True),
-    "optimizer.eps": _float(0, low_open=True),
-    "optimizer.weight_decay": _float(0),
-    "optimizer.no_decay": _str(valid="comma-separated fnmatch patterns"),
-    "optimizer.grad_clip_norm": _float(0),
-    "schedule": Field("block"),
-    "schedule.name": _str(("cosine", "linear", "constant", "rsqrt")),
-    "schedule.warmup_steps": _int(0),
-    "schedule.end_factor": _float(0, 1),
-    "log_every_steps": _int(1, trajectory=False),
-    "eval_every_steps": _int(1, trajectory=False),
-    "num_eval_batches": _int(0),  # the validation set the best checkpoint is chosen on
-    "checkpoint_every_steps": _int(1, trajectory=False),
-    "keep_checkpoints": _int(1, trajectory=False),
-    "async_checkpoints": Field("bool", trajectory=False),
-    "precision": _str(("default", "high", "highest")),
-    "mesh": Field("block", trajectory=False),
-    "mesh.model": _int(1, trajectory=False),
-    "mesh.seq": _int(1, trajectory=False),
-    "mesh.rules": Field("tuple", valid="a tuple of (regex, spec) pairs", trajectory=False),
-    "data": Field("block", trajectory=False),
-    "data.num_threads": _int(1, trajectory=False),
-    "data.prefetch": _int(0, trajectory=False),
-    # Bucketing and packing regroup examples into batches: they change the data order.
-    "data.bucket_lengths": Field(
-        "tuple", valid="a tuple of increasing lengths in " "[1, task.max_length] (() = off)"
+    "seed": _seed(),  # seeds parameter init, dropout and the training data order (streams)
+    # The task's block: config.task.name and the fields of TASK_FIELDS[config.task.name].
+    "task": _block(),
+    # The model (fastpos.models.build_model).
+    "model": _block(),
+    # Attention similarity: "softmax" or a feature map of fastpos.ops.features.FEATURE_MAPS.
+    "model.kernel": _str("softmax", KERNELS),
+    # Feature-map options (KERNEL_OPTIONS): random features m, DPFP's nu, the denominator
+    # guard, whether random projections are redrawn every training step, their seed.
+    "model.kernel_options": _block(),
+    # Positional schemes joined by "+" or ",", applied in this order at their hooks
+    # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
+    # fastpos.positional.compatibility` prints which kernels each works with.
+    "model.positional": _str(
+        "none", valid="scheme names of fastpos.positional joined by '+' or ','"
     ),
-    "data.bucket_window": _int(1),
-    "data.pack": _BOOL,
-    # The paper's cell and numbers (configs/common.set_paper): a record, read by the tables.
-    "experiment": Field("block", trajectory=False),
-    "experiment.row": _str(valid="a row label", trajectory=False),
-    "experiment.col": _str(valid="a column label", trajectory=False),
-    "paper": Field("block", trajectory=False),
-    "paper.table": _str(valid="a table label", trajectory=False),
-    "paper.metric": _str(valid="a metric name", trajectory=False),
-    "paper.results": Field("block", trajectory=False),  # "<row>|<col>" -> number
+    # Per-scheme options, by scheme name: {scheme: {option: value}}, each scheme's
+    # option_spec (fastpos.positional); unset options keep the scheme's defaults. In a config
+    # file: c.model.positional_options.fastrpb = {"per_head": True}; on the command line one
+    # option at a time: --config.model.positional_options.fastrpb.per_head=True.
+    "model.positional_options": _block(),
+    "model.num_layers": _int(4, 1),
+    "model.embed_dim": _int(256, 1),  # D, the model width
+    "model.num_heads": _int(4, 1),
+    "model.head_dim": _int(0, 0),  # 0 means embed_dim // num_heads
+    "model.mlp_dim": _int(1024, 1),
+    "model.dropout_rate": _float(0.1, 0, 1, high_open=True),
+    # "post" (LRA's layout) or "pre" LayerNorm; "batch" = post BatchNorm.
+    "model.norm": _str("post", ("post", "pre", "batch")),
+    # Encoder pooling: "mean" over real tokens or "cls" (a prepended token).
+    "model.pooling": _str("mean", ("mean", "cls")),
+    "model.max_length": _int(0, 0),  # longest sequence the positional tables serve; 0: task's
+    "model.dtype": _str("float32", ("float32", "bfloat16")),  # activations; params float32
+    "model.tie_embeddings": _bool(True),  # lm only: output projection = embedding transposed
+    # lm only: Transformer-XL memory M (needs the transformer_xl scheme).
+    "model.memory_length": _int(0, 0),
+    # Causal linear attention chunk; 0 picks it from the feature and value sizes
+    # (fastpos.ops.attention.causal_chunk_size: 64, or 32 for large feature maps).
+    "model.chunk_size": _int(0, 0),
+    # Image tasks: True gives the positional schemes the task's grid (2D positions); False
+    # treats the image as its raster sequence (1D schemes, e.g. SPE, or PermuteFormer's
+    # "w/o 2D rel. pos." ablation).
+    "model.use_grid": _bool(True),
+    # What each block keeps for its backward pass (fastpos.models.blocks.REMAT_POLICIES):
+    # "none" (everything autodiff saves), "block" (only the block's input), "save_matmuls"
+    # (the projections' / MLP's matmul outputs). The same numbers, less memory, more compute.
+    "model.remat": _str("none", ("none", "block", "save_matmuls", "save_dots"), trajectory=False),
+    # Run the layers as one nn.scan body (parameters stacked on a leading layer axis under
+    # "layers"): compile time flat in depth. A checkpoint of the other layout won't load.
+    "model.scan_layers": _bool(False),
+    # Batches and duration. Durations are in optimizer steps.
+    "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts
+    # Global evaluation batch; 0 means batch_size (an LM's evaluation streams follow it).
+    "eval_batch_size": _int(0, 0),
+    "grad_accum_steps": _int(1, 1),  # split each batch into this many sequential micro-batches
+    "num_train_steps": _int(5000, 1, trajectory=_decays),
+    # AdamW (decoupled weight decay), global-norm gradient clipping.
+    "optimizer": _block(),
+    "optimizer.learning_rate": _float(1e-3, 0, low_open=True),  # peak, after the warmup
+    "optimizer.b1": _float(0.9, 0, 1, high_open=True),
+    "optimizer.b2": _float(0.98, 0, 1, high_open=True),
+    "optimizer.eps": _float(1e-9, 0, low_open=True),
+    "optimizer.weight_decay": _float(0.01, 0),  # AdamW decay (multiplied by the learning rate)
+    # Parameters whose path has a component matching one of these fnmatch patterns get no
+    # weight decay (biases, norm scales, positional tables); 0-d / 1-d parameters never do.
+    "optimizer.no_decay": _str(
+        "*bias*,*scale*,pos_*,*positional*", valid="comma-separated fnmatch patterns"
+    ),
+    "optimizer.grad_clip_norm": _float(1.0, 0),  # clip the global gradient norm; 0: no clip
+    # Learning-rate schedule: linear warmup from 0, then decay to end_factor * peak.
+    "schedule": _block(),
+    "schedule.name": _str("cosine", ("cosine", "linear", "constant", "rsqrt")),  # after warmup
+    "schedule.warmup_steps": _int(500, 0),
+    "schedule.end_factor": _float(0.0, 0, 1),  # final learning rate / peak learning rate
+    # Cadences, in optimizer steps.
+    "log_every_steps": _int(50, 1, trajectory=False),  # progress line, metrics, TensorBoard
+    "eval_every_steps": _int(500, 1, trajectory=False),  # on the validation split (never test)
+    # Validation batches per evaluation; 0 means the whole split (the best checkpoint is
+    # chosen on it).
+    "num_eval_batches": _int(0, 0),
+    # Also saved at the end, on SIGTERM and at each evaluation.
+    "checkpoint_every_steps": _int(500, 1, trajectory=False),
+    "keep_checkpoints": _int(3, 1, trajectory=False),  # the last few (the best one apart)
+    "async_checkpoints": _bool(True, trajectory=False),  # write them in a background thread
+    # Precision of float32 matmuls on accelerators; the activation dtype is model.dtype.
+    "precision": _str("default", ("default", "high", "highest")),
+    # Device mesh: axes ("data", "model", "seq"). The data axis takes the devices the others
+    # do not; batches are split over "data".
+    "mesh": _block(trajectory=False),
+    "mesh.model": _int(1, 1, trajectory=False),  # devices on the model axis (1: data parallel)
+    # Devices each sequence is split over (context parallelism; linear kernels).
+    "mesh.seq": _int(1, 1, trajectory=False),
+    # Parameter sharding rules: ((regex over the "/"-joined parameter path, spec), ...) with
+    # spec a tuple of mesh axis names or None per dimension, e.g. ((r"mlp/.*kernel",
+    # (None, "model")),). The first matching rule wins; unmatched parameters are replicated.
+    "mesh.rules": Field(
+        "tuple",
+        default=(),
+        valid="a tuple of (regex, spec) pairs",
+        trajectory=False,
+        check=lambda rules: all(
+            isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) for r in rules
+        ),
+    ),
+    # Host input pipeline (grain).
+    "data": _block(trajectory=False),
+    "data.num_threads": _int(2, 1, trajectory=False),  # threads reading examples
+    "data.prefetch": _int(4, 0, trajectory=False),  # batches read ahead
+    # Length bucketing (classify / retrieval tasks): increasing lengths in [1, task.max_length]
+    # a batch is cut to (the shortest holding its longest example; max_length is added); ()
+    # pads every batch to task.max_length. Regroups the examples: changes the results.
+    "data.bucket_lengths": Field(
+        "tuple",
+        default=(),
+        valid="a tuple of increasing lengths in [1, task.max_length] (() = off)",
+        check=lambda lengths: all(_is_int(n) for n in lengths),
+    ),
+    "data.bucket_window": _int(16, 1),  # >= 1 global batches sorted (or packed) together
+    # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes
+    # none / absolute / t5_bias / rope / kernelized_rpe): several examples per row.
+    "data.pack": _bool(False),
+    # The paper's cell and numbers (configs/common.set_paper), read by the tables; only the
+    # configs of a paper's table have them.
+    "experiment": _block(trajectory=False, base=False),
+    "experiment.row": _str("", valid="a row label", trajectory=False),
+    "experiment.col": _str("", valid="a column label", trajectory=False),
+    "paper": _block(trajectory=False, base=False),
+    "paper.table": _str("", valid="a table label", trajectory=False),
+    "paper.metric": _str("", valid="a metric name", trajectory=False),
+    "paper.results": _block(trajectory=False),  # "<row>|<col>" -> number
 }
 # Blocks whose fields are not declared one by one.
 OPEN_BLOCKS = ("paper.results",)
 
-# model.kernel_options (fastpos.ops.features.OPTION_DEFAULTS).
+# model.kernel_options (fastpos.ops.features.OPTION_DEFAULTS, a test holds them equal).
 KERNEL_OPTIONS: dict[str, Field] = {
-    "num_features": _int(1),
-    "nu": _int(1),
-    "eps": _float(0, low_open=True),
-    "redraw": _BOOL,
-    "seed": _SEED,
+    "num_features": _int(64, 1),  # m, the random features (favor, prf, trf, nprf, orf)
+    "nu": _int(1, 1),  # DPFP's nu
+    "eps": _float(1e-6, 0, low_open=True),  # the denominator guard
+    "redraw": _bool(False),  # redraw the random projections every training step
+    "seed": _seed(),  # seeds the random projections
 }
 
-_SPLIT_SIZES = {"num_train": _int(0), "num_validation": _int(0), "num_test": _int(0)}
-_TFDS = {
-    "data_dir": _PATH,
-    "cache_dir": _FREE_PATH,
-    "validation_fraction": _float(0, 1, low_open=True, high_open=True),
-    "validation_seed": _SEED,
-}
-_OVERFLOW = _str(("truncate", "error"))
 
-# config.task, by task name (each task module's default_config()); "name" is every task's.
+def _splits() -> dict[str, Field]:
+  """Examples per split, 0 meaning the loader's default (all of a file)."""
+  return {k: _int(0, 0) for k in ("num_train", "num_validation", "num_test")}
+
+
+def _tfds() -> dict[str, Field]:
+  return {
+      # Data root holding tfds/<dataset>/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
+      "data_dir": _path(),
+      "cache_dir": _path(trajectory=False),  # decoded splits are cached here ("": default)
+      # Share of tfds train held out as the validation split (0.1: LRA's train[90%:]).
+      "validation_fraction": _float(0.1, 0, 1, low_open=True, high_open=True),
+      "validation_seed": _seed(),  # which train examples are held out (not the training seed)
+  }
+
+
+_OVERFLOW = ("truncate", "error")
+
+# config.task, by task name (the block of fastpos.tasks.<module>.<Task>.default_config());
+# "name" is every task's.
 TASK_FIELDS: dict[str, dict[str, Field]] = {
     "synthetic": {
-        "vocab_size": _int(4),
-        "num_classes": _int(2),
-        "min_length": _int(1),
-        "max_length": _int(1),
-        "num_train": _int(1),
-        "num_validation": _int(1),
-        "num_test": _int(1),
-        "seed": _SEED,
+        "vocab_size": _int(16, 4),  # token ids 0..vocab_size-1; 0 is padding
+        "num_classes": _int(4, 2),  # class tokens are ids 1..num_classes
+        "min_length": _int(16, 1),  # shortest sequence (before padding)
+        "max_length": _int(32, 1),  # longest sequence = padded length
+        "num_train": _int(4096, 1),  # examples per split
+        "num_validation": _int(512, 1),
+        "num_test": _int(500, 1),
+        "seed": _seed(),  # data seed (independent of the training seed)
     },
     "listops": {
-        "source": _str(("generated", "tsv")),
-        "data_dir": _PATH,
-        "cache_dir": _FREE_PATH,
-        "max_length": _int(1),
-        "min_length": _int(1),
-        **_SPLIT_SIZES,
-        "seed": _SEED,
-        "on_overflow": _OVERFLOW,
-        "parens": _BOOL,
+        # "generated": the project's own generator (deterministic from `seed`); "tsv": the LRA
+        # release (basic_train.tsv, basic_val.tsv, basic_test.tsv) under the data root.
+        "source": _str("generated", ("generated", "tsv")),
+        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data);
+        # source="tsv" reads <root>/lra_release/listops-1000/basic_{train,val,test}.tsv.
+        "data_dir": _path(),
+        "cache_dir": _path(trajectory=False),  # generated / tokenised splits ("" = no cache)
+        "max_length": _int(2000, 1),  # padded length (LRA: 2000)
+        "min_length": _int(500, 1),  # shortest generated expression in tokens (LRA: 500)
+        # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
+        **_splits(),
+        "seed": _seed(),  # generator seed (independent of the training seed)
+        "on_overflow": _str("truncate", _OVERFLOW),  # longer expressions: truncate or error
+        # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]`
+        # is a token and the parentheses are dropped).
+        "parens": _bool(False),
     },
-    "lra_text": {**_TFDS, "max_length": _int(1), "on_overflow": _OVERFLOW},
-    "lra_image": dict(_TFDS),
-    "mnist": dict(_TFDS),
+    "lra_text": {
+        **_tfds(),
+        "max_length": _int(4000, 1),  # bytes per review, padded / truncated (LRA: 4000)
+        "on_overflow": _str("truncate", _OVERFLOW),  # longer reviews: "truncate" (LRA) or error
+    },
+    "lra_image": _tfds(),
+    "mnist": _tfds(),
     "wikitext103": {
-        "data_dir": _PATH,
-        "cache_dir": _FREE_PATH,
-        "segment_length": _int(1),
-        "vocab_size": _int(4),
-        "eval_stride": _int(0),
+        "data_dir": _path(),  # data root holding wikitext-103/wiki.*.tokens ("": default)
+        "cache_dir": _path(trajectory=False),  # vocabulary + id streams ("" = paths.cache_dir)
+        # Tokens per example (the model's max_length; Transformer-XL's tgt_len). 512 as in the
+        # PermuteFormer and LRPE WikiText-103 runs (fairseq tokens_per_sample).
+        "segment_length": _int(512, 1),
+        # Ids: padding, <unk>, <eos> and the vocab_size - 3 most frequent train words (the
+        # rest -> <unk>). 267_737 keeps every word of the release; it must not exceed what the
+        # train file gives (the error names that number).
+        "vocab_size": _int(267_737, 4),
+        # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+        # every S tokens, each scoring its last S (every token once, >= L - S of context).
+        "eval_stride": _int(0, 0),
     },
     "lra_retrieval": {
-        "data_dir": _PATH,
-        "cache_dir": _FREE_PATH,
-        "max_length": _int(1),
-        "on_overflow": _OVERFLOW,
-        **_SPLIT_SIZES,
+        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
+        # <root>/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv.
+        "data_dir": _path(),
+        "cache_dir": _path(trajectory=False),  # tokenised splits ("" = paths.cache_dir)
+        "max_length": _int(4000, 1),  # bytes kept per document (LRA: 4000)
+        # Longer documents: "truncate" (counted warning) or "error".
+        "on_overflow": _str("truncate", _OVERFLOW),
+        # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).
+        **_splits(),
     },
     "pathfinder": {
-        "data_dir": _PATH,
-        "cache_dir": _FREE_PATH,
-        "resolution": Field("int", choices=(32, 64, 128, 256)),
-        "difficulty": _str(("easy", "intermediate", "hard")),
-        "split_order": _str(("lra", "metadata")),
-        "num_threads": _int(1, trajectory=False),
+        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
+        # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
+        "data_dir": _path(),
+        "cache_dir": _path(trajectory=False),  # decoded images ("" = paths.cache_dir)
+        # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
+        "resolution": Field("int", default=32, choices=(32, 64, 128, 256)),
+        # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
+        # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).
+        "difficulty": _str("hard", ("easy", "intermediate", "hard")),
+        # "lra": LRA's tfds order and 80/10/10 slices; "metadata": file order, same slices.
+        "split_order": _str("lra", ("lra", "metadata")),
+        "num_threads": _int(8, 1, trajectory=False),  # PNG decoding threads (first load only)
     },
     "mqar": {
-        "variant": _str(("mqar", "copy")),
-        "vocab_size": _int(5),
-        "seq_len": _int(4),
-        "num_pairs": _int(1),
-        "num_queries": _int(0),
-        "copy_length": _int(0),
-        "num_train": _int(1),
-        "num_validation": _int(1),
-        "num_test": _int(1),
-        "seed": _SEED,
+        "variant": _str("mqar", ("mqar", "copy")),  # associative recall, or segment-marker-copy
+        # Token ids 0..vocab_size-1 (0 pad, 1 blank, 2 marker; 32 keys, 32 values).
+        "vocab_size": _int(67, 5),
+        "seq_len": _int(64, 4),  # tokens per example (the padded length)
+        "num_pairs": _int(8, 1),  # mqar: key-value pairs at the start
+        "num_queries": _int(0, 0),  # mqar: queries in the query region; 0 means num_pairs
+        # copy: segment length; 0 means the longest that fits, (seq_len - 1) // 2.
+        "copy_length": _int(0, 0),
+        "num_train": _int(20_000, 1),  # examples per split
+        "num_validation": _int(1000, 1),
+        "num_test": _int(1000, 1),
+        "seed": _seed(),  # data seed (independent of the training seed)
     },
     "text_lm": {
-        "paths": _str(valid="UTF-8 text files and / or folders, comma-separated"),
-        "include": _str(valid="comma-separated fnmatch patterns"),
-        "level": _str(("byte", "word")),
-        "vocab_size": _int(0),
-        "validation_fraction": _float(0, 1, low_open=True, high_open=True),
-        "test_fraction": _float(0, 1, high_open=True),
-        "cache_dir": _FREE_PATH,
-        "segment_length": _int(1),
-        "eval_stride": _int(0),
+        # UTF-8 text files and / or folders, comma-separated, read in this order (required).
+        "paths": _str("", valid="UTF-8 text files and / or folders, comma-separated"),
+        # In folders: file-name patterns, comma-separated ("*": every file).
+        "include": _str("*.txt", valid="comma-separated fnmatch patterns"),
+        # "byte" (UTF-8 bytes + 1, 257 ids) or "word" (WikiText-103's rules).
+        "level": _str("byte", ("byte", "word")),
+        # Ids. byte: 0 (= 257). word: padding, <unk>, <eos> and the vocab_size - 3 most
+        # frequent train words (the rest -> <unk>); above what the train text gives is an
+        # error naming it.
+        "vocab_size": _int(0, 0),
+        # Contiguous byte fractions of the text (train first), cut at line starts; test may
+        # be 0; validation_fraction + test_fraction < 1.
+        "validation_fraction": _float(0.1, 0, 1, low_open=True, high_open=True),
+        "test_fraction": _float(0.1, 0, 1, high_open=True),
+        "cache_dir": _path(trajectory=False),  # word level: vocabulary + id streams
+        "segment_length": _int(256, 1),  # tokens per example (the model's max_length)
+        # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+        # every S tokens, each scoring its last S (every token once, >= L - S of context).
+        "eval_stride": _int(0, 0),
     },
 }
-_TASK_NAME = _str(tuple(TASK_FIELDS))
+_TASK_NAME = _str("", tuple(TASK_FIELDS))
+
+
+# ---------------------------------------------------------------------------------------------
+# The configs built from the declarations
+# ---------------------------------------------------------------------------------------------
+def _tree(decls: Mapping[str, Field]) -> dict:
+  """Nested dicts of the declarations' defaults (blocks empty), in declaration order."""
+  root: dict = {}
+  for path, decl in decls.items():
+    *parents, last = path.split(".")
+    node = root
+    for part in parents:
+      node = node[part]
+    node[last] = {} if decl.type == "block" else decl.default
+  return root
+
+
+def _config_dict(tree: dict):
+  # Imported on use: fastpos.tasks (numpy only) imports this module for its declarations.
+  import ml_collections  # pylint: disable=import-outside-toplevel
+
+  return ml_collections.ConfigDict(tree)
+
+
+def task_config(name: str):
+  """The default ``config.task`` block of task ``name`` (a ConfigDict, ``name`` first)."""
+  if name not in TASK_FIELDS:
+    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_FIELDS)}.")
+  return _config_dict({"name": name, **_tree(TASK_FIELDS[name])})
+
+
+def model_config():
+  """The base ``config.model`` (LRA's small encoder: 4 layers, width 256, 4 heads)."""
+  model = _tree({k: v for k, v in FIELDS.items() if k.split(".")[0] == "model"})["model"]
+  model["kernel_options"] = _tree(KERNEL_OPTIONS)
+  return _config_dict(model)
+
+
+def base_config(task: str):
+  """The complete base config of a run on task ``task``: every field of ``FIELDS`` at its
+  default, ``config.task`` the task's block (``task_config``)."""
+  skip = {p.split(".")[0] for p, d in FIELDS.items() if not d.base}
+  root = _tree({k: v for k, v in FIELDS.items() if k.split(".")[0] not in skip})
+  root["model"]["kernel_options"] = _tree(KERNEL_OPTIONS)
+  cfg = _config_dict(root)
+  cfg.task = task_config(task)
+  return cfg
 
 
 def field(path: str, task: str | None = None) -> Field | None:
@@ -361,6 +544,12 @@ def check(cfg: Mapping) -> None:
   task = block["name"] if "name" in block else None
   if not _TASK_NAME.is_valid(task):
     raise ConfigValueError(error("task.name", _TASK_NAME, task))
+  missing = [k for k in TASK_FIELDS[task] if k not in block]
+  if missing:
+    raise ConfigValueError(
+        f"config.task lacks field(s) {', '.join(missing)} of task {task!r}; build the block "
+        f"with fastpos.config_schema.task_config({task!r}) (base_config gives it)."
+    )
   for path, value in leaves(cfg):
     decl = field(path, task)
     if decl is None:

@@ -28,17 +28,15 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from fastpos import config_schema  # noqa: E402
-from fastpos.train import cli, errors, sharding  # noqa: E402
+from fastpos.train import cli, errors, program, sharding  # noqa: E402
 from fastpos.train import metrics as metrics_lib  # noqa: E402
 from fastpos.train import trainer as trainer_lib  # noqa: E402
 from fastpos.train import workdir as workdir_lib  # noqa: E402
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
-_CONFIG = flags.DEFINE_string(
-    "config",
-    None,
+_CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "
-    "Override fields with --config.<field>=<value>",
+    "Override fields with --config.<field>=<value>"
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "a workdir written by train.py (an lm task)")
 _PROMPT = flags.DEFINE_string(
@@ -220,9 +218,10 @@ def check_flags(num_tokens, temperature, top_k, top_p, tolerance, seed=0):
     raise errors.RunError(str(e)) from None
 
 
-def main(argv: cli.Argv) -> int:
-  workdir = cli.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
-  prompt_text = cli.require("prompt", _PROMPT.value, '--prompt="the game" or --prompt="5 9 2"')
+def main(argv: list[str]) -> int:
+  program.no_extra_args(argv)
+  workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+  prompt_text = program.require("prompt", _PROMPT.value, '--prompt="the game" or --prompt="5 9 2"')
   check_flags(
       _NUM_TOKENS.value,
       _TEMPERATURE.value,
@@ -240,15 +239,13 @@ def main(argv: cli.Argv) -> int:
         else "does not exist"
     )
     raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
-  spec = _CONFIG.value or os.path.join(workdir, "config.json")
-  if not _CONFIG.value and not os.path.isfile(spec):
+  cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
+  if cfg is None:
     raise errors.RunError(
         f"--workdir={workdir} has no config.json (train.py writes it when a "
         "run starts); give the workdir of a run, or its config with "
         "--config=configs/<experiment>.py."
     )
-  cfg = cli.load_config(spec, argv.overrides)
-  cli.no_extra_args(argv)
   sharding.maybe_initialize_distributed()
   run = build(cfg, workdir)
   model, info = run.model, run.info
@@ -301,4 +298,4 @@ def main(argv: cli.Argv) -> int:
 
 
 if __name__ == "__main__":
-  cli.run(main, "generate.py")
+  program.run(main, "generate.py", cli.with_saved_config)

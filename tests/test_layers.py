@@ -7,11 +7,11 @@
 
   layer        where                   may import (besides itself)
   train        fastpos/train/          every layer
-  models       fastpos/models/         positional, ops; fastpos.tasks.info
+  models       fastpos/models/         positional, ops; fastpos.tasks.info, config_schema
   positional   fastpos/positional/     ops (the scheme registry and the kernel x scheme table,
                                        positional.compatibility, included)
   ops          fastpos/ops/            nothing of fastpos
-  tasks        fastpos/tasks/          nothing of fastpos
+  tasks        fastpos/tasks/          config_schema (the config's declarations, a leaf)
   bench        fastpos/bench/          every layer, plots
   sweep        fastpos/sweep/          train (config loading, exit codes)
   plots        fastpos/plots.py        nothing of fastpos (matplotlib helpers)
@@ -41,8 +41,8 @@ PACKAGE = ROOT / "fastpos"
 ALLOWED = {
     "ops": {"ops"},
     "positional": {"positional", "ops"},
-    "models": {"models", "positional", "ops"},
-    "tasks": {"tasks"},
+    "models": {"models", "positional", "ops", "config_schema"},
+    "tasks": {"tasks", "config_schema"},
     "train": {"train", "models", "positional", "ops", "tasks", "config_schema"},
     "bench": {"bench", "train", "models", "positional", "ops", "tasks", "plots", "config_schema"},
     "sweep": {"sweep", "train", "config_schema"},

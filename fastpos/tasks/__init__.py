@@ -1,9 +1,10 @@
 """Tasks: data plus a metric, one module per task, found by name (``config.task.name``).
 
-``make_task(config.task)`` builds a task (``fastpos.tasks.base.Task``); ``task_info(config.task)``
-gives its ``TaskInfo`` without reading any data; ``task_config(name)`` is the task's default
-``config.task`` block for experiment files. A new task is a module with a ``Task`` subclass
-listed in ``TASK_MODULES``.
+``make_task(config.task)`` builds a task (``fastpos.tasks.base.Task``) from its complete block;
+``task_info(config.task)`` gives its ``TaskInfo`` without reading any data; ``task_config(name)``
+is the task's default ``config.task`` block (``fastpos.config_schema.task_config``, where every
+task's fields are declared). A new task is a module with a ``Task`` subclass listed in
+``TASK_MODULES`` and its fields in ``fastpos.config_schema.TASK_FIELDS``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from fastpos.config_schema import task_config
 from fastpos.tasks.base import SPLITS, ArraySource, Task
 from fastpos.tasks.info import TaskInfo
 
@@ -44,11 +46,6 @@ def get_task_class(name: str) -> type[Task]:
   return getattr(importlib.import_module(module), cls)
 
 
-def task_config(name: str) -> ml_collections.ConfigDict:
-  """The default ``config.task`` block of task ``name`` (every field commented in its module)."""
-  return get_task_class(name).default_config()
-
-
 def task_info(cfg: ml_collections.ConfigDict) -> TaskInfo:
   """The ``TaskInfo`` of ``config.task`` (no data read)."""
   return get_task_class(cfg.get("name")).info_from_config(cfg)
@@ -58,11 +55,11 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
   """Builds the task ``cfg.name`` from its config block (data are read on first use)."""
   name = cfg.get("name")
   cls = get_task_class(name)
-  unknown = sorted(set(cfg.keys()) - set(cls.default_config().keys()))
-  if unknown:
+  unknown = sorted(set(cfg.keys()) - set(task_config(name).keys()))
+  if unknown:  # a typo must not be ignored
     raise ValueError(
         f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
-        f"fields: {', '.join(sorted(cls.default_config().keys()))}."
+        f"fields: {', '.join(sorted(task_config(name).keys()))}."
     )
   return cls(cfg)
 

@@ -13,10 +13,11 @@ that grain reads. Every example of a task has the same fields and fixed shapes:
 The trainer adds ``weight`` (1.0 for a real example, 0.0 for the padding that fills the last
 evaluation batch).
 
-A task class declares its config fields in ``default_config()`` (the ``config.task`` block of an
-experiment, every field commented) and must be able to say its ``TaskInfo`` from that config
-alone (``info_from_config``), without reading any data, so that models can be built and
-configs checked before data are loaded.
+A task's config fields (the ``config.task`` block of an experiment) are declared, each with its
+default, comment and valid values, in ``fastpos.config_schema.TASK_FIELDS[task_name]``
+(``default_config()`` builds the block); the class must be able to say its ``TaskInfo`` from
+that config alone (``info_from_config``), without reading any data, so that models can be
+built and configs checked before data are loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import numpy as np
 
+from fastpos import config_schema
 from fastpos.tasks.info import TaskInfo
 
 if TYPE_CHECKING:  # annotations only: importing fastpos.tasks needs numpy alone
@@ -100,9 +102,10 @@ class Task(abc.ABC):
     self._sources: dict[str, ArraySource] = {}
 
   @classmethod
-  @abc.abstractmethod
   def default_config(cls) -> ml_collections.ConfigDict:
-    """The task's ``config.task`` block with defaults; every field commented."""
+    """The task's ``config.task`` block with defaults (``fastpos.config_schema.TASK_FIELDS``,
+    where every field is declared and commented)."""
+    return config_schema.task_config(cls.task_name)
 
   @classmethod
   @abc.abstractmethod

@@ -140,18 +140,6 @@ class ImageTask(base.Task):
   spec: ClassVar[ImageSpec]
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # Data root holding tfds/<dataset>/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
-    c.data_dir = ""
-    c.cache_dir = ""  # decoded splits are cached here ("": paths.cache_dir)
-    # Share of tfds train held out as the validation split (0.1: LRA's train[90%:] share).
-    c.validation_fraction = 0.1
-    c.validation_seed = 0  # seeds which train images are held out (not the training seed)
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     tfds_source.check_fraction_and_seed(cfg.validation_fraction, cfg.validation_seed)
     s = cls.spec

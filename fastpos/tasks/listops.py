@@ -799,30 +799,6 @@ class ListOpsTask(base.Task):
   task_name = "listops"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # "generated": the project's own generator (deterministic from `seed`); "tsv": the LRA
-    # release (basic_train.tsv, basic_val.tsv, basic_test.tsv) under the data root.
-    c.source = "generated"
-    # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data); source="tsv"
-    # reads <root>/lra_release/listops-1000/basic_{train,val,test}.tsv.
-    c.data_dir = ""
-    c.cache_dir = ""  # where generated / tokenised splits are cached ("" = no cache)
-    c.max_length = 2000  # padded length (LRA: 2000)
-    c.min_length = 500  # shortest generated expression in tokens (LRA: 500)
-    # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
-    c.num_train = 0
-    c.num_validation = 0
-    c.num_test = 0
-    c.seed = 0  # generator seed (independent of the training seed)
-    c.on_overflow = "truncate"  # longer expressions: "truncate" or "error"
-    # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]` is
-    # a token and the parentheses are dropped).
-    c.parens = False
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     return TaskInfo(
         kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES, max_length=cfg.max_length

@@ -43,22 +43,6 @@ class MqarTask(base.Task):
   task_name = "mqar"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    c.variant = "mqar"  # "mqar" (associative recall) or "copy" (segment, marker, segment)
-    c.vocab_size = 67  # token ids 0..vocab_size-1 (0 pad, 1 blank, 2 marker; 32 keys, 32 values)
-    c.seq_len = 64  # tokens per example (the padded length)
-    c.num_pairs = 8  # mqar: key-value pairs at the start
-    c.num_queries = 0  # mqar: queries in the query region; 0 means num_pairs
-    c.copy_length = 0  # copy: segment length; 0 means the longest that fits, (seq_len - 1) // 2
-    c.num_train = 20_000  # examples per split
-    c.num_validation = 1000
-    c.num_test = 1000
-    c.seed = 0  # data seed (independent of the training seed)
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     check_options(**options(cfg))
     return TaskInfo(kind="lm", vocab_size=cfg.vocab_size, max_length=cfg.seq_len)

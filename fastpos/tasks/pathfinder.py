@@ -333,23 +333,6 @@ class PathfinderTask(base.Task):
   task_name = TASK
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
-    # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
-    c.data_dir = ""
-    c.cache_dir = ""  # decoded images; "" = ~/.cache/fastpos/pathfinder (paths.cache_dir)
-    c.resolution = 32  # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256
-    # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
-    # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).
-    c.difficulty = "hard"
-    # "lra": LRA's tfds order and 80/10/10 slices; "metadata": file order, same slices.
-    c.split_order = "lra"
-    c.num_threads = 8  # PNG decoding threads (first load only)
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     _check_choice("resolution", cfg.resolution, RESOLUTIONS)
     _check_choice("difficulty", cfg.difficulty, tuple(DIFFICULTIES))

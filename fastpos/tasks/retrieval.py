@@ -351,22 +351,6 @@ class RetrievalTask(base.Task):
   task_name = TASK
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
-    # <root>/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv.
-    c.data_dir = ""
-    c.cache_dir = ""  # tokenised splits; "" = ~/.cache/fastpos/lra_retrieval (paths.cache_dir)
-    c.max_length = 4000  # bytes kept per document (LRA: 4000)
-    c.on_overflow = "truncate"  # longer documents: "truncate" (counted warning) or "error"
-    # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).
-    c.num_train = 0
-    c.num_validation = 0
-    c.num_test = 0
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     _check_int("max_length", cfg.max_length, 1)
     for name in ("num_train", "num_validation", "num_test"):

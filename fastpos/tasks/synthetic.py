@@ -26,20 +26,6 @@ class SyntheticTask(base.Task):
   task_name = "synthetic"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    c.vocab_size = 16  # token ids 0..vocab_size-1; 0 is padding
-    c.num_classes = 4  # class tokens are ids 1..num_classes
-    c.min_length = 16  # shortest sequence (before padding)
-    c.max_length = 32  # longest sequence = padded length
-    c.num_train = 4096  # examples per split
-    c.num_validation = 512
-    c.num_test = 500
-    c.seed = 0  # data seed (independent of the training seed)
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     if cfg.num_classes < 2 or cfg.vocab_size < cfg.num_classes + 2:
       raise ValueError(

@@ -131,20 +131,6 @@ class TextTask(base.Task):
   task_name = "lra_text"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # Data root holding tfds/imdb_reviews/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
-    c.data_dir = ""
-    c.cache_dir = ""  # tokenised splits are cached here ("": paths.cache_dir)
-    c.max_length = 4000  # bytes per review, padded / truncated (LRA: 4000)
-    c.on_overflow = "truncate"  # longer reviews: "truncate" (LRA) or "error"
-    # Share of tfds train held out as the validation split (0.1: 22,500 / 2,500).
-    c.validation_fraction = 0.1
-    c.validation_seed = 0  # seeds which train reviews are held out (not the training seed)
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     ml = cfg.max_length
     if isinstance(ml, bool) or not isinstance(ml, (int, np.integer)) or ml < 1:

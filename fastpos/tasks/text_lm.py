@@ -298,27 +298,6 @@ class TextLmTask(base.Task):
   metric_mode = "min"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    # UTF-8 text files and / or folders, comma-separated, read in this order (required).
-    c.paths = ""
-    c.include = "*.txt"  # in folders: file-name patterns, comma-separated ("*": every file)
-    c.level = "byte"  # "byte" (UTF-8 bytes + 1, 257 ids) or "word" (WikiText-103's rules)
-    # Ids. byte: 0 (= 257). word: padding, <unk>, <eos> and the vocab_size - 3 most frequent
-    # train words (the rest -> <unk>); above what the train text gives is an error naming it.
-    c.vocab_size = 0
-    # Contiguous byte fractions of the text (train first), cut at line starts; test may be 0.
-    c.validation_fraction = 0.1  # in (0, 1)
-    c.test_fraction = 0.1  # in [0, 1); validation_fraction + test_fraction < 1
-    c.cache_dir = ""  # word level: vocabulary + id streams ("" = paths.cache_dir)
-    c.segment_length = 256  # tokens per example (the model's max_length)
-    # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
-    # every S tokens, each scoring its last S (every token once, >= L - S tokens of context).
-    c.eval_stride = 0
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     _check_config(cfg)
     return TaskInfo(

@@ -404,24 +404,6 @@ class WikiTextTask(base.Task):
   metric_mode = "min"
 
   @classmethod
-  def default_config(cls) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = cls.task_name
-    c.data_dir = ""  # data root holding wikitext-103/wiki.*.tokens ("" = $FASTPOS_DATA_DIR)
-    c.cache_dir = ""  # vocabulary + id streams ("" = paths.cache_dir)
-    # Tokens per example (the model's max_length; Transformer-XL's tgt_len). 512 as in the
-    # PermuteFormer and LRPE WikiText-103 runs (fairseq tokens_per_sample).
-    c.segment_length = 512
-    # Ids: padding, <unk>, <eos> and the vocab_size - 3 most frequent train words (the rest
-    # -> <unk>). 267_737 keeps every word of the release; it must not exceed what the train
-    # file gives (the error names that number).
-    c.vocab_size = RELEASE_VOCAB_SIZE
-    # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
-    # every S tokens, each scoring its last S (every token once, >= L - S tokens of context).
-    c.eval_stride = 0
-    return c
-
-  @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
     for name, low in (("segment_length", 1), ("vocab_size", NUM_SPECIAL + 1)):
       value = cfg[name]

@@ -1,63 +1,36 @@
-"""Command-line plumbing shared by ``train.py`` and ``eval.py``.
+"""The config on the command line: ``--config=<file.py[:arg] | config.json>`` and its overrides.
 
-- ``load_config(spec, overrides)``: a config from ``configs/<x>.py[:arg]`` (its
-  ``get_config(arg)``) or from a run's saved ``config.json``, then the ``--config.<field>=<value>``
-  overrides, each typed by the field it replaces. An unknown field, a value of the wrong type or
-  a missing file raises ``ConfigError`` naming it (with the close matches and the valid fields).
-  Options of a positional scheme can be set one at a time,
-  ``--config.model.positional_options.fastrpb.per_head=True``: the scheme's block is created
-  when missing and each option is checked against the scheme's own options and their types.
-- ``list_configs(folder)``: every config file with its first docstring line and its
-  arguments (``train.py --list_configs``).
-- ``run(main, prog)``: runs ``main`` under absl. A failure that is the user's (a bad config,
-  flag, data file or workdir: ``RunError`` and the errors listed in ``user_exit_code``) prints
-  one line, ``<prog>: <message>``, to stderr and exits with its code from
-  ``fastpos.train.errors``; nothing is printed at shutdown after it (no traceback from
-  background threads). Any other exception is a bug: its traceback is printed, exit 1.
+ml_collections' ``config_flags.DEFINE_config_file`` defines the flag, finds each
+``--config.<field>=<value>`` (also ``--config.<field> <value>``, ``--[no]config.<bool field>``)
+and parses the value by the type of the field it replaces. This module adds what the library
+does not do: reading the value (``fastpos.train.config_files``: a config file with one-line
+errors, or a run's saved config.json); every positional scheme's options pre-declared, typed by
+its ``option_spec``, so that ``--config.model.positional_options.<scheme>.<option>=<value>`` is
+an ordinary typed field (``config_of`` drops the options left unset, and those of a scheme a
+``--config.model.positional`` override took out of the list); hints for an override that names
+no field, before the library sees it; the schema check of the result before anything is built.
+``load_config(spec, overrides)`` does the same for Python callers (tests, the sweep planner).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import dataclasses
 import difflib
-import errno
-import importlib.util
-import json
-import logging as py_logging
 import os
 import re
 import sys
-import threading
-import traceback
-import warnings
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import ml_collections
-from absl import app, flags, logging
+from absl import flags
+from ml_collections import config_flags
 
 from fastpos.train import config as config_lib
-from fastpos.train import config_record, errors
-from fastpos.train import workdir as workdir_lib
+from fastpos.train.config_files import ConfigError, read
 
-# The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
-_OVERRIDE = re.compile(r"^--?(no)?config\.([A-Za-z0-9_.]+)(?:=(.*))?$", re.DOTALL)
-_TRUE = ("true", "t", "yes", "y", "1")
-_FALSE = ("false", "f", "no", "n", "0")
-_OPTIONS_BLOCK = ("model", "positional_options")  # per-scheme options, by scheme name
-
-
-class ConfigError(errors.RunError):
-  """A config file, config argument or override that cannot be used (exit code 2)."""
-
-
-class Argv(list):
-  """The positional arguments ``main`` gets, with the ``--config.*`` overrides taken out of
-  the command line (absl does not know them) as (path, raw value or None, negated)."""
-
-  overrides: list[tuple[str, str | None, bool]]
+_OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")  # what config_flags takes as an override
+_OPTIONS = "model.positional_options"  # per-scheme options, by scheme name
+_OPTION_TYPES = {"bool": bool, "int": int, "number": float, "str": str, "any": object}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,646 +62,231 @@ def config_keys(cfg, prefix: str = "") -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading
+# The flag
 # ---------------------------------------------------------------------------------------------
-def _split_spec(spec: str) -> tuple[str, str | None]:
-  """``path[:arg]`` -> (path, arg); a path that exists as written keeps its colons."""
-  if os.path.exists(spec) or ":" not in spec:
-    return spec, None
-  path, arg = spec.split(":", 1)
-  return path, arg
+class _Parser(flags.ArgumentParser):
+  """``--config``'s value: the config read, scheme options declared, the overrides in ``argv``
+  (``sys.argv`` when None; what config_flags reads) checked to be fields."""
+
+  def __init__(self, argv: list[str] | None):
+    self.argv = argv
+
+  def parse(self, argument):
+    if isinstance(argument, ml_collections.ConfigDict):
+      return argument
+    cfg = read(argument)
+    _declare_options(cfg)
+    for arg, path in overrides_in(self.argv if self.argv is not None else sys.argv):
+      _check_path(cfg, path, arg)
+    return cfg
+
+  def flag_type(self) -> str:
+    return "config file"
 
 
-def _is_config_file(path: Path) -> bool:
-  """A config file defines get_config (not configs/common.py or the package's __init__.py)."""
-  try:
-    return "def get_config(" in path.read_text(encoding="utf-8")
-  except (OSError, UnicodeDecodeError):
-    return False
-
-
-def _missing_file(path: str, spec: str) -> ConfigError:
-  folder = Path(path).parent if str(Path(path).parent) not in ("", ".") else Path("configs")
-  candidates = (
-      sorted(p.as_posix() for p in folder.glob("*.py") if _is_config_file(p))
-      if folder.is_dir()
-      else []
+def define_config_flag(
+    help_string: str, flag_values: flags.FlagValues = flags.FLAGS, argv: list[str] | None = None
+) -> flags.FlagHolder:
+  """``--config`` (``config_flags.DEFINE_config_file``) read by this module's parser; its
+  value becomes a checked config through ``config_of``."""
+  holder = config_flags.DEFINE_config_file(
+      "config", None, help_string, flag_values, lock_config=False, sys_argv=argv
   )
-  close = difflib.get_close_matches(path, candidates, n=3, cutoff=0.75)
-  hint = (
-      f"did you mean {' or '.join(close)}?"
-      if close
-      else f"the configs are {', '.join(candidates[:20])}."
-      if candidates
-      else "give the path of a configs/<experiment>.py file (relative to the current folder, "
-      f"{os.getcwd()}) or of a run's config.json."
-  )
-  return ConfigError(f"--config={spec}: config file {path!r} not found; {hint}")
+  flag_values["config"].parser = _Parser(argv)
+  return holder
 
 
-def _tuples(value: Any) -> Any:
-  """JSON values back to config values: lists were tuples (configs hold no lists)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
-def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``), with the
-  changes its resumes recorded beside it (``config_changes.jsonl``) applied."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      values = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise ConfigError(
-        f"{os.fspath(path)} is not a readable config.json ({e}); it is written "
-        "by train.py: use the run's own file or the configs/*.py it was made "
-        "from."
-    ) from None
-  if not isinstance(values, dict):
-    raise ConfigError(
-        f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
-        "(an object of fields)."
-    )
-  if Path(path).name == config_record.CONFIG_NAME:  # a run's: with the changes of its resumes
-    values = config_record.apply_changes(values, config_record.read_changes(Path(path).parent))
-  return ml_collections.ConfigDict(_tuples(values))
-
-
-@contextlib.contextmanager
-def _package_importable(path: str):
-  """While loading a config file that sits in a package (``configs/__init__.py``), the folder
-  above the package is first on ``sys.path``, so that ``from configs import common`` works
-  from any current folder; a same-named package loaded from elsewhere is dropped first."""
-  folder = Path(path).resolve().parent
-  if not (folder / "__init__.py").is_file():
-    yield
-    return
-  loaded = sys.modules.get(folder.name)
-  if loaded is not None and Path(getattr(loaded, "__file__", None) or "").parent != folder:
-    for key in [k for k in sys.modules if k == folder.name or k.startswith(folder.name + ".")]:
-      del sys.modules[key]
-  root = str(folder.parent)
-  sys.path.insert(0, root)
-  try:
-    yield
-  finally:
-    sys.path.remove(root)  # the first occurrence: the one inserted here
-
-
-def load_module(path: str, spec: str | None = None):
-  """The module of config file ``path`` (executed; its package importable)."""
-  spec = spec or path
-  name = "fastpos_config_" + re.sub(r"\W", "_", Path(path).stem)
-  module_spec = importlib.util.spec_from_file_location(name, path)
-  if module_spec is None or module_spec.loader is None:
-    raise ConfigError(
-        f"--config={spec}: {path!r} is not a Python config file (configs/*.py) " "or a config.json."
-    )
-  module = importlib.util.module_from_spec(module_spec)
-  try:
-    with _package_importable(path):
-      module_spec.loader.exec_module(module)
-  except SyntaxError as e:
-    raise ConfigError(
-        f"--config={spec}: {e.filename}:{e.lineno}: syntax error: {e.msg}; fix " "the config file."
-    ) from None
-  except ImportError as e:
-    raise ConfigError(
-        f"--config={spec}: {_where(e, path)}imports {e.name or 'a module'!r}, "
-        f"which is not installed or not found ({e}); fix the import or install "
-        "it."
-    ) from None
-  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
-    raise ConfigError(
-        f"--config={spec}: {_where(e, path)}loading the file raised "
-        f"{type(e).__name__}: {e}; fix the config file."
-    ) from None
-  return module
-
-
-def _where(e: BaseException, path: str) -> str:
-  """ "<file>:<line>: " of the config file's frame nearest the error (or "")."""
-  frames = traceback.extract_tb(e.__traceback__)
-  target = os.path.realpath(path)
-  own = [f for f in frames if os.path.realpath(f.filename) == target]
-  frame = (own or frames or [None])[-1]
-  return f"{frame.filename}:{frame.lineno}: " if frame is not None else ""
-
-
-def _from_python(path: str, arg: str | None, spec: str) -> ml_collections.ConfigDict:
-  module = load_module(path, spec)
-  get_config = getattr(module, "get_config", None)
-  if not callable(get_config):
-    raise ConfigError(
-        f"--config={spec}: {path} defines no get_config(arg=None); a config "
-        "file returns its ConfigDict from get_config."
-    )
-  try:
-    cfg = get_config(arg) if arg is not None else get_config()
-  except ValueError as e:  # parse_arg: an unknown or ill-typed config argument
-    raise ConfigError(f"--config={spec}: {e} Fix the part after ':'.") from None
-  except Exception as e:  # pylint: disable=broad-except  (the config file's own code failed)
-    raise ConfigError(
-        f"--config={spec}: {_where(e, path)}get_config raised "
-        f"{type(e).__name__}: {e}; fix the config file."
-    ) from None
-  if not isinstance(cfg, ml_collections.ConfigDict):
-    raise ConfigError(
-        f"--config={spec}: get_config returned {type(cfg).__name__}, not a " "ConfigDict."
-    )
-  try:
-    return config_lib.complete_task(cfg)  # the task's default fields the file leaves unset
-  except (ValueError, TypeError) as e:
-    raise ConfigError(f"--config={spec}: {e}") from None
-
-
-def list_configs(folder: str | os.PathLike) -> str:
-  """Every config file in ``folder`` (those defining ``get_config``) with the first sentence
-  of its docstring and its arguments: ``name=default`` (``ARGS``) and the valid values
-  (``CHOICES``)."""
-  lines = []
-  for path in sorted(p for p in Path(folder).glob("*.py") if _is_config_file(p)):
-    module = load_module(str(path))
-    paragraph = (module.__doc__ or "(no docstring)").strip().split("\n\n")[0]
-    shown_path = os.path.relpath(path)  # relative to the current folder when below it
-    shown_path = Path(path if shown_path.startswith("..") else shown_path).as_posix()
-    lines.append(f"{shown_path}: {' '.join(paragraph.split())}")
-    choices = getattr(module, "CHOICES", {})
-    for name, default in getattr(module, "ARGS", {}).items():
-      shown = str(default).lower() if isinstance(default, bool) else str(default)
-      valid = f"one of: {' '.join(map(str, choices[name]))}" if name in choices else ""
-      lines.append(f"    {name + '=' + shown:<22}{valid}".rstrip())
-  return "\n".join(lines) + "\n"
-
-
-def load_config(
-    spec: str, overrides: Sequence = (), *, lock: bool = True
-) -> ml_collections.ConfigDict:
-  """The config of ``--config=spec`` with ``overrides`` applied, locked (no new fields).
-
-  Args:
-    spec: ``path.py`` / ``path.py:arg`` (a config file and its ``get_config`` argument) or
-      ``path.json`` (a run's saved ``config.json``).
-    overrides: (path, raw value) pairs, or (path, raw value or None, negated) as ``Argv``
-      holds them; a mapping path -> raw value works too.
-
-  Raises:
-    ConfigError: naming the missing file, the bad argument, field or value, and the fix.
-  """
-  if not spec:
-    raise ConfigError(
-        "--config is empty; give configs/<experiment>.py[:variant] or a run's " "config.json."
-    )
-  path, arg = _split_spec(spec)
-  if workdir_lib.is_symlink_loop(path):
-    raise ConfigError(
-        f"--config={spec}: {path!r} is a symlink loop (its links point at each "
-        "other); fix the link or give the config file's real path."
-    )
-  if not os.path.isfile(path):
-    if os.path.isdir(path):
-      raise ConfigError(
-          f"--config={spec}: {path!r} is a folder; give a configs/*.py file or "
-          "a run's config.json (eval.py: --workdir alone loads its config.json)."
-      )
-    raise _missing_file(path, spec)
-  if path.endswith(".json"):
-    if arg is not None:
-      raise ConfigError(
-          f"--config={spec}: a config.json takes no ':{arg}' argument; it holds "
-          "the whole config (override fields with --config.<field>=<value>)."
-      )
-    cfg = config_from_json(path)
-  else:
-    cfg = _from_python(path, arg, spec)
-  if hasattr(overrides, "items"):
-    overrides = list(overrides.items())
-  with cfg.unlocked():
-    for item in overrides:
-      key, raw, negated = (tuple(item) + (False,))[:3]
-      apply_override(cfg, key, raw, negated=negated)
+def config_of(
+    holder: flags.FlagHolder, flag_values: flags.FlagValues = flags.FLAGS, *, lock: bool = True
+) -> ml_collections.ConfigDict | None:
+  """The config of a parsed ``--config`` with its overrides: unset scheme options dropped,
+  checked against the schema (``config_lib.validate``), locked. None without ``--config``."""
+  cfg = holder.value
+  if cfg is None:
+    return None
+  _finish_options(cfg, config_flags.get_override_values(flag_values[holder.name]))
   config_lib.validate(cfg)  # every value against its declared range, before anything is built
   if lock:
     cfg.lock()
   return cfg
 
 
-# ---------------------------------------------------------------------------------------------
-# Overrides
-# ---------------------------------------------------------------------------------------------
-def _flag(key: str, raw: str | None, negated: bool) -> str:
-  if raw is None:
-    return f"--{'no' if negated else ''}config.{key}"
-  return f"--config.{key}={raw}"
+def load_config(
+    spec: str, overrides: Sequence | Mapping = (), *, lock: bool = True
+) -> ml_collections.ConfigDict:
+  """The config of ``--config=spec`` with ``overrides`` applied, checked and locked.
 
+  Args:
+    spec: ``path.py`` / ``path.py:arg`` (a config file and its ``get_config`` argument) or
+      ``path.json`` (a run's saved ``config.json``).
+    overrides: (path, raw value) pairs, or (path, None, negated) for the bare boolean forms;
+      a mapping path -> raw value works too.
 
-def _literal(raw: str) -> Any:
-  if raw.strip() in ("true", "false"):  # absl's spelling of booleans
-    return raw.strip() == "true"
+  Raises:
+    ConfigError: naming the missing file, the bad argument, field or value, and the fix.
+  """
+  argv = ["fastpos", f"--config={spec}", *_override_args(overrides)]
+  flag_values = flags.FlagValues()
+  holder = define_config_flag("", flag_values, argv)
   try:
-    return ast.literal_eval(raw)
-  except (SyntaxError, ValueError):
-    return raw  # a bare word is a string
+    flag_values(argv)
+  except flags.Error as e:  # a value the field's type refuses, an override order
+    raise ConfigError(str(e)) from None
+  return config_of(holder, flag_values, lock=lock)
 
 
-def _parse_bool(raw: str, where: str) -> bool:
-  if raw.strip().lower() in _TRUE:
-    return True
-  if raw.strip().lower() in _FALSE:
-    return False
-  raise ConfigError(f"{where}: {raw!r} is not a boolean; use true or false.")
-
-
-def _parse_typed(raw: str, kind: type, where: str) -> Any:
-  """``raw`` as a value of ``kind`` (the type of the field it replaces)."""
-  if kind is bool:
-    return _parse_bool(raw, where)
-  if kind is int:
-    try:
-      return int(raw.strip())
-    except ValueError:
-      pass
-    try:
-      return int(raw.strip(), 0)  # 0x.., 0o.., 1_000
-    except ValueError:
-      raise ConfigError(f"{where}: {raw!r} is not an integer (the field is an int).") from None
-  if kind is float:
-    try:
-      return float(raw)
-    except ValueError:
-      raise ConfigError(
-          f"{where}: could not convert string to float: {raw!r}; the field is " "a float."
-      ) from None
-  if kind is str:
-    return raw
-  if kind is tuple or kind is list:
-    value = _literal(raw)
-    if isinstance(value, (tuple, list)):
-      return tuple(value)
-    raise ConfigError(
-        f"{where}: {raw!r} is not a tuple; write it as a Python tuple, e.g. "
-        '--config.x="(1, 2)" (or "()" for an empty one).'
-    )
-  if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
-    value = _literal(raw)
-    if not isinstance(value, dict):
-      raise ConfigError(
-          f"{where}: this is a block of fields; set one of them "
-          f"(--config.<block>.<field>=...) or give a dict literal."
-      )
-    return ml_collections.ConfigDict(value)
-  return _literal(raw)  # a None field (any type) or a type the config chose itself
-
-
-def _field_error(cfg, key: str, where: str, block: str) -> ConfigError:
-  """``key`` (a dotted path under ``block``) is not in the config."""
-  node = cfg
-  for part in block.split(".") if block else ():
-    node = node[part]
-  last = key.rsplit(".", 1)[-1]
-  prefix = f"{block}." if block else ""
-  # The fields beside it first; else a field of that name elsewhere (model.learning_rate).
-  close = [prefix + k for k in difflib.get_close_matches(last, list(node.keys()), n=3, cutoff=0.6)]
-  if not close:
-    by_name = {}
-    for k in config_keys(cfg):
-      by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
-    close = [
-        k
-        for n in difflib.get_close_matches(last, list(by_name), n=3, cutoff=0.8)
-        for k in by_name[n]
-    ][:3]
-  fields = ", ".join(node.keys())
-  name = f"config.{block}" if block else "the config"
-  mean = f" Did you mean {' or '.join(close)}?" if close else ""
-  return ConfigError(
-      f"{where}: {name} has no field {key.rsplit('.', 1)[-1]!r}.{mean} "
-      f"Fields of {name}: {fields}."
-  )
-
-
-def _scheme_option(cfg, key: str, parts: list[str], raw: str | None, negated: bool) -> None:
-  """Sets ``model.positional_options.<scheme>[.<option>]``, creating the scheme's block."""
-  from fastpos import positional  # pylint: disable=import-outside-toplevel
-
-  where = _flag(key, raw, negated)
-  scheme = parts[2]
-  if scheme not in positional.SCHEMES:
-    close = difflib.get_close_matches(scheme, list(positional.SCHEMES), n=3, cutoff=0.5)
-    mean = f" Did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(
-        f"{where}: unknown positional scheme {scheme!r}.{mean} Schemes: "
-        f"{', '.join(positional.SCHEMES)}."
-    )
-  block = cfg.model.positional_options
-  fields = {
-      f.name: f
-      for f in dataclasses.fields(positional.get_class(scheme))
-      if f.name in positional.option_names(scheme)
-  }
-  if len(parts) == 3:  # the whole block: a dict literal of options
-    if raw is None:
-      raise ConfigError(
-          f"{where}: needs a value, a dict of options such as "
-          f"\"{{'{next(iter(fields), 'option')}': ...}}\"."
-      )
-    value = _literal(raw)
-    if not isinstance(value, dict):
-      raise ConfigError(
-          f"{where}: {raw!r} is not a dict of options; set one option "
-          f"(--config.{key}.<option>=...) or give a dict literal."
-      )
-    for name in value:
-      if name not in fields:
-        raise _option_error(where, scheme, name, fields)
-    if scheme in block:
-      del block[scheme]
-    block[scheme] = ml_collections.ConfigDict(value)
-    return
-  if len(parts) != 4:
-    raise ConfigError(
-        f"{where}: options of a positional scheme are "
-        f"model.positional_options.<scheme>.<option>; {key!r} goes deeper."
-    )
-  name = parts[3]
-  if name not in fields:
-    raise _option_error(where, scheme, name, fields)
-  field = fields[name]
-  default = field.default
-  annotation = str(field.type)
-  if raw is None:
-    if not isinstance(default, bool) and "bool" not in annotation:
-      raise ConfigError(f"{where}: needs a value (--config.{key}=VALUE).")
-    value = not negated
-  elif isinstance(default, bool):
-    value = _parse_bool(raw, where)
-  elif isinstance(default, int) and "tuple" not in annotation:
-    value = _parse_typed(raw, int, where)
-  elif isinstance(default, float) and "tuple" not in annotation:
-    value = _parse_typed(raw, float, where)
-  elif isinstance(default, str):
-    value = raw
-  elif "bool" in annotation and raw.strip().lower() in _TRUE + _FALSE:  # bool | None
-    value = _parse_bool(raw, where)
-  else:  # None or a union with tuples: a Python literal, checked by the scheme when built
-    value = _literal(raw)
-    if isinstance(value, list):
-      value = tuple(value)
-  if scheme not in block:
-    block[scheme] = ml_collections.ConfigDict()
-  options = block[scheme]
-  if name in options:
-    del options[name]  # a new value may change the type (a float decay -> a tuple per head)
-  options[name] = value
-
-
-def _option_error(where: str, scheme: str, name: str, fields: dict) -> ConfigError:
-  close = difflib.get_close_matches(name, list(fields), n=3, cutoff=0.6)
-  mean = f" Did you mean {' or '.join(close)}?" if close else ""
-  return ConfigError(
-      f"{where}: positional scheme {scheme!r} has no option {name!r}.{mean} "
-      f"Its options: {', '.join(fields) or '(none)'}."
-  )
-
-
-def apply_override(
-    cfg: ml_collections.ConfigDict, key: str, raw: str | None, *, negated: bool = False
-) -> None:
-  """Sets the field at dotted ``key`` from its command-line text ``raw`` (None for the bare
-  boolean forms ``--config.key`` / ``--noconfig.key``), typed by the field it replaces."""
-  where = _flag(key, raw, negated)
-  parts = key.split(".")
-  if not all(parts):
-    raise ConfigError(f"{where}: {key!r} is not a field path (fields joined by '.').")
-  if (
-      tuple(parts[:2]) == _OPTIONS_BLOCK
-      and len(parts) > 2
-      and "model" in cfg
-      and (
-          isinstance(cfg.model, ml_collections.ConfigDict)
-          and isinstance(cfg.model.get("positional_options"), ml_collections.ConfigDict)
-      )
-  ):
-    _scheme_option(cfg, key, parts, raw, negated)
-    return
-  node = cfg
-  for i, part in enumerate(parts[:-1]):
-    if part not in node:
-      raise _field_error(cfg, ".".join(parts[: i + 1]), where, ".".join(parts[:i]))
-    node = node[part]
-    if not isinstance(node, ml_collections.ConfigDict):
-      raise ConfigError(
-          f"{where}: config.{'.'.join(parts[:i + 1])} is a field "
-          f"({type(node).__name__}), not a block of fields."
-      )
-  name = parts[-1]
-  if name not in node:
-    raise _field_error(cfg, key, where, ".".join(parts[:-1]))
-  kind = node.get_type(name)
-  if raw is None:
-    if kind is not bool:
-      raise ConfigError(
-          f"{where}: needs a value (--config.{key}=VALUE); only boolean "
-          "fields take the bare --config.<field> / --noconfig.<field> form."
-      )
-    value = not negated
-  else:
-    value = _parse_typed(raw, kind, where)
-  try:
-    node[name] = value
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"{where}: {e}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Running a main
-# ---------------------------------------------------------------------------------------------
-def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str | None, bool]]]:
-  """(argv without the ``--config.*`` overrides, the overrides in order)."""
-  rest, overrides = [], []
-  for i, arg in enumerate(argv):
-    if arg == "--":
-      rest.extend(argv[i:])
-      break
-    m = _OVERRIDE.match(arg) if i else None
-    if m is None:
-      rest.append(arg)
-      continue
-    negated, key, raw = bool(m.group(1)), m.group(2), m.group(3)
-    if negated and raw is not None:
-      raise ConfigError(
-          f"{arg}: the --noconfig.<field> form takes no value; write " f"--config.{key}={raw}."
-      )
-    overrides.append((key, raw, negated))
-  return rest, overrides
-
-
-def user_exit_code(e: BaseException) -> int | None:
-  """The exit code of a failure that is the user's (bad config, flag, data or workdir), or
-  None for a bug (its traceback is shown)."""
-  if isinstance(e, errors.RunError):
-    return e.exit_code
-  if isinstance(e, (ValueError, NotImplementedError, OSError, flags.Error)):
-    return errors.EXIT_BAD_INPUT
-  return None
-
-
-_OS_HINTS = {
-    errno.EROFS: "the file system is read-only: use a --workdir on a writable disk",
-    errno.EACCES: "use a --workdir you can write to (or fix its " "permissions)",
-    errno.EPERM: "use a --workdir you can write to",
-    errno.ENOSPC: "the disk is full: free space there or use a --workdir on another disk",
-    errno.EDQUOT: "the disk quota is exceeded: free space or use a --workdir elsewhere",
-    errno.ENOTDIR: "a part of the path is a file, not a folder: use another --workdir",
-    errno.EEXIST: "a file is in the way: remove it or use another --workdir",
-    errno.EISDIR: "a folder is where a file should be: remove it or use another path",
-    errno.ENAMETOOLONG: "the path is too long: use a shorter --workdir",
-}
-
-
-def message(e: BaseException) -> str:
-  """The one line printed for a user error."""
-  if isinstance(e, OSError) and e.strerror and not isinstance(e, errors.RunError):
-    where = " -> ".join(repr(os.fspath(p)) for p in (e.filename, e.filename2) if p)
-    hint = _OS_HINTS.get(e.errno, "check the path and run again")
-    text = f"{e.strerror}{': ' + where if where else ''}; {hint}."
-  elif "No space left on device" in str(e):  # tensorstore's write errors (orbax saves)
-    text = f"{e}; {_OS_HINTS[errno.ENOSPC]}."
-  elif isinstance(e, (errors.RunError, FileNotFoundError, flags.Error)) or type(e) in (
-      ValueError,
-      NotImplementedError,
-  ):
-    text = str(e) or type(e).__name__
-  else:
-    text = f"{type(e).__name__}: {e}"
-  # One line: a message split over lines (or carrying a nested error) is joined.
-  return " ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-class _OneLineBackgroundErrors(py_logging.Filter):
-  """Log records of background threads and of orbax without their traceback: a failed save
-  reaches the main thread as an exception too, and dozens of tracebacks (one per thread and
-  array) would bury that one line."""
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    if record.exc_info and (
-        record.thread != threading.main_thread().ident
-        or f"{os.sep}orbax{os.sep}" in record.pathname
-    ):
-      exc = record.exc_info[1]
-      record.msg = f"{record.getMessage()} ({type(exc).__name__}: {exc})"
-      record.args, record.exc_info, record.exc_text = None, None, None
-    return True
-
-
-_SEEN_BACKGROUND: set[tuple[str, str]] = set()
-
-
-def _log_background(where: str, exc_type, exc) -> None:
-  """One line per distinct background error (an event loop closed under a failed save is
-  reported once per array otherwise)."""
-  key = (exc_type.__name__, str(exc))
-  if key not in _SEEN_BACKGROUND:
-    _SEEN_BACKGROUND.add(key)
-    logging.error("%s: %s: %s", where, exc_type.__name__, exc)
-
-
-def _thread_hook(args) -> None:
-  if args.exc_type is not SystemExit:
-    _log_background(
-        f"background thread {getattr(args.thread, 'name', '?')}", args.exc_type, args.exc_value
-    )
-
-
-def _unraisable_hook(unraisable) -> None:
-  # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
-  _log_background(
-      unraisable.err_msg or "ignored exception", unraisable.exc_type, unraisable.exc_value
-  )
-
-
-def _background_errors_in_one_line() -> None:
-  """Errors of background and native threads as one log line each, never a traceback; the
-  main thread's uncaught exceptions (bugs) keep theirs."""
-  threading.excepthook = _thread_hook
-  sys.unraisablehook = _unraisable_hook
-  handlers = [logging.get_absl_handler(), *py_logging.getLogger().handlers]
-  for handler in dict.fromkeys(handlers):
-    if not any(isinstance(f, _OneLineBackgroundErrors) for f in handler.filters):
-      handler.addFilter(_OneLineBackgroundErrors())
-
-
-def _quiet_shutdown() -> None:
-  """After a user error: nothing more on stderr. Background threads (orbax's async savers)
-  and finalizers can still fail while the interpreter exits; their tracebacks would bury the
-  one message, so they are dropped, and library log lines with them, and warnings (a save
-  cut short by a full disk leaves orbax coroutines that are never awaited, reported at exit)."""
-  threading.excepthook = lambda args: None
-  sys.unraisablehook = lambda unraisable: None
-  warnings.simplefilter("ignore")
-  logging.set_verbosity(logging.FATAL)
-  py_logging.getLogger().setLevel(py_logging.CRITICAL)
-
-
-def fail(prog: str, e: BaseException, code: int) -> int:
-  _quiet_shutdown()
-  sys.stdout.flush()
-  print(f"{prog}: {message(e)}", file=sys.stderr, flush=True)
-  return code
-
-
-def _parse_flags(prog: str, argv: list[str]) -> Argv:
-  try:
-    rest, overrides = split_overrides(argv)
-    positional = flags.FLAGS(rest)
-  except (flags.Error, errors.RunError) as e:
-    sys.exit(fail(prog, e, user_exit_code(e) or errors.EXIT_BAD_INPUT))
-  out = Argv(positional)
-  out.overrides = overrides
+def _override_args(overrides) -> list[str]:
+  items = list(overrides.items()) if hasattr(overrides, "items") else list(overrides)
+  out = []
+  for item in items:
+    key, raw, negated = (tuple(item) + (False,))[:3]
+    no = "no" if negated else ""
+    out.append(f"--{no}config.{key}" if raw is None else f"--config.{key}={raw}")
   return out
 
 
-def run(main: Callable[[Argv], int | None], prog: str) -> None:
-  """``app.run(main)`` with the ``--config.*`` overrides in ``argv.overrides`` and every user
-  error as one line (module docstring); exits with ``main``'s return value."""
-
-  def wrapped(argv: Argv) -> int | None:
-    _background_errors_in_one_line()
-    # JAX logs at INFO each accelerator plugin it probes and does not find (libtpu on every
-    # CPU or GPU machine): noise before the one line a failed run prints.
-    py_logging.getLogger("jax._src.xla_bridge").setLevel(py_logging.WARNING)
-    try:
-      return main(argv)
-    except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
-      return fail(
-          prog,
-          errors.RunError(
-              "interrupted twice: stopped without saving this step; "
-              "the newest checkpoint is intact, run again to resume"
-          ),
-          errors.EXIT_INTERRUPTED,
-      )
-    except Exception as e:  # pylint: disable=broad-except
-      code = user_exit_code(e)
-      if code is None:
-        raise  # a bug: the traceback is the report
-      return fail(prog, e, code)
-
-  app.run(wrapped, flags_parser=lambda argv: _parse_flags(prog, argv))
+def with_saved_config(argv: list[str]) -> list[str]:
+  """``argv`` with ``--config=<workdir>/config.json`` first when it names no ``--config`` (the
+  default of eval.py and generate.py: the config the run saved)."""
+  if any(a == "--config" or a.startswith("--config=") for a in argv):
+    return argv
+  for i, arg in enumerate(argv):
+    workdir = arg[len("--workdir=") :] if arg.startswith("--workdir=") else None
+    if arg == "--workdir" and i + 1 < len(argv):
+      workdir = argv[i + 1]
+    if workdir and os.path.isfile(os.path.join(workdir, "config.json")):
+      return [argv[0], f"--config={os.path.join(workdir, 'config.json')}", *argv[1:]]
+  return argv
 
 
-def require(name: str, value: Any, example: str) -> Any:
-  if value in (None, ""):
-    raise errors.RunError(f"--{name} is required, e.g. {example}.")
-  return value
+def overrides_in(argv: Sequence[str]) -> list[tuple[str, str]]:
+  """(argument, field path) of each ``--config.<path>`` override in ``argv``."""
+  out = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    m = _OVERRIDE.match(arg)
+    if m:
+      out.append((arg, m.group(1)))
+  return out
 
 
-def no_extra_args(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise errors.RunError(
-        f"unexpected arguments {list(argv[1:])}: every setting is a flag "
-        "(--config=..., --workdir=..., --config.<field>=<value>)."
+# ---------------------------------------------------------------------------------------------
+# Hints
+# ---------------------------------------------------------------------------------------------
+def _check_path(cfg: ml_collections.ConfigDict, path: str, arg: str) -> None:
+  """Raises ConfigError for an override ``path`` that is not a field of ``cfg``."""
+  parts = path.split(".")
+  if not all(parts):
+    raise ConfigError(f"{arg}: {path!r} is not a field path (fields joined by '.').")
+  node = cfg
+  for i, part in enumerate(parts):
+    where = ".".join(parts[:i])
+    if not isinstance(node, ml_collections.ConfigDict):
+      kind = _get(cfg, where.rpartition(".")[0]).get_type(parts[i - 1]).__name__
+      raise ConfigError(f"{arg}: config.{where} is a field ({kind}), not a block of fields.")
+    if part not in node:
+      raise ConfigError(f"{arg}: {_unknown(cfg, where, part, node)}")
+    node = node[part]
+
+
+def _get(cfg, path: str):
+  for part in filter(None, path.split(".")):
+    cfg = cfg[part]
+  return cfg
+
+
+def _unknown(cfg, where: str, name: str, block) -> str:
+  """The message for a field ``name`` that block ``where`` lacks, with close matches."""
+  close = difflib.get_close_matches(name, list(block.keys()), n=3, cutoff=0.6)
+  if where == _OPTIONS:
+    return f"unknown positional scheme {name!r}.{_mean(close)} Schemes: {', '.join(block)}."
+  if where.startswith(_OPTIONS + "."):
+    scheme = where.rsplit(".", 1)[1]
+    return (
+        f"positional scheme {scheme!r} has no option {name!r}.{_mean(close)} Its options: "
+        f"{', '.join(block) or '(none)'}."
     )
+  close = [f"{where}.{k}" if where else k for k in close]
+  if not close:  # a field of that name elsewhere (model.learning_rate)
+    by_name: dict[str, list[str]] = {}
+    for k in config_keys(cfg):
+      by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    matches = difflib.get_close_matches(name, list(by_name), n=3, cutoff=0.8)
+    close = [k for n in matches for k in by_name[n]][:3]
+  owner = f"config.{where}" if where else "the config"
+  return (
+      f"{owner} has no field {name!r}.{_mean(close)} Fields of {owner}: "
+      f"{', '.join(block.keys())}."
+  )
+
+
+def _mean(close: list[str]) -> str:
+  return f" Did you mean {' or '.join(close)}?" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheme options, typed by their option_spec
+# ---------------------------------------------------------------------------------------------
+def _declare_options(cfg: ml_collections.ConfigDict) -> None:
+  """Every scheme's options in ``config.model.positional_options``, each a field of the type
+  its ``Option`` declares (None where the config leaves it unset)."""
+  from fastpos import positional  # pylint: disable=import-outside-toplevel (flax)
+
+  model = cfg.get("model")
+  if not isinstance(model, ml_collections.ConfigDict) or not isinstance(
+      model.get("positional_options"), ml_collections.ConfigDict
+  ):
+    return  # the schema check names what is wrong
+  block = model.positional_options
+  for scheme, cls in positional.SCHEMES.items():
+    given = block.get(scheme, ml_collections.ConfigDict())
+    if not isinstance(given, ml_collections.ConfigDict):
+      continue  # not a block of options: the schema check says so
+    typed = ml_collections.ConfigDict()
+    for name, option in cls.option_spec.items():
+      typed[name] = _field(given.get(name), _OPTION_TYPES[option.type])
+    for name in set(given.keys()) - set(typed.keys()):
+      typed[name] = given[name]  # not an option: the schema check names it
+    if scheme in block:
+      del block[scheme]
+    block[scheme] = typed
+
+
+def _field(value, kind: type):
+  if (
+      value is not None
+      and not isinstance(value, kind)
+      and not (kind is float and isinstance(value, int) and not isinstance(value, bool))
+  ):
+    return value  # of another type: the schema check names it
+  return ml_collections.FieldReference(value, field_type=kind)
+
+
+def _finish_options(cfg: ml_collections.ConfigDict, overridden: Iterable[str]) -> None:
+  """Drops the options left unset, and the blocks of schemes a ``--config.model.positional``
+  override took out of the list (unless the command line set their options too)."""
+  from fastpos import positional  # pylint: disable=import-outside-toplevel (flax)
+
+  model = cfg.get("model")
+  if not isinstance(model, ml_collections.ConfigDict) or not isinstance(
+      model.get("positional_options"), ml_collections.ConfigDict
+  ):
+    return
+  overridden = list(overridden)
+  listed = None
+  if "model.positional" in overridden:
+    with contextlib.suppress(ValueError):  # a bad name: the schema check names it
+      listed = set(positional.parse_names(model.positional))
+  kept = {}
+  for scheme, options in model.positional_options.items():
+    explicit = any(p == _OPTIONS or p.startswith(f"{_OPTIONS}.{scheme}") for p in overridden)
+    if listed is not None and scheme not in listed and not explicit:
+      continue
+    if isinstance(options, ml_collections.ConfigDict):
+      options = {k: v for k, v in options.items() if v is not None}
+    if options:
+      kept[scheme] = options
+  with model.unlocked():
+    del model["positional_options"]
+    model.positional_options = ml_collections.ConfigDict(kept)

@@ -88,8 +88,7 @@ class _Run:
   def __init__(
       self, config: ml_collections.ConfigDict, workdir: str | Path, model: nn.Module | None
   ):
-    # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
-    cfg = config_lib.complete_task(config.copy_and_resolve_references())
+    cfg = config.copy_and_resolve_references()  # complete: get_config / base_config built it
     config_lib.validate(cfg)  # each value against its declared range (fastpos.config_schema)
     self.cfg = cfg
     self.workdir = Path(workdir)

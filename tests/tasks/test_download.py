@@ -436,6 +436,7 @@ print(json.dumps(sorted(sys.modules)))
   assert not heavy, f"download_data.py imported {sorted(heavy)}"
   assert [m for m in modules if m.startswith("fastpos")] == [
       "fastpos",
+      "fastpos.config_schema",  # the tasks' field declarations: the standard library only
       "fastpos.tasks",
       "fastpos.tasks.base",
       "fastpos.tasks.download",

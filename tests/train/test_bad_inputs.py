@@ -16,7 +16,7 @@ import pytest
 from fastpos.sweep import cli as sweep_cli
 from fastpos.tasks import download as download_data
 from fastpos.tasks import paths
-from fastpos.train import cli, errors
+from fastpos.train import cli, errors, program
 from fastpos.train import workdir as workdir_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def loop(tmp_path) -> Path:
 
 
 def _one_line(e: BaseException, *needles: str) -> str:
-  text = cli.message(e)
+  text = program.message(e)
   assert "\n" not in str(e), str(e)
   for needle in needles:
     assert needle in text, (needle, text)
@@ -60,7 +60,7 @@ def test_a_config_file_that_fails_is_one_line(tmp_path, body, needles):
   with pytest.raises(cli.ConfigError) as info:
     cli.load_config(str(tmp_path / "bad.py"))
   _one_line(info.value, *needles)
-  assert cli.user_exit_code(info.value) == errors.EXIT_BAD_INPUT
+  assert program.user_exit_code(info.value) == errors.EXIT_BAD_INPUT
 
 
 def test_symlink_loops_are_called_loops(loop, tmp_path):
@@ -132,7 +132,7 @@ def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
     writer.write(1, "train", {"loss": 1.0})
   writer.close()
   assert info.value.filename == str(tmp_path / "metrics.jsonl")
-  assert cli.message(info.value) == (
+  assert program.message(info.value) == (
       f"No space left on device: '{tmp_path / 'metrics.jsonl'}'; the disk is full: free space "
       "there or use a --workdir on another disk."
   )

@@ -34,8 +34,8 @@ def _other(decl: config_schema.Field, value):
     return not value
   if decl.type == "str":
     return "rope" if value == "none" else value + "x"  # model.positional: a scheme
-  if decl.type == "tuple":
-    return ((r"mlp/.*kernel", (None, "model")),)
+  if decl.type == "tuple":  # bucket lengths or sharding rules
+    return next(t for t in ((8,), ((r"mlp/.*kernel", (None, "model")),)) if decl.is_valid(t))
   if decl.type == "int":
     return value + 1 if decl.high is None or value + 1 <= decl.high else value - 1
   if decl.type == "float":

@@ -1,6 +1,7 @@
 """Every config file loads (default and ":tiny"), builds its model and traces it with
-``jax.eval_shape`` (shapes only); configs/common.py restates the base config without importing
-fastpos and cannot drift from it; the loader works from any folder."""
+``jax.eval_shape`` (shapes only); the config files import no jax, flax or numpy and their
+``get_config`` returns a complete config (nothing completes it later); the loader works from
+any folder; a scheme switched on the command line leaves the row's other schemes' options."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs import common
-from fastpos import tasks
+from fastpos import config_schema, tasks
 from fastpos.models import build_model
-from fastpos.train import cli
-from fastpos.train.config import base_config, complete_task
+from fastpos.train import cli, config_files, errors
+from fastpos.train import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
@@ -32,29 +33,26 @@ def test_the_required_configs_exist():
 
 
 @pytest.mark.parametrize("task", tasks.task_names())
-def test_common_base_equals_fastpos_base(task):
-  ours = common.base_config(task)
-  assert list(ours.task.keys()) == ["name"]  # the rest comes from the task's class
-  assert complete_task(ours).to_dict() == base_config(task).to_dict()
-  assert list(ours.keys()) == list(base_config(task).keys())
+def test_the_base_config_is_complete_and_one(task):
+  c = common.base_config(task)
+  assert common.base_config is config_lib.base_config is config_schema.base_config
+  assert set(c.task.keys()) == {"name", *config_schema.TASK_FIELDS[task]}
+  assert c.task.to_dict() == tasks.get_task_class(task).default_config().to_dict()
+  config_lib.validate(c)
 
 
-def test_complete_task_keeps_set_fields_and_names_unknown_ones():
+def test_an_incomplete_task_block_is_refused_naming_the_missing_fields():
   c = common.base_config("listops")
-  c.task.max_length = 77
-  assert complete_task(c).task.max_length == 77 and "num_train" in c.task
-  assert complete_task(c).to_dict() == c.to_dict()  # idempotent
-  c = common.base_config("listops")
-  c.task.max_lenght = 77
-  with pytest.raises(ValueError, match=r"\['max_lenght'\].*valid fields: .*max_length"):
-    complete_task(c)
-  with pytest.raises(cli.ConfigError, match="max_lenght"):
+  del c.task["num_train"], c.task["parens"]
+  with pytest.raises(errors.RunError, match=r"^config.task lacks field\(s\) num_train, parens "):
+    config_lib.validate(c)
+  with pytest.raises(cli.ConfigError, match="no field 'max_lenght'. Did you mean task.max_length"):
     cli.load_config(str(CONFIG_DIR / "synthetic.py"), [("task.max_lenght", "3")])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_loads_and_builds_its_model(path):
-  module = cli.load_module(str(path))
+  module = config_files.load_module(str(path))
   doc = module.__doc__ or ""
   assert f"python train.py --config=configs/{path.name}" in doc, "docstring gives the command"
   assert "Hardware:" in doc
@@ -126,24 +124,35 @@ def test_a_bad_argument_names_the_choices():
     cli.load_config(f"{CONFIG_DIR / 'lra_text_fastrpb.py'}:task=image")  # this file is Text's
 
 
-def test_configs_import_no_fastpos_and_load_from_any_folder(tmp_path):
-  code = (
-      "import sys; sys.path.insert(0, sys.argv[1]); "
-      "from configs import fastrpb_table1, listops_generated, wikitext103_nprf_table2; "
-      "c = listops_generated.get_config('tiny'); "
-      "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-      "('fastpos', 'jax', 'orbax', 'grain', 'flax', 'numpy')); "
-      "print(c.model.kernel, heavy)"
-  )
+_NO_JAX = """
+import importlib.abc, sys
+class Blocked(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("jax", "jaxlib", "flax", "numpy", "orbax", "grain"):
+      raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Blocked())
+sys.path.insert(0, sys.argv[1])
+import importlib, pathlib
+for p in sorted(pathlib.Path(sys.argv[1], "configs").glob("*.py")):
+  m = importlib.import_module("configs." + p.stem)
+  if hasattr(m, "get_config"):
+    print(p.stem, m.get_config("tiny").task.name)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "fastpos"))
+"""
+
+
+def test_configs_import_without_jax_and_load_from_any_folder(tmp_path):
   out = subprocess.run(
-      [sys.executable, "-c", code, str(ROOT)],
+      [sys.executable, "-c", _NO_JAX, str(ROOT)],
       cwd=tmp_path,
       capture_output=True,
       text=True,
       timeout=60,
-      check=True,
-  ).stdout
-  assert out.strip() == "sikf []"
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.strip().splitlines()
+  assert "listops_generated listops" in lines and len(lines) == len(CONFIGS) + 1
+  assert eval(lines[-1]) == ["fastpos", "fastpos.config_schema"]  # pylint: disable=eval-used
   env = dict(
       os.environ,
       JAX_PLATFORMS="cpu",
@@ -178,7 +187,7 @@ def test_configs_import_no_fastpos_and_load_from_any_folder(tmp_path):
 
 
 def test_list_configs_shows_every_file_and_its_arguments():
-  out = cli.list_configs(CONFIG_DIR)
+  out = config_files.list_configs(CONFIG_DIR)
   listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
   assert [Path(p).name for p in listed] == [p.name for p in CONFIGS]  # not common.py
   assert "first command" in out  # listops_generated.py's first docstring sentence
@@ -186,14 +195,52 @@ def test_list_configs_shows_every_file_and_its_arguments():
   assert "    tiny=false\n" in out
 
 
-def test_the_trainer_completes_a_config_built_in_python(tmp_path):
+def test_a_config_built_in_python_is_the_loaded_one_and_the_trainer_takes_it(tmp_path):
   from configs import listops_generated  # pylint: disable=import-outside-toplevel
   from fastpos.train import trainer  # pylint: disable=import-outside-toplevel
 
-  cfg = listops_generated.get_config("tiny")  # config.task: the fields the file sets
-  assert "num_train" in cfg.task and "seed" not in cfg.task
+  cfg = listops_generated.get_config("tiny")  # complete: every field of the task's block
+  assert cfg.to_dict() == cli.load_config(f"{CONFIG_DIR / 'listops_generated.py'}:tiny").to_dict()
   run = trainer._Run(cfg, tmp_path, None)  # pylint: disable=protected-access
-  assert (
-      run.cfg.task.to_dict()
-      == cli.load_config(f"{CONFIG_DIR / 'listops_generated.py'}:tiny").task.to_dict()
+  assert run.cfg.to_dict() == cfg.to_dict()
+
+
+def test_table_files_share_a_cell_through_the_typed_builder():
+  from configs import fastrpb_table1, lra_text_fastrpb  # pylint: disable=import-outside-toplevel
+
+  cell = fastrpb_table1.build(task="text", kernel="dpfp", pos="sinspe", tiny=True)
+  text = lra_text_fastrpb.get_config("kernel=dpfp,pos=sinspe,tiny")
+  assert text.model.remat == "block" and text.model.scan_layers
+  with text.unlocked():
+    text.model.update(remat="none", scan_layers=False)
+  assert text.to_dict() == cell.to_dict()
+  assert cell.experiment.to_dict() == {"row": "Linear, DPFP", "col": "sinSPE"}
+
+
+def test_switching_the_scheme_on_the_command_line_just_works():
+  """The WikiText Performer row sets sinusoidal options for "absolute"; a command line that
+  lists other schemes leaves them behind, unless it sets them itself."""
+  spec = f"{CONFIG_DIR / 'wikitext103_permuteformer_table4.py'}:tiny,model=performer"
+  row = cli.load_config(spec)
+  assert row.model.positional_options.to_dict() == {"absolute": {"kind": "sinusoidal"}}
+  cfg = cli.load_config(spec, [("model.positional", "fastrpb")])
+  assert cfg.model.positional == "fastrpb" and cfg.model.positional_options.to_dict() == {}
+  info = tasks.task_info(cfg.task)
+  model = build_model(cfg.model, info)
+  batch = {"inputs": jnp.ones((2, 8), jnp.int32), "mask": jnp.ones((2, 8), bool)}
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+  variables = jax.eval_shape(lambda: model.init(rngs, batch, train=False))
+  logits = jax.eval_shape(lambda v: model.apply(v, batch, train=False), variables)
+  assert logits.shape == (2, 8, info.vocab_size)
+  both = cli.load_config(
+      spec,
+      [("model.positional", "fastrpb"), ("model.positional_options.fastrpb.per_head", "true")],
   )
+  assert both.model.positional_options.to_dict() == {"fastrpb": {"per_head": True}}
+  kept = cli.load_config(spec, [("model.positional", "absolute+fastrpb")])  # still listed
+  assert kept.model.positional_options.to_dict() == {"absolute": {"kind": "sinusoidal"}}
+  cfg = cli.load_config(
+      spec, [("model.positional", "fastrpb"), ("model.positional_options.absolute.kind", "learned")]
+  )
+  with pytest.raises(ValueError, match="options for 'absolute', which is not in"):
+    build_model(cfg.model, info)  # set on the command line for an unlisted scheme: refused

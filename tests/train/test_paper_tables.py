@@ -11,7 +11,7 @@ import pytest
 
 from fastpos import tasks
 from fastpos.models import build_model
-from fastpos.train import cli
+from fastpos.train import cli, config_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = (
@@ -473,7 +473,7 @@ def test_every_earlier_config_has_an_equivalent(old):
 
 def _cells():
   for stem in TABLES:
-    module = cli.load_module(str(ROOT / "configs" / f"{stem}.py"))
+    module = config_files.load_module(str(ROOT / "configs" / f"{stem}.py"))
     names = list(module.CHOICES)
     for values in itertools.product(*(module.CHOICES[n] for n in names)):
       arg = ",".join(f"{n}={v}" for n, v in zip(names, values))
@@ -525,7 +525,10 @@ def test_wikitext_configs_state_their_evaluation_protocol():
   assert 0 < tiny.task.eval_stride < tiny.task.segment_length
   assert _config("configs/wikitext103_nprf_table2.py").task.eval_stride == 0
   for stem in ("wikitext103_permuteformer_table4", "wikitext103_nprf_table2"):
-    assert "Evaluation protocol:" in cli.load_module(str(ROOT / "configs" / f"{stem}.py")).__doc__
+    assert (
+        "Evaluation protocol:"
+        in config_files.load_module(str(ROOT / "configs" / f"{stem}.py")).__doc__
+    )
 
 
 def test_the_main_job_is_a_fastpos_model():

@@ -17,7 +17,7 @@ import pytest
 from configs import common
 from fastpos import config_schema, models, positional, tasks
 from fastpos.ops import features
-from fastpos.train import cli, errors
+from fastpos.train import cli, config_files, errors
 from fastpos.train import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ CONFIGS = sorted(
 
 def _variants(path: Path) -> list[str]:
   """The file's default, ``tiny``, and each value of each argument with choices (tiny)."""
-  module = cli.load_module(str(path))
+  module = config_files.load_module(str(path))
   out = [str(path), f"{path}:tiny"]
   for name, values in getattr(module, "CHOICES", {}).items():
     out += [f"{path}:tiny,{name}={v}" for v in values]

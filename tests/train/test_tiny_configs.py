@@ -11,7 +11,7 @@ import pytest
 
 from configs import common
 from fastpos import tasks
-from fastpos.train import cli, train_and_evaluate
+from fastpos.train import cli, config_files, train_and_evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(
@@ -23,7 +23,7 @@ def _tiny_specs() -> list[str]:
   """``path:tiny`` of every config, once per task choice where the file takes ``task=``."""
   out = []
   for path in CONFIGS:
-    module = cli.load_module(str(path))
+    module = config_files.load_module(str(path))
     choices = getattr(module, "CHOICES", {}).get("task")
     args = [f"tiny,task={t}" for t in choices] if choices else ["tiny"]
     out += [f"{path}:{a}" for a in args]
@@ -61,7 +61,7 @@ def test_tiny_task_builds_from_the_fixtures(spec, no_real_data):
     if words is not None:  # the fixtures fill the vocabulary: every id is a word
       assert len(words) == task.info.vocab_size and len(set(words)) == len(words)
   else:  # real data only: the docstring and the error both name the download
-    doc = cli.load_module(spec.split(":")[0]).__doc__
+    doc = config_files.load_module(spec.split(":")[0]).__doc__
     assert "scripts/download_data.py" in doc and name in doc, (name, doc)
     with pytest.raises(FileNotFoundError, match=f"download_data.py {name}"):
       task.source("train")
