@@ -9,11 +9,11 @@ Bucketed: ...:bucket pads each batch to 32 / 48 / 64 / 100 tokens instead of 100
          token slots real instead of 0.42; benchmarks/padding.md); its results differ.
 Sweep:   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
          python scripts/make_tables.py workdirs/listops_sweep   (results/listops_sweep/)
-Hardware: a 2-core CPU shared with other jobs: 159 s wall for the default run (data
-generation, a 14.5 s compilation, 600 steps at 4-8 steps/s, 5-10k tokens/s). ":tiny": seconds.
-Expected (measured, seed 0): validation accuracy 34.8 / 37.9 / 38.9% at steps 200 / 400 / 600
-against a majority-class baseline of 15.6% (always 0, the training split's most frequent
-value); test accuracy 39.0% (eval.py, best checkpoint) against 16.2%. The sweep below gives
+Hardware: a 2-core CPU shared with other jobs: 118 s wall for the default run (data
+generation, a 15 s compilation, 600 steps, about 10k tokens/s). ":tiny": seconds.
+Expected (measured, seed 0; results/quickstart.md): validation accuracy 34.8 / 38.1 / 38.8% at
+steps 200 / 400 / 600 against a majority-class baseline of 15.6% (always 0, the training
+split's most frequent value); test accuracy 39.4% (eval.py, best checkpoint) against 16.2%. The sweep below gives
 39.05 +- 0.35% test over 2 seeds (results/README.md). The trainer's last line prints the
 validation accuracy beside the majority-class baseline, tokens/s and where the outputs are.
 Columns as in FastRPB Table 1: "none" is learned absolute position embeddings only and
