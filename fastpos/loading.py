@@ -173,7 +173,11 @@ def _restore(workdir: Path, cfg, task, abstract, step, which):
     try:
       state, meta, _ = ckpts.restore_newest(abstract, which, check=check)
     except CheckpointLoadError as e:
-      hint = " Or load the newest checkpoint: checkpoint='latest'." if which == "best" else ""
+      hint = (
+          " Or load the newest checkpoint: checkpoint='latest' (scripts: --checkpoint=latest)."
+          if which == "best"
+          else ""
+      )
       raise CheckpointLoadError(f"{e}{hint}") from None
     return state, meta, ckpts.restored[0]
   finally:
