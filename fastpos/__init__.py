@@ -3,22 +3,45 @@
 The public API is ``__all__``: everything a researcher imports is named here, and everything
 else may change without notice. Names load on first use (PEP 562), so ``import fastpos``
 imports neither jax, flax nor numpy (``fastpos.config_schema``, read by the config files,
-stays light).
+stays light). Shapes: ``[batch, N, D]`` activations, ``[batch, N]`` token ids and boolean
+masks (True for real tokens).
 
 Example::
 
     import jax, jax.numpy as jnp
     import fastpos
 
-    layer = fastpos.attention(embed_dim=64, num_heads=4, kernel="elu1",
-                              positional=("rope", "fastrpb"), causal=True, max_length=128,
-                              fastrpb={"per_head": True})
+    layer = fastpos.attention(64, 4, kernel="elu1", positional=("rope", "fastrpb"),
+                              causal=True, max_length=128, fastrpb={"per_head": True})
     x = jnp.ones((2, 16, 64))                          # [batch, N, embed_dim]
-    params = layer.init(jax.random.key(0), x)
-    y = layer.apply(params, x)                         # [batch, N, embed_dim]
+    variables = layer.init(jax.random.key(0), x)
+    y = layer.apply(variables, x)                      # [batch, N, embed_dim]
 
-    model, params, config, task = fastpos.load("/tmp/run")   # a workdir train.py wrote
-    tokens = fastpos.generate(model, params, jnp.array([[5, 9]]), num_tokens=20)
+    model, params, config, task = fastpos.load("/tmp/fastpos_run")   # a train.py workdir
+    tokens = fastpos.generate(model, params, jnp.array([[5, 9]]), num_tokens=20)  # [1, 20]
+
+Public names, by use (each has its own docstring; runnable scripts in ``examples/``):
+
+* The layer. ``attention(embed_dim, num_heads, kernel=, positional=, causal=, ...)`` -> an
+  ``Attention`` module ``[b, N, D] -> [b, N, D]``; ``attention_config(...)`` (same keywords)
+  -> the ``AttentionConfig`` that models take. The records underneath:
+  ``AttentionConfig(num_heads, head_dim, embed_dim, kernel=KernelSpec("sikf"),
+  positional=(PositionalSpec.make("fastrpb", {"per_head": True}),), causal=True)``.
+* Models. ``DecoderLM(cfg, vocab_size, num_layers, mlp_dim)``: ``{"inputs": [b, N]}`` ->
+  logits ``[b, N, vocab]``; ``Classifier(cfg, vocab_size, num_layers, mlp_dim,
+  num_classes=2)`` -> ``[b, classes]``; ``DualEncoder`` (two documents, ``inputs2``);
+  ``Tower(cfg, num_layers, mlp_dim)``: embeddings ``[b, N, D]`` -> states; ``Block(cfg,
+  mlp_dim)``: one layer ``[b, N, D] -> [b, N, D]``; ``build_model(config.model, task_info)``
+  from a config.
+* Schemes and kernels. ``scheme_names()``, ``kernel_names()``, ``scheme_options("fastrpb")``
+  (``{option: Option}``; ``python -m fastpos.positional.compatibility --options`` prints them
+  all); ``register_scheme(cls)`` adds a ``Scheme`` subclass (options declared as ``Option``)
+  from outside the package (``examples/custom_scheme.py``).
+* Trained runs. ``load(workdir, step=None)`` -> ``Loaded`` (``model, params, config, task``);
+  ``generate(model, params, prompt [b, P], num_tokens)`` -> tokens ``[b, num_tokens]``;
+  ``CachedDecoding(module, max_length)`` decodes your own causal model token by token
+  (``examples/own_model.py``); ``train_and_evaluate(config, workdir)`` and
+  ``evaluate(config, workdir, split)`` are what ``train.py`` / ``eval.py`` run.
 """
 
 from __future__ import annotations
@@ -44,8 +67,8 @@ _PUBLIC = {
     "DecoderLM": "fastpos.models.transformer",
     "build_model": "fastpos.models",
     # Schemes and kernels: names, options, extension.
-    "SCHEMES": "fastpos.positional",
-    "KERNELS": "fastpos.ops.features",
+    "scheme_names": "fastpos.extend",
+    "kernel_names": "fastpos.extend",
     "Scheme": "fastpos.positional.base",
     "Option": "fastpos.positional.base",
     "register_scheme": "fastpos.extend",

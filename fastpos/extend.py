@@ -10,6 +10,7 @@ models, configs (``model.positional``), the compatibility table and the options 
 from __future__ import annotations
 
 from fastpos import positional
+from fastpos.ops import features
 from fastpos.positional.base import FEATURE_STAGES, HOOKS, Option, Scheme
 
 
@@ -80,4 +81,27 @@ def scheme_options(name: str) -> dict[str, Option]:
   return dict(positional.get_class(name).option_spec)
 
 
-__all__ = ["register_scheme", "scheme_options"]
+def scheme_names() -> tuple[str, ...]:
+  """The positional schemes, built-in and registered (``positional=`` of ``fastpos.attention``).
+
+  Example::
+
+      >>> fastpos.scheme_names()[:3]
+      ('none', 'absolute', 'fastrpb')
+  """
+  return tuple(positional.SCHEMES)
+
+
+def kernel_names() -> tuple[str, ...]:
+  """The attention kernels: ``"softmax"`` and the feature maps (``kernel=`` of
+  ``fastpos.attention``).
+
+  Example::
+
+      >>> fastpos.kernel_names()[:3]
+      ('softmax', 'elu1', 'relu')
+  """
+  return tuple(features.KERNELS)
+
+
+__all__ = ["kernel_names", "register_scheme", "scheme_names", "scheme_options"]

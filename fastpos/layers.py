@@ -81,9 +81,9 @@ def attention_config(
   Args:
     embed_dim: D, the width of the layer's input and output ``[batch, N, D]``.
     num_heads: h.
-    kernel: ``"softmax"`` or a feature map of ``fastpos.KERNELS`` (``"elu1"``, ``"relu"``,
+    kernel: ``"softmax"`` or a feature map of ``fastpos.kernel_names()`` (``"elu1"``, ``"relu"``,
       ``"sikf"``, ``"dpfp"``, ``"favor"``, ``"prf"``, ``"trf"``, ``"nprf"``, ``"orf"``).
-    positional: scheme names of ``fastpos.SCHEMES`` (a sequence, or joined by ``","``).
+    positional: scheme names of ``fastpos.scheme_names()`` (a sequence, or joined by ``","``).
     causal: query i sees keys j <= i only (a decoder).
     max_length: the longest sequence the positional tables serve.
     head_dim: d per head; default ``embed_dim // num_heads``.
