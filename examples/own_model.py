@@ -116,7 +116,7 @@ def check_decoding(model: Model, params) -> float:
   tokens = jax.random.randint(jax.random.key(3), (2, LENGTH), 1, VOCAB)
   full = jax.jit(model.apply)(params, tokens)
   dec = fastpos.CachedDecoding(model, max_length=LENGTH)
-  state = dec.init(params, tokens[:, :1])
+  state = dec.init(tokens[:, :1])
   step = jax.jit(dec.step)
   outs, state = step(params, state, tokens[:, :8])
   outs = [outs]

@@ -46,7 +46,7 @@ class CachedDecoding:
       model = MyLM()
       params = model.init(key, jnp.ones((1, 8), jnp.int32))
       dec = fastpos.CachedDecoding(model, max_length=64)
-      state = dec.init(params, jnp.ones((2, 1), jnp.int32))      # batch of 2
+      state = dec.init(jnp.ones((2, 1), jnp.int32))              # a batch of 2
       logits, state = dec.step(params, state, prompt)            # prompt [2, P]
       logits, state = dec.step(params, state, next_token)        # [2, 1] -> [2, 1, 100]
   """
@@ -59,11 +59,10 @@ class CachedDecoding:
     self.module = module
     self.max_length = max_length
 
-  def init(self, variables: dict, example, **kwargs) -> dict[str, Any]:
+  def init(self, example, **kwargs) -> dict[str, Any]:
     """The empty decoding state (zeros, shaped without compute) for inputs like ``example``
     (``[batch, L, ...]``; its batch size is the state's, L does not matter). ``kwargs`` go to
     the module's call as in ``step``."""
-    del variables  # the cache's shapes follow the module and the example only
     step = Step(offset=jnp.zeros((), jnp.int32), cache_length=self.max_length)
     shapes = jax.eval_shape(
         lambda x: self.module.init(jax.random.key(0), x, decode=step, **kwargs), example

@@ -177,7 +177,7 @@ def test_cached_decoding_of_a_users_stack_equals_its_full_forward(kernel, scheme
   params = jax.jit(model.init)(jax.random.key(0), tokens)
   full = jax.jit(model.apply)(params, tokens, mask=mask)
   dec = fastpos.CachedDecoding(model, max_length=N)
-  state = dec.init(params, tokens[:, :1])
+  state = dec.init(tokens[:, :1])
   step = jax.jit(dec.step)
   out, state = step(params, state, tokens[:, :5], mask=mask[:, :5])
   outs = [out]
@@ -199,7 +199,7 @@ def test_cached_decoding_refusals():
       return nn.Dense(4)(x)
 
   with pytest.raises(ValueError, match="NoDecode made no decoding cache: its __call__ must pass"):
-    fastpos.CachedDecoding(NoDecode(), 8).init({}, jnp.ones((1, 1, 4)))
+    fastpos.CachedDecoding(NoDecode(), 8).init(jnp.ones((1, 1, 4)))
   with pytest.raises(ValueError, match="max_length must be an int >= 1; got 0"):
     fastpos.CachedDecoding(NoDecode(), 0)
   with pytest.raises(ValueError, match="takes a Flax linen module; got str"):
