@@ -53,8 +53,8 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it (imported on first access).
 _PUBLIC = {
     # The attention layer and its records.
-    "attention": "fastpos.layers",
-    "attention_config": "fastpos.layers",
+    "attention": "fastpos.api.layers",
+    "attention_config": "fastpos.api.layers",
     "Attention": "fastpos.models.attention",
     "AttentionConfig": "fastpos.models.attention",
     "KernelSpec": "fastpos.models.attention",
@@ -67,17 +67,17 @@ _PUBLIC = {
     "DecoderLM": "fastpos.models.transformer",
     "build_model": "fastpos.models",
     # Schemes and kernels: names, options, extension.
-    "scheme_names": "fastpos.extend",
-    "kernel_names": "fastpos.extend",
+    "scheme_names": "fastpos.api.extend",
+    "kernel_names": "fastpos.api.extend",
     "Scheme": "fastpos.positional.base",
     "Option": "fastpos.positional.base",
-    "register_scheme": "fastpos.extend",
-    "scheme_options": "fastpos.extend",
+    "register_scheme": "fastpos.api.extend",
+    "scheme_options": "fastpos.api.extend",
     # Trained runs, sampling and decoding.
-    "load": "fastpos.loading",
-    "Loaded": "fastpos.loading",
-    "generate": "fastpos.generation",
-    "CachedDecoding": "fastpos.stack_decoding",
+    "load": "fastpos.api.loading",
+    "Loaded": "fastpos.api.loading",
+    "generate": "fastpos.api.generation",
+    "CachedDecoding": "fastpos.api.stack_decoding",
     # Training (the library functions behind train.py / eval.py).
     "train_and_evaluate": "fastpos.train",
     "evaluate": "fastpos.train",

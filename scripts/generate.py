@@ -3,7 +3,7 @@
 
 A thin command line over the library: ``fastpos.load`` restores the workdir's checkpoint
 (digest-verified, on any device count; its ``config.json`` unless ``--config`` names another;
-``--config.<field>=<value>`` overrides apply) and ``fastpos.generation`` (``fastpos.generate``'s
+``--config.<field>=<value>`` overrides apply) and ``fastpos.api.generation`` (``fastpos.generate``'s
 sampler) feeds the prompt to the model's decoding cache in one prefill call, then samples
 ``--num_tokens`` tokens one cached step at a time (one compiled ``lax.scan``); it prints the
 text and the decoding speed in tokens/s. The prompt is whitespace-separated words of the
@@ -28,8 +28,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from fastpos import config_schema, generation, loading  # noqa: E402
-from fastpos.generation import sample_logits  # noqa: E402,F401  (the sampler, re-exported)
+from fastpos import config_schema  # noqa: E402
+from fastpos.api import generation, loading  # noqa: E402
+from fastpos.api.generation import sample_logits  # noqa: E402,F401  (the sampler, re-exported)
 from fastpos.train import cli, errors, sharding  # noqa: E402
 from fastpos.train import workdir as workdir_lib  # noqa: E402
 
