@@ -92,8 +92,9 @@ def load(
   Example::
 
       model, params, config, task = fastpos.load("/tmp/fastpos_run")
-      batch = next(iter(task.source("validation")))  # or your own {"inputs", "mask"}
-      logits = model.apply({"params": params}, {"inputs": tokens})   # [b, N, vocab] (LM)
+      tokens = jnp.array([[5, 9, 2, 7]])                                  # [b, N] ids
+      logits = model.apply({"params": params}, {"inputs": tokens})   # [b, N, vocab] (an LM)
+      words = task.vocabulary()            # word-level LM tasks: the words by id
   """
   if checkpoint not in CHECKPOINTS:
     raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}; got {checkpoint!r}.")
