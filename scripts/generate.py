@@ -1,14 +1,15 @@
 """Samples from a trained language model: ``python scripts/generate.py --workdir=DIR
 --prompt="the game" --num_tokens=50 [--temperature=1 --top_k=0 --top_p=1 --seed=0 --check]``.
 
-Restores the workdir's checkpoint as ``eval.py`` does (its ``config.json`` unless ``--config``
-names another; ``--config.<field>=<value>`` overrides apply), feeds the prompt to the model's
-decoding cache in one prefill call, then samples ``--num_tokens`` tokens one cached step at a
-time (``fastpos.models.decoding``; one compiled ``lax.scan``), and prints the text and the
-decoding speed in tokens/s. The prompt is whitespace-separated words of the task's vocabulary
-(WikiText-103) or integer token ids (any LM task; id 0 is padding). ``--check`` runs the full
-causal forward over prompt + sample and prints the largest relative difference from the
-cached logits; above ``--tolerance`` it exits 1.
+A thin command line over the library: ``fastpos.load`` restores the workdir's checkpoint
+(digest-verified, on any device count; its ``config.json`` unless ``--config`` names another;
+``--config.<field>=<value>`` overrides apply) and ``fastpos.api.generation`` (``fastpos.generate``'s
+sampler) feeds the prompt to the model's decoding cache in one prefill call, then samples
+``--num_tokens`` tokens one cached step at a time (one compiled ``lax.scan``); it prints the
+text and the decoding speed in tokens/s. The prompt is whitespace-separated words of the
+task's vocabulary (WikiText-103) or integer token ids (any LM task; id 0 is padding).
+``--check`` runs the full causal forward over prompt + sample and prints the largest relative
+difference from the cached logits; above ``--tolerance`` it exits 1.
 
 Exit codes as ``eval.py``'s: 0 done, 2 bad flag, config, prompt or workdir (one line on
 stderr), 1 a failed ``--check`` (one line) or an unexpected error (its traceback).
@@ -28,11 +29,10 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from fastpos import config_schema  # noqa: E402
+from fastpos.api import generation, loading  # noqa: E402
+from fastpos.api.generation import sample_logits  # noqa: E402,F401  (the sampler, re-exported)
 from fastpos.train import cli, errors, program, sharding  # noqa: E402
-from fastpos.train import metrics as metrics_lib  # noqa: E402
-from fastpos.train import trainer as trainer_lib  # noqa: E402
 from fastpos.train import workdir as workdir_lib  # noqa: E402
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "
@@ -64,42 +64,17 @@ class CheckFailed(errors.RunError):
   exit_code = errors.EXIT_FAILED
 
 
-def build(cfg, workdir: str):
-  """The run of ``cfg`` (task and model built and checked, nothing compiled)."""
-  run = trainer_lib._Run(cfg, workdir, None)  # pylint: disable=protected-access
-  if run.info.kind != "lm":
+def restore(workdir: str, cfg, checkpoint: str) -> loading.Loaded:
+  """The trained run (``fastpos.load``: digest-verified, any device count); an lm task only."""
+  loaded = loading.load(workdir, checkpoint=checkpoint, config=cfg)
+  kind = loaded.task.info.kind
+  if kind != "lm":
     raise errors.RunError(
-        f"--workdir={workdir} holds a {run.info.kind!r} model "
-        f"(task {cfg.task.name!r}); generate.py samples from lm tasks."
+        f"--workdir={workdir} holds a {kind!r} model (task {cfg.task.name!r}); generate.py "
+        "samples from lm tasks."
     )
-  return run
-
-
-def restore(run, workdir: str, checkpoint: str):
-  """The variables ``{'params', ...}`` of the workdir's checkpoint."""
-  with metrics_lib.quiet_library_logs():
-    return _restore(run, workdir, checkpoint)
-
-
-def _restore(run, workdir, checkpoint):
-  ckpts = Checkpoints(run.workdir, run.cfg, read_only=True)
-  try:
-    which = "best" if checkpoint == "best" and ckpts.best_step() is not None else "latest"
-    if ckpts.latest_step() is None:
-      raise errors.RunError(
-          f"no checkpoint in {ckpts.latest_dir}; train first: python "
-          f"train.py --config=... --workdir={workdir}"
-      )
-    try:
-      state, meta, _ = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta)
-    except CheckpointLoadError as e:
-      raise CheckpointLoadError(
-          f"{e} Or use the newest checkpoint: --checkpoint=latest." if which == "best" else str(e)
-      ) from None
-  finally:
-    ckpts.close()
-  print(f"restored the {which} checkpoint (step {int(meta['step'])})")
-  return {"params": state.params, **dict(state.collections)}
+  print(f"restored {loaded.checkpoint} (step {loaded.step})")
+  return loaded
 
 
 def vocabulary(task):
@@ -134,59 +109,6 @@ def encode_prompt(text: str, vocab, vocab_size: int) -> np.ndarray:
         f"<unk>)."
     )
   return np.asarray([lookup[p] for p in pieces], np.int32)
-
-
-def sample_logits(logits, key, *, temperature: float, top_k: int, top_p: float):
-  """One token id per row of ``logits [b, V]`` (id 0, padding, is never drawn)."""
-  logits = logits.astype(jnp.float32).at[:, 0].set(-jnp.inf)
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1)
-  logits = logits / temperature
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
-    sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
-    logits = (
-        jnp.full_like(logits, -jnp.inf)
-        .at[jnp.arange(logits.shape[0])[:, None], order]
-        .set(sorted_logits)
-    )
-  return jax.random.categorical(key, logits, axis=-1)
-
-
-def make_generate(model, num_tokens: int, **sampling):
-  """``gen(variables, cache, prompt [1, P], key) -> (tokens [1, N], logits [1, P + N - 1, V])``:
-  a prefill, then ``num_tokens - 1`` cached steps in one ``lax.scan``."""
-
-  def apply(variables, cache, tokens):
-    logits, upd = model.apply(
-        {**variables, "cache": cache},
-        {"inputs": tokens, "mask": jnp.ones(tokens.shape, bool)},
-        decode=True,
-        mutable=["cache"],
-    )
-    return logits, upd["cache"]
-
-  def gen(variables, cache, prompt, key):
-    logits, cache = apply(variables, cache, prompt)
-    first = sample_logits(logits[:, -1], jax.random.fold_in(key, 0), **sampling)
-
-    def body(carry, i):
-      cache, token = carry
-      step_logits, cache = apply(variables, cache, token[:, None])
-      nxt = sample_logits(step_logits[:, -1], jax.random.fold_in(key, i), **sampling)
-      return (cache, nxt), (nxt, step_logits[:, 0])
-
-    (_, _), (tokens, step_logits) = jax.lax.scan(body, (cache, first), jnp.arange(1, num_tokens))
-    tokens = jnp.concatenate([first[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
-    return tokens, jnp.concatenate([logits, jnp.moveaxis(step_logits, 0, 1)], axis=1)
-
-  return jax.jit(gen)
 
 
 # The flags' valid values, declared as config fields are (fastpos.config_schema).
@@ -247,10 +169,10 @@ def main(argv: list[str]) -> int:
         "--config=configs/<experiment>.py."
     )
   sharding.maybe_initialize_distributed()
-  run = build(cfg, workdir)
-  model, info = run.model, run.info
-  vocab = vocabulary(run.task)
-  prompt = encode_prompt(prompt_text, vocab, info.vocab_size)
+  loaded = restore(workdir, cfg, _CHECKPOINT.value)
+  model, variables = loaded.model, loaded.variables
+  vocab = vocabulary(loaded.task)
+  prompt = encode_prompt(prompt_text, vocab, model.vocab_size)
   n = _NUM_TOKENS.value
   total = len(prompt) + n
   if total > model.attention.max_length:
@@ -259,12 +181,13 @@ def main(argv: list[str]) -> int:
         f"exceeds the model's max_length {model.attention.max_length}; "
         "shorten them."
     )
-  variables = restore(run, workdir, _CHECKPOINT.value)
-  gen = make_generate(
+  gen = generation.make_generate(
       model, n, temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value
   )
   cache = model.init_cache(1, total)
-  args = (variables, cache, jnp.asarray(prompt)[None], jax.random.key(_SEED.value))
+  prompt_ids = jnp.asarray(prompt)[None]
+  key = jax.random.key(_SEED.value)
+  args = (variables, cache, prompt_ids, jnp.ones(prompt_ids.shape, bool), key)
   start = time.perf_counter()
   compiled = gen.lower(*args).compile()
   compile_s = time.perf_counter() - start

@@ -3,7 +3,8 @@
 ``problem(kernel, scheme, ...)`` returns None for a compatible pair, else the reason;
 ``check(...)`` raises a ValueError naming the pair and the compatible choices, at
 configuration time (before any parameter or compile). ``python -m
-fastpos.positional.compatibility`` prints the whole kernel x scheme table.
+fastpos.positional.compatibility`` prints the whole kernel x scheme table; with ``--options``,
+every scheme's options (type, default, valid values, meaning) instead.
 
 Generic rules live here (a logits bias needs materialised scores, i.e. the softmax kernel;
 causal / 1D / 2D support is declared by each scheme); kernel-specific rules live in each
@@ -121,7 +122,11 @@ def markdown(*, causal: bool, two_d: bool) -> str:
 
 
 def main(argv=None) -> int:
-  del argv
+  if "--options" in (argv or [])[1:]:  # every scheme's options (and the kernels')
+    from fastpos.positional import option_table  # pylint: disable=import-outside-toplevel
+
+    print(option_table.markdown())
+    return 0
   print(
       "Kernel x positional scheme. 'ok': supported and tested against dense references; "
       "'-n': incompatible, for reason n (a configuration error).\n"

@@ -131,11 +131,11 @@ def test_generate_refuses_a_best_checkpoint_whose_weights_changed(workdir, tmp_p
     tree["params"]["embed"]["embedding"].view(np.uint32)[5, 1] ^= np.uint32(1 << 30)
 
   rewrite_state(best, change)
-  run = generate.build(cli.load_config(str(copy / "config.json")), str(copy))
+  cfg = cli.load_config(str(copy / "config.json"))
   with pytest.raises(
       CheckpointLoadError,
       match=r"best/3 \(DigestMismatch: 1 of \d+ arrays "
       r"differ from their digests: params/embed/embedding\).*--checkpoint=latest",
   ):
-    generate.restore(run, str(copy), "best")
-  assert "params" in generate.restore(run, str(copy), "latest")
+    generate.restore(str(copy), cfg, "best")
+  assert "params" in generate.restore(str(copy), cfg, "latest").variables
