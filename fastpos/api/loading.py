@@ -102,7 +102,7 @@ def load(
     raise ValueError(f"step must be None (the newest) or an int >= 0; got {step!r}.")
   workdir = Path(workdir)
   cfg = _config(workdir) if config is None else config
-  cfg = config_lib.complete_task(cfg.copy_and_resolve_references())
+  cfg = cfg.copy_and_resolve_references()
   config_lib.validate(cfg)
   task = tasks.make_task(cfg.task)
   model = build_model(cfg.model, task.info)
