@@ -548,12 +548,15 @@ def test_readme_sections_cited_in_code_and_docs_exist():
 
 def test_paths_the_documents_name_exist():
   roots = ("fastpos/", "configs/", "scripts/", "tests/", "benchmarks/", "results/", "docs/")
+  built = ("docs/api",)  # written by scripts/build_docs.sh, not committed
   problems = []
   for path in DOCS:
     text = _read(path)
     named = re.findall(r"`([\w./-]+)`", text) + re.findall(r"\]\(([\w./-]+)\)", text)
     for name in named:
       name = name.split(":")[0]
+      if name.rstrip("/") in built:
+        continue
       if name.startswith(roots) and not os.path.exists(os.path.join(ROOT, name)):
         problems.append(f"{path}: {name} does not exist")
   assert not problems, "\n".join(problems)
