@@ -517,7 +517,7 @@ def field(path: str, task: str | None = None) -> Field | None:
 def leaves(cfg: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
   """(dotted path, value) of every field of ``cfg`` that is not a declared block; the
   fields of open blocks and of ``model.positional_options`` come as one value each."""
-  for key in cfg.keys():
+  for key in cfg:
     path = f"{prefix}{key}"
     value = cfg[key]
     if hasattr(value, "keys") and path not in OPEN_BLOCKS and path != "model.positional_options":
@@ -538,10 +538,10 @@ def error(path: str, decl: Field, value: Any) -> str:
 def check(cfg: Mapping) -> None:
   """Raises ConfigValueError for the first field of ``cfg`` (a ConfigDict or nested dict,
   task block complete) that is undeclared or outside its declaration."""
-  block = cfg["task"] if "task" in cfg else {}
+  block = cfg.get("task", {})
   if not hasattr(block, "keys"):
     raise ConfigValueError(error("task", FIELDS["task"], block))
-  task = block["name"] if "name" in block else None
+  task = block.get("name")
   if not _TASK_NAME.is_valid(task):
     raise ConfigValueError(error("task.name", _TASK_NAME, task))
   missing = [k for k in TASK_FIELDS[task] if k not in block]
@@ -584,7 +584,7 @@ def check_flags(values: Mapping[str, Any], decls: Mapping[str, Field]) -> None:
 def is_trajectory(path: str, cfg: Mapping) -> bool:
   """Whether a change of field ``path`` changes the results of a run with config ``cfg``
   (undeclared fields and positional-scheme options: yes)."""
-  block = cfg["task"] if "task" in cfg else {}
+  block = cfg.get("task", {})
   task = block["name"] if hasattr(block, "keys") and "name" in block else None
   decl = field(path, task)
   if decl is None:

@@ -173,6 +173,54 @@ def _mib(nbytes: int) -> str:
   return f"{nbytes / 2 ** 20:,.0f} MiB"
 
 
+def _checked_args(args) -> tuple[list[int], list[int], list[str]]:
+  """(lengths, seqs, cells) from the flags; ValueError naming the bad one."""
+  lengths = _ints(args.lengths, "--lengths")
+  seqs = _ints(args.seqs, "--seqs")
+  cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+  for c in cells:
+    if c not in CELLS:
+      raise ValueError(f"--cells: unknown cell {c!r}; valid choices: {', '.join(CELLS)}.")
+  if seqs[0] != 1:
+    raise ValueError(f"--seqs={args.seqs!r} must start with 1 (the unsplit reference).")
+  for n in lengths:
+    if n % seqs[-1]:
+      raise ValueError(f"--lengths: {n} is not divisible by mesh.seq={seqs[-1]}.")
+  if args.step < 1 or args.step % seqs[-1]:
+    raise ValueError(f"--step={args.step} must be a positive multiple of {seqs[-1]}.")
+  return lengths, seqs, cells
+
+
+def _measure(cells, lengths, seqs) -> dict:
+  """{cell: {"N/seq": step_memory(...)}}, printed as it goes."""
+  results = {c: {} for c in cells}
+  for cell in cells:
+    for n in lengths:
+      for seq in seqs:
+        r = step_memory(cell, n, seq)
+        results[cell][f"{n}/{seq}"] = r
+        print(
+            f"{cell} N={n} seq={seq}: temp {_mib(r['temp'])}, total {_mib(r['total'])} per "
+            f"device (compiled in {r['compile_s']:.0f} s)",
+            flush=True,
+        )
+  return results
+
+
+def _longest(cells, seqs, args) -> dict:
+  """{"cell/seq": {"longest", "tried"}}: the longest N within --budget GiB per device."""
+  fits = {}
+  for cell in cells:
+    for seq in sorted({1, seqs[-1]}):
+      longest, tried = longest_fitting(cell, seq, args.budget * 2**30, args.step, args.limit)
+      fits[f"{cell}/{seq}"] = {"longest": longest, "tried": tried}
+      print(
+          f"{cell} seq={seq}: longest N within {args.budget:g} GiB per device: {longest}",
+          flush=True,
+      )
+  return fits
+
+
 def main(argv=None) -> int:
   prog = "python -m fastpos.bench.context_parallel"
   parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -191,19 +239,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default="", help="folder for context_parallel.md / .json")
   args = parser.parse_args(argv)
   try:
-    lengths = _ints(args.lengths, "--lengths")
-    seqs = _ints(args.seqs, "--seqs")
-    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    for c in cells:
-      if c not in CELLS:
-        raise ValueError(f"--cells: unknown cell {c!r}; valid choices: {', '.join(CELLS)}.")
-    if seqs[0] != 1:
-      raise ValueError(f"--seqs={args.seqs!r} must start with 1 (the unsplit reference).")
-    for n in lengths:
-      if n % seqs[-1]:
-        raise ValueError(f"--lengths: {n} is not divisible by mesh.seq={seqs[-1]}.")
-    if args.step < 1 or args.step % seqs[-1]:
-      raise ValueError(f"--step={args.step} must be a positive multiple of {seqs[-1]}.")
+    lengths, seqs, cells = _checked_args(args)
   except ValueError as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
@@ -216,27 +252,8 @@ def main(argv=None) -> int:
     )
     return 2
 
-  results = {c: {} for c in cells}
-  for cell in cells:
-    for n in lengths:
-      for seq in seqs:
-        r = step_memory(cell, n, seq)
-        results[cell][f"{n}/{seq}"] = r
-        print(
-            f"{cell} N={n} seq={seq}: temp {_mib(r['temp'])}, total {_mib(r['total'])} per "
-            f"device (compiled in {r['compile_s']:.0f} s)",
-            flush=True,
-        )
-  fits = {}
-  if args.budget > 0:
-    for cell in cells:
-      for seq in sorted({1, seqs[-1]}):
-        longest, tried = longest_fitting(cell, seq, args.budget * 2**30, args.step, args.limit)
-        fits[f"{cell}/{seq}"] = {"longest": longest, "tried": tried}
-        print(
-            f"{cell} seq={seq}: longest N within {args.budget:g} GiB per device: {longest}",
-            flush=True,
-        )
+  results = _measure(cells, lengths, seqs)
+  fits = _longest(cells, seqs, args) if args.budget > 0 else {}
 
   command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
   lines = [

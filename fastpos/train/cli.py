@@ -52,7 +52,7 @@ def nearby(key: str, keys: Sequence[str]) -> list[str]:
 def config_keys(cfg, prefix: str = "") -> list[str]:
   """Every field path of a ConfigDict, blocks and leaves (``model``, ``model.kernel``...)."""
   out = []
-  for k in cfg.keys():
+  for k in cfg:
     path = f"{prefix}{k}"
     out.append(path)
     v = cfg[k]
