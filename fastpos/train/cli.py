@@ -39,7 +39,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from fastpos.train import config as config_lib
-from fastpos.train import config_record, errors
+from fastpos.train import config_record, distributed, errors
 from fastpos.train import workdir as workdir_lib
 
 # The override flags: --config.<path>=<value>, --config.<path> (True) or --noconfig.<path>.
@@ -712,6 +712,7 @@ def run(main: Callable[[Argv], int | None], prog: str) -> None:
           errors.EXIT_INTERRUPTED,
       )
     except Exception as e:  # pylint: disable=broad-except
+      e = distributed.as_peer_lost(e)  # a collective broken by a lost process: its own code
       code = user_exit_code(e)
       if code is None:
         raise  # a bug: the traceback is the report

@@ -6,9 +6,12 @@ and ``eval.py`` print that message alone (no traceback) and exit with the code b
 a bad config is not).
 
 ``EXIT_PEER_LOST``: in a run of several processes, the distributed service lost another process
-(it died, or froze past ``--heartbeat_timeout``); each surviving process prints one line naming
-the lost process(es) and exits with it. Nothing was saved since the last checkpoint: read the
-lost process's log for the cause, then start all processes again to resume.
+(it died, or froze past ``--heartbeat_timeout``), process 0 included (the service runs in a
+process of its own beside it); each surviving process prints one line naming the lost
+process(es) and exits with it. A collective that fails because its connection to another
+process broke (gloo, mid-allreduce) waits for that line and exits with the same code. Nothing
+was saved since the last checkpoint: read the lost process's log for the cause, then start all
+processes again to resume.
 """
 
 from __future__ import annotations
