@@ -427,7 +427,7 @@ def test_nested_option_overrides():
           ("model.positional", "absolute+fastrpb+lrpe+permuteformer"),
           ("model.positional_options.fastrpb.per_head", "True"),
           ("model.positional_options.fastrpb.mode_2d", "full"),
-          ("model.positional_options.lrpe.type", "3"),
+          ("model.positional_options.lrpe.type", "1"),
           ("model.positional_options.lrpe.learnable_theta", "false"),
           ("model.positional_options.permuteformer.decay", "(1.0, 1)"),
           ("model.positional_options.absolute", "{'kind': 'sinusoidal'}"),
@@ -436,7 +436,7 @@ def test_nested_option_overrides():
   opts = cfg.model.positional_options.to_dict()
   assert opts == {
       "fastrpb": {"per_head": True, "mode_2d": "full"},
-      "lrpe": {"type": 3, "learnable_theta": False},
+      "lrpe": {"type": 1, "learnable_theta": False},
       "permuteformer": {"decay": (1.0, 1)},
       "absolute": {"kind": "sinusoidal"},
   }
