@@ -595,7 +595,8 @@ def message(e: BaseException) -> str:
     where = " -> ".join(repr(os.fspath(p)) for p in (e.filename, e.filename2) if p)
     hint = _OS_HINTS.get(e.errno, "check the path and run again")
     text = f"{e.strerror}{': ' + where if where else ''}; {hint}."
-  elif "No space left on device" in str(e):  # tensorstore's write errors (orbax saves)
+  elif "No space left on device" in str(e) and not isinstance(e, errors.RunError):
+    # tensorstore's write errors (orbax saves); a RunError already says the fix
     text = f"{e}; {_OS_HINTS[errno.ENOSPC]}."
   elif isinstance(e, (errors.RunError, FileNotFoundError, flags.Error)) or type(e) in (
       ValueError,
