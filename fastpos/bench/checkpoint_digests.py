@@ -215,7 +215,9 @@ orbax alone against orbax plus digests by the position-keyed sum ("sum", format 
 before, and the method on accelerators) and as recorded now ("auto", format 2: SHA-256 of the
 bytes of arrays in host memory), side by side in one run (medians; one untimed warm-up;
 ``fastpos/bench/checkpoint_digests.py`` says what each column is). Steps that do not save run
-no digest code. Timings on a shared 2-core CPU box are noisy: read the load average."""
+no digest code. Timings on a shared 2-core CPU box are noisy: read the load average. A
+negative added cost means the difference is below the run-to-run noise of orbax itself; the
+"digests alone" column is the steadier measure of what verification adds."""
 
 
 def _ms(r: dict, key: str) -> str:
