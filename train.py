@@ -17,8 +17,9 @@ hosts").
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
-holds the workdir; 75 preempted (SIGTERM / SIGINT: a checkpoint was saved, run the same command
-again to continue); 1 an unexpected error (a bug: its traceback is printed).
+holds the workdir; 5 another process of the run died or froze; 75 preempted (SIGTERM /
+SIGINT: a checkpoint was saved, run the same command again to continue); 1 an unexpected error
+(a bug: its traceback is printed).
 """
 
 from __future__ import annotations

@@ -94,6 +94,23 @@ def _resolve(learnable, default: bool) -> bool:
   return default if learnable is None else bool(learnable)
 
 
+def _has_angles(options) -> bool:
+  return options["type"] in (1, 2)
+
+
+def _draws(options) -> bool:
+  """Whether ``seed`` draws anything: type 3's pi, a random P or a fixed householder v."""
+  fixed_v = options["p"] == "householder" and not _resolve(options["learnable_p"], True)
+  return options["type"] == 3 or options["p"] == "random_permutation" or fixed_v
+
+
+def _differs_per_head(options) -> bool:
+  """Whether ``per_head`` can make heads differ: something learned or drawn per head (fixed
+  angles with a fixed, head-independent P are the same for every head)."""
+  learned_angles = _has_angles(options) and _resolve(options["learnable_theta"], True)
+  return learned_angles or options["p"] == "householder" or _draws(options)
+
+
 # ---------------------------------------------------------------------------------------------
 # The scheme
 # ---------------------------------------------------------------------------------------------
@@ -109,10 +126,29 @@ class LRPE(Scheme):
       ),
       "p": Option(DEFAULT_P, "the fixed unitary P (App. D.1)", type="str", choices=P_CHOICES),
       "learnable_theta": Option(
-          None, "learn the angles (None: yes for types 1 and 2)", type="bool", none_ok=True
+          None,
+          "learn the angles (None: yes for types 1 and 2)",
+          type="bool",
+          none_ok=True,
+          used_when=lambda o, two_d: _has_angles(o),
+          used_doc="with type 1 or 2 only (type 3 has no angles)",
       ),
-      "learnable_p": Option(None, "learn householder's v (None: yes)", type="bool", none_ok=True),
-      "per_head": Option(False, "one parameter set per head (else one per layer)", type="bool"),
+      "learnable_p": Option(
+          None,
+          "learn householder's v (None: yes)",
+          type="bool",
+          none_ok=True,
+          used_when=lambda o, two_d: o["p"] == "householder",
+          used_doc="with p='householder' only (the only P with parameters)",
+      ),
+      "per_head": Option(
+          False,
+          "one parameter set per head (else one per layer)",
+          type="bool",
+          used_when=lambda o, two_d: _differs_per_head(o),
+          used_doc="where heads can differ: learned angles, type 3, p='householder' or "
+          "p='random_permutation'",
+      ),
       "base": Option(
           10000.0,
           "the angles' init ladder base^(-2k/f)",
@@ -120,8 +156,18 @@ class LRPE(Scheme):
           low=0,
           low_open=True,
           note="RoPE: 10000",
+          used_when=lambda o, two_d: _has_angles(o),
+          used_doc="with type 1 or 2 only (type 3 has no angles)",
       ),
-      "seed": Option(0, "draws the fixed permutations / householder vector", type="int", low=0),
+      "seed": Option(
+          0,
+          "draws the fixed permutations / householder vector",
+          type="int",
+          low=0,
+          used_when=lambda o, two_d: _draws(o),
+          used_doc="where something fixed is drawn: type 3, p='random_permutation' or "
+          "p='householder' with learnable_p=False",
+      ),
   }
 
   scheme_name = "lrpe"

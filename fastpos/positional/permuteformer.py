@@ -186,7 +186,14 @@ class PermuteFormer(Scheme):
           valid=f"a number r in (0, 1], a non-empty sequence of per-head r in "
           f"(0, 1] (1 = no decay) or {PAPER_DECAY!r} (the paper's per-head ladder)",
       ),
-      "seed": Option(0, "draws the permutations", type="int", low=0),
+      "seed": Option(
+          0,
+          "draws the permutations",
+          type="int",
+          low=0,
+          used_when=lambda o, two_d: o["permute"],
+          used_doc="with permute=True only (permute=False keeps the decay alone)",
+      ),
       "permute": Option(
           True,
           'False keeps only the decay r^(i-j): the paper\'s "w/o P_pi" ' "ablation (Table 4)",

@@ -90,9 +90,17 @@ class T5Bias(Scheme):
           low=4,
           even=True,
           note="T5: 32",
+          used_when=lambda o, two_d: o["bucketed"],
+          used_doc="with bucketed=True only",
       ),
       "max_distance": Option(
-          128, "bucketed: distances >= it share the last bucket", type="int", low=1, note="T5: 128"
+          128,
+          "bucketed: distances >= it share the last bucket",
+          type="int",
+          low=1,
+          note="T5: 128",
+          used_when=lambda o, two_d: o["bucketed"],
+          used_doc="with bucketed=True only",
       ),
       "share_across_layers": Option(False, "one table for the whole model", type="bool"),
   }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from fastpos import config_schema
+from fastpos.train import errors
 from fastpos.train.errors import RunError
 
 CONFIG_NAME = "config.json"
@@ -176,7 +177,8 @@ def record(workdir: str | os.PathLike, checkpoint_step: int, changes: list[Chang
       "checkpoint": checkpoint_step,
       "changes": [c.to_json() for c in changes],
   }
-  with open(Path(workdir) / CHANGES_NAME, "a", encoding="utf-8") as f:
+  path = Path(workdir) / CHANGES_NAME
+  with errors.names_file(path), open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps(entry) + "\n")
   return entry
 

@@ -24,8 +24,11 @@ A lost process: when the distributed service misses another process (it died, or
 ``EXIT_PEER_LOST`` (``fastpos.train.errors``), no traceback. The service runs in JAX's
 recoverable mode, so that a lost task is reported to the others' watchers instead of aborting
 them; that mode skips JAX's shutdown barrier, so at exit every process waits for the others
-(``--shutdown_timeout``) and process 0, which hosts the service, leaves last. Only the loss of
-process 0 still ends the others through JAX's own fatal error.
+(``--shutdown_timeout``) and process 0, which starts the service, leaves last. The service runs
+in a process of its own beside process 0 (``fastpos.train.coordinator_service``), so that the
+loss of process 0 too is reported (JAX would host it inside process 0, whose death then aborts
+the others in C++). A collective that fails in the main thread because a process is gone (a
+gloo connection reset mid-allreduce) waits for the watcher's line, and exits with the same code.
 
 ``train.py`` and ``eval.py`` call ``define_flags()`` at import and ``initialize(flags)`` first
 thing in ``main``; other programs may call ``initialize()`` for the environment variables
@@ -39,15 +42,18 @@ import contextlib
 import dataclasses
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
-from typing import Mapping
+from pathlib import Path
+from typing import Iterator, Mapping
 
 import jax
 from absl import flags, logging
 
-from fastpos.train.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, RunError
+from fastpos.train import coordinator_service
+from fastpos.train.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, PeerLostError, RunError
 
 ADDRESS_ENV, COUNT_ENV, ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEFAULT_INITIALIZATION_TIMEOUT_S = 300  # jax's own default
@@ -341,6 +347,95 @@ def _exit_together(client, num_processes: int, shutdown_timeout_s: int) -> None:
       time.sleep(0.05)
 
 
+class _ServiceProcess:
+  """The distributed service in its own process (``coordinator_service``); jax holds this as
+  its ``service`` and calls ``shutdown`` at exit."""
+
+  def __init__(self, bind_address: str, num_processes: int, heartbeat_s: int, shutdown_s: int):
+    self._shutdown_s = shutdown_s
+    self._proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(coordinator_service.__file__)),
+            bind_address,
+            str(num_processes),
+            str(heartbeat_s),
+            str(shutdown_s),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a signal to process 0's group must not end the service
+    )
+    line = self._proc.stdout.readline().strip()
+    if line != coordinator_service.READY:
+      self._proc.wait()
+      raise RuntimeError(
+          line.removeprefix("error: ") or f"the service exited with code {self._proc.returncode}"
+      )
+
+  def shutdown(self) -> None:
+    with contextlib.suppress(OSError, ValueError):  # already gone
+      self._proc.stdin.write(coordinator_service.STOP + "\n")
+      self._proc.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      self._proc.wait(self._shutdown_s)
+
+
+@contextlib.contextmanager
+def _service_in_own_process(s: Settings) -> Iterator[None]:
+  """While entered, the service jax starts in process 0 is a ``_ServiceProcess``."""
+  # jax keeps its service private; without this hook the service stays inside process 0.
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+
+  native = getattr(jax_distributed, "_jax", None)
+  if native is None or not hasattr(native, "get_distributed_runtime_service"):
+    logging.warning(
+        "jax's distributed service cannot be started apart: the loss of process 0 ends "
+        "the others through jax's own fatal error."
+    )
+    yield
+    return
+
+  class Native:
+
+    def __getattr__(self, name):
+      return getattr(native, name)
+
+    @staticmethod
+    def get_distributed_runtime_service(address, num_processes, **_):
+      return _ServiceProcess(address, num_processes, s.heartbeat_timeout_s, s.shutdown_timeout_s)
+
+  jax_distributed._jax = Native()  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    jax_distributed._jax = native  # pylint: disable=protected-access
+
+
+# (num_processes, heartbeat_timeout_s) of the watched run; None: no watcher runs.
+_WATCHED: tuple[int, int] | None = None
+# What a collective says when the connection to another process broke (gloo over TCP).
+_LOST_CONNECTION = ("Gloo", "gloo", "Connection reset by peer", "Connection closed by peer")
+
+
+def as_peer_lost(e: BaseException) -> BaseException:
+  """``e`` itself, or, when it is a collective that failed because another process is gone, a
+  ``PeerLostError``: first the main thread waits for the watcher, which ends the process with
+  its one line naming the lost process (exit ``EXIT_PEER_LOST``)."""
+  if _WATCHED is None or not any(t in str(e) for t in _LOST_CONNECTION):
+    return e
+  num_processes, heartbeat_s = _WATCHED
+  _WATCH_STOP.wait(heartbeat_s + coordinator_service.LINGER_AFTER_HEARTBEAT_S)
+  text = " ".join(str(e).split())[:200]
+  return PeerLostError(
+      f"a collective with the other processes failed ({text}) but the distributed "
+      f"service still lists all {num_processes}; stopping this process too (exit code "
+      f"{EXIT_PEER_LOST}). Check the others' logs and the network, then start all "
+      f"{num_processes} processes again to resume from the last checkpoint."
+  )
+
+
 def _start_watch(num_processes: int, s: Settings) -> None:
   # jax keeps its client private; without it the run keeps jax's own fatal error.
   from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
@@ -352,6 +447,8 @@ def _start_watch(num_processes: int, s: Settings) -> None:
         "through jax's own fatal error."
     )
     return
+  global _WATCHED
+  _WATCHED = (num_processes, s.heartbeat_timeout_s)
   _WATCH_STOP.clear()
   # Runs before jax's own exit handler (registered earlier, so run later) shuts down.
   atexit.register(_exit_together, client, num_processes, s.shutdown_timeout_s)
@@ -405,21 +502,8 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
   watchdog.daemon = True
   watchdog.start()
   try:
-    if cluster:
-      jax.distributed.initialize(
-          initialization_timeout=s.initialization_timeout_s + 5,
-          heartbeat_timeout_seconds=s.heartbeat_timeout_s,
-          shutdown_timeout_seconds=s.shutdown_timeout_s,
-      )
-    else:
-      jax.distributed.initialize(
-          s.coordinator_address,
-          s.num_processes,
-          s.process_id,
-          initialization_timeout=s.initialization_timeout_s + 5,
-          heartbeat_timeout_seconds=s.heartbeat_timeout_s,
-          shutdown_timeout_seconds=s.shutdown_timeout_s,
-      )
+    with _service_in_own_process(s):
+      _initialize(s, cluster)
   except Exception as e:  # pylint: disable=broad-except  # e.g. the port is taken
     text = " ".join(str(e).split())[:300]
     raise DistributedError(
@@ -430,3 +514,21 @@ def initialize(holders: Flags | None = None, environ: Mapping[str, str] | None =
     watchdog.cancel()
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
   _start_watch(jax.process_count(), s)
+
+
+def _initialize(s: Settings, cluster: str | None) -> None:
+  if cluster:
+    jax.distributed.initialize(
+        initialization_timeout=s.initialization_timeout_s + 5,
+        heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+        shutdown_timeout_seconds=s.shutdown_timeout_s,
+    )
+  else:
+    jax.distributed.initialize(
+        s.coordinator_address,
+        s.num_processes,
+        s.process_id,
+        initialization_timeout=s.initialization_timeout_s + 5,
+        heartbeat_timeout_seconds=s.heartbeat_timeout_s,
+        shutdown_timeout_seconds=s.shutdown_timeout_s,
+    )

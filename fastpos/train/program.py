@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 
-from fastpos.train import errors
+from fastpos.train import distributed, errors
 
 
 def user_exit_code(e: BaseException) -> int | None:
@@ -51,7 +51,8 @@ def message(e: BaseException) -> str:
     where = " -> ".join(repr(os.fspath(p)) for p in (e.filename, e.filename2) if p)
     hint = _OS_HINTS.get(e.errno, "check the path and run again")
     text = f"{e.strerror}{': ' + where if where else ''}; {hint}."
-  elif "No space left on device" in str(e):  # tensorstore's write errors (orbax saves)
+  elif "No space left on device" in str(e) and not isinstance(e, errors.RunError):
+    # tensorstore's write errors (orbax saves); a RunError already says the fix
     text = f"{e}; {_OS_HINTS[errno.ENOSPC]}."
   elif isinstance(e, (errors.RunError, FileNotFoundError, flags.Error)) or type(e) in (
       ValueError,
@@ -168,6 +169,7 @@ def run(
           errors.EXIT_INTERRUPTED,
       )
     except Exception as e:  # pylint: disable=broad-except
+      e = distributed.as_peer_lost(e)  # a collective broken by a lost process: its own code
       code = user_exit_code(e)
       if code is None:
         raise  # a bug: the traceback is the report

@@ -24,13 +24,16 @@ in, also for two runs started within one second.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
+
+from fastpos.train.errors import names_file
 
 EVENT_GLOB = "events.out.tfevents.*"
 HPARAM_BLOCKS = ("model", "optimizer", "task")  # the config blocks the HParams dashboard shows
@@ -86,7 +89,33 @@ class EventWriter:
     self._writer = SummaryWriter(
         str(self.logdir), purge_step=purge_step, flush_secs=10, filename_suffix=suffix
     )
-    self._writer.file_writer.flush()  # the file (and its purge marker) exists from now on
+    # Events are written in the caller's thread, not tensorboardX's: a failed write (a full
+    # disk) then raises where the run can stop on it, and never blocks on a queue no one reads.
+    events = self._writer.file_writer.event_writer
+    events._worker.stop()  # pylint: disable=protected-access
+    events.add_event = events._ev_writer.write_event  # pylint: disable=protected-access
+    self.path = Path(events._ev_writer._file_name)  # pylint: disable=protected-access
+    self.failed = False
+    try:
+      self._flush()  # the file (and its purge marker) exists from now on
+    except OSError:
+      self.close()  # no one else will
+      raise
+
+  @contextlib.contextmanager
+  def _writing(self) -> Iterator[None]:
+    """A failed write (a full disk) raises an OSError naming the event file, once: ``close``
+    does not raise it again."""
+    try:
+      with names_file(self.path):
+        yield
+    except OSError:
+      self.failed = True
+      raise
+
+  def _flush(self) -> None:
+    with self._writing():
+      self._writer.file_writer.flush()
 
   def config(self, config: Mapping[str, Any], text: str, metrics: list[str]) -> None:
     """The config as text and as hyperparameters, at step 0, by a run from scratch; nothing
@@ -94,25 +123,37 @@ class EventWriter:
     dashboard shows per run."""
     if not self.from_scratch:
       return
-    self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
+    with self._writing():
+      self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
     hparams = {k: v for k, v in flat_config(config).items() if k.split(".", 1)[0] in HPARAM_BLOCKS}
     experiment, start, end = hparams_summaries(hparams, dict.fromkeys(metrics, 0.0))
-    for summary in (experiment, start, end):
-      self._writer.file_writer.add_summary(summary, global_step=0)
-    self._writer.file_writer.flush()
+    with self._writing():
+      for summary in (experiment, start, end):
+        self._writer.file_writer.add_summary(summary, global_step=0)
+    self._flush()
 
   def text(self, tag: str, step: int, text: str) -> None:
     """A text summary ``tag`` at ``step`` (e.g. the config changes of a resume)."""
-    self._writer.add_text(tag, f"```\n{text}\n```", global_step=step)
-    self._writer.file_writer.flush()
+    with self._writing():
+      self._writer.add_text(tag, f"```\n{text}\n```", global_step=step)
+    self._flush()
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
-    for tag, value in values.items():
-      self._writer.add_scalar(tag, float(value), global_step=step)
-    self._writer.file_writer.flush()
+    with self._writing():
+      for tag, value in values.items():
+        self._writer.add_scalar(tag, float(value), global_step=step)
+    self._flush()
 
   def close(self) -> None:
-    self._writer.close()
+    failed_before = self.failed
+    try:
+      with self._writing():
+        self._writer.close()
+    except OSError:
+      events = self._writer.file_writer.event_writer
+      events._closed = True  # pylint: disable=protected-access  # tensorboardX's exit hook
+      if not failed_before:
+        raise
 
 
 def _accumulator(logdir: str | os.PathLike):

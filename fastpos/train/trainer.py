@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging as std_logging
 import os
 import re
 import signal
@@ -63,7 +62,7 @@ from jax.experimental import multihost_utils
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.tasks.info import TaskInfo
-from fastpos.train import bucketing, config_record, packing
+from fastpos.train import bucketing, config_record, errors, packing
 from fastpos.train import config as config_lib
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
@@ -320,7 +319,7 @@ def _log_file(path: Path):
   if jax.process_index() != 0:
     yield
     return
-  handler = std_logging.FileHandler(path, mode="a", encoding="utf-8")
+  handler = errors.LogFileHandler(path)  # a failed write stops the run, naming the file
   handler.setFormatter(logging.PythonFormatter())
   logger = logging.get_absl_logger()
   logger.addHandler(handler)
@@ -341,7 +340,8 @@ def _write_json(path: Path, obj: Any) -> None:
   if jax.process_index() == 0:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+    with errors.names_file(path):
+      tmp.write_text(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
     tmp.replace(path)
 
 
@@ -633,14 +633,11 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
       logging.info("%s", summary_line(run.workdir, run.task, run.info, result, train_src, val_src))
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
-    reason = os.strerror(e.errno) if e.errno else str(e)
     where = getattr(e, "filename", None) or (
         f"{run.workdir} (metrics.jsonl, config.json, "
         "config_changes.jsonl, tensorboard/, train.log)"
     )
-    raise RunError(
-        f"{reason}: writing {where} failed; free space there or use another " "--workdir."
-    ) from None
+    raise OSError(e.errno, e.strerror or str(e), where) from None  # one line: cli.message
   finally:
     ckpts.close()
     if writer is not None:
