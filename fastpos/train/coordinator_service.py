@@ -21,6 +21,7 @@ It imports jaxlib alone (no fastpos, no jax) to start fast.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import time
 
@@ -28,9 +29,27 @@ LINGER_AFTER_HEARTBEAT_S = 10  # the others' watchers poll about once a second
 READY, STOP = "ready", "stop"
 
 
+def _bind_problem(bind_address: str) -> str | None:
+  """Why ``bind_address`` ("host:port", "[::]:port") cannot be listened on, or None: checked
+  with a plain socket first, because jaxlib's service can crash (SIGSEGV) on a failed bind."""
+  host, _, port = bind_address.rpartition(":")
+  host = host.strip("[]") or "::"
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.bind((host, int(port)))
+  except (OSError, ValueError) as e:
+    return f"cannot bind RPC server on {bind_address}: {getattr(e, 'strerror', None) or e}"
+  return None
+
+
 def serve(bind_address: str, num_processes: int, heartbeat_s: int, shutdown_s: int) -> int:
   """Runs the service until ``stop`` or until stdin closes (module docstring); the exit code."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # process 0 decides when the service ends
+  problem = _bind_problem(bind_address)
+  if problem:
+    print(f"error: {problem}", flush=True)
+    return 1
   try:
     from jaxlib import _jax  # pylint: disable=import-outside-toplevel
 

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from absl import logging as absl_logging
 
-from fastpos.train import cli, errors, train_and_evaluate
+from fastpos.train import errors, program, train_and_evaluate
 from fastpos.train import workdir as workdir_lib
 from tests.train.common import tiny_config
 
@@ -61,12 +61,12 @@ def _stop(workdir: Path, pattern: str, caplog, capfd, **overrides) -> str:
     absl_logging.set_verbosity(verbosity)
     logging.getLogger("absl").setLevel(level)
   e = info.value
-  assert cli.user_exit_code(e) == errors.EXIT_BAD_INPUT, repr(e)
+  assert program.user_exit_code(e) == errors.EXIT_BAD_INPUT, repr(e)
   assert not [r for r in caplog.records if r.exc_info], "a background traceback was logged"
   err = capfd.readouterr().err
   assert "Traceback" not in err and "Logging error" not in err, err[-3000:]
   assert not (workdir / workdir_lib.LOCK_NAME).exists()
-  return cli.message(e)
+  return program.message(e)
 
 
 _ALLOW: dict = {}
