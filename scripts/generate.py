@@ -30,7 +30,7 @@ from absl import flags  # noqa: E402
 from fastpos import config_schema  # noqa: E402
 from fastpos.train import cli, errors, sharding  # noqa: E402
 from fastpos.train import metrics as metrics_lib  # noqa: E402
-from fastpos.train import trainer as trainer_lib  # noqa: E402
+from fastpos.train import run as run_lib  # noqa: E402
 from fastpos.train import workdir as workdir_lib  # noqa: E402
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints  # noqa: E402
 
@@ -68,7 +68,7 @@ class CheckFailed(errors.RunError):
 
 def build(cfg, workdir: str):
   """The run of ``cfg`` (task and model built and checked, nothing compiled)."""
-  run = trainer_lib._Run(cfg, workdir, None)  # pylint: disable=protected-access
+  run = run_lib.build_run(cfg, workdir)
   if run.info.kind != "lm":
     raise errors.RunError(
         f"--workdir={workdir} holds a {run.info.kind!r} model "
@@ -93,15 +93,15 @@ def _restore(run, workdir, checkpoint):
           f"train.py --config=... --workdir={workdir}"
       )
     try:
-      state, meta, _ = ckpts.restore_newest(run.abstract_state, which, check=run.check_meta)
+      found = ckpts.restore_newest(run.checkpoint_abstract, which, expect=run.expect)
     except CheckpointLoadError as e:
       raise CheckpointLoadError(
           f"{e} Or use the newest checkpoint: --checkpoint=latest." if which == "best" else str(e)
       ) from None
   finally:
     ckpts.close()
-  print(f"restored the {which} checkpoint (step {int(meta['step'])})")
-  return {"params": state.params, **dict(state.collections)}
+  print(f"restored the {which} checkpoint (step {found.step})")
+  return {"params": found.state["params"], **dict(found.state["collections"])}
 
 
 def vocabulary(task):

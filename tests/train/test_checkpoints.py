@@ -34,7 +34,8 @@ from fastpos.train import (
 )
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
-from fastpos.train import trainer as trainer_lib
+from fastpos.train import resume as resume_lib
+from fastpos.train import run as run_lib
 from fastpos.train import workdir as workdir_lib
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints
 from fastpos.train.tensorboard import read_scalars
@@ -234,19 +235,15 @@ def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path,
 def _restore_latest(workdir: Path):
   """(step, data iterator state) of the newest checkpoint that verifies, as a resume finds
   it (read-only here)."""
-  run = trainer_lib._Run(config(), workdir, None)
+  run = run_lib.build_run(config(), workdir)
   src = run.task.source("train")
   ckpts = Checkpoints(workdir, run.cfg, read_only=True)
-
-  def data_iter_for(meta):
-    it, restore, _, _ = trainer_lib._data_iter_for(run, src, meta, ckpts.latest_dir)
-    return it, restore
-
   try:
-    _, meta, it = ckpts.restore_newest(run.abstract_state, data_iter_for=data_iter_for)
+    found = ckpts.restore_newest(run.checkpoint_abstract, expect=run.expect)
   finally:
     ckpts.close()
-  return meta["step"], it.get_state()
+  it, _ = resume_lib.resume_data(run, src, found)
+  return found.step, it.get_state()
 
 
 def test_an_edited_data_position_is_caught(runs, tmp_path, caplog):
@@ -292,11 +289,11 @@ def test_a_checkpoint_without_digests_loads_with_a_warning(runs, tmp_path, caplo
 def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
   workdir = _copy(runs, tmp_path)
   _damage(workdir / "checkpoints" / "5", "weight_changed")
-  run = trainer_lib._Run(config(), workdir, None)
+  run = run_lib.build_run(config(), workdir)
   ckpts = Checkpoints(workdir, run.cfg, read_only=True)
   try:
-    good, skipped = ckpts.newest_verified(run.abstract_state, 5)
-    assert ckpts.newest_verified(run.abstract_state, 3) == (3, [])
+    good, skipped = ckpts.newest_verified(run.checkpoint_abstract, 5)
+    assert ckpts.newest_verified(run.checkpoint_abstract, 3) == (3, [])
   finally:
     ckpts.close()
   assert good == 4 and len(skipped) == 1

@@ -188,11 +188,11 @@ def test_list_configs_shows_every_file_and_its_arguments():
 
 def test_the_trainer_completes_a_config_built_in_python(tmp_path):
   from configs import listops_generated  # pylint: disable=import-outside-toplevel
-  from fastpos.train import trainer  # pylint: disable=import-outside-toplevel
+  from fastpos.train import run as run_lib  # pylint: disable=import-outside-toplevel
 
   cfg = listops_generated.get_config("tiny")  # config.task: the fields the file sets
   assert "num_train" in cfg.task and "seed" not in cfg.task
-  run = trainer._Run(cfg, tmp_path, None)  # pylint: disable=protected-access
+  run = run_lib.build_run(cfg, tmp_path)
   assert (
       run.cfg.task.to_dict()
       == cli.load_config(f"{CONFIG_DIR / 'listops_generated.py'}:tiny").task.to_dict()
