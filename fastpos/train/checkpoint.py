@@ -5,7 +5,8 @@
                                                      SIGINT; the last keep_checkpoints kept
   <workdir>/best/<step>/{state, meta}                the best by the validation metric
 
-``state`` is the ``TrainState``; ``data`` the grain iterator position (a JSON file per
+``state`` is the ``TrainState`` with the steps' carry (``state.checkpoint_tree``: the
+Transformer-XL memory, or ``{}``); ``data`` the grain iterator position (a JSON file per
 process); ``meta`` a JSON record of the step, the training RNG key, the model and task config
 blocks (a resumed run must match them), the data position in examples, the current log
 window's training metrics (so a resumed run logs what an uninterrupted one would) and, in
@@ -173,7 +174,7 @@ def restore_checkpoint(
       at = f"step {step} " if step is not None else ""
       raise FileNotFoundError(
           f"no checkpoint {at}in {folder}; checkpoints there: "
-          f"{', '.join(map(str, steps)) or 'none'}."
+          f"{', '.join(map(str, sorted(steps))) or 'none'}."
       )
     if step is None:
       return ckpts.restore_newest(abstract_state, which)
