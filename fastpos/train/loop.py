@@ -151,6 +151,8 @@ def _train_one(run: Run, loop: _Loop, writer: metrics_lib.MetricWriter):
   if loop.step == loop.first_step + 1:  # steps/s from here on: the first step compiles
     jax.block_until_ready(step_metrics)
     writer.start_timer(loop.step)
+  if loop.unchecked:  # at most two steps in flight: the host never runs far ahead
+    jax.block_until_ready(loop.unchecked[-1][1])
   loop.window.append(step_metrics)
   loop.unchecked.append((loop.step, step_metrics))
   return batch
