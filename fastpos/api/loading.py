@@ -26,8 +26,14 @@ from fastpos.models import build_model
 from fastpos.train import cli
 from fastpos.train import config as config_lib
 from fastpos.train import metrics as metrics_lib
+from fastpos.train import state as state_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, check_compatible
+from fastpos.train.checkpoint import (
+    CheckpointLoadError,
+    Checkpoints,
+    check_compatible,
+    config_meta,
+)
 from fastpos.train.errors import RunError
 from fastpos.train.state import TrainState, make_optimizer
 
@@ -109,6 +115,7 @@ def load(
   abstract = _abstract_state(cfg, model, task.info)
   with metrics_lib.quiet_library_logs():
     state, meta, path = _restore(workdir, cfg, task, abstract, step, checkpoint)
+  state, _ = state_lib.from_checkpoint_tree(state)
   variables = {"params": state.params, **dict(state.collections)}
   return Loaded(model, state.params, cfg, task, variables, int(meta["step"]), str(path))
 
@@ -132,8 +139,9 @@ def _config(workdir: Path) -> ml_collections.ConfigDict:
   return cli.load_config(str(spec))
 
 
-def _abstract_state(cfg, model: nn.Module, info) -> TrainState:
-  """The train state's shapes (no compute), every array replicated over all devices."""
+def _abstract_state(cfg, model: nn.Module, info) -> dict[str, Any]:
+  """The checkpoint's state tree (``state.checkpoint_tree``: train state and carry) as shapes
+  (no compute), every array replicated over all devices."""
   n = info.max_length
   batch = {"inputs": jnp.ones((1, n), jnp.int32), "mask": jnp.ones((1, n), bool)}
   if info.kind == "retrieval":
@@ -146,13 +154,13 @@ def _abstract_state(cfg, model: nn.Module, info) -> TrainState:
     rngs = {"params": params_rng, "dropout": dropout_rng, "features": features_rng}
     variables = dict(model.init(rngs, batch, train=False))
     params = variables.pop("params")
-    return TrainState(
+    state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=tx.init(params),
         collections=variables,
-        memory=model.init_memory(cfg.batch_size) if memory else {},
     )
+    return state_lib.checkpoint_tree(state, model.init_memory(cfg.batch_size) if memory else {})
 
   shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
   sharding = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
@@ -162,6 +170,7 @@ def _abstract_state(cfg, model: nn.Module, info) -> TrainState:
 def _restore(workdir: Path, cfg, task, abstract, step, which):
   ckpts = Checkpoints(workdir, cfg, read_only=True)
   try:
+    expect = config_meta(cfg, task.info)
     check = lambda meta: check_compatible(meta, cfg, task.info, workdir / "checkpoints")
     if step is not None:
       return _restore_step(ckpts, abstract, step, check)
@@ -172,7 +181,7 @@ def _restore(workdir: Path, cfg, task, abstract, step, which):
       )
     which = "best" if which == "best" and ckpts.best_step() is not None else "latest"
     try:
-      state, meta, _ = ckpts.restore_newest(abstract, which, check=check)
+      found = ckpts.restore_newest(abstract, which, expect=expect)
     except CheckpointLoadError as e:
       hint = (
           " Or load the newest checkpoint: checkpoint='latest' (scripts: --checkpoint=latest)."
@@ -180,7 +189,7 @@ def _restore(workdir: Path, cfg, task, abstract, step, which):
           else ""
       )
       raise CheckpointLoadError(f"{e}{hint}") from None
-    return state, meta, ckpts.restored[0]
+    return found.state, found.meta, found.path
   finally:
     ckpts.close()
 

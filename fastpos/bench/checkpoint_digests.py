@@ -43,11 +43,11 @@ import orbax.checkpoint as ocp
 from fastpos.bench import report
 from fastpos.train import digest as digest_lib
 from fastpos.train import metrics as metrics_lib
+from fastpos.train import run as run_lib
 from fastpos.train import sharding as sharding_lib
-from fastpos.train import trainer as trainer_lib
 from fastpos.train.checkpoint import Checkpoints, config_meta
 from fastpos.train.config import base_config
-from fastpos.train.steps import make_train_step
+from fastpos.train.steps import make_train_step, without_carry
 
 MODELS = {
     "tiny (1 x 32)": dict(
@@ -86,8 +86,10 @@ def _median(xs) -> float:
 
 
 def _step_seconds(run, batch, repeats: int) -> float:
-  step = jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
-  state = run.init_state()
+  step = jax.jit(
+      without_carry(make_train_step(run.model, run.tx, run.info.kind, 1)), donate_argnums=0
+  )
+  state, _ = run.init_state()
   rng = jax.random.key_data(jax.random.key(0))
   state, m = step(state, batch, rng)  # compiles
   jax.block_until_ready(m)
@@ -102,11 +104,11 @@ def _step_seconds(run, batch, repeats: int) -> float:
 
 def measure(spec: dict, repeats: int, tmp: Path) -> dict:
   """Seconds of each operation (medians) for the model of ``spec``."""
-  run = trainer_lib._Run(_config(spec), tmp / "run", None)  # pylint: disable=protected-access
+  run = run_lib.build_run(_config(spec), tmp / "run")
   src = run.task.source("train")
-  it = run.train_iterator(src)
-  batch = sharding_lib.global_batch(next(it), run.batch_sharding)
-  state = run.init_state()
+  it = run.feed.train(src, 0)
+  batch = sharding_lib.global_batch(next(it), run.shardings.batch)
+  state, _ = run.init_state()
   leaves = jax.tree.leaves(state)
   out = {
       "parameters": run.num_params,
@@ -169,11 +171,11 @@ def measure(spec: dict, repeats: int, tmp: Path) -> dict:
         if way == "orbax":  # as restores read before: the meta, then the state
           ckpts.latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
           restored = ckpts.latest.restore(
-              step, args=ocp.args.Composite(state=ocp.args.StandardRestore(run.abstract_state))
+              step, args=ocp.args.Composite(state=ocp.args.StandardRestore(run.abstract))
           )["state"]
           jax.block_until_ready(restored)
         else:  # each entry is checked by the method it names: the checkpoint's way
-          ckpts.restore(run.abstract_state, step=step)
+          ckpts.restore(run.abstract, step=step)
         if r >= 0:
           cost[f"restore_{way}"].append(time.perf_counter() - start)
   finally:

@@ -35,7 +35,7 @@ from fastpos.models import TaskInfo, build_model
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.config import base_config
 from fastpos.train.state import TrainState, make_optimizer
-from fastpos.train.steps import make_train_step
+from fastpos.train.steps import make_train_step, without_carry
 
 CELLS = {
     "sikf + fastrpb": ("sikf", "fastrpb"),
@@ -106,7 +106,7 @@ def build_step(cfg, task: TaskInfo, n: int):
     batch["targets"] = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rows)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding_lib.replicated(mesh))
   step = jax.jit(
-      sharding_lib.in_seq_mesh(make_train_step(model, tx, task.kind), mesh),
+      sharding_lib.in_seq_mesh(without_carry(make_train_step(model, tx, task.kind)), mesh),
       in_shardings=(
           state_sharding,
           sharding_lib.batch_in_sharding(mesh),

@@ -34,9 +34,9 @@ import jax
 from fastpos.bench import report
 from fastpos.ops import segments
 from fastpos.train import data as data_lib
-from fastpos.train import trainer
+from fastpos.train import run as run_lib
 from fastpos.train.bucketing import bucket_lengths
-from fastpos.train.steps import make_train_step
+from fastpos.train.steps import make_train_step, without_carry
 
 SLOT_GOAL = 0.75  # real tokens / token slots with bucketing
 SPEED_GOAL = 1.5  # real tokens/s with bucketing over without
@@ -100,8 +100,8 @@ def _take(it, n: int) -> list[dict]:
 def _measure(args) -> dict:
   before, after = _configs(tuple(args.buckets), args.window)
   runs = {
-      "before": trainer._Run(before, "/tmp/unused", None),
-      "after": trainer._Run(after, "/tmp/unused", None),
+      "before": run_lib.build_run(before, "/tmp/unused"),
+      "after": run_lib.build_run(after, "/tmp/unused"),
   }
   rec = {
       "buckets": list(bucket_lengths(runs["after"].cfg, runs["after"].info.max_length)),
@@ -114,7 +114,9 @@ def _measure(args) -> dict:
   val = runs["before"].task.source("validation")
   # One jitted step per variant: each compiles its own shapes (its compile times are its own).
   fns = {
-      name: jax.jit(make_train_step(run.model, run.tx, run.info.kind, 1), donate_argnums=0)
+      name: jax.jit(
+          without_carry(make_train_step(run.model, run.tx, run.info.kind, 1)), donate_argnums=0
+      )
       for name, run in runs.items()
   }
   for name, run in runs.items():
@@ -132,7 +134,7 @@ def _measure(args) -> dict:
             w: sum(b["inputs"].shape[1] == w for b in count) / len(count) for w in widths
         },
     }
-  states = {name: run.init_state() for name, run in runs.items()}
+  states = {name: run.init_state()[0] for name, run in runs.items()}
   batches = {
       name: _take(data_lib.train_iterator(src, run.cfg), args.steps) for name, run in runs.items()
   }

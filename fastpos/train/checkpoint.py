@@ -5,7 +5,8 @@
                                                      SIGINT; the last keep_checkpoints kept
   <workdir>/best/<step>/{state, meta}                the best by the validation metric
 
-``state`` is the ``TrainState``; ``data`` the grain iterator position (a JSON file per
+``state`` is the ``TrainState`` with the steps' carry (``state.checkpoint_tree``: the
+Transformer-XL memory, or ``{}``); ``data`` the grain iterator position (a JSON file per
 process); ``meta`` a JSON record of the step, the training RNG key, the model and task config
 blocks (a resumed run must match them), the data position in examples, the current log
 window's training metrics (so a resumed run logs what an uninterrupted one would) and, in
@@ -20,6 +21,11 @@ one is used; a training run moves it aside to ``<step>.corrupt``. A checkpoint w
 digests were recorded loads unverified, with one warning saying so. ``Checkpoints(...)``
 creates nothing: the writing managers come from ``open_for_writing()``, called once the
 workdir's lock is held.
+
+A restore returns what it found (``Restored``: the state, its record, step, folder, whether it
+verified and this process's data position) and decides nothing about the run: the trainer
+decides whether the data position carries over. ``restore_checkpoint(workdir, ...)`` restores
+a workdir's checkpoint without a trainer.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import logging as std_logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grain
 import jax
@@ -71,7 +77,12 @@ def check_compatible(
     meta: dict[str, Any], cfg: ml_collections.ConfigDict, info: TaskInfo, where: Path
 ) -> None:
   """Stops when a checkpoint (its ``meta``) belongs to a different model or task."""
-  want = config_meta(cfg, info)
+  check_expected(meta, config_meta(cfg, info), where)
+
+
+def check_expected(meta: dict[str, Any], want: dict[str, Any], where: Path) -> None:
+  """Stops (ValueError naming each differing field) when a checkpoint's ``meta`` belongs to
+  another model or task than ``want`` (a ``config_meta``)."""
   for block in ("model", "task"):
     saved, now = meta["config"][block], want[block]
     if saved != now:
@@ -82,6 +93,95 @@ def check_compatible(
           f"{block} (config.{block} differs in {detail}). Use a new --workdir, or the config "
           f"that made it (its config.json)."
       )
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a restore found.
+
+  state: the restored tree, shaped like the abstract target (as saved without one).
+  meta: the checkpoint's record (step, RNG key, data position in examples, config blocks,
+    log window, digests; in ``best/`` the validation metrics).
+  step: its step. path: its folder. verified: whether it matched its digests (False: written
+    before checkpoints recorded them, loaded unverified).
+  data_state: this process's data-iterator state (``get_state()`` of the saved iterator, a
+    grain ``set_state`` argument), verified with the rest; None when the checkpoint has none
+    (``best/``) or was saved by another number of processes.
+  data_processes: how many processes saved the data position (None: none saved, or unknown).
+  """
+
+  state: Any
+  meta: dict[str, Any]
+  step: int
+  path: Path
+  verified: bool
+  data_state: dict[str, Any] | None = None
+  data_processes: int | None = None
+
+
+class _Damaged(Exception):
+  """A checkpoint does not load or does not match its digests; ``__cause__`` says why."""
+
+
+def saved_process_count(data_dir: Path) -> int | None:
+  """How many processes saved a checkpoint's data iterator (grain writes one
+  ``process_<i>-of-<n>.json`` each), or None when it cannot tell."""
+  counts = {
+      name.rsplit("-of-", 1)[-1].removesuffix(".json")
+      for name in (p.name for p in data_dir.glob("process_*-of-*.json"))
+  }
+  return int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else None
+
+
+def _read_data_state(data_dir: Path) -> dict[str, Any]:
+  """This process's data-iterator state, as grain's checkpoint handler saved it."""
+  name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+  return json.loads((data_dir / name).read_text())
+
+
+def restore_checkpoint(
+    workdir: str | Path,
+    abstract_state: Any = None,
+    *,
+    which: str = "latest",
+    step: int | None = None,
+) -> Restored:
+  """Restores a checkpoint of a ``train.py`` workdir, read-only and without a trainer.
+
+  Args:
+    workdir: the run's ``--workdir``.
+    abstract_state: the tree to restore into, e.g.
+      ``fastpos.train.state.checkpoint_tree(state, carry)`` of ``jax.ShapeDtypeStruct``s
+      (with shardings); None restores the tree as saved, nested dicts of arrays
+      (``{"step", "params", "opt_state", "collections", "memory"}``).
+    which: "latest" (``checkpoints/``) or "best" (``best/``, the best on validation).
+    step: that step (no fallback); None: the newest that loads and matches its digests
+      (damaged ones are reported with a warning and skipped, never moved).
+
+  Returns:
+    ``Restored`` (state, meta, step, path, verified, ...).
+
+  Raises:
+    FileNotFoundError: ``which`` holds no checkpoint (or not ``step``).
+    CheckpointLoadError: none loads (each one listed with its reason).
+    DigestMismatch: ``step`` was given and does not match its digests.
+  """
+  ckpts = Checkpoints(workdir, read_only=True)
+  try:
+    steps = ckpts.steps(which)
+    folder = ckpts.latest_dir if which == "latest" else ckpts.best_dir
+    if not steps or (step is not None and step not in steps):
+      at = f"step {step} " if step is not None else ""
+      raise FileNotFoundError(
+          f"no checkpoint {at}in {folder}; checkpoints there: "
+          f"{', '.join(map(str, sorted(steps))) or 'none'}."
+      )
+    if step is None:
+      return ckpts.restore_newest(abstract_state, which)
+    state, meta = ckpts.restore(abstract_state, which=which, step=step)
+    return Restored(state, meta, step, folder / str(step), "digests" in meta)
+  finally:
+    ckpts.close()
 
 
 def _manager(
@@ -172,7 +272,11 @@ class Checkpoints:
   """The workdir's two checkpoint managers (latest and best)."""
 
   def __init__(
-      self, workdir: str | Path, cfg: ml_collections.ConfigDict, *, read_only: bool = False
+      self,
+      workdir: str | Path,
+      cfg: ml_collections.ConfigDict | None = None,
+      *,
+      read_only: bool = False,
   ):
     workdir = Path(workdir).absolute()
     self.latest_dir, self.best_dir = workdir / "checkpoints", workdir / "best"
@@ -223,7 +327,7 @@ class Checkpoints:
   def open_for_writing(self) -> None:
     """Writing managers: creates the folders, deletes orbax's leftover temporary folders of
     interrupted saves. Only with the workdir's lock held."""
-    assert not self.read_only
+    assert not self.read_only and self.cfg is not None
     self.close()
     cfg = self.cfg
     try:
@@ -296,69 +400,34 @@ class Checkpoints:
       abstract_state: Any,
       which: str = "latest",
       *,
-      check: Callable[[dict[str, Any]], None] | None = None,
-      data_iter_for: Callable[[dict[str, Any]], Any] | None = None,
-  ):
-    """(state, meta, data_iter) of the newest checkpoint that loads; None when there is none.
+      expect: dict[str, Any] | None = None,
+  ) -> Restored | None:
+    """The newest checkpoint of ``which`` that loads and matches its digests (``Restored``);
+    None when there is none.
 
-    ``check(meta)`` may raise to refuse a checkpoint that loads but does not fit the run
-    (another model): that stops the run, unlike a damaged checkpoint, which is reported
-    (``logging.warning``: path and reason) and skipped for the next older one, and moved
-    aside to ``<step>.corrupt`` unless read-only. ``data_iter_for(meta)`` gives
-    ``(training data iterator, whether to restore its position from the checkpoint)``.
-    Raises CheckpointLoadError listing every checkpoint when none loads.
+    ``expect``: what the checkpoint must belong to (``config_meta`` of the run); a checkpoint
+    of another model or task stops the restore (ValueError naming the differences), unlike a
+    damaged one, which is reported (``logging.warning``: path and reason) and skipped for the
+    next older one, and moved aside to ``<step>.corrupt`` unless read-only. Raises
+    CheckpointLoadError listing every checkpoint when none loads. The caller decides what to
+    do with what was found (e.g. whether the data position carries over).
     """
     with quiet_closed_event_loop():
-      return self._restore_newest(abstract_state, which, check, data_iter_for)
+      return self._restore_newest(abstract_state, which, expect)
 
-  def _restore_newest(self, abstract_state, which, check, data_iter_for):
-    manager = self._manager_of(which)
-    steps = self.steps(which)
+  def _restore_newest(self, abstract_state, which, expect) -> Restored | None:
     failed = []
-    for step in steps:
+    for step in self.steps(which):
       path = self._dir_of(which) / str(step)
       try:
-        meta = self._read_meta_checked(manager, step)
-      except Exception as e:  # pylint: disable=broad-except
-        failed.append(self._damaged(path, e))
+        found = self._restore_step(abstract_state, which, step, expect)
+      except _Damaged as e:
+        failed.append(self._damaged(path, e.__cause__))
         continue
-      if check is not None:
-        check(meta)
-      data_iter, restore_position = (
-          data_iter_for(meta) if data_iter_for is not None else (None, False)
-      )
-      args = {"state": ocp.args.StandardRestore(abstract_state)}
-      if restore_position:
-        args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-      try:
-        state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
-        jax.block_until_ready(state)
-      except Exception as e:  # pylint: disable=broad-except
-        # Intact, but not the state of this config?
-        if self._loads_as_saved(manager, step, data_iter if restore_position else None, meta):
-          raise RunError(
-              f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
-              "was a setting that shapes the optimizer state or the model's variables "
-              "changed (e.g. optimizer.grad_clip_norm, batch_size with a memory)? Use the "
-              "config that made it (its config.json), or a new --workdir."
-          ) from None
-        failed.append(self._damaged(path, e))
-        continue
-      try:
-        verified = self._verify(path, meta, state, data=restore_position)
-      except DigestMismatch as e:
-        failed.append(self._damaged(path, e))
-        continue
-      if not verified:
-        logging.warning(
-            "checkpoint %s was written without digests (before checkpoints "
-            "recorded them): loaded unverified.",
-            path,
-        )
-      self.restored = (path, verified)
+      self.restored = (found.path, found.verified)
       if failed and not self.read_only:
         self._open_read_only()  # the moved steps are gone from the managers' lists
-      return state, meta, data_iter
+      return found
     if failed:
       listing = "; ".join(failed)
       raise CheckpointLoadError(
@@ -366,6 +435,52 @@ class Checkpoints:
           f"copy, or move them away to start over (or use another --workdir)."
       )
     return None
+
+  def _restore_step(self, abstract_state, which: str, step: int, expect) -> Restored:
+    """One step's ``Restored``; _Damaged (its cause the reason) when it does not load or does
+    not match its digests; ValueError / RunError when it is intact but not of this run."""
+    manager, path = self._manager_of(which), self._dir_of(which) / str(step)
+    try:
+      meta = self._read_meta_checked(manager, step)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Damaged() from e
+    if expect is not None:
+      check_expected(meta, expect, self.latest_dir)
+    state = self._restore_state(manager, path, step, abstract_state, meta)
+    processes = saved_process_count(path / "data")
+    own_data = processes == jax.process_count()
+    try:
+      if which == "latest" and processes is None:  # every checkpoints/ step saves one
+        raise FileNotFoundError(f"no data-iterator state in {path / 'data'}")
+      verified = self._verify(path, meta, state, data=own_data)
+      data_state = _read_data_state(path / "data") if own_data else None
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Damaged() from e
+    if not verified:
+      logging.warning(
+          "checkpoint %s was written without digests (before checkpoints "
+          "recorded them): loaded unverified.",
+          path,
+      )
+    return Restored(state, meta, int(meta["step"]), path, verified, data_state, processes)
+
+  def _restore_state(self, manager, path: Path, step: int, abstract_state, meta) -> Any:
+    """The state item of ``step`` restored into ``abstract_state``; a RunError when it is
+    intact but does not fit (another optimizer or variables), _Damaged otherwise."""
+    try:
+      state = manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+      )["state"]
+      return jax.block_until_ready(state)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._loads_as_saved(manager, step, meta):  # intact, but not the state of this config
+        raise RunError(
+            f"checkpoint {path} does not fit the train state of this config ({_reason(e)}): "
+            "was a setting that shapes the optimizer state or the model's variables "
+            "changed (e.g. optimizer.grad_clip_norm, batch_size with a memory)? Use the "
+            "config that made it (its config.json), or a new --workdir."
+        ) from None
+      raise _Damaged() from e
 
   @staticmethod
   def _read_meta_checked(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -404,16 +519,11 @@ class Checkpoints:
     return True
 
   @staticmethod
-  def _loads_as_saved(
-      manager: ocp.CheckpointManager, step: int, data_iter, meta: dict[str, Any]
-  ) -> bool:
-    """Whether a step's state loads as saved (no target; and the data position) and matches
-    its digests, i.e. the checkpoint is not damaged."""
-    args = {"state": ocp.args.StandardRestore()}
-    if data_iter is not None:
-      args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  def _loads_as_saved(manager: ocp.CheckpointManager, step: int, meta: dict[str, Any]) -> bool:
+    """Whether a step's state loads as saved (no target) and matches its digests, i.e. the
+    checkpoint is not damaged."""
     try:
-      raw = manager.restore(step, args=ocp.args.Composite(**args))
+      raw = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
       jax.block_until_ready(raw["state"])
       if "digests" in meta:
         digest_lib.check_arrays(meta["digests"]["arrays"], raw["state"])

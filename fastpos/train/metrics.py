@@ -93,12 +93,10 @@ def first_nonfinite(steps: list[int], metrics: list[Mapping[str, Any]]) -> int |
   return None
 
 
-def truncate_jsonl(path: Path, after_step: int) -> int:
-  """Drops the records of ``path`` with ``step > after_step`` (and a torn last line), by
-  writing the rest to a temporary file renamed over it; returns how many were dropped."""
-  if not path.exists():
-    return 0
-  keep, dropped = [], 0
+def _read_jsonl(path: Path, after_step: float) -> tuple[list[str], list[dict], int]:
+  """(lines, records) of ``path`` with ``step <= after_step``, and how many other lines it
+  has (later records, and a line cut off by a crash)."""
+  keep, records, dropped = [], [], 0
   with open(path) as f:
     for line in f:
       try:
@@ -111,17 +109,35 @@ def truncate_jsonl(path: Path, after_step: int) -> int:
         dropped += 1
       else:
         keep.append(line if line.endswith("\n") else line + "\n")
-  if dropped:
+        records.append(record)
+  return keep, records, dropped
+
+
+def truncate_jsonl(path: Path, after_step: int) -> int:
+  """Drops the records of ``path`` with ``step > after_step`` (and a torn last line), by
+  writing the rest to a temporary file renamed over it; returns how many were dropped."""
+  return _truncate(path, after_step)[1]
+
+
+def _truncate(path: Path, after_step: int | None) -> tuple[list[dict], int]:
+  """(the records kept, how many were dropped); nothing is dropped when ``after_step`` is
+  None."""
+  if not path.exists():
+    return [], 0
+  keep, records, dropped = _read_jsonl(path, math.inf if after_step is None else after_step)
+  if dropped and after_step is not None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
-  return dropped
+  return records, dropped if after_step is not None else 0
 
 
 class MetricWriter:
   """metrics.jsonl + TensorBoard + progress line, written by process 0 only.
 
   ``resume_step``: the step a resumed run starts from; records past it are dropped first.
+  The writer keeps the run's running figures (``mean_tokens_per_second``), counting the
+  training rows the file already holds (those of the run that stopped).
   """
 
   def __init__(self, workdir: str | Path, total_steps: int, resume_step: int | None = None):
@@ -129,20 +145,30 @@ class MetricWriter:
     self.total_steps = total_steps
     self._last_time = None
     self._last_step = None
+    self._tokens_rates: list[float] = []
     if self.active:
       path = Path(workdir) / "metrics.jsonl"
-      if resume_step is not None:
-        dropped = truncate_jsonl(path, resume_step)
-        if dropped:
-          logging.info(
-              "%s: dropped %d record(s) written after step %d by the run that " "stopped",
-              path,
-              dropped,
-              resume_step,
-          )
+      records, dropped = _truncate(path, resume_step)
+      if dropped:
+        logging.info(
+            "%s: dropped %d record(s) written after step %d by the run that stopped",
+            path,
+            dropped,
+            resume_step,
+        )
+      for record in records:
+        self._keep_figures(record)
       self._path = path
       self._jsonl = open(path, "a")
       self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
+
+  def _keep_figures(self, record: Mapping[str, Any]) -> None:
+    if record.get("split") == "train" and "tokens_per_second" in record:
+      self._tokens_rates.append(float(record["tokens_per_second"]))
+
+  def mean_tokens_per_second(self) -> float | None:
+    """The mean real tokens/s of the run's training rows (None before the first)."""
+    return float(np.mean(self._tokens_rates)) if self._tokens_rates else None
 
   def write(self, step: int, split: str, values: Mapping[str, float], **extra) -> None:
     if not self.active:
@@ -159,6 +185,7 @@ class MetricWriter:
       self._jsonl.flush()
     except OSError as e:  # a full disk: the file's name goes with the error
       raise OSError(e.errno, e.strerror, str(self._path)) from None
+    self._keep_figures(record)
     scalars = {**extra, **values}
     self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in scalars.items()})
 

@@ -1,10 +1,11 @@
 """The train state and the optimizer: AdamW, warmup + cosine / linear decay, clipping.
 
-``TrainState`` holds everything that changes during training and goes into a checkpoint:
-the step, the parameters, the optimizer state, the model's other variable collections
-(e.g. BatchNorm's ``batch_stats``) and, for a language model with a Transformer-XL memory, the
-memory carried from one training batch to the next (so that a resumed run continues with the
-memory it stopped with). The model itself is not in the state (it is static).
+``TrainState`` holds what a train step changes besides the carry: the step, the parameters,
+the optimizer state and the model's other variable collections (e.g. BatchNorm's
+``batch_stats``). The model itself is not in the state (it is static). A checkpoint saves the
+state together with the step's carry (``fastpos.train.steps``: a Transformer-XL memory, or
+``{}``), as ``checkpoint_tree`` lays them out, so that a resumed run continues with the memory
+it stopped with.
 """
 
 from __future__ import annotations
@@ -21,16 +22,34 @@ import optax
 
 @flax.struct.dataclass
 class TrainState:
-  """step: int32 scalar; params; opt_state; collections: non-param variables (may be {});
-  memory: the model's memory for the next training batch (``DecoderLM``: per-layer states
-  ``[batch_size, M, D]`` and mask ``[batch_size, M]``, sharded like a batch), {} without one.
-  The memory is an input of the step, never differentiated."""
+  """step: int32 scalar; params; opt_state; collections: non-param variables (may be {})."""
 
   step: jax.Array
   params: Any
   opt_state: Any
   collections: Any
-  memory: Any = flax.struct.field(default_factory=dict)
+
+
+# The carry's name in a checkpoint's state tree (checkpoints have always called it so).
+CARRY_KEY = "memory"
+
+
+def checkpoint_tree(state: TrainState, carry: Any) -> dict[str, Any]:
+  """What a checkpoint's ``state`` item holds: the fields of ``state`` and ``carry`` (under
+  ``CARRY_KEY``); arrays or ``jax.ShapeDtypeStruct`` alike."""
+  return {
+      "step": state.step,
+      "params": state.params,
+      "opt_state": state.opt_state,
+      "collections": state.collections,
+      CARRY_KEY: carry,
+  }
+
+
+def from_checkpoint_tree(tree: dict[str, Any]) -> tuple[TrainState, Any]:
+  """Inverse of ``checkpoint_tree``: (state, carry)."""
+  fields = {k: tree[k] for k in ("step", "params", "opt_state", "collections")}
+  return TrainState(**fields), tree.get(CARRY_KEY, {})
 
 
 def make_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:

@@ -1,16 +1,21 @@
 """The pure step functions: loss and metrics, ``train_step`` and ``eval_step``.
 
-``make_train_step(model, tx, kind, grad_accum_steps)`` returns
-``train_step(state, batch, rng) -> (state, metrics)`` (the metrics include
-``tokens_per_step``, the batch's real tokens); the trainer jits it with shardings and a donated
-state. Its randomness is ``fold_in(rng, state.step)``, so a resumed run draws the same dropout
-masks as an uninterrupted one.
+One signature for every model::
 
-With a Transformer-XL memory (``memory=True``) the train step reads ``state.memory``, empties
-the rows whose ``batch["reset"]`` is True (see ``fastpos.train.data``) and stores the new
-memory in the returned state; the memory is an input, never differentiated, so no gradient
-flows into earlier segments, as in Transformer-XL. The eval step takes and returns it:
-``eval_step(state, batch, memory) -> (metrics, memory)``.
+  train_step(state, batch, carry, rng) -> (state, metrics, carry)
+  eval_step(state, batch, carry) -> (metrics, carry)
+
+The carry is what a model takes from one batch to the next: ``{}`` (an empty pytree, passed
+through untouched) for every model but a language model with a Transformer-XL memory, whose
+carry is that memory (``DecoderLM.init_memory``). The trainer jits the steps with shardings and
+a donated state and never asks which kind of carry it holds. The metrics include
+``tokens_per_step``, the batch's real tokens. A train step's randomness is
+``fold_in(rng, state.step)``, so a resumed run draws the same dropout masks as an
+uninterrupted one.
+
+With a memory, each step first empties the carry's rows whose ``batch["reset"]`` is True (see
+``fastpos.train.data``); the memory is an input, never differentiated, so no gradient flows
+into earlier segments, as in Transformer-XL.
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ MODEL_INPUTS = ("inputs", "mask", "inputs2", "mask2", "segment_ids", "positions"
 def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The fields the model sees (never the targets or the example weights)."""
   return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+
+
+def carries_memory(model: nn.Module, kind: str) -> bool:
+  """Whether ``model`` carries a Transformer-XL memory from batch to batch (a ``DecoderLM``
+  with ``memory_length > 0``): its carry is the memory, its batches stream batches."""
+  return kind == "lm" and getattr(model, "memory_length", 0) > 0
+
+
+def empty_carry(model: nn.Module, kind: str, rows: int) -> Any:
+  """The carry a run (or an evaluation) starts from for ``rows`` batch rows: an empty memory,
+  or ``{}`` for a model that carries nothing."""
+  return model.init_memory(rows) if carries_memory(model, kind) else {}
 
 
 def loss_and_metrics(
@@ -99,6 +116,29 @@ def reset_memory(memory: Any, reset: jax.Array) -> Any:
   return jax.tree.map(one, memory)
 
 
+def _applier(model: nn.Module, kind: str) -> Callable:
+  """``apply(variables, batch, carry, **kwargs) -> (output, carry)``: ``model.apply`` with the
+  carry threaded through (the memory's reset rows emptied first), whatever the model carries.
+  ``output`` is what ``model.apply`` returns besides the carry (with ``mutable``: the output
+  and the updated collections)."""
+  if not carries_memory(model, kind):
+    return lambda variables, batch, carry, **kw: (
+        model.apply(variables, model_inputs(batch), **kw),
+        carry,
+    )
+
+  def apply(variables, batch, carry, **kw):
+    memory = reset_memory(carry, batch["reset"])
+    out = model.apply(variables, model_inputs(batch), memory=memory, **kw)
+    if kw.get("mutable"):  # ((logits, memory), collections)
+      (logits, memory), collections = out
+      return (logits, collections), jax.lax.stop_gradient(memory)
+    logits, memory = out
+    return logits, jax.lax.stop_gradient(memory)
+
+  return apply
+
+
 def _split_micro(x: jax.Array, k: int) -> jax.Array:
   """``[B, ...]`` -> ``[k, B / k, ...]``; row r goes to micro-batch r mod k."""
   return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
@@ -110,115 +150,116 @@ def _merge_micro(x: jax.Array) -> jax.Array:
   return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
+def _make_micro_step(model: nn.Module, kind: str) -> Callable:
+  """``micro_step(params, collections, batch, carry, rng) -> (grads, metrics, collections,
+  carry)``: the gradient of one (micro-)batch's summed loss."""
+  apply = _applier(model, kind)
+
+  def micro_step(params, collections, batch, carry, rng):
+    def loss_fn(p):
+      mutable = list(collections)
+      out, new_carry = apply(
+          {"params": p, **collections},
+          batch,
+          carry,
+          train=True,
+          rngs=_split_rngs(rng),
+          mutable=mutable if mutable else False,
+      )
+      logits, new_collections = out if mutable else (out, {})
+      loss_sum, metrics = loss_and_metrics(logits, batch, kind)
+      return loss_sum, (metrics, dict(new_collections), new_carry)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, (metrics, new_collections, new_carry)), grads = grad_fn(params)
+    return grads, metrics, new_collections, new_carry
+
+  return micro_step
+
+
+def _accumulate(micro_step: Callable, k: int) -> Callable:
+  """``micro_step`` over k micro-batches of a batch (and of the carry's rows), gradients and
+  metrics summed in a ``lax.scan``; the same signature and outputs as ``micro_step``."""
+
+  def step(params, collections, batch, carry, rng):
+    micro, micro_carry = jax.tree.map(lambda x: _split_micro(x, k), (batch, carry))
+    first = jax.tree.map(lambda x: x[0], (micro, micro_carry))
+    shapes = jax.eval_shape(micro_step, params, collections, *first, rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:2])
+
+    def body(acc, xs):
+      grads_acc, metrics_acc, colls = acc
+      mb, m_carry, i = xs
+      g, m, colls, new_carry = micro_step(params, colls, mb, m_carry, jax.random.fold_in(rng, i))
+      return (jax.tree.map(jnp.add, grads_acc, g), jax.tree.map(jnp.add, metrics_acc, m), colls), (
+          new_carry
+      )
+
+    (grads, metrics, colls), new_carries = jax.lax.scan(
+        body, (zeros[0], zeros[1], collections), (micro, micro_carry, jnp.arange(k))
+    )
+    return grads, metrics, colls, jax.tree.map(_merge_micro, new_carries)
+
+  return step
+
+
 def make_train_step(
-    model: nn.Module,
-    tx: optax.GradientTransformation,
-    kind: str,
-    grad_accum_steps: int = 1,
-    *,
-    memory: bool = False,
+    model: nn.Module, tx: optax.GradientTransformation, kind: str, grad_accum_steps: int = 1
 ) -> Callable:
-  """``train_step(state, batch, rng) -> (state, metrics)`` (see the module docstring).
+  """``train_step(state, batch, carry, rng) -> (state, metrics, carry)`` (module docstring).
 
   With ``grad_accum_steps = k > 1`` the batch ``[B, ...]`` is split into k micro-batches of
   B / k examples (example r goes to micro-batch r mod k, so every device keeps its rows),
   gradients of the summed losses are added over a ``lax.scan`` and divided once by the total
   weight: the update equals the full-batch one up to round-off, with 1/k of the activations.
-  The memory rows (``memory=True``) are split and put back the same way.
+  The carry's rows (a memory) are split and put back the same way.
   """
-
-  def micro_step(params, collections, batch, mem, rng):
-    def loss_fn(p):
-      mutable = list(collections)
-      kwargs = {"memory": mem} if memory else {}
-      out = model.apply(
-          {"params": p, **collections},
-          model_inputs(batch),
-          train=True,
-          rngs=_split_rngs(rng),
-          mutable=mutable if mutable else False,
-          **kwargs,
-      )
-      out, new_collections = out if mutable else (out, {})
-      logits, new_mem = out if memory else (out, {})
-      loss_sum, metrics = loss_and_metrics(logits, batch, kind)
-      return loss_sum, (metrics, dict(new_collections), new_mem)
-
-    (_, (metrics, new_collections, new_mem)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params
-    )
-    return grads, metrics, new_collections, jax.lax.stop_gradient(new_mem)
+  grads_of = _make_micro_step(model, kind)
+  if grad_accum_steps > 1:
+    grads_of = _accumulate(grads_of, grad_accum_steps)
 
   def train_step(
-      state: TrainState, batch: dict[str, jax.Array], rng: jax.Array
-  ) -> tuple[TrainState, dict[str, Any]]:
+      state: TrainState, batch: dict[str, jax.Array], carry: Any, rng: jax.Array
+  ) -> tuple[TrainState, dict[str, Any], Any]:
     step_rng = jax.random.fold_in(rng, state.step)
-    mem = reset_memory(state.memory, batch["reset"]) if memory else {}
-    if grad_accum_steps == 1:
-      grads, metrics, collections, mem = micro_step(
-          state.params, state.collections, batch, mem, step_rng
-      )
-    else:
-      k = grad_accum_steps
-      micro = jax.tree.map(lambda x: _split_micro(x, k), batch)
-      micro_mem = jax.tree.map(lambda x: _split_micro(x, k), mem)
-      first = jax.tree.map(lambda x: x[0], (micro, micro_mem))
-      shapes = jax.eval_shape(micro_step, state.params, state.collections, *first, step_rng)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:2])
-
-      def body(carry, xs):
-        grads_acc, metrics_acc, collections = carry
-        mb, m_mem, i = xs
-        g, m, collections, new_mem = micro_step(
-            state.params, collections, mb, m_mem, jax.random.fold_in(step_rng, i)
-        )
-        return (
-            jax.tree.map(jnp.add, grads_acc, g),
-            jax.tree.map(jnp.add, metrics_acc, m),
-            collections,
-        ), new_mem
-
-      (grads, metrics, collections), new_mems = jax.lax.scan(
-          body, (zeros[0], zeros[1], state.collections), (micro, micro_mem, jnp.arange(k))
-      )
-      mem = jax.tree.map(_merge_micro, new_mems)
+    grads, metrics, collections, carry = grads_of(
+        state.params, state.collections, batch, carry, step_rng
+    )
     count = jnp.maximum(metrics["loss"][1], 1.0)
     grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics)
-    metrics["grad_norm"] = (optax.tree.norm(grads).astype(jnp.float32), jnp.ones((), jnp.float32))
-    metrics["tokens_per_step"] = (real_tokens(batch), jnp.ones((), jnp.float32))
+    one = jnp.ones((), jnp.float32)
+    metrics = {
+        **metrics,
+        "grad_norm": (optax.tree.norm(grads).astype(jnp.float32), one),
+        "tokens_per_step": (real_tokens(batch), one),
+    }
     new_state = state.replace(
         step=state.step + 1,
-        params=params,
+        params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,
         collections=collections,
-        memory=mem if memory else state.memory,
     )
-    return new_state, metrics
+    return new_state, metrics, carry
 
   return train_step
 
 
-def make_eval_step(model: nn.Module, kind: str, *, memory: bool = False) -> Callable:
-  """``eval_step(state, batch) -> metrics`` (deterministic: no dropout, running statistics);
-  with ``memory=True``: ``eval_step(state, batch, memory) -> (metrics, new_memory)``, the
-  rows of ``batch["reset"]`` emptied first (the train state's memory is not used)."""
+def make_eval_step(model: nn.Module, kind: str) -> Callable:
+  """``eval_step(state, batch, carry) -> (metrics, carry)`` (deterministic: no dropout,
+  running statistics)."""
+  apply = _applier(model, kind)
 
-  def eval_step(state: TrainState, batch: dict[str, jax.Array], mem: Any = None):
+  def eval_step(state: TrainState, batch: dict[str, jax.Array], carry: Any):
     rngs = _split_rngs(jax.random.PRNGKey(0))
     variables = {"params": state.params, **state.collections}
-    if not memory:
-      logits = model.apply(variables, model_inputs(batch), train=False, rngs=rngs)
-      return loss_and_metrics(logits, batch, kind)[1]
-    logits, new_mem = model.apply(
-        variables,
-        model_inputs(batch),
-        train=False,
-        rngs=rngs,
-        memory=reset_memory(mem, batch["reset"]),
-    )
-    return loss_and_metrics(logits, batch, kind)[1], new_mem
+    logits, carry = apply(variables, batch, carry, train=False, rngs=rngs)
+    return loss_and_metrics(logits, batch, kind)[1], carry
 
   return eval_step
+
+
+def without_carry(train_step: Callable) -> Callable:
+  """``train_step`` of a model that carries nothing, as ``(state, batch, rng) -> (state,
+  metrics)`` (benchmarks that time or compile the step alone)."""
+  return lambda state, batch, rng: train_step(state, batch, {}, rng)[:2]

@@ -260,4 +260,4 @@ def test_train_and_evaluate_two_steps(tmp_path):
   assert np.isfinite(val["loss"]) and val["perplexity"] == pytest.approx(math.exp(val["loss"]))
   assert r["train"]["perplexity"] == pytest.approx(math.exp(r["train"]["loss"]))
   assert r["best"]["perplexity"] == val["perplexity"]
-  assert r["state"].memory == {}
+  assert r["carry"] == {}

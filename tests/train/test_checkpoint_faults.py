@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.train import trainer as trainer_lib
+from fastpos.train import resume as resume_lib
+from fastpos.train import run as run_lib
 from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, config_meta
+from fastpos.train.state import checkpoint_tree
 from tests.train.common import assert_trees_equal, tiny_config
 from tests.train.faults import KINDS, flip
 
@@ -41,32 +43,24 @@ def _restore(trained, workdir: Path, which: str):
   checkpoints aside) or eval.py (best, read-only) restore them."""
   run, src = trained["run"], trained["train_src"]
   ckpts = Checkpoints(workdir, run.cfg, read_only=which == "best")
-
-  def data_iter_for(meta):
-    it, restore, _, _ = trainer_lib._data_iter_for(run, src, meta, ckpts.latest_dir)
-    return it, restore
-
   try:
-    out = ckpts.restore_newest(
-        run.abstract_state,
-        which,
-        check=run.check_meta,
-        data_iter_for=data_iter_for if which == "latest" else None,
-    )
+    found = ckpts.restore_newest(run.checkpoint_abstract, which, expect=run.expect)
   finally:
     ckpts.close()
-  state, meta, it = out
-  return state, meta, (it.get_state() if it is not None else None)
+  if which == "best":
+    return found.state, found.meta, None
+  it, _ = resume_lib.resume_data(run, src, found)
+  return found.state, found.meta, it.get_state()
 
 
 def _write_checkpoints(run, src, workdir: Path) -> None:
   """checkpoints/{2, 4} and best/4 as the trainer writes them (``Checkpoints.save``), of
   random states (no training: nothing to compile but the initialization)."""
-  state = run.init_state()
+  state, carry = run.init_state()
   rng = np.random.default_rng(0)
   ckpts = Checkpoints(workdir, run.cfg)
   ckpts.open_for_writing()
-  it = run.train_iterator(src)
+  it = run.feed.train(src, 0)
   try:
     for step in (2, 4):
       state = jax.tree.map(
@@ -81,11 +75,12 @@ def _write_checkpoints(run, src, workdir: Path) -> None:
           "rng": [1, step],
           "config": config_meta(run.cfg, run.info),
           "step": step,
-          "data": trainer_lib._data_meta(run, len(src), 0, 0, step),
+          "data": resume_lib.DataPosition().meta(run.cfg, len(src), step),
           "log_window": None,
       }
-      ckpts.save(step, state, it, meta)
-    ckpts.save_best(4, state, {**meta, "metrics": {"loss": 1.0, "accuracy": 0.5}})
+      ckpts.save(step, checkpoint_tree(state, carry), it, meta)
+    best_meta = {**meta, "metrics": {"loss": 1.0, "accuracy": 0.5}}
+    ckpts.save_best(4, checkpoint_tree(state, carry), best_meta)
     ckpts.wait()
   finally:
     ckpts.close()
@@ -94,7 +89,7 @@ def _write_checkpoints(run, src, workdir: Path) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("faults") / "run"
-  run = trainer_lib._Run(_config(), root, None)
+  run = run_lib.build_run(_config(), root)
   trained = {"root": root, "run": run, "train_src": run.task.source("train")}
   _write_checkpoints(run, trained["train_src"], root)
   trained["intact"] = {w: _restore(trained, root, w) for w in ("latest", "best")}

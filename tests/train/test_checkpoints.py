@@ -34,9 +34,11 @@ from fastpos.train import (
 )
 from fastpos.train import data as data_lib
 from fastpos.train import metrics as metrics_lib
-from fastpos.train import trainer as trainer_lib
+from fastpos.train import resume as resume_lib
+from fastpos.train import run as run_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints
+from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, restore_checkpoint
+from fastpos.train.state import from_checkpoint_tree
 from fastpos.train.tensorboard import read_scalars
 from tests.train.common import assert_trees_equal, tiny_config
 from tests.train.faults import edit_json, rewrite_state
@@ -234,19 +236,15 @@ def test_evaluate_skips_a_damaged_checkpoint_and_changes_nothing(runs, tmp_path,
 def _restore_latest(workdir: Path):
   """(step, data iterator state) of the newest checkpoint that verifies, as a resume finds
   it (read-only here)."""
-  run = trainer_lib._Run(config(), workdir, None)
+  run = run_lib.build_run(config(), workdir)
   src = run.task.source("train")
   ckpts = Checkpoints(workdir, run.cfg, read_only=True)
-
-  def data_iter_for(meta):
-    it, restore, _, _ = trainer_lib._data_iter_for(run, src, meta, ckpts.latest_dir)
-    return it, restore
-
   try:
-    _, meta, it = ckpts.restore_newest(run.abstract_state, data_iter_for=data_iter_for)
+    found = ckpts.restore_newest(run.checkpoint_abstract, expect=run.expect)
   finally:
     ckpts.close()
-  return meta["step"], it.get_state()
+  it, _ = resume_lib.resume_data(run, src, found)
+  return found.step, it.get_state()
 
 
 def test_an_edited_data_position_is_caught(runs, tmp_path, caplog):
@@ -292,11 +290,11 @@ def test_a_checkpoint_without_digests_loads_with_a_warning(runs, tmp_path, caplo
 def test_newest_verified_skips_a_damaged_checkpoint(runs, tmp_path):
   workdir = _copy(runs, tmp_path)
   _damage(workdir / "checkpoints" / "5", "weight_changed")
-  run = trainer_lib._Run(config(), workdir, None)
+  run = run_lib.build_run(config(), workdir)
   ckpts = Checkpoints(workdir, run.cfg, read_only=True)
   try:
-    good, skipped = ckpts.newest_verified(run.abstract_state, 5)
-    assert ckpts.newest_verified(run.abstract_state, 3) == (3, [])
+    good, skipped = ckpts.newest_verified(run.checkpoint_abstract, 5)
+    assert ckpts.newest_verified(run.checkpoint_abstract, 3) == (3, [])
   finally:
     ckpts.close()
   assert good == 4 and len(skipped) == 1
@@ -556,3 +554,25 @@ def test_os_error_reason_reads_tensorstore_messages():
   except RuntimeError as wrapped:
     assert workdir_lib.os_error_reason(wrapped) == os.strerror(errno.EROFS)
   assert workdir_lib.os_error_reason(ValueError("bad shape")) is None
+
+
+def test_restore_checkpoint_reads_a_workdir_without_a_trainer(runs, tmp_path, caplog):
+  """The newest verified checkpoint (or a given step, or best/) of a workdir, as saved or
+  into an abstract state; a damaged newest one is skipped, not moved (read-only)."""
+  workdir = _copy(runs, tmp_path)  # the stopped run: checkpoints 3, 4 and 5
+  newest = restore_checkpoint(workdir)
+  assert newest.step == 5 and newest.verified and newest.path == workdir / "checkpoints" / "5"
+  assert int(newest.state["step"]) == 5 and "params" in newest.state
+  assert newest.data_state is not None and newest.data_processes == 1
+  run = run_lib.build_run(config(), workdir)
+  at4 = restore_checkpoint(workdir, run.checkpoint_abstract, step=4)
+  state, carry = from_checkpoint_tree(at4.state)
+  assert at4.step == 4 and int(state.step) == 4 and carry == {}
+  assert restore_checkpoint(workdir, which="best").meta["metrics"]["loss"] > 0
+  _damage(workdir / "checkpoints" / "5", "weight_changed")
+  with caplog.at_level(logging.WARNING):
+    assert restore_checkpoint(workdir, run.checkpoint_abstract).step == 4
+  assert (workdir / "checkpoints" / "5").is_dir()
+  assert any("checkpoints/5 does not load" in r.getMessage() for r in caplog.records)
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint step 7 in .*checkpoints; .*3, 4, 5"):
+    restore_checkpoint(workdir, step=7)

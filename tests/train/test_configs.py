@@ -197,11 +197,11 @@ def test_list_configs_shows_every_file_and_its_arguments():
 
 def test_a_config_built_in_python_is_the_loaded_one_and_the_trainer_takes_it(tmp_path):
   from configs import listops_generated  # pylint: disable=import-outside-toplevel
-  from fastpos.train import trainer  # pylint: disable=import-outside-toplevel
+  from fastpos.train import run as run_lib  # pylint: disable=import-outside-toplevel
 
   cfg = listops_generated.get_config("tiny")  # complete: every field of the task's block
   assert cfg.to_dict() == cli.load_config(f"{CONFIG_DIR / 'listops_generated.py'}:tiny").to_dict()
-  run = trainer._Run(cfg, tmp_path, None)  # pylint: disable=protected-access
+  run = run_lib.build_run(cfg, tmp_path)
   assert run.cfg.to_dict() == cfg.to_dict()
 
 

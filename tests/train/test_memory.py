@@ -1,6 +1,6 @@
 """Transformer-XL memory in the trainer, on the WikiText-103 fixture (tests/testdata/wikitext).
 
-The memory lives in the train state (exact resume), is carried across training steps over
+The memory is the steps' carry (checkpointed: exact resume), is carried across training steps over
 stream batches and reset where a stream starts, starts empty at each evaluation and is carried
 across its batches in order. The references here run the model WITHOUT memory over whole
 streams: with a memory at least as long as the history, a memory model's per-segment results
@@ -121,8 +121,9 @@ def runs(tmp_path_factory):
 
 def test_resume_with_memory_is_bitwise_exact(runs):
   assert runs["first"]["step"] == 2 and runs["second"]["step"] == 4
-  full, resumed = runs["full"]["state"], runs["second"]["state"]
-  states, mask = full.memory
+  full = (runs["full"]["state"], runs["full"]["carry"])
+  resumed = (runs["second"]["state"], runs["second"]["carry"])
+  states, mask = runs["full"]["carry"]
   assert len(states) == 1 and states[0].shape == (4, L, 16) and mask.shape == (4, L)
   # After step 4 (the first segment of each stream again) the memory holds that segment.
   assert np.all(np.asarray(mask)) and np.any(np.asarray(states[0]) != 0)
@@ -138,7 +139,7 @@ def test_resume_with_memory_is_bitwise_exact(runs):
   assert train_losses("split") == train_losses("full") and len(train_losses("full")) == 4
   # Checkpoint 2 of the uninterrupted run holds the memory the stopped run ended with.
   saved = ocp.StandardCheckpointer().restore(runs["root"] / "full" / "checkpoints" / "2" / "state")
-  want = jax.tree.leaves(jax.device_get(runs["first"]["state"].memory))
+  want = jax.tree.leaves(jax.device_get(runs["first"]["carry"]))
   got = jax.tree.leaves(saved["memory"])
   assert len(got) == len(want) == 2
   for x, y in zip(got, want):
@@ -187,18 +188,15 @@ def constant_params_steps(runs):
 def _run_steps(model, params, batches, grad_accum_steps):
   tx = optax.sgd(0.0)
   state = TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params=params,
-      opt_state=tx.init(params),
-      collections={},
-      memory=model.init_memory(4),
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), collections={}
   )
-  step = jax.jit(make_train_step(model, tx, "lm", grad_accum_steps, memory=True))
+  carry = model.init_memory(4)
+  step = jax.jit(make_train_step(model, tx, "lm", grad_accum_steps))
   history = []
   for b in batches:
-    state, metrics = step(state, jax.tree.map(jnp.asarray, b), jax.random.PRNGKey(0))
+    state, metrics, carry = step(state, jax.tree.map(jnp.asarray, b), carry, jax.random.PRNGKey(0))
     history.append(jax.device_get(metrics))
-  return {"metrics": history, "state": state}
+  return {"metrics": history, "state": state, "carry": carry}
 
 
 def test_training_carries_the_memory_and_resets_it_per_epoch(constant_params_steps):
@@ -257,7 +255,7 @@ def test_gradient_accumulation_splits_and_merges_the_memory(constant_params_step
   run[2] = _run_steps(run["model"], run["params"], run["batches"], 2)
   for a, b in zip(run[1]["metrics"], run[2]["metrics"]):
     assert rel_err(b["loss"][0], a["loss"][0]) < 1e-5 and b["loss"][1] == a["loss"][1]
-  for a, b in zip(jax.tree.leaves(run[1]["state"].memory), jax.tree.leaves(run[2]["state"].memory)):
+  for a, b in zip(jax.tree.leaves(run[1]["carry"]), jax.tree.leaves(run[2]["carry"])):
     if a.dtype == bool:
       np.testing.assert_array_equal(a, b)
     else:
@@ -274,7 +272,7 @@ from tests.train.test_memory import memory_config
 assert jax.device_count() == 4, jax.devices()
 r = train_and_evaluate(memory_config(sys.argv[1] + "/cache", **json.loads(sys.argv[2])),
                        sys.argv[1] + "/run")
-spec = str(jax.tree.leaves(r["state"].memory)[0].sharding.spec)
+spec = str(jax.tree.leaves(r["carry"])[0].sharding.spec)
 print("RESULT" + json.dumps({"train": r["train"], "validation": r["validation"], "spec": spec}))
 """
 

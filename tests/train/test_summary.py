@@ -10,6 +10,7 @@ import numpy as np
 
 from fastpos.tasks.base import ArraySource
 from fastpos.tasks.info import TaskInfo
+from fastpos.train.metrics import MetricWriter
 from fastpos.train.trainer import summary_line
 
 
@@ -21,16 +22,11 @@ def _src(targets):
 def test_summary_line(tmp_path):
   task = types.SimpleNamespace(task_name="listops", metric="accuracy", has_split=lambda s: True)
   info = TaskInfo(kind="classify", vocab_size=20, num_classes=10, max_length=4)
-  rows = [
-      {"step": 50, "split": "train", "tokens_per_second": 1000.0},
-      {"step": 100, "split": "train", "tokens_per_second": 3000.0},
-      {"step": 100, "split": "validation", "accuracy": 0.5},
-  ]
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   result = {
       "step": 100,
       "validation": {"accuracy": 0.375, "loss": 1.0},
       "best": {"step": 50, "accuracy": 0.4},
+      "tokens_per_second": 2000.0,  # the metric writer's running mean
   }
   # training's majority is 3 (3 of 5); it is 1 of 4 validation examples
   line = summary_line(tmp_path, task, info, result, _src([3, 3, 3, 1, 2]), _src([3, 1, 1, 2]))
@@ -85,3 +81,27 @@ def test_the_plotted_schemes_are_plot_positional_s():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert PLOTTED_SCHEMES == module.SCHEMES
+
+
+def test_the_writer_keeps_the_mean_tokens_per_second_across_a_resume(tmp_path):
+  """The summary's tokens/s is the writer's running mean: it counts the training rows the
+  stopped run wrote up to the resumed step, never those after it."""
+  rows = [
+      {"step": 50, "split": "train", "tokens_per_second": 1000.0},
+      {"step": 100, "split": "train", "tokens_per_second": 3000.0},
+      {"step": 100, "split": "validation", "accuracy": 0.5},
+      {"step": 150, "split": "train", "tokens_per_second": 9000.0},  # after the checkpoint
+  ]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  writer = MetricWriter(tmp_path, 200, resume_step=100)
+  try:
+    assert writer.mean_tokens_per_second() == 2000.0
+    writer.write(150, "train", {"loss": 1.0}, tokens_per_second=5000.0)
+    writer.write(150, "validation", {"loss": 1.0})
+    assert writer.mean_tokens_per_second() == 3000.0
+  finally:
+    writer.close()
+  (tmp_path / "new").mkdir()
+  fresh = MetricWriter(tmp_path / "new", 10)
+  assert fresh.mean_tokens_per_second() is None
+  fresh.close()
