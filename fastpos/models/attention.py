@@ -1,20 +1,18 @@
 """One attention layer for every kernel x positional scheme.
 
-``Attention`` projects x to q, k, v, then calls each positional scheme at its hooks (README
-"Design", "The five hooks") without knowing which scheme it talks to:
-
-1. ``features`` (pre_phi) on q, k;
-2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits`` + the
-   ``kv`` tables materialised as b_{j-i} (+ a decay as (i-j) log r); exact softmax.
-   linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
-   phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
-   the numerator's features); ``kv`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
-   the chunked causal path. Causal sikf / favor / orf / prf layers without a table, a decay or
-   a sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``),
-   so the scan keeps a running maximum of s and no late key can overflow the stabiliser (the
-   sequence split over devices keeps the first-key stabiliser);
-3. ``output`` terms added (FastRPB's W V);
-4. output projection.
+``Attention`` projects x to q, k, v and hands them to the hook dispatcher
+(``fastpos.models.hooks.run``), which calls each positional scheme at its hooks (README
+"Design", "The five hooks") in one order without knowing which scheme it talks to: ``features``
+(pre_phi) on q, k; then softmax (``features`` post_phi, logits bias = ``logits`` hooks + the
+``kv`` tables materialised as b_{j-i} + a decay as (i-j) log r, exact softmax) or a linear
+kernel (phi, ``features`` post_phi, ``kv`` tables -> ``rpe = exp(sum of b)`` by FFT, decays ->
+the chunked causal path); then the ``output`` terms (FastRPB's W V); then the output projection.
+This module's ``FullPath`` says where the full forward's keys and values come from and which
+ops attend; a decoding step uses ``fastpos.models.decoding.StepPath`` through the same
+dispatcher. Causal sikf / favor / orf / prf layers without a table, a decay or a
+sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``), so
+the scan keeps a running maximum of s and no late key can overflow the stabiliser (the sequence
+split over devices keeps the first-key stabiliser).
 
 Precision: projections run in ``dtype`` (e.g. bfloat16) with float32 parameters. What stays
 float32 (float64 in float64 runs): the feature maps' exponentials, the linear-attention states

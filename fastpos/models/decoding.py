@@ -17,6 +17,10 @@ the same slot and its real tokens stay contiguous (relative schemes then see the
 unpadded row would; an absolute embedding sees the padded slot numbers). The decoded logits
 equal the full causal forward of the same padded batch and mask at every real position.
 
+Each layer runs its schemes' hooks through the dispatcher of the full forward
+(``fastpos.models.hooks.run``) along a ``StepPath``: the cache replaces the sequence as the
+source of keys and values, and ``fastpos.ops.decoding``'s steps replace the full ops.
+
 What each layer keeps, and its cost per token: the README's "Decoding" table (softmax: a key /
 value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a value cache).
 """
