@@ -89,7 +89,8 @@ def _params(layer, x, mask):
   leaves, tree = jax.tree.flatten(params)  # random tables (they start at zero)
   keys = jax.random.split(jax.random.key(2), len(leaves))
   return jax.tree.unflatten(
-      tree, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
+      tree,
+      [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)],
   )
 
 
