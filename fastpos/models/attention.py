@@ -1,20 +1,18 @@
 """One attention layer for every kernel x positional scheme.
 
-``Attention`` projects x to q, k, v, then calls each positional scheme at its hooks (README
-"Design", "The five hooks") without knowing which scheme it talks to:
-
-1. ``features`` (pre_phi) on q, k;
-2. softmax: ``features`` (post_phi) on q, k; logits bias = sum of ``logits`` + the
-   ``kv`` tables materialised as b_{j-i} (+ a decay as (i-j) log r); exact softmax.
-   linear: q, k scaled (random-feature maps estimate exp(q.k / sqrt(d))), padded rows zeroed,
-   phi applied; ``features`` (post_phi) on phi(q), phi(k) (a sign-changing transform only on
-   the numerator's features); ``kv`` tables -> ``rpe = exp(sum of b)`` (FFT), decays ->
-   the chunked causal path. Causal sikf / favor / orf / prf layers without a table, a decay or
-   a sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``),
-   so the scan keeps a running maximum of s and no late key can overflow the stabiliser (the
-   sequence split over devices keeps the first-key stabiliser);
-3. ``output`` terms added (FastRPB's W V);
-4. output projection.
+``Attention`` projects x to q, k, v and hands them to the hook dispatcher
+(``fastpos.models.hooks.run``), which calls each positional scheme at its hooks (README
+"Design", "The five hooks") in one order without knowing which scheme it talks to: ``features``
+(pre_phi) on q, k; then softmax (``features`` post_phi, logits bias = ``logits`` hooks + the
+``kv`` tables materialised as b_{j-i} + a decay as (i-j) log r, exact softmax) or a linear
+kernel (phi, ``features`` post_phi, ``kv`` tables -> ``rpe = exp(sum of b)`` by FFT, decays ->
+the chunked causal path); then the ``output`` terms (FastRPB's W V); then the output projection.
+This module's ``FullPath`` says where the full forward's keys and values come from and which
+ops attend; a decoding step uses ``fastpos.models.decoding.StepPath`` through the same
+dispatcher. Causal sikf / favor / orf / prf layers without a table, a decay or a
+sign-changing post_phi scheme pass their keys split as ``e exp(s) + eps`` (``scaled_keys``), so
+the scan keeps a running maximum of s and no late key can overflow the stabiliser (the sequence
+split over devices keeps the first-key stabiliser).
 
 Precision: projections run in ``dtype`` (e.g. bfloat16) with float32 parameters. What stays
 float32 (float64 in float64 runs): the feature maps' exponentials, the linear-attention states
@@ -30,6 +28,7 @@ attention and Toeplitz matrices); tests hold the two together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Any, Mapping
 
@@ -40,80 +39,17 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
+from fastpos.models import hooks as hooks_lib
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import segments, toeplitz
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility
 
-_OPTIONS = feature_ops.OPTION_DEFAULTS
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSpec:
-  """The similarity: ``name`` (a kernel of ``fastpos.ops.features.KERNELS``) and its options.
-
-  The fields are every kernel's options (``fastpos.ops.features.OPTION_DEFAULTS``); each kernel
-  reads those its registry entry lists (``Kernel.options``), so one model config can switch
-  kernels without editing its options.
-
-  Attributes:
-    num_features: m for the random maps (favor, prf, trf, nprf, orf).
-    nu: DPFP's nu.
-    eps: the linear-attention denominator guard.
-    redraw: redraw the random projection at every training step (Performer); otherwise one
-      fixed draw per layer from ``seed`` and the layer's path.
-    seed: seed of the fixed projection.
-  """
-
-  name: str = "softmax"
-  num_features: int = _OPTIONS["num_features"]
-  nu: int = _OPTIONS["nu"]
-  eps: float = _OPTIONS["eps"]
-  redraw: bool = _OPTIONS["redraw"]
-  seed: int = _OPTIONS["seed"]
-
-  def __post_init__(self):
-    feature_ops.get_kernel(self.name)  # validates the name
-
-  @classmethod
-  def from_config(cls, name: str, options: Mapping | None = None) -> "KernelSpec":
-    """Validates ``options`` (``model.kernel_options``) against the entry of kernel ``name``.
-
-    An option no kernel takes is an error naming the kernel and its options. Options of other
-    kernels are allowed (the shared ``kernel_options`` block holds them all) and unused.
-    """
-    kernel = feature_ops.get_kernel(name)
-    options = dict(options or {})
-    for key in options:
-      if key not in _OPTIONS:
-        own = ", ".join(f"{k}={v!r}" for k, v in kernel.defaults.items()) or "(none)"
-        others = ", ".join(o for o in _OPTIONS if o not in kernel.options)
-        raise ValueError(
-            f"unknown kernel option {key!r} for kernel {name!r}; {name!r} takes: {own}"
-            + (
-                f" (kernel_options may also hold other kernels' options, unused by {name!r}: "
-                f"{others})."
-                if others
-                else "."
-            )
-        )
-    return cls(name=name, **options)
-
-  @property
-  def kernel(self) -> feature_ops.Kernel:
-    """The registry entry of ``name``."""
-    return feature_ops.get_kernel(self.name)
-
-  @property
-  def is_softmax(self) -> bool:
-    return self.kernel.is_softmax
-
-  def info(self) -> positional.KernelInfo:
-    return compatibility.kernel_info(self.name)
-
-  def feature_dim(self, dim: int) -> int:
-    return feature_ops.feature_dim(self.name, dim, num_features=self.num_features, nu=self.nu)
+# The kernel and its options: the one kernel record (``fastpos.ops.features.Kernel``), under
+# the name models use: ``KernelSpec(name, num_features=..., nu=..., eps=..., redraw=...,
+# seed=...)`` and ``KernelSpec.from_config(name, options)``.
+KernelSpec = feature_ops.Kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +92,7 @@ class AttentionConfig:
     _check_sizes(self)
     names = [p.name for p in self.positional]
     compatibility.check(
-        self.kernel.name,
+        self.kernel,
         names,
         causal=self.causal,
         two_d=self.grid is not None,
@@ -166,25 +102,23 @@ class AttentionConfig:
   def scheme_dims(self) -> dict[str, positional.Dims]:
     """The Dims each attention-level scheme is built with (feature_dim = the size its
     features hook sees, following pre_phi schemes that change it)."""
-    info = self.kernel.info()
     dims, dim = {}, self.head_dim
     stages = [
         p for p in self.positional if "features" in p.cls.hooks and p.cls.feature_stage == "pre_phi"
     ]
     for p in stages:
-      dims[p.name] = self._dims(dim, info)
+      dims[p.name] = self._dims(dim)
       dim = p.cls.feature_out_dim(dim, p.option_dict())
-    pre_dim, dim = dim, self.kernel.feature_dim(dim)
+    dim = self.kernel.feature_dim(dim)
     for p in self.positional:
       if p.name in dims:
         continue
-      dims[p.name] = self._dims(dim, info)
+      dims[p.name] = self._dims(dim)
       if "features" in p.cls.hooks:
         dim = p.cls.feature_out_dim(dim, p.option_dict())
-    del pre_dim
     return dims
 
-  def _dims(self, feature_dim: int, info) -> positional.Dims:
+  def _dims(self, feature_dim: int) -> positional.Dims:
     return positional.Dims(
         num_heads=self.num_heads,
         head_dim=self.head_dim,
@@ -193,7 +127,7 @@ class AttentionConfig:
         max_length=self.max_length,
         grid=self.grid,
         causal=self.causal,
-        kernel=info,
+        kernel=self.kernel,
     )
 
   def attention_only(self) -> "AttentionConfig":
@@ -311,14 +245,14 @@ class Attention(nn.Module):
     """The random-feature projection of this layer (None for kernels without one): redrawn
     from the ``features`` rng when training with ``redraw``, else fixed by the kernel's seed
     and the layer's path (so decoding steps use the projection the full forward used)."""
-    if not spec.kernel.needs_projection:
+    if not spec.needs_projection:
       return None
     if spec.redraw and not deterministic:
       key = self.make_rng("features")
     else:
       path = "/".join(str(p) for p in self.scope.path)
       key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
-    return feature_ops.make_projection(spec.name, key, spec.num_features, dim, dtype=dtype)
+    return spec.make_projection(key, dim, dtype=dtype)
 
   @nn.compact
   def __call__(
@@ -344,9 +278,36 @@ class Attention(nn.Module):
     decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
       layer's ``cache`` collection (``fastpos.models.decoding``).
     """
+    grid, mask = self._check_inputs(x, mask, grid, memory, reference)
+    dense = lambda name: nn.DenseGeneral(
+        (self.cfg.num_heads, self.cfg.head_dim), dtype=self.dtype, name=name
+    )
+    q = dense("query")(x)
+    kv_in = x if memory is None else jnp.concatenate([memory.astype(x.dtype), x], axis=1)
+    k = dense("key")(kv_in)
+    v = dense("value")(kv_in)
+    if mask is not None:
+      # Padded keys and values contribute nothing anywhere (also to output terms like W V).
+      v = jnp.where(mask[:, :, None, None], v, jnp.zeros((), v.dtype))
+
+    hooks = hooks_lib.Hooks.of(self._schemes())
+    settings = dict(deterministic=deterministic, reference=reference)
+    if decode is None:
+      path = FullPath(self.cfg, hooks, v, mask, grid=grid, length=x.shape[1], **settings)
+    else:
+      path = decoding.StepPath(self, hooks, v, mask, decode, **settings)
+    draw = functools.partial(
+        self.feature_projection, self.cfg.kernel, deterministic=deterministic or decode is not None
+    )
+    out = hooks_lib.run(hooks, path, q, k, kernel=self.cfg.kernel, projection=draw)
+    out = out.astype(self.dtype)
+    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
+
+  def _check_inputs(self, x, mask, grid, memory, reference):
+    """Raises ValueError for a grid, memory, packing or mask the layer cannot take; returns
+    ``(grid, mask)`` normalised (grid a tuple of ints, mask checked)."""
     cfg = self.cfg
     b, n, _ = x.shape
-    h, d = cfg.num_heads, cfg.head_dim
     if (grid is None) != (cfg.grid is None):
       raise ValueError(f"the layer was built with grid={cfg.grid} but called with grid={grid}.")
     if grid is not None:
@@ -358,8 +319,7 @@ class Attention(nn.Module):
       raise ValueError(
           "memory (Transformer-XL) needs the softmax kernel; got kernel " f"{cfg.kernel.name!r}."
       )
-    segs = segments.active()  # a packed batch: keep its sequences apart (or refuse)
-    if segs is not None:
+    if segments.active() is not None:  # a packed batch: keep its sequences apart (or refuse)
       segments.check_packable(
           cfg.kernel.name,
           [p.name for p in cfg.positional],
@@ -369,180 +329,133 @@ class Attention(nn.Module):
           split=cp.seq_size() > 1 and not reference,
       )
     if memory is None:
-      mask = check_mask(mask, (b, n), against=f"x of shape {x.shape}")
-    else:
-      mask = check_mask(
-          mask,
-          (b, m_len + n),
-          layout="[batch, M+N]",
-          against=f"memory {memory.shape} and x {x.shape}",
-      )
-
-    dense = lambda name: nn.DenseGeneral((h, d), dtype=self.dtype, name=name)
-    q = dense("query")(x)
-    kv_in = x if memory is None else jnp.concatenate([memory.astype(x.dtype), x], axis=1)
-    k = dense("key")(kv_in)
-    v = dense("value")(kv_in)
-    key_mask = mask
-    if mask is not None:
-      # Padded keys and values contribute nothing anywhere (also to output terms like W V).
-      v = jnp.where(key_mask[:, :, None, None], v, jnp.zeros((), v.dtype))
-
-    ctx = positional.Context(
-        mask=key_mask,
-        grid=grid,
-        causal=cfg.causal,
-        reference=reference,
-        deterministic=deterministic,
-        length=n,
-        memory_length=m_len,
+      return grid, check_mask(mask, (b, n), against=f"x of shape {x.shape}")
+    mask = check_mask(
+        mask,
+        (b, m_len + n),
+        layout="[batch, M+N]",
+        against=f"memory {memory.shape} and x {x.shape}",
     )
+    return grid, mask
+
+  def _schemes(self) -> list:
+    """The scheme modules this layer calls: the shared ones, else built here by name."""
+    cfg = self.cfg
     dims = cfg.scheme_dims()
     shared = {type(s).scheme_name: s for s in self.shared}
-    schemes = []
-    for spec in attention_schemes(cfg):
-      if spec.name in shared:
-        schemes.append(shared[spec.name])
-      else:
-        schemes.append(
-            positional.build(
-                spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
-            )
+    return [
+        shared[spec.name]
+        if spec.name in shared
+        else positional.build(
+            spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
         )
-    if decode is not None:
-      out = decoding.attention_step(
-          self, q, k, v, key_mask, schemes, decode, deterministic=deterministic, reference=reference
-      )
-      return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(
-          out.astype(self.dtype)
-      )
-    split = cp.seq_size() > 1 and not reference  # the sequence is split over devices
-    if split:
+        for spec in attention_schemes(cfg)
+    ]
+
+
+class FullPath:
+  """The full forward's ``fastpos.models.hooks.Path``: keys and values are the sequence's
+  (after ``memory``), ``kv`` tables are materialised (softmax) or FFT weights (linear), and the
+  ops are ``fastpos.ops.attention``'s (their dense references with ``reference``, the
+  context-parallel forms when the sequence is split over devices)."""
+
+  def __init__(self, cfg, hooks, v, mask, *, grid, length, deterministic, reference):
+    self.cfg, self.v, self.mask, self.grid, self.n = cfg, v, mask, grid, length
+    self.reference = reference
+    self.split = cp.seq_size() > 1 and not reference  # the sequence is split over devices
+    if self.split:
       cp.check(
           cfg.kernel.name,
           [p.name for p in cfg.positional],
           two_d=cfg.grid is not None,
           seq=cp.seq_size(),
       )
-    pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
-    post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
-    mixes = [s.kv(ctx) for s in schemes if "kv" in s.hooks]
-    log_table = decoding.sum_terms([m.log_table for m in mixes])
-    log_decay = decoding.sum_terms([m.log_decay for m in mixes])
-
-    for s in pre:
-      q, k = s.features(q, k, ctx)
-
-    if cfg.kernel.is_softmax:
-      for s in post:
-        q, k = s.features(q, k, ctx)
-      terms = [s.logits(q, k, ctx) for s in schemes if "logits" in s.hooks]
-      if log_table is not None:
-        terms.append(_materialise(log_table, n, grid)[None])
-      if log_decay is not None:
-        terms.append(_decay_bias(log_decay, n, grid)[None])
-      if segs is not None:
-        terms.append(segments.segment_bias(segs.ids, q.dtype))
-      bias = decoding.sum_terms(terms)
-      fn = attn_ops.softmax_attention_reference if reference else attn_ops.softmax_attention
-      out = fn(q, k, v, bias=bias, mask=key_mask, causal=cfg.causal, scale=d**-0.5)
-    else:
-      out = self._linear(
-          q, k, v, key_mask, grid, post, log_table, log_decay, ctx, deterministic, reference, split
-      )
-
-    for s in schemes:
-      if "output" in s.hooks:
-        term = cp.output(s, v, ctx) if split else s.output(v[:, m_len:], ctx)
-        out = out + term.astype(out.dtype)
-    out = out.astype(self.dtype)
-    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
-
-  def _linear(
-      self,
-      q,
-      k,
-      v,
-      mask,
-      grid,
-      post,
-      log_table,
-      log_decay,
-      ctx,
-      deterministic,
-      reference,
-      split=False,
-  ):
-    cfg, spec = self.cfg, self.cfg.kernel
-    dim = q.shape[-1]
-    state = jnp.promote_types(q.dtype, jnp.float32)  # feature maps: float32 at least
-    q, k = q.astype(state), k.astype(state)
-    if spec.kernel.estimates_softmax:  # phi(q).phi(k) ~ exp(q.k / sqrt(d)), as softmax
-      q, k = q * dim**-0.25, k * dim**-0.25
-    if mask is not None:
-      # Zero padded rows before phi: exp of garbage could overflow and poison gradients.
-      q = jnp.where(mask[:, :, None, None], q, 0)
-      k = jnp.where(mask[:, :, None, None], k, 0)
-    projection = self.feature_projection(spec, dim, state, deterministic)
-    fq = feature_ops.feature_map(
-        spec.name, q, projection=projection, is_query=True, mask=mask, nu=spec.nu
-    )
-    if not reference and not split and scaled_keys(cfg, post, log_table, log_decay):
-      return self._scaled_keys(fq, k, v, mask, projection, post, ctx)
-    fk = feature_ops.feature_map(
-        spec.name,
-        k,
-        projection=projection,
-        is_query=False,
+    memory_length = v.shape[1] - length
+    self.ctx = positional.Context(
         mask=mask,
-        nu=spec.nu,
+        grid=grid,
         causal=cfg.causal,
+        reference=reference,
+        deterministic=deterministic,
+        length=length,
+        memory_length=memory_length,
     )
-    den = None
-    for s in post:
-      if s.keeps_nonnegative:
-        if den is not None:
-          den = s.features(*den, ctx)
-        fq, fk = s.features(fq, fk, ctx)
-      else:
-        if den is None:
-          den = (fq, fk)  # the denominator keeps the positive, untransformed features
-        fq, fk = s.features(fq, fk, ctx)
-    rpe = None if log_table is None else jnp.exp(log_table.astype(state))
+    self.mix = hooks.mix(self.ctx)
+    self.post_phi = hooks.post_phi
+    self.values = v[:, memory_length:]
+    self.output_term = cp.output if self.split else None
+
+  def keys(self, k):
+    return k
+
+  def bias_terms(self, q) -> list:
+    """The ``kv`` table as b_{j-i}, the decay as (i-j) log r, the packed segments' bias."""
+    terms = []
+    if self.mix.log_table is not None:
+      terms.append(_materialise(self.mix.log_table, self.n, self.grid)[None])
+    if self.mix.log_decay is not None:
+      terms.append(_decay_bias(self.mix.log_decay, self.n, self.grid)[None])
+    segs = segments.active()
+    if segs is not None:
+      terms.append(segments.segment_bias(segs.ids, q.dtype))
+    return terms
+
+  def softmax(self, q, keys, bias):
+    fn = attn_ops.softmax_attention_reference if self.reference else attn_ops.softmax_attention
+    d = self.cfg.head_dim
+    return fn(q, keys, self.v, bias=bias, mask=self.mask, causal=self.cfg.causal, scale=d**-0.5)
+
+  def _scaled(self) -> bool:
+    mix = self.mix
+    return (
+        not self.reference
+        and not self.split
+        and scaled_keys(self.cfg, self.post_phi, mix.log_table, mix.log_decay)
+    )
+
+  def key_features(self, k, projection) -> hooks_lib.KeyFeatures:
+    kernel = self.cfg.kernel
+    if self._scaled():
+      e, log_scale, key_eps = feature_ops.causal_key_parts(
+          kernel.name, k, projection=projection, mask=self.mask, nu=kernel.nu
+      )
+      return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
+    fk = kernel.phi(
+        k, projection=projection, is_query=False, mask=self.mask, causal=self.cfg.causal
+    )
+    return hooks_lib.KeyFeatures((fk,))
+
+  def linear(self, num, den, keys, dtype):
+    cfg = self.cfg
+    (fq, (fk,)), mix = num, self.mix
+    if keys.log_scale is not None:
+      # The causal scan keeps a running maximum of the keys' scale s (``scaled_keys``), so a
+      # late key far above the first cannot overflow.
+      return attn_ops.linear_attention(
+          fq,
+          fk,
+          self.v,
+          mask=self.mask,
+          causal=True,
+          eps=cfg.kernel.eps,
+          chunk_size=cfg.chunk_size,
+          key_log_scale=keys.log_scale,
+          key_eps=keys.eps,
+      )
+    rpe = None if mix.log_table is None else jnp.exp(mix.log_table.astype(dtype))
     kw = dict(
-        mask=mask,
+        mask=self.mask,
         causal=cfg.causal,
         rpe=rpe,
-        grid=grid if rpe is not None else None,
-        decay=None if log_decay is None else log_decay.astype(state),
-        den_features=den,
-        eps=spec.eps,
+        grid=self.grid if rpe is not None else None,
+        decay=None if mix.log_decay is None else mix.log_decay.astype(dtype),
+        den_features=None if den is None else (den[0], den[1][0]),
+        eps=cfg.kernel.eps,
     )
-    if reference:
-      return attn_ops.linear_attention_reference(fq, fk, v, **kw)
-    fn = cp.linear_attention if split else attn_ops.linear_attention
-    return fn(fq, fk, v, chunk_size=cfg.chunk_size, **kw)
-
-  def _scaled_keys(self, fq, k, v, mask, projection, post, ctx):
-    """The causal linear path with the keys split as ``e exp(s) + eps`` (``scaled_keys``):
-    the op keeps a running maximum of s, so a late key far above the first cannot overflow."""
-    cfg, spec = self.cfg, self.cfg.kernel
-    e, log_scale, key_eps = feature_ops.causal_key_parts(
-        spec.name, k, projection=projection, mask=mask, nu=spec.nu
-    )
-    for s in post:  # permutations: they commute with the key's scale and map eps 1 to itself
-      fq, e = s.features(fq, e, ctx)
-    return attn_ops.linear_attention(
-        fq,
-        e,
-        v,
-        mask=mask,
-        causal=True,
-        eps=spec.eps,
-        chunk_size=cfg.chunk_size,
-        key_log_scale=log_scale,
-        key_eps=key_eps,
-    )
+    if self.reference:
+      return attn_ops.linear_attention_reference(fq, fk, self.v, **kw)
+    fn = cp.linear_attention if self.split else attn_ops.linear_attention
+    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw)
 
 
 # Kernels whose causal key features split into a bounded part and a log scale

@@ -17,6 +17,10 @@ the same slot and its real tokens stay contiguous (relative schemes then see the
 unpadded row would; an absolute embedding sees the padded slot numbers). The decoded logits
 equal the full causal forward of the same padded batch and mask at every real position.
 
+Each layer runs its schemes' hooks through the dispatcher of the full forward
+(``fastpos.models.hooks.run``) along a ``StepPath``: the cache replaces the sequence as the
+source of keys and values, and ``fastpos.ops.decoding``'s steps replace the full ops.
+
 What each layer keeps, and its cost per token: the README's "Decoding" table (softmax: a key /
 value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a value cache).
 """
@@ -30,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import positional
+from fastpos.models import hooks as hooks_lib
 from fastpos.ops import decoding as dec_ops
-from fastpos.ops import features as feature_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +45,6 @@ class Step:
 
   offset: Any
   cache_length: int | None = None
-
-
-def sum_terms(terms):
-  """The sum of the terms that are not None (None when all are)."""
-  terms = [t for t in terms if t is not None]
-  if not terms:
-    return None
-  out = terms[0]
-  for t in terms[1:]:
-    out = out + t
-  return out
 
 
 class _Cache:
@@ -84,177 +77,138 @@ class _Cache:
     return var.value
 
 
-def attention_step(
-    layer, q, k, v, mask, schemes, step: Step, *, deterministic: bool, reference: bool
-):
-  """The decoding form of ``Attention``: q, k, v ``[b, L, h, d]`` projections of the L new
-  tokens (v zero at padding), ``mask [b, L]`` or None, the layer's schemes. Returns the
-  attention output ``[b, L, h, d]`` before the output projection; updates the layer's cache."""
-  cfg = layer.cfg
-  b, n, h, d = v.shape
+class StepPath:
+  """A decoding call's ``fastpos.models.hooks.Path``: the L new tokens at slots
+  ``step.offset + i`` against the layer's cache, which they are written into first.
+
+  Softmax keeps per-slot key / value caches; linear kernels keep a fixed-size recurrent state
+  (``fastpos.ops.decoding.linear_step``), or per-slot key features when a ``kv`` table weighs
+  every past key anew at each query (``linear_cached_step``); ``output`` hooks see the value
+  cache. ``layer`` is the ``Attention`` module whose ``cache`` collection holds the state.
+  """
+
+  def __init__(self, layer, hooks, v, mask, step: Step, *, deterministic: bool, reference: bool):
+    cfg = layer.cfg
+    b, n, h, d = v.shape
+    _check_decodable(cfg, deterministic)
+    self.kernel, self.head_dim, self.step = cfg.kernel, d, step
+    self.mask = jnp.ones((b, n), bool) if mask is None else mask
+    self.cache = _Cache(layer, step)
+    self.ctx = positional.Context(
+        causal=True, reference=reference, deterministic=deterministic, length=n, offset=step.offset
+    )
+    probe = hooks.mix(positional.Context(causal=True, length=1))
+    self.log_decay, has_table = probe.log_decay, probe.log_table is not None
+    self.values = self.real = self.log_rows = None
+    self.output_term = None
+    t = step.cache_length
+    if cfg.kernel.is_softmax or hooks.output or has_table:  # per-slot caches
+      real_var = self.cache.get("real", (b, t), bool)
+      self.real = self.cache.write(real_var, self.mask)
+      self.values = self.cache.write(self.cache.get("value", (b, t, h, d), v.dtype), v)
+      t = self.cache.length(real_var)
+    if has_table:
+      table = hooks.mix(positional.Context(causal=True, length=t)).log_table
+      self.log_rows = positional.offset_rows(table, step.offset, n)  # [h, L, T]
+    self.v, self.t = v, t
+
+  def keys(self, k):
+    b, _, h, f = k.shape
+    return self.cache.write(self.cache.get("key", (b, self.t, h, f), k.dtype), k)
+
+  def bias_terms(self, q) -> list:
+    """The ``kv`` table's rows for the new tokens, and the decay as (i-j) log r."""
+    del q
+    terms = [] if self.log_rows is None else [self.log_rows[None]]
+    if self.log_decay is not None:
+      pos = self.step.offset + jnp.arange(self.mask.shape[1])
+      dist = jnp.maximum(pos[:, None] - jnp.arange(self.t)[None, :], 0)
+      terms.append((self.log_decay[:, None, None] * dist[None].astype(self.log_decay.dtype))[None])
+    return terms
+
+  def softmax(self, q, keys, bias):
+    return dec_ops.softmax_step(
+        q,
+        keys,
+        self.values,
+        self.real,
+        offset=self.step.offset,
+        bias=bias,
+        scale=self.head_dim**-0.5,
+    )
+
+  def key_features(self, k, projection):
+    """phi(k) split as ``e exp(s - c) + eps_add`` (``fastpos.ops.decoding.key_parts``): both
+    parts go through the hooks, which are linear in the keys."""
+    e, s_log, eps_add = dec_ops.key_parts(
+        self.kernel.name, k, projection=projection, nu=self.kernel.nu
+    )
+    b = None if not eps_add else jnp.full_like(e, eps_add)
+    return hooks_lib.KeyFeatures((e, b), log_scale=s_log)
+
+  def linear(self, num, den, keys, dtype):
+    den = num if den is None else den
+    parts = dict(
+        num_a=num[1][0], num_b=num[1][1], den_a=den[1][0], den_b=den[1][1], s=keys.log_scale
+    )
+    if self.log_rows is not None:  # a general relative table: cache the key features
+      return self._cached(num[0], den[0], parts, dtype)
+    return self._recurrent(num[0], den[0], parts, dtype)
+
+  def _cached(self, fq, dq, parts, dtype):
+    b, _, h, _ = fq.shape
+    full = {}
+    for name, part in parts.items():
+      shape = None if part is None else (b, self.t, h) + part.shape[3:]
+      full[name] = (
+          None
+          if part is None
+          else self.cache.write(self.cache.get(f"phi_{name}", shape, dtype), part)
+      )
+    full["real"], full["v"] = self.real, self.values
+    return dec_ops.linear_cached_step(
+        full,
+        fq,
+        dq,
+        log_rows=self.log_rows,
+        log_decay=self.log_decay,
+        offset=self.step.offset,
+        eps=self.kernel.eps,
+    )
+
+  def _recurrent(self, fq, dq, parts, dtype):
+    b, _, h, _ = fq.shape
+    d, mq, md = self.head_dim, parts["num_a"].shape[-1], parts["den_a"].shape[-1]
+    shapes = dict(
+        num_a=(b, h, mq, d),
+        num_b=(b, h, mq, d),
+        den_a=(b, h, md),
+        den_b=(b, h, md),
+        scale=(b, h),
+        seen=(b,),
+    )
+    variables = {
+        name: self.cache.get(name, shape, bool if name == "seen" else dtype)
+        for name, shape in shapes.items()
+        if not (name.endswith("_b") and parts[name] is None)
+    }
+    current = {name: (variables[name].value if name in variables else None) for name in shapes}
+    out, new = dec_ops.linear_step(
+        current, fq, dq, parts, self.v, self.mask, log_decay=self.log_decay, eps=self.kernel.eps
+    )
+    for name, var in variables.items():
+      var.value = new[name].astype(var.value.dtype)
+    return out
+
+
+def _check_decodable(cfg, deterministic: bool) -> None:
   if cfg.grid is not None:
     raise ValueError("decoding is defined for 1D causal models; the layer was built 2D.")
   if not cfg.causal:
     raise ValueError("decoding needs a causal (lm) model.")
-  real = jnp.ones((b, n), bool) if mask is None else mask
-  cache = _Cache(layer, step)
-  t = step.cache_length
-  ctx = positional.Context(
-      causal=True, reference=reference, deterministic=deterministic, length=n, offset=step.offset
-  )
-  pre = [s for s in schemes if "features" in s.hooks and s.feature_stage == "pre_phi"]
-  post = [s for s in schemes if "features" in s.hooks and s.feature_stage == "post_phi"]
-  kv_schemes = [s for s in schemes if "kv" in s.hooks]
-  log_decay = sum_terms(
-      [s.kv(positional.Context(causal=True, length=1)).log_decay for s in kv_schemes]
-  )
-  has_table = any(
-      s.kv(positional.Context(causal=True, length=1)).log_table is not None for s in kv_schemes
-  )
-  needs_values = any("output" in s.hooks for s in schemes)
-
-  def table_rows(length):
-    table = sum_terms(
-        [s.kv(positional.Context(causal=True, length=length)).log_table for s in kv_schemes]
-    )
-    return positional.offset_rows(table, step.offset, n)  # [h, L, T]
-
-  for s in pre:
-    q, k = s.features(q, k, ctx)
-
-  values = real_all = None
-  if cfg.kernel.is_softmax or needs_values or has_table:  # per-slot caches
-    real_var = cache.get("real", (b, t), bool)
-    real_all = cache.write(real_var, real)
-    values = cache.write(cache.get("value", (b, t, h, d), v.dtype), v)
-    t = cache.length(real_var)
-
-  if cfg.kernel.is_softmax:
-    for s in post:
-      q, k = s.features(q, k, ctx)
-    keys = cache.write(cache.get("key", (b, t, h, k.shape[-1]), k.dtype), k)
-    terms = [s.logits(q, keys, ctx) for s in schemes if "logits" in s.hooks]
-    if has_table:
-      terms.append(table_rows(t)[None])
-    if log_decay is not None:
-      dist = jnp.maximum((step.offset + jnp.arange(n))[:, None] - jnp.arange(t)[None, :], 0)
-      terms.append((log_decay[:, None, None] * dist[None].astype(log_decay.dtype))[None])
-    out = dec_ops.softmax_step(
-        q, keys, values, real_all, offset=step.offset, bias=sum_terms(terms), scale=d**-0.5
-    )
-  else:
-    out = _linear(
-        layer,
-        cache,
-        q,
-        k,
-        v,
-        real,
-        post,
-        ctx,
-        step,
-        log_decay,
-        table_rows(t) if has_table else None,
-        deterministic,
-        real_all,
-        values,
-    )
-
-  for s in schemes:
-    if "output" in s.hooks:
-      out = out + s.output(values, ctx).astype(out.dtype)
-  return out
-
-
-def _linear(
-    layer,
-    cache,
-    q,
-    k,
-    v,
-    real,
-    post,
-    ctx,
-    step,
-    log_decay,
-    log_rows,
-    deterministic,
-    real_all,
-    values,
-):
-  spec = layer.cfg.kernel
-  b, n, h, d = v.shape
-  dim = q.shape[-1]
-  state = jnp.promote_types(q.dtype, jnp.float32)
-  q, k = q.astype(state), k.astype(state)
-  if spec.kernel.estimates_softmax:
-    q, k = q * dim**-0.25, k * dim**-0.25
-  q = jnp.where(real[:, :, None, None], q, 0)
-  k = jnp.where(real[:, :, None, None], k, 0)
-  if spec.kernel.needs_projection and spec.redraw and not deterministic:
+  kernel = cfg.kernel
+  if kernel.needs_projection and kernel.redraw and not deterministic:
     raise ValueError("decoding draws no features: call it with train=False.")
-  projection = layer.feature_projection(spec, dim, state, deterministic=True)
-  fq = feature_ops.feature_map(
-      spec.name, q, projection=projection, is_query=True, mask=real, nu=spec.nu
-  )
-  e, s_log, eps_add = dec_ops.key_parts(spec.name, k, projection=projection, nu=spec.nu)
-  # Key features as a exp(s - c) + b (b = eps_add, after the map); the hooks are linear.
-  num = [fq, e, None if not eps_add else jnp.full_like(e, eps_add)]
-  den = None
-
-  def hook(s, parts):
-    qf, a, bb = parts
-    qf2, a2 = s.features(qf, a, ctx)
-    return [qf2, a2, None if bb is None else s.features(qf, bb, ctx)[1]]
-
-  for s in post:
-    if s.keeps_nonnegative:
-      if den is not None:
-        den = hook(s, den)
-      num = hook(s, num)
-    else:
-      if den is None:
-        den = list(num)
-      num = hook(s, num)
-  den = num if den is None else den
-  keys = dict(num_a=num[1], num_b=num[2], den_a=den[1], den_b=den[2], s=s_log)
-  mq, md = num[1].shape[-1], den[1].shape[-1]
-  eps = spec.eps
-
-  if log_rows is not None:  # a general relative table: cache the key features
-    t = log_rows.shape[-1]
-    full = {}
-    for name, part in keys.items():
-      if part is None:
-        full[name] = None
-        continue
-      shape = (b, t, h) + part.shape[3:]
-      full[name] = cache.write(cache.get(f"phi_{name}", shape, state), part)
-    full["real"], full["v"] = real_all, values
-    return dec_ops.linear_cached_step(
-        full, num[0], den[0], log_rows=log_rows, log_decay=log_decay, offset=step.offset, eps=eps
-    )
-
-  shapes = dict(
-      num_a=(b, h, mq, d),
-      num_b=(b, h, mq, d),
-      den_a=(b, h, md),
-      den_b=(b, h, md),
-      scale=(b, h),
-      seen=(b,),
-  )
-  variables = {
-      name: cache.get(name, shape, bool if name == "seen" else state)
-      for name, shape in shapes.items()
-      if not (name.endswith("_b") and keys[name] is None)
-  }
-  current = {name: (variables[name].value if name in variables else None) for name in shapes}
-  out, new = dec_ops.linear_step(
-      current, num[0], den[0], keys, v, real, log_decay=log_decay, eps=eps
-  )
-  for name, var in variables.items():
-    var.value = new[name].astype(var.value.dtype)
-  return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,10 +21,13 @@ Conventions:
   * ``sikf`` and ``favor`` subtract a stabilising max that cancels between the numerator and the
     denominator of attention (see ``_stabilizer``; causal keys take the first real key's, so no
     output depends on a later key); the other maps are plain formulas.
-  * ``get_kernel(name)`` is the registry: one ``Kernel`` record per kernel (``softmax``
-    included) with its map, projection, softmax scaling, sign, output size and options.
-    ``feature_map`` / ``make_projection`` / ``feature_dim`` / ``needs_projection`` /
-    ``is_nonnegative`` read it; so do the attention layer and the kernel x scheme checks.
+  * ``Kernel`` is the one record of a kernel (``softmax`` included): its name and options, and
+    as properties the facts of its ``FeatureMap`` (the map as a typed callable with named
+    arguments, its projection, softmax scaling, sign, output size and options).
+    ``get_kernel(name)`` gives it with default options; ``feature_map`` / ``make_projection`` /
+    ``feature_dim`` / ``needs_projection`` / ``is_nonnegative`` read it; so do the attention
+    layer (``fastpos.models.KernelSpec``), the schemes (``fastpos.positional.KernelInfo``), the
+    kernel x scheme table and decoding: three names of this one class.
   * Every check runs on static shapes before any compute and raises ``ValueError``. The maps
     and projections are jitted (flags and sizes static), so eager calls compile once per shape
     and calls inside a caller's jit inline.
@@ -37,7 +40,7 @@ import functools
 import math
 import numbers
 import types
-from typing import Callable
+from typing import Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -308,159 +311,238 @@ def nprf(x, projection, *, eps: float = 1e-6):
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry: one record per kernel, read by everything that needs a fact about a kernel
+# The kernel record: one per kernel, read by everything that needs a fact about a kernel
 # ---------------------------------------------------------------------------------------------
-# Every option a kernel can take, with its default (``KernelSpec`` in ``fastpos.models`` takes
-# its defaults from here).
+# Every option a kernel can take, with its default (the option fields of ``Kernel``).
 OPTION_DEFAULTS = types.MappingProxyType(
     {"num_features": 64, "nu": 1, "eps": 1e-6, "redraw": False, "seed": 0}
 )
 
+# The arguments a feature map may take besides x (``FeatureMap.reads`` names its own).
+MAP_ARGUMENTS = ("projection", "is_query", "mask", "nu", "causal")
+
+
+class Projection(Protocol):
+  """How a random map's projection is drawn (``gaussian_projection``, ``orthogonal_projection``)."""
+
+  def __call__(self, key, num_features: int, dim: int, *, dtype=...) -> jax.Array:
+    ...
+
+
+def _same(dim: int, num_features: int | None, nu: int) -> int:
+  return dim
+
+
+def _per_feature(dim: int, num_features: int | None, nu: int) -> int:
+  return num_features
+
+
+def _dpfp_dim(dim: int, num_features: int | None, nu: int) -> int:
+  return 2 * dim * nu
+
+
+def _two_per_feature(dim: int, num_features: int | None, nu: int) -> int:
+  return 2 * num_features
+
 
 @dataclasses.dataclass(frozen=True)
-class Kernel:
-  """The facts about one attention kernel.
+class FeatureMap:
+  """A feature map phi and its facts, called with named arguments:
+  ``phi(x [b, l, h, d], *, projection, is_query, mask, nu, causal) -> [b, l, h, m]``.
 
   Attributes:
-    name: the config name (``model.kernel``).
-    phi: ``phi(x, projection, is_query, mask, nu, causal) -> [b, l, h, m]``, the feature map;
-      None for ``softmax``, which is computed from materialised scores instead.
-    projection: how the random projection is drawn (``gaussian_projection`` or
-      ``orthogonal_projection``, called as ``(key, num_features, dim, dtype=)``); None for the
-      deterministic maps.
+    fn: the map (one of the functions above); a random map takes the projection as its second
+      argument, the others by keyword.
+    reads: the arguments of ``MAP_ARGUMENTS`` that ``fn`` takes; the others are not passed.
+    out_dim: ``out_dim(dim, num_features, nu) -> m``, the size of phi(x) for inputs of size dim.
+    options: the names of ``OPTION_DEFAULTS`` the kernel reads.
+    projection: how the random projection is drawn; None for the deterministic maps.
     estimates_softmax: phi(q).phi(k) estimates exp(q.k), so the attention layer scales q and k
       by d^-1/4 before phi to estimate softmax's exp(q.k / sqrt(d)).
     nonnegative: phi(x) >= 0 always (what causal kernelized RPE and PermuteFormer need).
-    out_dim: ``out_dim(dim, num_features, nu) -> m``, the size of phi(x) for inputs of size dim.
-    options: the names of ``OPTION_DEFAULTS`` this kernel reads.
   """
 
-  name: str
-  phi: Callable | None
-  out_dim: Callable[[int, int | None, int], int]
-  options: tuple[str, ...]
-  projection: Callable | None = None
+  fn: Callable[..., jax.Array]
+  reads: tuple[str, ...] = ()
+  out_dim: Callable[[int, int | None, int], int] = _same
+  options: tuple[str, ...] = ("eps",)
+  projection: Projection | None = None
   estimates_softmax: bool = False
   nonnegative: bool = True
 
+  def __post_init__(self):
+    unknown = [r for r in self.reads if r not in MAP_ARGUMENTS]
+    if unknown:
+      raise ValueError(f"FeatureMap reads {unknown}; valid: {', '.join(MAP_ARGUMENTS)}.")
+
+  def __call__(
+      self,
+      x,
+      *,
+      projection=None,
+      is_query: bool = False,
+      mask=None,
+      nu: int = 1,
+      causal: bool = False,
+  ) -> jax.Array:
+    given = {"is_query": is_query, "mask": mask, "nu": nu, "causal": causal}
+    kwargs = {r: given[r] for r in self.reads if r != "projection"}
+    if "projection" in self.reads:
+      return self.fn(x, projection, **kwargs)
+    return self.fn(x, **kwargs)
+
+
+_RANDOM_OPTIONS = ("num_features", "eps", "redraw", "seed")
+_STABILISED = ("is_query", "mask", "causal")
+
+
+def _random(fn, *, reads=(), out_dim=_per_feature, **facts) -> FeatureMap:
+  return FeatureMap(
+      fn,
+      reads=("projection",) + reads,
+      out_dim=out_dim,
+      options=_RANDOM_OPTIONS,
+      projection=facts.pop("projection", gaussian_projection),
+      **facts,
+  )
+
+
+# Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
+# (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one. softmax has no map:
+# it is computed from materialised scores.
+_MAPS: dict[str, FeatureMap | None] = {
+    "softmax": None,
+    "elu1": FeatureMap(elu1),
+    "relu": FeatureMap(relu),
+    "sikf": FeatureMap(sikf, reads=_STABILISED),
+    "dpfp": FeatureMap(dpfp, reads=("nu",), out_dim=_dpfp_dim, options=("nu", "eps")),
+    "favor": _random(favor, reads=_STABILISED, estimates_softmax=True),
+    "prf": _random(prf, estimates_softmax=True),
+    "trf": _random(trf, out_dim=_two_per_feature, estimates_softmax=True, nonnegative=False),
+    # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
+    "nprf": _random(nprf),
+    "orf": _random(
+        favor, reads=_STABILISED, projection=orthogonal_projection, estimates_softmax=True
+    ),
+}
+KERNELS = tuple(_MAPS)
+FEATURE_MAPS = tuple(n for n, m in _MAPS.items() if m is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """An attention kernel: its name and options, and (as properties) every fact about it.
+
+  The one record of a kernel: the attention layer takes it (``fastpos.models.KernelSpec`` is
+  this class), the positional schemes see it (``fastpos.positional.KernelInfo`` is this class,
+  in ``Dims.kernel`` and ``Scheme.compatibility``), and the compatibility table and decoding
+  read it. The option fields are every kernel's options (``OPTION_DEFAULTS``); each kernel
+  reads those its map lists (``options``), so one model config can switch kernels without
+  editing its options.
+
+  Attributes:
+    name: ``"softmax"`` or a feature map of ``FEATURE_MAPS`` (``model.kernel``).
+    num_features: m for the random maps (favor, prf, trf, nprf, orf).
+    nu: DPFP's nu.
+    eps: the linear-attention denominator guard.
+    redraw: redraw the random projection at every training step (Performer); otherwise one
+      fixed draw per layer from ``seed`` and the layer's path.
+    seed: seed of the fixed projection.
+  """
+
+  name: str = "softmax"
+  num_features: int = OPTION_DEFAULTS["num_features"]
+  nu: int = OPTION_DEFAULTS["nu"]
+  eps: float = OPTION_DEFAULTS["eps"]
+  redraw: bool = OPTION_DEFAULTS["redraw"]
+  seed: int = OPTION_DEFAULTS["seed"]
+
+  def __post_init__(self):
+    if self.name not in _MAPS:
+      raise ValueError(f"unknown kernel {self.name!r}; valid choices: {', '.join(KERNELS)}.")
+
+  @classmethod
+  def from_config(cls, name: str, options: Mapping | None = None) -> "Kernel":
+    """Validates ``options`` (``model.kernel_options``) against kernel ``name``.
+
+    An option no kernel takes is an error naming the kernel and its options. Options of other
+    kernels are allowed (the shared ``kernel_options`` block holds them all) and unused.
+    """
+    kernel = cls(name)
+    options = dict(options or {})
+    for key in options:
+      if key not in OPTION_DEFAULTS:
+        raise ValueError(_unknown_option(kernel, key))
+    return cls(name=name, **options)
+
+  @property
+  def map(self) -> FeatureMap | None:
+    """The feature map phi; None for ``softmax``."""
+    return _MAPS[self.name]
+
   @property
   def is_softmax(self) -> bool:
-    return self.phi is None
+    return self.map is None
 
   @property
   def needs_projection(self) -> bool:
-    return self.projection is not None
+    return self.map is not None and self.map.projection is not None
+
+  @property
+  def estimates_softmax(self) -> bool:
+    return self.map is not None and self.map.estimates_softmax
+
+  @property
+  def nonnegative(self) -> bool:
+    """phi(x) >= 0 always (True for softmax, whose exp is positive)."""
+    return self.map is None or self.map.nonnegative
+
+  @property
+  def options(self) -> tuple[str, ...]:
+    """The names of ``OPTION_DEFAULTS`` this kernel reads."""
+    return () if self.map is None else self.map.options
 
   @property
   def defaults(self) -> dict:
     """The options this kernel reads, with their defaults."""
     return {o: OPTION_DEFAULTS[o] for o in self.options}
 
+  def feature_dim(self, dim: int) -> int:
+    """m, the size of phi(x) for inputs of size ``dim`` (``feature_dim``)."""
+    return feature_dim(self.name, dim, num_features=self.num_features, nu=self.nu)
 
-def _same(dim, num_features, nu):
-  return dim
-
-
-def _per_feature(dim, num_features, nu):
-  return num_features
-
-
-_RANDOM_OPTIONS = ("num_features", "eps", "redraw", "seed")
-
-# Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
-# (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one.
-_REGISTRY = {
-    k.name: k
-    for k in (
-        Kernel("softmax", phi=None, out_dim=_same, options=()),
-        Kernel(
-            "elu1",
-            phi=lambda x, w, is_query, mask, nu, causal: elu1(x),
-            out_dim=_same,
-            options=("eps",),
-        ),
-        Kernel(
-            "relu",
-            phi=lambda x, w, is_query, mask, nu, causal: relu(x),
-            out_dim=_same,
-            options=("eps",),
-        ),
-        Kernel(
-            "sikf",
-            phi=lambda x, w, is_query, mask, nu, causal: sikf(
-                x, is_query=is_query, mask=mask, causal=causal
-            ),
-            out_dim=_same,
-            options=("eps",),
-        ),
-        Kernel(
-            "dpfp",
-            phi=lambda x, w, is_query, mask, nu, causal: dpfp(x, nu=nu),
-            out_dim=lambda dim, num_features, nu: 2 * dim * nu,
-            options=("nu", "eps"),
-        ),
-        Kernel(
-            "favor",
-            phi=lambda x, w, is_query, mask, nu, causal: favor(
-                x, w, is_query=is_query, mask=mask, causal=causal
-            ),
-            out_dim=_per_feature,
-            options=_RANDOM_OPTIONS,
-            projection=gaussian_projection,
-            estimates_softmax=True,
-        ),
-        Kernel(
-            "prf",
-            phi=lambda x, w, is_query, mask, nu, causal: prf(x, w),
-            out_dim=_per_feature,
-            options=_RANDOM_OPTIONS,
-            projection=gaussian_projection,
-            estimates_softmax=True,
-        ),
-        Kernel(
-            "trf",
-            phi=lambda x, w, is_query, mask, nu, causal: trf(x, w),
-            out_dim=lambda dim, num_features, nu: 2 * num_features,
-            options=_RANDOM_OPTIONS,
-            projection=gaussian_projection,
-            estimates_softmax=True,
-            nonnegative=False,
-        ),
-        # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
-        Kernel(
-            "nprf",
-            phi=lambda x, w, is_query, mask, nu, causal: nprf(x, w),
-            out_dim=_per_feature,
-            options=_RANDOM_OPTIONS,
-            projection=gaussian_projection,
-        ),
-        Kernel(
-            "orf",
-            phi=lambda x, w, is_query, mask, nu, causal: favor(
-                x, w, is_query=is_query, mask=mask, causal=causal
-            ),
-            out_dim=_per_feature,
-            options=_RANDOM_OPTIONS,
-            projection=orthogonal_projection,
-            estimates_softmax=True,
-        ),
+  def phi(self, x, *, projection=None, is_query: bool = False, mask=None, causal: bool = False):
+    """``feature_map`` of this kernel (its ``nu``): ``[b, l, h, d] -> [b, l, h, m]``."""
+    return feature_map(
+        self.name, x, projection=projection, is_query=is_query, mask=mask, nu=self.nu, causal=causal
     )
-}
-KERNELS = tuple(_REGISTRY)
-FEATURE_MAPS = tuple(n for n, k in _REGISTRY.items() if not k.is_softmax)
+
+  def make_projection(self, key, dim: int, *, dtype=jnp.float32):
+    """None, or this kernel's ``[num_features, dim]`` random projection (``make_projection``)."""
+    return make_projection(self.name, key, self.num_features, dim, dtype=dtype)
 
 
-def get_kernel(name: str) -> Kernel:
-  """The registry entry of ``name`` (``"softmax"`` or a feature map)."""
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown kernel {name!r}; valid choices: {', '.join(KERNELS)}.")
-  return _REGISTRY[name]
+def _unknown_option(kernel: Kernel, key: str) -> str:
+  own = ", ".join(f"{k}={v!r}" for k, v in kernel.defaults.items()) or "(none)"
+  others = ", ".join(o for o in OPTION_DEFAULTS if o not in kernel.options)
+  name = kernel.name
+  tail = (
+      f" (kernel_options may also hold other kernels' options, unused by {name!r}: {others})."
+      if others
+      else "."
+  )
+  return f"unknown kernel option {key!r} for kernel {name!r}; {name!r} takes: {own}" + tail
+
+
+def get_kernel(name: "str | Kernel") -> Kernel:
+  """The record of kernel ``name`` with default options (a ``Kernel`` is returned as it is)."""
+  return name if isinstance(name, Kernel) else Kernel(name)
 
 
 def _feature_kernel(name: str) -> Kernel:
   if name not in FEATURE_MAPS:
     raise ValueError(f"Unknown feature map {name!r}; valid choices: {', '.join(FEATURE_MAPS)}.")
-  return _REGISTRY[name]
+  return Kernel(name)
 
 
 def feature_map(
@@ -489,7 +571,7 @@ def feature_map(
         f"feature map {name!r} is deterministic and takes no projection; got one "
         f"of shape {jnp.shape(projection)}."
     )
-  return kernel.phi(x, projection, is_query, mask, nu, causal)
+  return kernel.map(x, projection=projection, is_query=is_query, mask=mask, nu=nu, causal=causal)
 
 
 def make_projection(name: str, key, num_features: int, dim: int, *, dtype=jnp.float32):
@@ -498,12 +580,13 @@ def make_projection(name: str, key, num_features: int, dim: int, *, dtype=jnp.fl
   kernel = get_kernel(name)
   if not kernel.needs_projection:
     return None
-  return kernel.projection(key, num_features, dim, dtype=dtype)
+  return kernel.map.projection(key, num_features, dim, dtype=dtype)
 
 
 def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int = 1) -> int:
-  """m, the size of phi(x) for inputs of size ``dim`` (``Kernel.out_dim``): dim (softmax, elu1,
-  relu, sikf), 2 dim nu (dpfp), num_features (favor, prf, nprf, orf) or 2 num_features (trf)."""
+  """m, the size of phi(x) for inputs of size ``dim`` (``FeatureMap.out_dim``): dim (softmax,
+  elu1, relu, sikf), 2 dim nu (dpfp), num_features (favor, prf, nprf, orf) or 2 num_features
+  (trf)."""
   kernel = get_kernel(name)
   if "nu" in kernel.options:
     _check_nu(nu, dim)
@@ -513,7 +596,7 @@ def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int
           f"feature map {name!r} is random; feature_dim needs num_features, got " "None."
       )
     _check_sizes(num_features, dim)
-  return kernel.out_dim(dim, num_features, nu)
+  return dim if kernel.is_softmax else kernel.map.out_dim(dim, num_features, nu)
 
 
 def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1, eps: float = 1e-6):
@@ -546,7 +629,7 @@ def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1, e
     if name != "prf":
       log_scale = log_scale - _stabilizer(z, is_query=False, mask=mask, causal=True)[..., 0]
     return e, log_scale, (eps if name in ("favor", "orf") else 0.0)
-  e = kernel.phi(x, projection, False, mask, nu, True)
+  e = kernel.map(x, projection=projection, is_query=False, mask=mask, nu=nu, causal=True)
   return e, jnp.zeros(e.shape[:3], e.dtype), 0.0
 
 

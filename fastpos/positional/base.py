@@ -35,27 +35,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from fastpos.ops.features import Kernel
 from fastpos.ops.masks import check_mask
 
 HOOKS = ("embed", "features", "logits", "kv", "output")
 FEATURE_STAGES = ("pre_phi", "post_phi")
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelInfo:
-  """What a scheme may know of the kernel it is paired with.
-
-  Attributes:
-    name: ``"softmax"`` or a feature-map name of ``fastpos.ops.features.FEATURE_MAPS``.
-    nonnegative: phi(x) >= 0 always (True for softmax, whose exp is positive).
-  """
-
-  name: str
-  nonnegative: bool = True
-
-  @property
-  def is_softmax(self) -> bool:
-    return self.name == "softmax"
+# What a scheme may know of the kernel it is paired with: the kernel's one record (name,
+# options and facts such as ``is_softmax`` and ``nonnegative``), under the name schemes use.
+KernelInfo = Kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +61,7 @@ class Dims:
       2 * max_length - 1 entries).
     grid: the largest image grid (H, W) for 2D tasks, None for 1D tasks.
     causal: whether the model is causal (a decoder).
-    kernel: the kernel the layer uses.
+    kernel: the kernel the layer uses (its record, ``fastpos.ops.features.Kernel``).
   """
 
   num_heads: int
@@ -82,7 +71,7 @@ class Dims:
   max_length: int
   grid: tuple[int, int] | None = None
   causal: bool = False
-  kernel: KernelInfo = KernelInfo("softmax")
+  kernel: Kernel = Kernel("softmax")
 
 
 @dataclasses.dataclass(frozen=True)

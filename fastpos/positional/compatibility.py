@@ -22,22 +22,17 @@ from fastpos.ops import features
 KERNELS = features.KERNELS
 
 
-def kernel_info(kernel: str) -> positional.KernelInfo:
-  """What a scheme may know of ``kernel``, read from its registry entry."""
-  entry = features.get_kernel(kernel)
-  return positional.KernelInfo(entry.name, nonnegative=entry.nonnegative)
-
-
 def problem(
-    kernel: str,
+    kernel: str | features.Kernel,
     scheme: str,
     *,
     causal: bool = False,
     two_d: bool = False,
     options: Mapping | None = None,
 ) -> str | None:
-  """None when ``kernel`` x ``scheme`` works in this setting, else the reason it does not."""
-  info = kernel_info(kernel)
+  """None when ``kernel`` (a name or the kernel's record) x ``scheme`` works in this setting,
+  else the reason it does not; the scheme sees the record (``Scheme.compatibility``)."""
+  info = features.get_kernel(kernel)
   cls = positional.get_class(scheme)
   options = dict(options or {})
   positional.check_options(scheme, options)
@@ -67,7 +62,7 @@ def compatible_schemes(kernel: str, **setting) -> list[str]:
 
 
 def check(
-    kernel: str,
+    kernel: str | features.Kernel,
     schemes: Sequence[str],
     *,
     causal: bool = False,
@@ -76,10 +71,12 @@ def check(
 ) -> None:
   """Raises ValueError for the first incompatible pair (``options``: per-scheme dicts)."""
   options = options or {}
+  record = features.get_kernel(kernel)
+  kernel = record.name
   for scheme in schemes:
     positional.get_class(scheme).check_used(options.get(scheme), two_d=two_d)
     setting = dict(causal=causal, two_d=two_d)
-    why = problem(kernel, scheme, options=options.get(scheme), **setting)
+    why = problem(record, scheme, options=options.get(scheme), **setting)
     if why is not None:
       where = f"{'causal' if causal else 'bidirectional'} {'2D' if two_d else '1D'}"
       raise ValueError(

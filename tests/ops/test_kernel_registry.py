@@ -1,13 +1,17 @@
 """The kernel registry (fastpos.ops.features.get_kernel): every entry is tested, and what each
 entry claims (sign, output size, projection, options, softmax estimation) holds in behaviour."""
 
+import dataclasses
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fastpos import positional
 from fastpos.models import config as model_config
-from fastpos.models.attention import KernelSpec
+from fastpos.models.attention import AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as F
 from fastpos.positional import compatibility
@@ -53,7 +57,6 @@ def test_softmax_matches_dense_numpy():
 def test_entry_facts_hold(name):
   entry = F.get_kernel(name)
   assert entry.name == name and set(entry.options) <= set(F.OPTION_DEFAULTS)
-  assert compatibility.kernel_info(name).nonnegative == entry.nonnegative
   w = F.make_projection(name, jax.random.PRNGKey(0), M, D, dtype=jnp.float64)
   assert (w is not None) == entry.needs_projection == F.needs_projection(name)
   # The random kernels, and only they, read num_features, redraw and seed.
@@ -87,7 +90,8 @@ def test_entry_facts_hold(name):
             )
         )
         size = F.feature_dim(name, D, num_features=M, nu=nu)
-        assert out.shape == (B, L, H, size) and size == entry.out_dim(D, M, nu)
+        sized = dataclasses.replace(entry, num_features=M, nu=nu)
+        assert out.shape == (B, L, H, size) and size == sized.feature_dim(D)
         assert not np.any(np.isnan(out))
         signs.append(np.any(out < 0))
   # The sign claim: never negative when claimed; a signed map shows negative features.
@@ -128,7 +132,7 @@ def test_unknown_kernel_and_option_name_the_choices():
   for call in (
       lambda: F.get_kernel("elu2"),
       lambda: KernelSpec("elu2"),
-      lambda: compatibility.kernel_info("elu2"),
+      lambda: compatibility.problem("elu2", "none"),
   ):
     with pytest.raises(ValueError) as info:
       call()
@@ -153,3 +157,53 @@ def test_unknown_kernel_and_option_name_the_choices():
     KernelSpec.from_config("softmax", {"nu_": 2})
   # Options of other kernels are accepted (one config block serves every kernel).
   assert KernelSpec.from_config("sikf", {"num_features": 8, "nu": 2}).num_features == 8
+
+
+def test_one_kernel_record(monkeypatch):
+  """The layer's KernelSpec, the schemes' KernelInfo and the ops' Kernel are one class, and the
+  very record a config holds is what its schemes' Dims and compatibility rules see."""
+  assert KernelSpec is F.Kernel is positional.KernelInfo
+  seen = []
+  cls = positional.get_class("kernelized_rpe")
+  rule = cls.compatibility
+
+  def spy(kernel, **kw):
+    seen.append(kernel)
+    return rule(kernel, **kw)
+
+  monkeypatch.setattr(cls, "compatibility", spy)
+  kernel = KernelSpec("favor", num_features=8)
+  cfg = AttentionConfig(
+      num_heads=2,
+      head_dim=4,
+      embed_dim=8,
+      kernel=kernel,
+      positional=(PositionalSpec.make("rope", {}), PositionalSpec.make("kernelized_rpe", {})),
+      max_length=8,
+  )
+  assert seen and all(k is kernel for k in seen)
+  assert [d.kernel for d in cfg.scheme_dims().values()] == [kernel, kernel]
+  assert all(d.kernel is kernel for d in cfg.scheme_dims().values())
+  # A name and a record answer alike; an incompatible pair names the kernel, not the record.
+  for name in F.KERNELS:
+    for scheme in ("rope", "t5_bias", "kernelized_rpe"):
+      setting = dict(causal=True, two_d=False)
+      assert compatibility.problem(name, scheme, **setting) == compatibility.problem(
+          F.Kernel(name), scheme, **setting
+      )
+  with pytest.raises(ValueError, match="kernel 'favor' x positional scheme 't5_bias'"):
+    compatibility.check(kernel, ["t5_bias"])
+
+
+@pytest.mark.parametrize("name", F.FEATURE_MAPS)
+def test_feature_maps_are_typed_callables(name):
+  """Each map says which named arguments its function takes, and they are its parameters."""
+  fmap = F.get_kernel(name).map
+  assert isinstance(fmap, F.FeatureMap) and set(fmap.reads) <= set(F.MAP_ARGUMENTS)
+  params = list(inspect.signature(getattr(fmap.fn, "__wrapped__", fmap.fn)).parameters)
+  assert params[0] == "x" and set(fmap.reads) <= set(params), (fmap.reads, params)
+  assert ("projection" in fmap.reads) == F.get_kernel(name).needs_projection
+  if "projection" in fmap.reads:
+    assert params[1] == "projection"  # passed as the second argument
+  with pytest.raises(ValueError, match="'scale'"):
+    F.FeatureMap(fmap.fn, reads=("scale",))

@@ -272,9 +272,7 @@ def test_decay_is_refused_where_it_is_not_defined():
 # ---------------------------------------------------------------------------------------------
 def test_compatibility():
   cls = permuteformer.PermuteFormer
-  trf = cls.compatibility(
-      KernelInfo("trf", nonnegative=False), causal=False, two_d=False, options={}
-  )
+  trf = cls.compatibility(KernelInfo("trf"), causal=False, two_d=False, options={})
   assert isinstance(trf, str) and "non-negative" in trf and "trf" in trf
   for kernel in ("softmax", "relu", "elu1", "favor", "dpfp"):
     for causal in (False, True):

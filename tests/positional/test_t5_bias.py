@@ -283,7 +283,7 @@ def test_compatibility_softmax_only(causal, two_d):
         is None
     )
     for name in FEATURE_MAPS:
-      kernel = KernelInfo(name, nonnegative=name != "trf")
+      kernel = KernelInfo(name)
       reason = cls.compatibility(kernel, causal=causal, two_d=two_d, options=options)
       assert isinstance(reason, str) and "kernelized_rpe" in reason and name in reason
   assert cls.hooks == ("logits",) and cls.supports_2d and cls.supports_causal

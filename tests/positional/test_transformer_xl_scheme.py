@@ -216,9 +216,7 @@ def test_compatibility_softmax_only(causal):
   cls = positional.get_class("transformer_xl")
   assert cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=False, options={}) is None
   for name in FEATURE_MAPS:
-    reason = cls.compatibility(
-        KernelInfo(name, nonnegative=name != "trf"), causal=causal, two_d=False, options={}
-    )
+    reason = cls.compatibility(KernelInfo(name), causal=causal, two_d=False, options={})
     assert isinstance(reason, str) and "softmax" in reason and name in reason
   assert cls.hooks == ("logits",) and not cls.supports_2d and cls.supports_causal
 
