@@ -14,6 +14,7 @@ The default run takes a deterministic sample of the cells (the rule above ``_sam
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -176,12 +177,15 @@ def _layer(cfg):
 def _init(cfg, attn, n, seed=0):
   grid = GRID if cfg.grid is not None else None
   x = jnp.zeros((B, n, D), jnp.float64)
-  params = {"attn": attn.init(jax.random.key(seed), x, grid=grid)["params"]}
+  # Shapes only (every value is redrawn below): abstract init, no forward pass run op by op.
+  init = functools.partial(attn.init, jax.random.key(seed), x, grid=grid)
+  params = {"attn": jax.eval_shape(init)["params"]}
   ctx = positional.Context(grid=grid, causal=cfg.causal, length=n)
   for p in _embed_schemes(cfg):
     scheme = positional.build(p.name, cfg.scheme_dims()[p.name], p.option_dict())
-    v = scheme.init(jax.random.key(seed + 1), x, ctx, method=type(scheme).embed)
-    params[f"embed_{p.name}"] = v.get("params", {})
+    key = jax.random.key(seed + 1)
+    init = functools.partial(scheme.init, key, x, ctx, method=type(scheme).embed)
+    params[f"embed_{p.name}"] = jax.eval_shape(init).get("params", {})
   # Random values everywhere (positional tables are initialised to zero, which would make
   # the comparison trivial); small enough that exp-based maps stay tame.
   leaves, tree = jax.tree.flatten(params)
