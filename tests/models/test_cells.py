@@ -7,10 +7,14 @@ not, with a batch holding one unpadded and one padded sequence:
   outputs and nothing else;
 * causal cells never look ahead (gradient of output i w.r.t. input j > i);
 every incompatible cell raises the configuration error.
+
+The default run takes a deterministic sample of the cells (the rule above ``_sample``);
+``-m slow`` runs the rest.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -21,6 +25,7 @@ import pytest
 from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.positional import compatibility
+from fastpos.positional.compatibility import KERNELS
 from tests.helpers import assert_causal_jacobian, rel_err
 
 B, N, D, H = 2, 11, 16, 2
@@ -76,19 +81,46 @@ def _cells():
           yield kernel, (scheme,), (opts,), causal, two_d, ok, i
 
 
-# The default run covers every scheme with these kernels (softmax, a plain map, the stabilised
-# exp map with its masked max, a positive and a signed random map); the other maps differ only
-# in phi (tested in tests/ops) and run with `-m slow`.
-DEFAULT_KERNELS = ("softmax", "elu1", "sikf", "favor", "trf")
-# Causality and shift invariance by default with the kernels whose own code could break them:
-# softmax (its own path), SIKF (a masked max over the sequence) and FAVOR+ (a stabiliser over
-# the keys); elementwise maps (ELU+1, TRF, ...) share the linear path of these.
+# The default run samples the matrix; `-m slow` runs the rest. The rule, per test:
+# * group the cells by setting (schemes, options, causal, 1D / 2D);
+# * in every group keep the softmax cell (its own path) and one cell of a linear kernel: the
+#   candidate kernel used least so far in the same (causal, 1D / 2D) setting, ties broken by
+#   the order of `compatibility.KERNELS`, groups taken in the order of `_cells()`.
+# So every setting runs both paths, and every linear kernel runs in each (causal, 1D / 2D)
+# setting where it fits (`test_the_sample_covers_every_kernel_and_setting` checks this).
+# Causality and shift invariance sample only the kernels whose own code could break them:
+# softmax, SIKF (a masked max over the sequence) and FAVOR+ (a stabiliser over the keys);
+# elementwise maps (ELU+1, TRF, ...) share the linear path of these.
 PROPERTY_KERNELS = ("softmax", "sikf", "favor")
 
 
-def _param(c, default=DEFAULT_KERNELS):
-  marks = () if c[0] in default else (pytest.mark.slow,)
-  return pytest.param(c, id=_id(c), marks=marks)
+def _group(c):
+  """A cell's setting: schemes, options, causal, 2D."""
+  return c[1], repr(c[2]), c[3], c[4]
+
+
+def _sample(cells, kernels=None):
+  """The cells of ``cells`` that the default run keeps, by the rule above."""
+  groups, used, keep = {}, {}, []
+  for c in cells:
+    if kernels is None or c[0] in kernels:
+      groups.setdefault(_group(c), []).append(c)
+  for (_, _, causal, two_d), group in groups.items():
+    keep += [c for c in group if c[0] == "softmax"]
+    linear = [c for c in group if c[0] != "softmax"]
+    if linear:
+      count = used.setdefault((causal, two_d), {})
+      pick = min(linear, key=lambda c: (count.get(c[0], 0), KERNELS.index(c[0])))
+      count[pick[0]] = count.get(pick[0], 0) + 1
+      keep.append(pick)
+  return keep
+
+
+def _params(cells, kernels=None):
+  keep = {_id(c) for c in _sample(cells, kernels)}
+  return [
+      pytest.param(c, id=_id(c), marks=() if _id(c) in keep else (pytest.mark.slow,)) for c in cells
+  ]
 
 
 ALL = list(_cells())
@@ -145,12 +177,15 @@ def _layer(cfg):
 def _init(cfg, attn, n, seed=0):
   grid = GRID if cfg.grid is not None else None
   x = jnp.zeros((B, n, D), jnp.float64)
-  params = {"attn": attn.init(jax.random.key(seed), x, grid=grid)["params"]}
+  # Shapes only (every value is redrawn below): abstract init, no forward pass run op by op.
+  init = functools.partial(attn.init, jax.random.key(seed), x, grid=grid)
+  params = {"attn": jax.eval_shape(init)["params"]}
   ctx = positional.Context(grid=grid, causal=cfg.causal, length=n)
   for p in _embed_schemes(cfg):
     scheme = positional.build(p.name, cfg.scheme_dims()[p.name], p.option_dict())
-    v = scheme.init(jax.random.key(seed + 1), x, ctx, method=type(scheme).embed)
-    params[f"embed_{p.name}"] = v.get("params", {})
+    key = jax.random.key(seed + 1)
+    init = functools.partial(scheme.init, key, x, ctx, method=type(scheme).embed)
+    params[f"embed_{p.name}"] = jax.eval_shape(init).get("params", {})
   # Random values everywhere (positional tables are initialised to zero, which would make
   # the comparison trivial); small enough that exp-based maps stay tame.
   leaves, tree = jax.tree.flatten(params)
@@ -169,7 +204,7 @@ def _n(two_d):
   return GRID[0] * GRID[1] if two_d else N
 
 
-@pytest.mark.parametrize("cell", [_param(c) for c in COMPATIBLE])
+@pytest.mark.parametrize("cell", _params(COMPATIBLE))
 def test_fast_equals_dense(cell, record_property):
   kernel, schemes, opts, causal, two_d = cell[:5]
   cfg = _config(kernel, schemes, opts, causal, two_d)
@@ -199,7 +234,7 @@ for _schemes in COMBOS:
           COMBO_CELLS.append((_kernel, _schemes, _opts, _causal, False, True, 0))
 
 
-@pytest.mark.parametrize("cell", COMBO_CELLS, ids=_id)
+@pytest.mark.parametrize("cell", _params(COMBO_CELLS))
 def test_combinations_fast_equals_dense(cell, record_property):
   test_fast_equals_dense(cell, record_property)
 
@@ -214,7 +249,7 @@ def _shift_cells():
     yield c
 
 
-@pytest.mark.parametrize("cell", [_param(c, PROPERTY_KERNELS) for c in _shift_cells()])
+@pytest.mark.parametrize("cell", _params(list(_shift_cells()), PROPERTY_KERNELS))
 def test_relative_schemes_are_shift_invariant(cell):
   """Real tokens at positions s..s+L-1 of a padded sequence give the outputs of positions
   0..L-1 (and padding elsewhere changes nothing)."""
@@ -244,7 +279,7 @@ def _causal_cells():
       yield c
 
 
-@pytest.mark.parametrize("cell", [_param(c, PROPERTY_KERNELS) for c in _causal_cells()])
+@pytest.mark.parametrize("cell", _params(list(_causal_cells()), PROPERTY_KERNELS))
 def test_causal_cells_never_look_ahead(cell):
   kernel, schemes, opts, causal, two_d = cell[:5]
   cfg = _config(kernel, schemes, opts, causal, two_d)
@@ -278,6 +313,31 @@ def test_every_scheme_has_a_compatible_cell_and_the_table_prints(capsys):
   compatibility.main()
   out = capsys.readouterr().out
   assert "| softmax |" in out and "fastrpb" in out
+
+
+@pytest.mark.parametrize(
+    "cells, kernels",
+    [
+        (COMPATIBLE, KERNELS),
+        (COMBO_CELLS, KERNELS),
+        (list(_shift_cells()), PROPERTY_KERNELS),
+        (list(_causal_cells()), PROPERTY_KERNELS),
+    ],
+    ids=("fast_equals_dense", "combinations", "shift_invariant", "causal"),
+)
+def test_the_sample_covers_every_kernel_and_setting(cells, kernels):
+  """The default run's sample (the rule above `_sample`): every setting runs softmax and a
+  linear kernel where they fit, and every kernel runs in every (causal, 1D / 2D) setting
+  where it fits."""
+  sample = _sample(cells, kernels)
+  assert len(sample) < len(cells)
+  cells = [c for c in cells if c[0] in kernels]
+  for g in {_group(c) for c in cells}:
+    fits = {c[0] == "softmax" for c in cells if _group(c) == g}
+    assert fits == {c[0] == "softmax" for c in sample if _group(c) == g}, g
+  # Each kernel in each (causal, 2D) setting where it fits.
+  assert {(c[0], c[3], c[4]) for c in cells} == {(c[0], c[3], c[4]) for c in sample}
+  assert {c[0] for c in sample} == {c[0] for c in cells}
 
 
 def test_kernelized_rpe_softmax_equals_linear_with_exact_exponential_features():
