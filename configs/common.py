@@ -72,6 +72,8 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.model.remat = "none"
   # nn.scan over the layers (one compiled body; parameters stacked under "layers").
   c.model.scan_layers = False
+  # Chunk the blocks' token-wise part (norms, dropout, MLP) over the sequence; 0: off.
+  c.model.mlp_chunk = 0
 
   # Batches and duration. Durations are in optimizer steps.
   c.batch_size = 32  # global batch per optimizer step, over all devices and hosts

@@ -173,6 +173,8 @@ FIELDS: dict[str, Field] = {
     "model.remat": _str(("none", "block", "save_matmuls", "save_dots"), trajectory=False),
     # Stacks the layers' parameters on one axis: a checkpoint of the other layout won't load.
     "model.scan_layers": _BOOL,
+    # Chunks each block's token-wise part: the same function, less memory, more compute.
+    "model.mlp_chunk": _int(0, trajectory=False),
     "batch_size": _int(1),
     "eval_batch_size": _int(0),  # the order of an LM's evaluation streams follows it
     "grad_accum_steps": _int(1),

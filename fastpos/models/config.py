@@ -56,4 +56,8 @@ def model_config() -> ml_collections.ConfigDict:
   # "layers"): compile time flat in depth, and the remat policy honoured on every backend.
   # Changes the parameter tree (checkpoints of one layout do not load into the other).
   c.scan_layers = False
+  # Tokens per chunk of each block's token-wise part (dropout, residual, norms, MLP), run
+  # chunk by chunk and rematerialised; 0: the whole sequence at once. Changes memory and
+  # time, not the function (dropout masks included); not with norm="batch".
+  c.mlp_chunk = 0
   return c
