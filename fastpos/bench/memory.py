@@ -103,11 +103,9 @@ def total_bytes(mem) -> int:
 
 def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: int, log):
   """The longest batch-1 N (a multiple of ``step``) whose step fits ``budget`` bytes, from the
-  affine fit of ``points`` [(tokens, bytes)], confirmed by compiling; ``(n, bytes at n, bytes at
+  affine fit of ``points`` [(tokens, bytes)], refined by secants through the batch-1 compiles
+  (batch-1 memory is affine in N), confirmed by compiling; ``(n, bytes at n, bytes at
   n + step, compiles)``."""
-  (t0, m0), (t1, m1) = points
-  slope = (m1 - m0) / (t1 - t0)
-  n = max(step, int((t0 + (budget - m0) / slope) // step * step))
   seen = {}
 
   def fits(k):
@@ -116,6 +114,18 @@ def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: in
       log(f"    N={k}: {fmt_bytes(seen[k])}")
     return seen[k] <= budget
 
+  def predict(a, b):
+    (t0, m0), (t1, m1) = a, b
+    return max(step, int((t0 + (budget - m0) * (t1 - t0) / (m1 - m0)) // step * step))
+
+  n = predict(*points)
+  for _ in range(3):  # secants from the first batch-1 point: exact when memory is affine
+    if n in seen:
+      break
+    fits(n)
+    n = predict(points[0], (n, seen[n]))
+  fitting = [k for k in seen if seen[k] <= budget]
+  n = max(fitting) if fitting else max(step, min(seen) - step)
   if fits(n):
     while fits(n + step):
       n += step
