@@ -222,6 +222,10 @@ FIELDS: dict[str, Field] = {
     # Run the layers as one nn.scan body (parameters stacked on a leading layer axis under
     # "layers"): compile time flat in depth. A checkpoint of the other layout won't load.
     "model.scan_layers": _bool(False),
+    # Tokens per chunk of each block's token-wise part (dropout, residual, norms, MLP), run
+    # chunk by chunk and rematerialised; 0: the whole sequence at once. Changes memory and
+    # time, not the function (dropout masks included); not with norm="batch".
+    "model.mlp_chunk": _int(0, 0, trajectory=False),
     # Batches and duration. Durations are in optimizer steps.
     "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts
     # Global evaluation batch; 0 means batch_size (an LM's evaluation streams follow it).

@@ -1,17 +1,18 @@
-"""Train-step memory against ``model.remat`` and ``model.scan_layers``, and compile time against
-depth: ``python scripts/benchmark.py --mode=memory``.
+"""Train-step memory against ``model.remat``, ``model.scan_layers`` and ``model.mlp_chunk``, and
+compile time against depth: ``python scripts/benchmark.py --mode=memory``.
 
 The LRA Text model of configs/lra_text_fastrpb.py (SIKF + absolute + FastRPB, 4 layers, width
 256, 4 heads, MLP 1024, dropout 0.1, CLS pooling) and its train step (value_and_grad of the
 cross-entropy, global-norm clip, AdamW; parameters and optimizer state donated), compiled
 only: every figure is ``memory_analysis()`` of the executable (temp + arguments + outputs -
-aliased), nothing is run. Per setting (remat x scan): bytes of temporary memory per token per
-layer at batch 1, N = ``--length``; the paper setting (batch 32, N = 4000); the longest batch-1
-N (a multiple of ``--granularity``) whose step fits ``--budget-gib``: predicted from the two
-compiled points (memory is affine in the tokens of a batch for linear attention), then
-confirmed by compiling at the prediction and stepping by the granularity until the boundary
-(the one that fits and the next that does not, both compiled). Compile time against depth:
-the step at batch 1, N = ``--depth-length``, for each depth, scanned and unrolled, side by side.
+aliased), nothing is run. Per setting (remat x scan x mlp_chunk): bytes of temporary memory per
+token per layer at batch 1, N = ``--length``; the paper setting (batch 32, N = 4000); the
+longest batch-1 N (a multiple of ``--granularity``) whose step fits ``--budget-gib``:
+predicted from the two compiled points (memory is affine in the tokens of a batch for linear
+attention), then confirmed by compiling at the prediction and stepping by the granularity
+until the boundary (the one that fits and the next that does not, both compiled). Compile
+time against depth: the step at batch 1, N = ``--depth-length``, for each depth, scanned and
+unrolled, side by side.
 
 Targets (PASS / FAIL): the paper setting under 8 GB (1e9 bytes) and the longest batch-1 N over
 360K tokens, for the best setting; scanned compile time at the deepest depth within 1.5x of
@@ -39,7 +40,9 @@ GOAL_LONGEST = 360_000
 GOAL_DEPTH_RATIO = 1.5
 
 
-def model_fields(remat: str, scan: bool, layers: int = 4, smoke: bool = False) -> dict:
+def model_fields(
+    remat: str, scan: bool, layers: int = 4, smoke: bool = False, mlp_chunk: int = 0
+) -> dict:
   """The ``config.model`` fields of the measured model (configs/lra_text_fastrpb.py's)."""
   fields = dict(
       kernel="sikf",
@@ -48,6 +51,7 @@ def model_fields(remat: str, scan: bool, layers: int = 4, smoke: bool = False) -
       num_layers=layers,
       remat=remat,
       scan_layers=scan,
+      mlp_chunk=mlp_chunk,
   )
   if smoke:
     fields.update(embed_dim=32, num_heads=2, mlp_dim=64)
@@ -99,11 +103,9 @@ def total_bytes(mem) -> int:
 
 def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: int, log):
   """The longest batch-1 N (a multiple of ``step``) whose step fits ``budget`` bytes, from the
-  affine fit of ``points`` [(tokens, bytes)], confirmed by compiling; ``(n, bytes at n, bytes at
+  affine fit of ``points`` [(tokens, bytes)], refined by secants through the batch-1 compiles
+  (batch-1 memory is affine in N), confirmed by compiling; ``(n, bytes at n, bytes at
   n + step, compiles)``."""
-  (t0, m0), (t1, m1) = points
-  slope = (m1 - m0) / (t1 - t0)
-  n = max(step, int((t0 + (budget - m0) / slope) // step * step))
   seen = {}
 
   def fits(k):
@@ -112,6 +114,18 @@ def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: in
       log(f"    N={k}: {fmt_bytes(seen[k])}")
     return seen[k] <= budget
 
+  def predict(a, b):
+    (t0, m0), (t1, m1) = a, b
+    return max(step, int((t0 + (budget - m0) * (t1 - t0) / (m1 - m0)) // step * step))
+
+  n = predict(*points)
+  for _ in range(3):  # secants from the first batch-1 point: exact when memory is affine
+    if n in seen:
+      break
+    fits(n)
+    n = predict(points[0], (n, seen[n]))
+  fitting = [k for k in seen if seen[k] <= budget]
+  n = max(fitting) if fitting else max(step, min(seen) - step)
   if fits(n):
     while fits(n + step):
       n += step
@@ -122,14 +136,15 @@ def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: in
   return n, seen.get(n), seen.get(n + step), len(seen)
 
 
-def measure_setting(remat: str, scan: bool, args, log) -> dict:
-  fields = model_fields(remat, scan, smoke=args.smoke)
+def measure_setting(remat: str, scan: bool, chunk: int, args, log) -> dict:
+  fields = model_fields(remat, scan, smoke=args.smoke, mlp_chunk=chunk)
   layers = fields["num_layers"]
   one, one_s = compile_step(fields, 1, args.length)
   paper, _ = compile_step(fields, *PAPER)
   per_token = one.temp_size_in_bytes / (args.length * layers)
   log(
-      f"  remat={remat} scan={scan}: {per_token / 1e3:.1f} KB/token/layer at N={args.length}, "
+      f"  remat={remat} scan={scan} mlp_chunk={chunk}: {per_token / 1e3:.1f} KB/token/layer at "
+      f"N={args.length}, "
       f"paper setting {fmt_bytes(total_bytes(paper))}"
   )
   points = [(args.length, total_bytes(one)), (PAPER[0] * PAPER[1], total_bytes(paper))]
@@ -137,6 +152,7 @@ def measure_setting(remat: str, scan: bool, args, log) -> dict:
   return {
       "remat": remat,
       "scan_layers": scan,
+      "mlp_chunk": chunk,
       "bytes_per_token_layer": per_token,
       "temp_bytes": int(one.temp_size_in_bytes),
       "total_bytes": total_bytes(one),
@@ -162,10 +178,15 @@ def measure_depth(args, log) -> list[dict]:
   return rows
 
 
+def _name(s: dict) -> str:
+  return f"remat={s['remat']}, scan={s['scan_layers']}, mlp_chunk={s.get('mlp_chunk', 0)}"
+
+
 def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
   head = [
       "remat",
       "scan_layers",
+      "mlp_chunk",
       "temp KB / token / layer",
       "paper setting (b=32, N=4000)",
       f"longest batch-1 N in {args.budget_gib:g} GiB",
@@ -174,13 +195,21 @@ def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
       [
           s["remat"],
           str(s["scan_layers"]),
+          str(s.get("mlp_chunk", 0)),
           f"{s['bytes_per_token_layer'] / 1e3:.1f}",
           f"{fmt_bytes(s['paper_bytes'])} ({s['paper_bytes'] / 1e9:.2f} GB)",
           f"{s['longest_n']:,}",
       ]
       for s in settings
   ]
-  base = next((s for s in settings if s["remat"] == "none" and not s["scan_layers"]), None)
+  base = next(
+      (
+          s
+          for s in settings
+          if s["remat"] == "none" and not s["scan_layers"] and not s.get("mlp_chunk")
+      ),
+      None,
+  )
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   lines += ["| " + " | ".join(r) + " |" for r in rows]
   lines += ["", "| layers | unrolled compile s | scanned compile s |", "|---:|---:|---:|"]
@@ -192,14 +221,12 @@ def _tables(settings: list[dict], depth: list[dict], args) -> tuple[str, list]:
     targets = [
         (
             f"LRA Text paper setting (batch 32, N=4000) under {GOAL_PAPER_BYTES / 1e9:g} GB",
-            f"{best_paper['paper_bytes'] / 1e9:.2f} GB (remat={best_paper['remat']}, "
-            f"scan={best_paper['scan_layers']})",
+            f"{best_paper['paper_bytes'] / 1e9:.2f} GB ({_name(best_paper)})",
             best_paper["paper_bytes"] < GOAL_PAPER_BYTES,
         ),
         (
             f"longest batch-1 train step in {args.budget_gib:g} GiB over {GOAL_LONGEST:,} tokens",
-            f"{best_long['longest_n']:,} (remat={best_long['remat']}, "
-            f"scan={best_long['scan_layers']})",
+            f"{best_long['longest_n']:,} ({_name(best_long)})",
             best_long["longest_n"] > GOAL_LONGEST,
         ),
     ]
@@ -230,7 +257,7 @@ def main(argv=None) -> int:
   p.add_argument(
       "--settings",
       default="none:0,block:0,save_matmuls:0,none:1,block:1," "save_matmuls:1",
-      help="remat:scan pairs, scan 0 or 1",
+      help="remat:scan[:mlp_chunk] settings, scan 0 or 1, mlp_chunk >= 0 (default 0)",
   )
   p.add_argument("--depths", default="2,4,8,16")
   p.add_argument("--depth-length", type=int, default=1024)
@@ -241,13 +268,14 @@ def main(argv=None) -> int:
   try:
     settings = []
     for part in filter(None, args.settings.split(",")):
-      remat, _, scan = part.partition(":")
-      if remat not in REMAT_POLICIES or scan not in ("0", "1"):
+      fields = part.split(":")
+      remat, scan, chunk = (fields + ["0"])[:3] if len(fields) in (2, 3) else ("", "", "")
+      if remat not in REMAT_POLICIES or scan not in ("0", "1") or not chunk.isdigit():
         raise ValueError(
-            f"--settings: bad pair {part!r}; give remat:scan with remat in "
-            f"{', '.join(REMAT_POLICIES)} and scan 0 or 1."
+            f"--settings: bad setting {part!r}; give remat:scan[:mlp_chunk] with remat in "
+            f"{', '.join(REMAT_POLICIES)}, scan 0 or 1 and mlp_chunk an int >= 0."
         )
-      settings.append((remat, scan == "1"))
+      settings.append((remat, scan == "1", int(chunk)))
     args.depths = [int(d) for d in args.depths.split(",") if d]
     if any(d < 1 for d in args.depths) or args.length < 1 or args.granularity < 1:
       raise ValueError("--depths, --length and --granularity must be positive.")
@@ -256,11 +284,12 @@ def main(argv=None) -> int:
     return 2
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   log(f"memory: {len(settings)} settings, N={args.length}, budget {args.budget_gib} GiB")
-  measured = [measure_setting(r, s, args, log) for r, s in settings]
+  measured = [measure_setting(r, s, c, args, log) for r, s, c in settings]
   depth = measure_depth(args, log)
   table, targets = _tables(measured, depth, args)
   title = (
-      "# Train-step memory: model.remat x model.scan_layers (LRA Text, SIKF + absolute + "
+      "# Train-step memory: model.remat x model.scan_layers x model.mlp_chunk (LRA Text, "
+      "SIKF + absolute + "
       "FastRPB, 4 x 256)\n\n" + f"{platform.processor() or platform.machine()}, "
       f"jax {jax.__version__}, {jax.devices()[0].platform}; compiled only "
       "(memory_analysis: temp + arguments + outputs - aliased; float32).\n\n"

@@ -8,7 +8,8 @@ with the sequence split over ``--seq`` devices, and the compiled executable's
 batch), temporaries (activations kept for the backward pass, gradients, FFT buffers) and the
 total (arguments + outputs + temporaries - donated aliases). Variants: the absolute table
 learned (sharded over "seq" by the trainer's position rules, or replicated as before) or
-sinusoidal (no table); each ``--remat`` policy (``model.remat``, with ``model.scan_layers``).
+sinusoidal (no table); each ``--remat`` policy (``model.remat``, with ``model.scan_layers``),
+each with every ``--mlp_chunk`` (``model.mlp_chunk``: the blocks' token-wise part in chunks).
 
 Breakdown: the per-device bytes of each part of the train state come from its shardings; what
 each further layer adds from a compile with one layer (``(temp(L) - temp(1)) / (L - 1)``, with
@@ -58,7 +59,9 @@ POSITIONS = {
 }
 
 
-def make_config(n: int, seq: int, positions: str, remat: str | None, layers: int = 4):
+def make_config(
+    n: int, seq: int, positions: str, remat: str | None, layers: int = 4, mlp_chunk: int = 0
+):
   """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``."""
   c = base_config("synthetic")
   c.model.update(
@@ -78,6 +81,8 @@ def make_config(n: int, seq: int, positions: str, remat: str | None, layers: int
       raise ValueError(f"--remat={remat!r}: this model has no model.remat field.")
     c.model.remat = remat
     c.model.scan_layers = True  # XLA:CPU honours a remat policy under a scan over the layers
+  if mlp_chunk:
+    c.model.mlp_chunk = mlp_chunk
   c.batch_size = 1
   c.mesh.seq = seq
   return c
@@ -188,6 +193,11 @@ def _parse(argv):
       help="model.remat policies, comma-separated "
       "(each with the first --positions variant); empty: none",
   )
+  parser.add_argument(
+      "--mlp_chunk",
+      default="0",
+      help="model.mlp_chunk values, comma-separated (each with every --remat policy; 0: off)",
+  )
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument(
       "--breakdown",
@@ -217,16 +227,22 @@ def _parse(argv):
   if args.layers < 2:
     raise ValueError(f"--layers={args.layers} must be >= 2 (the breakdown compiles 1).")
   remat = [r.strip() for r in args.remat.split(",") if r.strip()]
+  chunks = [c.strip() for c in args.mlp_chunk.split(",") if c.strip()]
+  if not chunks or not all(c.isdigit() for c in chunks):
+    raise ValueError(f"--mlp_chunk={args.mlp_chunk!r}: give ints >= 0, comma-separated.")
+  args.chunks = [int(c) for c in chunks]
   return prog, args, positions, remat
 
 
-def _variants(positions, remat):
-  """[(label, positions, remat, table replicated)], the first one the headline."""
+def _variants(positions, remat, chunks):
+  """[(label, positions, remat, mlp_chunk)], the first one the headline."""
   out = []
   for r in remat:
-    out.append((f"{positions[0]}, remat={r} (scanned layers)", positions[0], r))
+    for c in chunks:
+      name = f"remat={r}, mlp_chunk={c}" if c else f"remat={r}"
+      out.append((f"{positions[0]}, {name} (scanned layers)", positions[0], r, c))
   for p in positions:
-    out.append((f"{p}, no remat" if remat else p, p, None))
+    out.append((f"{p}, no remat" if remat else p, p, None, 0))
   return out
 
 
@@ -245,8 +261,8 @@ def main(argv=None) -> int:
   n = args.length
   results = {}
   try:
-    for label, pos, r in _variants(positions, remat):
-      cfg = make_config(n, args.seq, pos, r, args.layers)
+    for label, pos, r, c in _variants(positions, remat, args.chunks):
+      cfg = make_config(n, args.seq, pos, r, args.layers, c)
       if not POSITIONS[pos][1]:
         cfg.mesh.rules = ((r"pos_absolute/table$", (None, None)),)  # the old replication
       res = compile_step(cfg, n)
@@ -259,11 +275,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
-  head_label, head_pos, head_remat = _variants(positions, remat)[0]
+  head_label, head_pos, head_remat, head_chunk = _variants(positions, remat, args.chunks)[0]
   head = results[head_label]
   per_layer, parts = None, {}
   if args.breakdown:
-    cfg = make_config(n, args.seq, head_pos, head_remat, 1)
+    cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
     one = compile_step(cfg, n)
     one.pop("_run")
     per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
@@ -274,7 +290,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     for part, fields in ABLATIONS.items():
-      cfg = make_config(n, args.seq, head_pos, head_remat, 1)
+      cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
       cfg.model.update(fields)
       r = compile_step(cfg, n)
       parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}

@@ -110,6 +110,7 @@ def build_model(cfg, task: TaskInfo):
       dtype=DTYPES[cfg.dtype],
       remat=remat,
       scan_layers=scan_layers,
+      mlp_chunk=cfg.get("mlp_chunk", 0),
   )
   memory_length = cfg.get("memory_length", 0)
   pooling = cfg.get("pooling", "mean")

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fastpos.models import decoding
+from fastpos.models import context_parallel, decoding, tokenwise
 from fastpos.models.attention import Attention, AttentionConfig, check_layer_schemes
 from fastpos.ops.masks import check_mask
 
@@ -42,10 +42,10 @@ def remat_policy(name: str):
   }[name]
 
 
-def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> None:
+def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1, mlp_chunk=0) -> None:
   """Raises ValueError naming the first field of a block stack (``Block``, ``Tower``, the
   models) out of its range: ``mlp_dim`` and ``num_layers`` ints >= 1, ``dropout_rate`` in
-  [0, 1), ``norm`` one of ``NORMS``."""
+  [0, 1), ``norm`` one of ``NORMS``, ``mlp_chunk`` an int >= 0 (not with BatchNorm)."""
   for name, value in (("mlp_dim", mlp_dim), ("num_layers", num_layers)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{layer}: {name} must be an int >= 1; got {value!r}.")
@@ -55,6 +55,12 @@ def check_stack(layer: str, *, mlp_dim, dropout_rate, norm, num_layers=1) -> Non
     raise ValueError(f"{layer}: dropout_rate must be a number in [0, 1); got {dropout_rate!r}.")
   if norm not in NORMS:
     raise ValueError(f"{layer}: unknown norm {norm!r}; valid choices: {', '.join(NORMS)}.")
+  if tokenwise.check_chunk(mlp_chunk) and norm == "batch":
+    raise ValueError(
+        f"{layer}: mlp_chunk={mlp_chunk} chunks the token-wise part of the block, and "
+        "norm='batch' is not token-wise (its statistics span the sequence); use mlp_chunk=0 "
+        "or norm 'post' / 'pre'."
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -82,11 +88,17 @@ class Dropout(nn.Module):
 
   rate: float
 
-  def make_mask(self, shape, *, deterministic: bool):
-    """The keep mask (bool ``shape``) of this call, or None when nothing is dropped."""
+  def key(self, *, deterministic: bool):
+    """The key this call draws its mask from (``nn.Dropout``'s), or None when nothing is
+    dropped; ``make_mask`` draws the whole mask, ``tokenwise.bernoulli_at`` a slice."""
     if self.rate == 0.0 or deterministic:
       return None
-    return jax.random.bernoulli(self.make_rng("dropout"), p=1.0 - self.rate, shape=shape)
+    return self.make_rng("dropout")
+
+  def make_mask(self, shape, *, deterministic: bool):
+    """The keep mask (bool ``shape``) of this call, or None when nothing is dropped."""
+    key = self.key(deterministic=deterministic)
+    return None if key is None else jax.random.bernoulli(key, p=1.0 - self.rate, shape=shape)
 
   def __call__(self, x, *, deterministic: bool):
     if self.rate == 1.0 and not deterministic:
@@ -120,7 +132,12 @@ class MLP(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, *, deterministic: bool):
+  def __call__(self, x, *, deterministic: bool, key_only: bool = False):
+    """``key_only``: computes nothing and returns the key of this call's hidden dropout mask
+    (None when nothing is dropped), for a block that draws the mask by chunk
+    (``tokenwise``); ``x`` is not read."""
+    if key_only:
+      return Dropout(self.dropout_rate).key(deterministic=deterministic)
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
     if self.dropout_rate == 1.0 and not deterministic:
       return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(jnp.zeros_like(h))
@@ -133,7 +150,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
   """One transformer layer. ``shared``: scheme modules shared across layers. Its attention
   config holds attention-level schemes only (``AttentionConfig.attention_only``); bad fields
-  raise ValueError at construction."""
+  raise ValueError at construction. ``mlp_chunk`` C > 0: what follows the attention (dropout,
+  residual, norms, MLP: token-wise) runs over chunks of C tokens, rematerialised chunk by
+  chunk (``fastpos.models.tokenwise``): the same function, dropout masks included, with one
+  chunk's MLP hidden alive at a time; not while decoding, nor at ``init``."""
 
   attention: AttentionConfig
   mlp_dim: int
@@ -141,9 +161,16 @@ class Block(nn.Module):
   norm: str = "post"
   shared: tuple = ()
   dtype: Any = jnp.float32
+  mlp_chunk: int = 0
 
   def __post_init__(self):
-    check_stack("Block", mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, norm=self.norm)
+    check_stack(
+        "Block",
+        mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate,
+        norm=self.norm,
+        mlp_chunk=self.mlp_chunk,
+    )
     check_layer_schemes(self.attention, self.shared, "Block")
     super().__post_init__()
 
@@ -204,16 +231,73 @@ class Block(nn.Module):
     kw = dict(mask=amask, grid=grid, deterministic=not train, reference=reference)
     if decode is not None:  # a decoding step (fastpos.models.decoding)
       kw["decode"] = decode
+    chunked = self._chunked(x, decode)
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
-      x = x + drop(attn(self._apply(norm1, x, mask), memory=mem, **kw), deterministic=not train)
+      y = attn(self._apply(norm1, x, mask), memory=mem, **kw)
+      if chunked:
+        return self._chunked_tail(x, y, drop, mlp, train)
+      x = x + drop(y, deterministic=not train)
       return x + drop(
           mlp(self._apply(norm2, x, mask), deterministic=not train), deterministic=not train
       )
     y = attn(x, memory=memory, **kw)
+    if chunked:
+      return self._chunked_tail(x, y, drop, mlp, train)
     x = self._apply(norm1, x + drop(y, deterministic=not train), mask)
     y = mlp(x, deterministic=not train)
     return self._apply(norm2, x + drop(y, deterministic=not train), mask)
+
+  def _chunked(self, x, decode) -> bool:
+    """Whether this call runs its token-wise part by chunks: ``mlp_chunk`` set, not decoding
+    or initialising (init builds the parameters through the whole-sequence path), and more
+    than one chunk in a device's block of the sequence."""
+    if not self.mlp_chunk or decode is not None or self.is_initializing():
+      return False
+    return -(-x.shape[1] // context_parallel.seq_size()) > self.mlp_chunk
+
+  def _chunked_tail(self, x, y, drop, mlp, train):
+    """``x [b, N, D]`` the block's input and ``y`` its attention output -> the block's output,
+    computed by ``tokenwise.map_chunks`` from the parameters of the whole-sequence path's
+    modules (same math: their own ``apply``) and slices of its dropout masks (same keys,
+    drawn in the same order)."""
+    det = not train
+    keys = (drop.key(deterministic=det), mlp(None, deterministic=det, key_only=True))
+    keys += (drop.key(deterministic=det),)
+    # Promoted once, outside the chunk loop: a float64 model sums its float32 parameters'
+    # gradients over the chunks in float64, as the whole-sequence dot does.
+    p = jax.tree.map(
+        lambda a: a.astype(jnp.promote_types(a.dtype, self.dtype)), self.variables["params"]
+    )
+    b, n, d = x.shape
+    keep = 1.0 - self.dropout_rate
+
+    def bound(module, params):  # an unbound module's own math on its parameters in p
+      return functools.partial(module.apply, {"params": params})
+
+    ln1 = bound(nn.LayerNorm(dtype=self.dtype, parent=None), p["norm_attention"])
+    ln2 = bound(nn.LayerNorm(dtype=self.dtype, parent=None), p["norm_mlp"])
+    fc1 = bound(nn.Dense(self.mlp_dim, dtype=self.dtype, parent=None), p["mlp"]["fc1"])
+    fc2 = bound(nn.Dense(d, dtype=self.dtype, parent=None), p["mlp"]["fc2"])
+
+    def tail(pos, xc, yc):
+      def dropped(v, key):
+        if key is None:
+          return v
+        index = (jnp.arange(b)[:, None, None, None], pos, jnp.arange(v.shape[-1])[None, None, None])
+        mask = tokenwise.bernoulli_at(key, keep, (b, n, v.shape[-1]), index)
+        return masked_scale(v, mask, keep)
+
+      def mlp_fn(h):
+        return fc2(dropped(nn.gelu(fc1(h)), keys[1]))
+
+      if self.norm == "pre":
+        x1 = xc + dropped(yc, keys[0])
+        return x1 + dropped(mlp_fn(ln2(x1)), keys[2])
+      x1 = ln1(xc + dropped(yc, keys[0]))
+      return ln2(x1 + dropped(mlp_fn(x1), keys[2]))
+
+    return tokenwise.map_chunks(tail, (x, y), self.mlp_chunk, context_parallel.seq_size())
 
 
 class Layer(Block):

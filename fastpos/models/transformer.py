@@ -73,7 +73,8 @@ class Tower(nn.Module):
   ``scan_layers``: the blocks run as one ``nn.scan`` body (parameters under ``layers``, stacked
   on a leading axis; ``stack_layers`` converts an unrolled tree): compile time flat in depth,
   and the only form in which XLA:CPU honours the remat policy (unrolled, it schedules the
-  recomputation away); schemes shared across layers are refused with it."""
+  recomputation away); schemes shared across layers are refused with it. ``mlp_chunk``: each
+  block's token-wise part over chunks of that many tokens (``Block``; 0: whole sequence)."""
 
   attention: AttentionConfig
   num_layers: int
@@ -83,6 +84,7 @@ class Tower(nn.Module):
   dtype: Any = jnp.float32
   remat: str = "none"
   scan_layers: bool = False
+  mlp_chunk: int = 0
 
   def _layer_class(self, decoding: bool):
     """``Layer``, under ``nn.remat`` with the ``remat`` policy unless "none" or decoding."""
@@ -111,6 +113,7 @@ class Tower(nn.Module):
         dropout_rate=self.dropout_rate,
         norm=self.norm,
         num_layers=self.num_layers,
+        mlp_chunk=self.mlp_chunk,
     )
     super().__post_init__()
 
@@ -180,6 +183,7 @@ class Tower(nn.Module):
         norm=self.norm,
         shared=shared,
         dtype=self.dtype,
+        mlp_chunk=self.mlp_chunk,
         train=train,
         reference=reference,
         decoding=decode is not None,
@@ -221,6 +225,7 @@ class _Base(nn.Module):
   dtype: Any = jnp.float32
   remat: str = "none"
   scan_layers: bool = False
+  mlp_chunk: int = 0
 
   def __post_init__(self):
     name = type(self).__name__
@@ -230,6 +235,7 @@ class _Base(nn.Module):
         dropout_rate=self.dropout_rate,
         norm=self.norm,
         num_layers=self.num_layers,
+        mlp_chunk=self.mlp_chunk,
     )
     if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
       raise ValueError(f"{name}: vocab_size must be an int >= 1; got {self.vocab_size!r}.")
@@ -261,6 +267,7 @@ class _Base(nn.Module):
         dtype=self.dtype,
         remat=self.remat,
         scan_layers=self.scan_layers,
+        mlp_chunk=self.mlp_chunk,
         name=name,
     )
 
