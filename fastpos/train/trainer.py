@@ -145,8 +145,6 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     lock.release()
 
 
-
-
 def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]) -> None:
   """Logs where the run starts and what it is; writes config.json (a run from scratch) or
   records the resume's config changes."""
