@@ -212,7 +212,7 @@ def test_table_files_share_a_cell_through_the_typed_builder():
   text = lra_text_fastrpb.get_config("kernel=dpfp,pos=sinspe,tiny")
   assert text.model.remat == "block" and text.model.scan_layers
   with text.unlocked():
-    text.model.update(remat="none", scan_layers=False)
+    text.model.update(remat="none", scan_layers=False, mlp_chunk=0)
   assert text.to_dict() == cell.to_dict()
   assert cell.experiment.to_dict() == {"row": "Linear, DPFP", "col": "sinSPE"}
 
