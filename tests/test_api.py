@@ -293,7 +293,7 @@ def registry(monkeypatch):
 def test_register_scheme_makes_a_name_like_the_built_in_ones(registry):
   assert fastpos.register_scheme(_Bias) is _Bias
   assert "test_bias" in fastpos.scheme_names()
-  assert ("test_bias", "value", "float", "0.5") == option_table.rows()[-1][:4]
+  assert option_table.rows()[-1][:4] == ("test_bias", "value", "float", "0.5")
   assert "'test_bias' adds a bias" in compatibility.problem("elu1", "test_bias")
   layer = fastpos.attention(W, H, positional="test_bias", test_bias={"value": 2.0})
   x = jax.random.normal(jax.random.key(0), (1, 5, W))

@@ -270,15 +270,8 @@ def _script_path(call: Call) -> str:
   return call.target
 
 
-def check_call(call: Call) -> list[str]:
-  """Problems with one program call: its file, flags, config and overrides."""
-  if call.module:
-    if call.target in ("pytest", "venv"):
-      return []
-    if importlib.util.find_spec(call.target) is None:
-      return [f"no module {call.target}"]
-  elif not os.path.exists(os.path.join(ROOT, call.target)):
-    return [f"no script {call.target}"]
+def _check_flags(call: Call) -> tuple[list[str], str | None, list[str]]:
+  """The call's undefined flags (as problems), its --config spec and its overrides."""
   problems, spec, grid = [], None, []
   for arg in call.args:
     if arg == "--":
@@ -294,6 +287,19 @@ def check_call(call: Call) -> list[str]:
       grid.append(f"{name.split('.', 1)[1]}={value}")
     elif not (defined_in_code(name) or name in ABSL_FLAGS):
       problems.append(f"{call.target}: flag --{name} is not defined in the code")
+  return problems, spec, grid
+
+
+def check_call(call: Call) -> list[str]:
+  """Problems with one program call: its file, flags, config and overrides."""
+  if call.module:
+    if call.target in ("pytest", "venv"):
+      return []
+    if importlib.util.find_spec(call.target) is None:
+      return [f"no module {call.target}"]
+  elif not os.path.exists(os.path.join(ROOT, call.target)):
+    return [f"no script {call.target}"]
+  problems, spec, grid = _check_flags(call)
   if spec is None or spec.endswith(".json") or not spec.startswith("configs/"):
     return problems + ([f"{call.target}: overrides without --config"] if grid and not spec else [])
   base, _, arg = spec.partition(":")

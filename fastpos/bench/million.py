@@ -246,6 +246,30 @@ def _variants(positions, remat, chunks):
   return out
 
 
+def _breakdown(args, n, head, head_variant, results) -> tuple[float, dict]:
+  """One layer's temp memory and, per ablated part, its share of it; adds the one-layer
+  compile to ``results``."""
+  head_pos, head_remat, head_chunk = head_variant
+  cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
+  one = compile_step(cfg, n)
+  one.pop("_run")
+  per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
+  results["one layer"] = one
+  print(
+      f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
+      f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)",
+      flush=True,
+  )
+  parts = {}
+  for part, fields in ABLATIONS.items():
+    cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
+    cfg.model.update(fields)
+    r = compile_step(cfg, n)
+    parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}
+    print(f"one layer without {part}: temp {_gib(r['temp'])}", flush=True)
+  return per_layer, parts
+
+
 def main(argv=None) -> int:
   try:
     prog, args, positions, remat = _parse(argv)
@@ -279,22 +303,7 @@ def main(argv=None) -> int:
   head = results[head_label]
   per_layer, parts = None, {}
   if args.breakdown:
-    cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
-    one = compile_step(cfg, n)
-    one.pop("_run")
-    per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
-    results["one layer"] = one
-    print(
-        f"one layer: temp {_gib(one['temp'])}; per layer {_gib(per_layer)} "
-        f"({per_layer / (n / args.seq) / 1024:.1f} KiB per token)",
-        flush=True,
-    )
-    for part, fields in ABLATIONS.items():
-      cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
-      cfg.model.update(fields)
-      r = compile_step(cfg, n)
-      parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}
-      print(f"one layer without {part}: temp {_gib(r['temp'])}", flush=True)
+    per_layer, parts = _breakdown(args, n, head, (head_pos, head_remat, head_chunk), results)
 
   run, why = None, ""
   need = args.seq * head["total"] + 4 * GIB

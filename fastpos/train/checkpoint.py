@@ -572,7 +572,7 @@ class Checkpoints:
       raise RunError(
           f"checkpoint {path} does not load ({reason}) and cannot be moved aside "
           f"({os.strerror(e.errno) if e.errno else e}); move it away by hand."
-      )
+      ) from e
     logging.warning(
         "checkpoint %s does not load (%s); moved it to %s and trying the next " "older one.",
         path,

@@ -159,7 +159,8 @@ class MetricWriter:
       for record in records:
         self._keep_figures(record)
       self._path = path
-      self._jsonl = open(path, "a")
+      # Held open for the writer's lifetime (closed by close()), so no `with` block.
+      self._jsonl = open(path, "a")  # noqa: SIM115
       self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
 
   def _keep_figures(self, record: Mapping[str, Any]) -> None:

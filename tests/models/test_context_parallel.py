@@ -125,8 +125,8 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
   from tests.models.test_models import _batch
 
   mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
-  results = {}
-  for name, what, kernel, pos, causal, pooling in cases:
+
+  def one_case(what, kernel, pos, causal, pooling):
     names = pos.split("+")
     c = _cfg(kernel=kernel, positional=pos, dtype="float64", pooling=pooling, num_layers=1)
     if what == "model_scan":
@@ -170,13 +170,14 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
       placed = jax.device_put(variables, tree_shardings(variables, mesh, ()))
       (_, out1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(placed, split)
     grads = [rel_err(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0))]
-    results[name] = {
+    return {
         "out": rel_err(out1, out0),
         "grad": max(grads),
         "leaves": len(grads),
         "table_specs": table_specs({"param": placed, "grad": g1}),
     }
-  return results
+
+  return {name: one_case(*case) for name, *case in cases}
 
 
 def run_training(out: str) -> dict:

@@ -108,9 +108,11 @@ def test_refusal_table():
   assert "spans the whole row" in segments.packing_refusal("sikf", ["none"], causal=False)
   assert "grid" in segments.packing_refusal("softmax", ["none"], causal=False, grid=(4, 4))
   assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True, memory_length=8)
-  with pytest.raises(ValueError, match="needs 'positions'"):
-    with segments.packed(np.ones((1, 4), np.int32), None):
-      pass
+  with (
+      pytest.raises(ValueError, match="needs 'positions'"),
+      segments.packed(np.ones((1, 4), np.int32), None),
+  ):
+    pass
 
 
 def test_bidirectional_layer_keeps_segments_apart():

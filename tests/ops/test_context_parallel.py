@@ -69,8 +69,7 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
   def rel(a, r):
     return float(jnp.max(jnp.abs(a - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-300))
 
-  results = {}
-  for name, devices, op, opts in cases:
+  def one_case(devices, op, opts):
     rng = np.random.default_rng(0)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
     n = 8 * devices  # 8 positions per device (chunk 3: a partial chunk per block)
@@ -155,8 +154,9 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
     got = jax.jit(jax.grad(lambda dd: loss(sharded, dd)))(diff)
     want = jax.grad(lambda dd: loss(full, dd))(diff)
     errs.update({f"grad {k}": rel(got[k], want[k]) for k in wrt})
-    results[name] = errs
-  return results
+    return errs
+
+  return {name: one_case(devices, op, opts) for name, devices, op, opts in cases}
 
 
 _SCRIPT = """

@@ -423,7 +423,7 @@ def test_bad_input():
   _raises(lambda: F.feature_dim("rff", D), "'rff'")
   _raises(lambda: F.is_nonnegative("rff"), "'rff'")
   for name in RANDOM:
-    _raises(lambda: F.feature_map(name, x), name, "None")
+    _raises(lambda name=name: F.feature_map(name, x), name, "None")
   _raises(
       lambda: F.feature_map("prf", x, projection=jnp.zeros((M, D + 3))), str(D + 3), f"[m, {D}]"
   )
@@ -434,7 +434,7 @@ def test_bad_input():
   _raises(lambda: F.sikf(x[..., None], is_query=True), str((B, L, H, D, 1)))
   _raises(lambda: F.sikf(x, is_query=False, mask=jnp.ones((B, L + 1), bool)), str((B, L + 1)))
   for nu in (0, 2 * D, 1.5, True):
-    _raises(lambda: F.dpfp(x, nu=nu), repr(nu), f"[1, {2 * D - 1}]")
+    _raises(lambda nu=nu: F.dpfp(x, nu=nu), repr(nu), f"[1, {2 * D - 1}]")
   _raises(lambda: F.feature_dim("dpfp", D, nu=2 * D), str(2 * D))
   _raises(lambda: F.feature_dim("favor", D), "num_features")
   _raises(lambda: F.gaussian_projection(_key(), 0, D), "num_features", "0")

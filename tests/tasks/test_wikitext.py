@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def task(tmp_path):
 
 def test_fixture_is_the_release_format():
   assert V == 143 and len(TRAIN) == 288 and COUNTS["<eos>"] == 22 and COUNTS["<unk>"] == 3
-  lines = open(FILES["train"], encoding="utf-8").read().split("\n")
+  lines = Path(FILES["train"]).read_text(encoding="utf-8").split("\n")
   assert lines[0] == " " and lines[1] == " = Harbour Light = " and lines[-1] == ""
   assert {"@-@", "@.@", "@,@", "Zürich", "="} <= set(TRAIN)
 

@@ -77,7 +77,7 @@ def flip(step_dir: Path, kind: str, rng: np.random.Generator) -> tuple[Path, int
   if not sites:
     raise ValueError(f"{step_dir} has no file of kind {kind!r}")
   pick = int(rng.integers(sum(hi - lo for _, lo, hi in sites)))
-  for f, lo, hi in sites:
+  for f, lo, hi in sites:  # noqa: B007 (f, the file picked, is read after the loop)
     if pick < hi - lo:
       break
     pick -= hi - lo

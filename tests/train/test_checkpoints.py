@@ -62,7 +62,8 @@ TIME_DEPENDENT = ("time", "steps_per_second", "tokens_per_second")
 
 def _rows(workdir):
   """metrics.jsonl without the fields that depend on time."""
-  rows = [json.loads(line) for line in open(Path(workdir) / "metrics.jsonl")]
+  with open(Path(workdir) / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
   return [{k: v for k, v in r.items() if k not in TIME_DEPENDENT} for r in rows]
 
 
@@ -191,8 +192,13 @@ def _damage(step_dir: Path, how: str) -> None:
     shutil.rmtree(state)
   elif how == "remove_state_metadata":
     (state / "_METADATA").unlink()
-  # Well-formed checkpoints whose contents differ from what was saved: only digests see them.
-  elif how == "weight_changed":  # one flipped bit, as in an array chunk (no checksum)
+  else:
+    _change_contents(step_dir, how)
+
+
+def _change_contents(step_dir: Path, how: str) -> None:
+  """Well-formed checkpoints whose contents differ from what was saved: only digests see them."""
+  if how == "weight_changed":  # one flipped bit, as in an array chunk (no checksum)
 
     def change(tree):
       tree["params"]["embed"]["embedding"].view(np.uint32)[3, 2] ^= np.uint32(1 << 22)
@@ -469,11 +475,10 @@ def test_a_stale_lock_is_taken_over(tmp_path, caplog):
   dead.wait()
   lock_path = tmp_path / workdir_lib.LOCK_NAME
   lock_path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
-  with caplog.at_level(logging.WARNING):
-    with workdir_lib.WorkdirLock(tmp_path):
-      assert json.loads(lock_path.read_text())["pid"] == os.getpid()
-      with pytest.raises(WorkdirLockedError, match=rf"pid {os.getpid()}"):
-        workdir_lib.WorkdirLock(tmp_path).acquire()  # a second trainer, same process
+  with caplog.at_level(logging.WARNING), workdir_lib.WorkdirLock(tmp_path):
+    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    with pytest.raises(WorkdirLockedError, match=rf"pid {os.getpid()}"):
+      workdir_lib.WorkdirLock(tmp_path).acquire()  # a second trainer, same process
   assert any(
       "left by a trainer that is gone" in r.getMessage() and str(dead.pid) in r.getMessage()
       for r in caplog.records
@@ -529,13 +534,15 @@ def test_disk_full_during_a_save_is_one_message(tmp_path, monkeypatch, caplog):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
 
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
-  with caplog.at_level(logging.WARNING):
-    with pytest.raises(
-        RunError,
-        match=r"No space left on device in .*(checkpoints|best): "
-        r"free space or use another --workdir",
-    ):
-      train_and_evaluate(config(num_train_steps=2), tmp_path / "run")
+  with (
+      caplog.at_level(logging.WARNING),
+      pytest.raises(
+          RunError,
+          match=r"No space left on device in .*(checkpoints|best): "
+          r"free space or use another --workdir",
+      ),
+  ):
+    train_and_evaluate(config(num_train_steps=2), tmp_path / "run")
   assert not (tmp_path / "run" / workdir_lib.LOCK_NAME).exists()
   assert not [r for r in caplog.records if r.exc_info]  # no background tracebacks
 

@@ -54,9 +54,12 @@ def _stop(workdir: Path, pattern: str, caplog, capfd, **overrides) -> str:
   verbosity, level = absl_logging.get_verbosity(), logging.getLogger("absl").level
   absl_logging.set_verbosity(absl_logging.INFO)  # as train.py runs: train.log gets records
   try:
-    with caplog.at_level(logging.WARNING), _full_disk_under(pattern):
-      with pytest.raises(Exception) as info:
-        train_and_evaluate(tiny_config(**{"num_train_steps": 2, **overrides}), workdir, **_ALLOW)
+    with (
+        caplog.at_level(logging.WARNING),
+        _full_disk_under(pattern),
+        pytest.raises(Exception) as info,
+    ):
+      train_and_evaluate(tiny_config(**{"num_train_steps": 2, **overrides}), workdir, **_ALLOW)
   finally:
     absl_logging.set_verbosity(verbosity)
     logging.getLogger("absl").setLevel(level)

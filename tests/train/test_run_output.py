@@ -58,7 +58,8 @@ def test_train_log_says_compiling_and_is_appended_on_resume(resumed_run):
 
 def test_tokens_per_second_in_metrics_and_tensorboard(resumed_run):
   workdir, _ = resumed_run
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
   train = [r for r in rows if r["split"] == "train"]
   assert [r["step"] for r in train] == [1, 2, 3, 4]
   cfg = tiny_config()

@@ -16,11 +16,12 @@ from tests.train.common import tiny_config
 
 def _jsonl_scalars(workdir):
   out = {}
-  for line in open(workdir / "metrics.jsonl"):
-    row = json.loads(line)
-    for key, value in row.items():
-      if key not in ("step", "split", "time"):
-        out[(row["step"], f"{row['split']}/{key}")] = value
+  with open(workdir / "metrics.jsonl") as f:
+    for line in f:
+      row = json.loads(line)
+      for key, value in row.items():
+        if key not in ("step", "split", "time"):
+          out[(row["step"], f"{row['split']}/{key}")] = value
   return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -63,12 +64,12 @@ def test_mid_run_checkpoint_is_intact(runs):
   assert_trees_equal(a, b)
   for name in ("full", "split"):
     data = glob.glob(str(runs["root"] / name / "checkpoints" / "2" / "data" / "*.json"))
-    assert json.loads(open(data[0]).read()) == {"next_index": 2}
+    assert json.loads(Path(data[0]).read_text()) == {"next_index": 2}
 
 
 def test_workdir_outputs(runs):
   workdir = runs["root"] / "full"
-  saved = json.loads(open(workdir / "config.json").read())
+  saved = json.loads((workdir / "config.json").read_text())
   assert saved["model"]["embed_dim"] == 16 and saved["task"]["name"] == "synthetic"
   records = _jsonl(workdir / "metrics.jsonl")
   assert [r["step"] for r in records if r["split"] == "validation"] == [2, 4]
@@ -105,7 +106,7 @@ def test_evaluate_pads_and_masks_the_last_batch(runs):
   workdir = runs["root"] / "full"
   res = evaluate(cfg, workdir, "test", checkpoint="latest")
   assert res["num_examples"] == 13 and res["step"] == 4 and res["checkpoint"] == "latest"
-  assert json.loads(open(workdir / "results_test.json").read()) == res
+  assert json.loads((workdir / "results_test.json").read_text()) == res
   task = tasks.make_task(cfg.task)
   test = task.source("test").arrays
   state = runs["full"]["state"]
