@@ -26,7 +26,8 @@ Public names, by use (each has its own docstring; runnable scripts in ``examples
   ``Attention`` module ``[b, N, D] -> [b, N, D]``; ``attention_config(...)`` (same keywords)
   -> the ``AttentionConfig`` that models take. The records underneath:
   ``AttentionConfig(num_heads, head_dim, embed_dim, kernel=KernelSpec("sikf"),
-  positional=(PositionalSpec.make("fastrpb", {"per_head": True}),), causal=True)``.
+  positional=(PositionalSpec.make("fastrpb", {"per_head": True}),), causal=True)``;
+  ``KernelSpec`` is ``Kernel``, the one record of a kernel (name, options, feature map).
 * Models. ``DecoderLM(cfg, vocab_size, num_layers, mlp_dim)``: ``{"inputs": [b, N]}`` ->
   logits ``[b, N, vocab]``; ``Classifier(cfg, vocab_size, num_layers, mlp_dim,
   num_classes=2)`` -> ``[b, classes]``; ``DualEncoder`` (two documents, ``inputs2``);
@@ -58,6 +59,7 @@ _PUBLIC = {
     "Attention": "fastpos.models.attention",
     "AttentionConfig": "fastpos.models.attention",
     "KernelSpec": "fastpos.models.attention",
+    "Kernel": "fastpos.ops.features",
     "PositionalSpec": "fastpos.models.attention",
     # Models and their building blocks.
     "Block": "fastpos.models.blocks",

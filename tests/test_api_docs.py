@@ -28,5 +28,9 @@ def test_api_reference_documents_every_public_name(tmp_path):
     section = re.search(rf'<section id="{name}">(.*?)</section>', page, re.S)
     assert section, f"fastpos.{name} is not in the API reference"
     text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", section.group(1))).split())
-    words = " ".join(getattr(fastpos, name).__doc__.replace("`", "").split()[:3])
+    obj = getattr(fastpos, name)
+    if getattr(obj, "__name__", name) != name:  # another name of a public class: pdoc links it
+      assert obj.__name__ in fastpos.__all__ and re.search(rf"\b{obj.__name__}\b", text), name
+      continue
+    words = " ".join(obj.__doc__.replace("`", "").split()[:3])
     assert words in text.replace(" ,", ","), f"fastpos.{name}: its docstring is not shown"

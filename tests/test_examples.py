@@ -46,8 +46,7 @@ def test_custom_scheme():
   assert "decoded vs full forward" in out
 
 
-@pytest.mark.slow  # ~20 s of CPU (a train.py run); tests/test_api_load.py covers fastpos.load
-def test_load_and_sample():
+def test_load_and_sample():  # ~20 s of CPU (a tiny train.py run): every example runs in CI
   out = _run("load_and_sample.py", "--steps=4", "--num_tokens=6")
   assert "text_lm: DecoderLM, kernel elu1, positional rope" in out
   sample = next(line for line in out.splitlines() if line.startswith("the -> "))

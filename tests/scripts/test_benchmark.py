@@ -160,6 +160,6 @@ def test_memory_mode_refuses_a_bad_setting_in_one_line(capsys):
 
   assert memory.main(["--settings=none:0,full:1"]) == 2
   assert capsys.readouterr().err == (
-      "benchmark memory: --settings: bad pair 'full:1'; give remat:scan with remat in none, "
-      "block, save_matmuls, save_dots and scan 0 or 1.\n"
+      "benchmark memory: --settings: bad setting 'full:1'; give remat:scan[:mlp_chunk] with "
+      "remat in none, block, save_matmuls, save_dots, scan 0 or 1 and mlp_chunk an int >= 0.\n"
   )

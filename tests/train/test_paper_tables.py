@@ -492,9 +492,9 @@ def test_every_cell_builds(stem, arg):
 def test_paper_numbers_reach_the_config():
   cfg = _config("configs/lra_text_fastrpb.py")
   table_cell = _config("configs/fastrpb_table1.py:task=text,kernel=sikf,pos=fastrpb")
-  # The headline file is the table's cell run lean (scanned layers, block remat).
-  assert (cfg.model.remat, cfg.model.scan_layers) == ("block", True)
-  table_cell.model.update(remat="block", scan_layers=True)
+  # The headline file is the table's cell run lean (scanned layers, block remat, chunked MLP).
+  assert (cfg.model.remat, cfg.model.scan_layers, cfg.model.mlp_chunk) == ("block", True, 2048)
+  table_cell.model.update(remat="block", scan_layers=True, mlp_chunk=2048)
   assert cfg == table_cell
   assert (cfg.model.kernel, cfg.model.positional) == ("sikf", "absolute+fastrpb")
   key = f"{cfg.experiment.row}|{cfg.experiment.col}"
