@@ -1,6 +1,39 @@
 """Small shared test utilities."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_on_devices(script: str, *args: str, devices: int = 4, timeout: int = 900):
+  """Runs ``python -c script *args`` in a fresh process with ``devices`` CPU devices (fast XLA
+  flags) and returns the JSON the script printed after ``RESULT`` on one line."""
+  env = dict(
+      os.environ,
+      PYTHONPATH=str(ROOT),
+      XLA_FLAGS=(
+          f"--xla_force_host_platform_device_count={devices} "
+          "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+      ),
+  )
+  env.pop("JAX_PLATFORMS", None)
+  proc = subprocess.run(
+      [sys.executable, "-c", script, *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+  return json.loads(line[len("RESULT") :])
 
 
 def rel_err(actual, expected) -> float:

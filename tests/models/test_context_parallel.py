@@ -15,9 +15,6 @@ Configuration-time rejections run in process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -29,6 +26,7 @@ from fastpos.models import TaskInfo, build_model
 from fastpos.models import context_parallel as cp
 from fastpos.train import sharding as sharding_lib
 from fastpos.train import train_and_evaluate
+from tests.helpers import run_on_devices
 from tests.models.test_models import _cfg
 from tests.train.common import tiny_config
 
@@ -207,26 +205,7 @@ print("RESULT" + json.dumps(result))
 
 
 def _run(tmp: Path, names) -> dict:
-  env = dict(
-      os.environ,
-      PYTHONPATH=str(ROOT),
-      XLA_FLAGS=(
-          "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-          "--xla_llvm_disable_expensive_passes=true"
-      ),
-  )
-  env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run(
-      [sys.executable, "-c", _SCRIPT, str(tmp), ",".join(names)],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=3000,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
-  return json.loads(line[len("RESULT") :])
+  return run_on_devices(_SCRIPT, str(tmp), ",".join(names), timeout=3000)
 
 
 @pytest.fixture(scope="module")

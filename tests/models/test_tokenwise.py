@@ -5,10 +5,6 @@ outputs and gradients held to 1e-9 (float64); its masks are slices of the unchun
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,7 +16,7 @@ import pytest
 from fastpos.models import TaskInfo, build_model, model_config
 from fastpos.models.blocks import Block
 from fastpos.models.tokenwise import bernoulli_at, mul_add_2x32
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_on_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 V = 13
@@ -208,24 +204,6 @@ print("RESULT" + json.dumps(t.run_split()))
 def test_chunks_of_a_split_sequence_equal_the_whole_block():
   """Each device chunks its own block (CLS pooling: N + 1 positions, padded); the masks are
   the unsplit, unchunked ones."""
-  env = dict(
-      os.environ,
-      PYTHONPATH=str(ROOT),
-      XLA_FLAGS=(
-          "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-          "--xla_llvm_disable_expensive_passes=true"
-      ),
-  )
-  env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run(
-      [sys.executable, "-c", _SCRIPT],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=1200,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
-  for case, (out_err, grad_err) in json.loads(line[len("RESULT") :]).items():
+  result = run_on_devices(_SCRIPT, timeout=1200)
+  for case, (out_err, grad_err) in result.items():
     assert out_err < 1e-9 and grad_err < 1e-9, (case, out_err, grad_err)

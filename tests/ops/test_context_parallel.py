@@ -7,13 +7,11 @@ the worst relative error of the output and of every gradient (float64, held to 1
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_on_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-9
@@ -172,26 +170,7 @@ print("RESULT" + json.dumps(run_cases(cases)))
 
 
 def _run(cases) -> dict:
-  env = dict(
-      os.environ,
-      PYTHONPATH=str(ROOT),
-      XLA_FLAGS=(
-          "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-          "--xla_llvm_disable_expensive_passes=true"
-      ),
-  )
-  env.pop("JAX_PLATFORMS", None)
-  proc = subprocess.run(
-      [sys.executable, "-c", _SCRIPT, ",".join(c[0] for c in cases)],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=900,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
-  return json.loads(line[len("RESULT") :])
+  return run_on_devices(_SCRIPT, ",".join(c[0] for c in cases))
 
 
 @pytest.fixture(scope="module")
