@@ -5,7 +5,8 @@ Shapes: ``q, k, v: [batch, length, heads, dim]``; feature maps ``phi_q, phi_k:
 is excluded as keys: it contributes nothing to numerators and denominators). Masks of any other
 dtype (0/1 ints, floats, additive 0/-inf masks) raise ``ValueError``; see
 ``fastpos.ops.masks``. Outputs are ``[batch, length, heads, dim]``. Rows of padded queries are
-computed but meaningless.
+computed but meaningless. ``linear_attention(head_major=True)`` takes and returns
+``[batch, heads, length, .]`` instead (the layout of its products, so no layout copies).
 
 Kernelized attention (FastRPB Eq. 3; Luo et al. Eq. 3 and, with RPE, Eq. 10):
 
@@ -140,7 +141,10 @@ def softmax_attention_reference(
     q, k, v, *, bias=None, mask=None, causal: bool = False, scale: float | None = None
 ):
   """Dense reference written out step by step: scores, a 0/1 visibility matrix multiplying
-  ``exp(s - max)``, explicit normalisation. Computed in float64 when x64 is enabled."""
+  ``exp(s - max)``, explicit normalisation. Computed in float64 when x64 is enabled.
+
+  A query row that sees no key at all (causal with left padding: the padded rows before the
+  first real key) is 0, not NaN, so a loss that masks such rows by a product stays finite."""
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
   dtype = jnp.result_type(q, k, v)
   wide = jnp.promote_types(dtype, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
@@ -150,8 +154,12 @@ def softmax_attention_reference(
   if bias is not None:
     s = s + bias.astype(wide)
   vis = jnp.ones_like(s) if allowed is None else jnp.broadcast_to(allowed, s.shape).astype(wide)
-  e = jnp.exp(s - jnp.max(jnp.where(vis > 0, s, -jnp.inf), axis=-1, keepdims=True)) * vis
-  p = e / jnp.sum(e, axis=-1, keepdims=True)
+  top = jnp.max(jnp.where(vis > 0, s, -jnp.inf), axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row with no visible key: -inf would give NaN
+  # exp of the hidden scores is never taken (it may overflow, and inf * 0 is NaN).
+  e = jnp.exp(jnp.where(vis > 0, s - top, -jnp.inf)) * vis
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  p = e / jnp.where(total > 0, total, 1.0)
   return jnp.einsum("bhij,bjhd->bihd", p, v).astype(dtype)
 
 
@@ -256,6 +264,7 @@ def linear_attention(
     eps: float = DEFAULT_EPS,
     key_log_scale=None,
     key_eps: float = 0.0,
+    head_major: bool = False,
 ):
   """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
 
@@ -291,17 +300,42 @@ def linear_attention(
       ``eps`` guards the denominator in the keys' own scale (as without the split).
       Not built with ``rpe``, ``decay`` or ``den_features`` (ValueError).
     key_eps: see ``key_log_scale`` (only used with it).
+    head_major: the layout of ``phi_q, phi_k, v``, ``den_features`` and the output:
+      ``[batch, heads, N, .]`` (``key_log_scale`` ``[batch, heads, N]``; ``mask`` stays
+      ``[batch, N]``) instead of ``[batch, N, heads, .]``. Same results; a caller whose
+      projections emit head-major tensors saves the op's layout copies (bidirectional: the
+      only copies left are the ones-column append and the cotangent's).
 
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
   up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
   (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
   it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input). Memory of the causal path: one carried state ``[batch, heads, m, d]``
-  in the forward pass and the per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the
-  backward pass, never a per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one
-  (head, group of features)' ``[N, group*(d+1)]`` channels at a time and keeps only its
-  inputs for the backward pass (``_rpe_mix``).
+  transpose per input, none with ``head_major=True``); bidirectional without rpe or
+  ``den_features`` is two batched matmuls forward and four backward, the normaliser riding in
+  a ones column (``_bidirectional``). Memory of the causal path: one carried state
+  ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
+  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token
+  ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
+  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
+  (``_rpe_mix``).
   """
+  if head_major:
+    # Token-major views: the op moves to head-major inside, and XLA cancels the transpose pairs.
+    swap = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)
+    out = linear_attention(
+        *(_swap_rank4(a, "phi_q, phi_k, v") for a in (phi_q, phi_k, v)),
+        mask=mask,
+        causal=causal,
+        rpe=rpe,
+        grid=grid,
+        decay=decay,
+        den_features=None if den_features is None else tuple(map(swap, den_features)),
+        chunk_size=chunk_size,
+        eps=eps,
+        key_log_scale=swap(key_log_scale),
+        key_eps=key_eps,
+    )
+    return jnp.swapaxes(out, 1, 2)
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
   _check_rpe(rpe, h, n, grid)
@@ -338,6 +372,16 @@ def linear_attention(
       eps=eps,
       length=n,
   )
+
+
+def _swap_rank4(a, names: str):
+  """``[b, h, n, e] -> [b, n, h, e]`` for ``head_major`` inputs (rank checked first)."""
+  if jnp.ndim(a) != 4:
+    raise ValueError(
+        f"{names} must be [batch, heads, length, dim] (rank 4) with head_major=True; got shape "
+        f"{jnp.shape(a)}."
+    )
+  return jnp.swapaxes(a, 1, 2)
 
 
 def _scaled_keys(
@@ -527,11 +571,59 @@ def _mix(
       den = jnp.einsum("bhim,bhm->bhi", fq, k_sum)
     return _head_major(num), jnp.transpose(den, (0, 2, 1))
 
+  if not causal and rpe is None and den_features is None and split is None:
+    # One dot per product with the normaliser folded in (a ones column on v), and a
+    # hand-written backward of four more (``_bidirectional``).
+    fk = _head_major(_apply_key_mask(phi_k, mask, dtype))
+    fq, vals = (_head_major(a.astype(dtype)) for a in (phi_q, v))
+    return _head_major(_bidirectional(fq, fk, vals, eps)).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
     den = contract(den_features[0], den_features[1], ones)[0][..., 0]
   return (num / _guard(den, eps)[..., None]).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bidirectional(q, k, v, eps: float):
+  """Bidirectional linear attention, head-major: ``q, k [b, h, n, m]``, ``v [b, h, n, d]`` ->
+  ``[b, h, n, d]``, normalised and guarded (``_guard``).
+
+  Forward: ``kva = k^T [v, 1]`` ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched
+  matmuls over contiguous ``[n, .]`` slabs, the denominator riding in the last column.
+  Backward (written out, so XLA sees four more such matmuls and no layout copies):
+  ``ga = [g / den, -(g . out) / den]`` (0 where the guard clamped), ``g_q = ga kva^T``,
+  ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``, ``g_v = k g_kva[:, :d]``. Residuals: the
+  inputs, ``kva``, the output and the guarded denominator."""
+  return _bidirectional_fwd(q, k, v, eps)[0]
+
+
+def _with_ones(v):
+  return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+
+
+def _bidirectional_fwd(q, k, v, eps: float):
+  kva = jnp.einsum("bhnm,bhne->bhme", k, _with_ones(v))
+  oa = jnp.einsum("bhnm,bhme->bhne", q, kva)
+  kept = jnp.abs(oa[..., -1]) >= eps  # where the guard passes the denominator through
+  den = _guard(oa[..., -1], eps)
+  out = oa[..., :-1] / den[..., None]
+  return out, (q, k, v, kva, out, den, kept)
+
+
+def _bidirectional_bwd(eps: float, res, g):
+  del eps
+  q, k, v, kva, out, den, kept = res
+  g_den = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
+  ga = jnp.concatenate([g / den[..., None], g_den[..., None]], axis=-1)
+  g_q = jnp.einsum("bhne,bhme->bhnm", ga, kva)
+  g_kva = jnp.einsum("bhnm,bhne->bhme", q, ga)
+  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(v), g_kva)
+  g_v = jnp.einsum("bhnm,bhmd->bhnd", k, g_kva[..., :-1])
+  return g_q, g_k, g_v
+
+
+_bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
 
 
 def _head_major(a):

@@ -470,3 +470,149 @@ def test_key_log_scale_refuses_what_is_not_built():
     attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4)))
   with pytest.raises(ValueError, match="not built together with rpe"):
     attention.linear_attention(x, x, x, key_log_scale=jnp.zeros((1, 4, 2)), rpe=jnp.ones((2, 7)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The bidirectional path's written-out backward, and the head-major layout
+# ---------------------------------------------------------------------------------------------
+def test_bidirectional_gradients_where_the_guard_clamps():
+  """Sign-changing features (as trf's) with one query whose denominator is 1e-5, inside the
+  guard's eps = 1e-3 (clamped), while its numerator is not small: the written-out backward
+  must pass no gradient through the clamped denominator, as autodiff of the reference's guard
+  does. Another query's denominator is exactly 0."""
+  n, heads, eps = 19, 2, 1e-3
+  rng = np.random.default_rng(16)
+  pq, pk = rng.normal(size=(2, 2, n, heads, 5))
+  v, probe = rng.normal(size=(2, 2, n, heads, 3))
+  mask = _mask(2, n, 11)
+  ks = np.einsum("bjhm,bj->bhm", pk, mask)  # the real keys' feature sums
+  r = pq[:, 4]  # [b, h, m]
+  dot = np.sum(r * ks, axis=-1, keepdims=True)
+  pq[:, 4] = r - (dot - 1e-5) * ks / np.sum(ks * ks, axis=-1, keepdims=True)
+  pq[:, 7] = 0.0
+
+  def grads(fn):
+    loss = lambda *a: jnp.sum(fn(*a, mask=mask, eps=eps) * probe)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(pq, pk, v)
+
+  (out, fast), (ref, dense) = grads(attention.linear_attention), grads(
+      attention.linear_attention_reference
+  )
+  assert abs(out - ref) <= 1e-9 * abs(ref)
+  for a, b in zip(fast, dense):
+    assert np.all(np.isfinite(np.asarray(a))) and rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_linear_attention_float32_gradients_n4096(causal):
+  n, heads = 4096, 1
+  pq, pk, v, rng = _inputs(n, heads, m=4, d=4, seed=17)
+  pq, pk, v = pq[:1], pk[:1], v[:1]
+  mask = _mask(1, n, 3000)
+  probe = rng.normal(size=v.shape)
+
+  def grads(fn, *args):
+    loss = lambda *a: jnp.sum(fn(*a, mask=mask, causal=causal) * probe)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+  dense = grads(attention.linear_attention_reference, pq, pk, v)  # float64
+  fast = grads(attention.linear_attention, *(a.astype(np.float32) for a in (pq, pk, v)))
+  for a, b in zip(fast, dense):
+    assert a.dtype == jnp.float32 and rel_err(a, b) < 1e-4
+
+
+_HM_N, _HM_HEADS = 13, 3
+_HM_FAST = ("plain", "causal", "key_log_scale")  # the rest: -m slow (compiles dominate)
+
+
+def _head_major_kwargs(name, rng):
+  """The token-major keyword arguments of one path of the op."""
+  n, heads = _HM_N, _HM_HEADS
+  den = tuple(_features(rng, (2, n, heads, 3)) for _ in range(2))
+  rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
+  scale = rng.normal(size=(2, n, heads))
+  return {
+      "plain": {},
+      "causal": dict(causal=True, chunk_size=4),
+      "rpe": dict(rpe=rpe),
+      "causal rpe": dict(causal=True, rpe=rpe),
+      "decay": dict(causal=True, decay=-np.abs(rng.normal(size=(heads,))), chunk_size=4),
+      "den_features": dict(den_features=den),
+      "causal den_features": dict(causal=True, den_features=den, chunk_size=4),
+      "key_log_scale": dict(key_log_scale=scale, key_eps=0.1),
+      "causal key_log_scale": dict(causal=True, key_log_scale=scale, chunk_size=4),
+  }[name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in _HM_FAST else pytest.param(n, marks=pytest.mark.slow)
+        for n in (
+            "plain",
+            "causal",
+            "rpe",
+            "causal rpe",
+            "decay",
+            "den_features",
+            "causal den_features",
+            "key_log_scale",
+            "causal key_log_scale",
+        )
+    ],
+)
+def test_head_major_layout_equals_token_major(name):
+  """``head_major=True`` takes and returns [b, h, N, .] (key_log_scale [b, h, N]) and gives
+  the token-major results, outputs and gradients."""
+  pq, pk, v, rng = _inputs(_HM_N, _HM_HEADS, seed=18)
+  mask, probe = _mask(2, _HM_N, 9), rng.normal(size=v.shape)
+  kw = _head_major_kwargs(name, rng)
+  swap = lambda a: jnp.swapaxes(a, 1, 2)
+  hm = dict(kw)
+  if "den_features" in kw:
+    hm["den_features"] = tuple(map(swap, kw["den_features"]))
+  if "key_log_scale" in kw:
+    hm["key_log_scale"] = swap(kw["key_log_scale"])
+  token_major = lambda q, k, vv: attention.linear_attention(q, k, vv, mask=mask, **kw)
+  head_major = lambda q, k, vv: swap(
+      attention.linear_attention(swap(q), swap(k), swap(vv), mask=mask, head_major=True, **hm)
+  )
+  got = [
+      jax.jit(lambda *x, f=f: (f(*x), jax.grad(lambda *y: jnp.sum(f(*y) * probe), (0, 1, 2))(*x)))(
+          pq, pk, v
+      )
+      for f in (token_major, head_major)
+  ]
+  assert rel_err(got[1][0], got[0][0]) < 1e-12
+  for x, y in zip(got[0][1], got[1][1]):
+    assert rel_err(y, x) < 1e-12
+
+
+def test_head_major_checks_its_rank():
+  with pytest.raises(ValueError, match=r"\[batch, heads, length, dim\].*head_major"):
+    attention.linear_attention(_X[0], _X, _X, head_major=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The softmax reference on rows that see no key
+# ---------------------------------------------------------------------------------------------
+def test_softmax_reference_rows_without_keys_are_zero():
+  """Causal with left padding: query rows before the first real key see nothing. The
+  reference gives 0 there (not NaN), so a loss masked by a product has finite gradients; the
+  other rows are unchanged."""
+  n = 8
+  rng = np.random.default_rng(19)
+  q, k, v = (rng.normal(size=(2, n, 2, 4)) for _ in range(3))
+  k[1, :3] = 1e4  # huge padded keys: exp of their scores must never be taken
+  mask = np.ones((2, n), bool)
+  mask[1, :3] = False  # left padding: rows 0-2 of example 1 see no real key
+  out = softmax_dense(q, k, v, mask=mask, causal=True)
+  assert np.all(np.asarray(out[1, :3]) == 0.0)
+  ref = softmax_dense(q[1:, 3:], k[1:, 3:], v[1:, 3:], causal=True)
+  assert rel_err(out[1:, 3:], ref) < 1e-12
+  real = mask[..., None, None].astype(np.float64)
+  grads = jax.grad(
+      lambda *a: jnp.sum(attention.softmax_attention_reference(*a, mask=mask, causal=True) * real),
+      argnums=(0, 1, 2),
+  )(q, k, v)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
