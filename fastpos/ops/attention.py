@@ -574,9 +574,8 @@ def _mix(
   if not causal and rpe is None and den_features is None and split is None:
     # One dot per product with the normaliser folded in (a ones column on v), and a
     # hand-written backward of four more (``_bidirectional``).
-    fk = _head_major(_apply_key_mask(phi_k, mask, dtype))
-    fq, vals = (_head_major(a.astype(dtype)) for a in (phi_q, v))
-    return _head_major(_bidirectional(fq, fk, vals, eps)).astype(out_dtype)
+    fk = _apply_key_mask(phi_k, mask, dtype)
+    return _bidirectional(phi_q.astype(dtype), fk, v.astype(dtype), eps).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
@@ -586,15 +585,17 @@ def _mix(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _bidirectional(q, k, v, eps: float):
-  """Bidirectional linear attention, head-major: ``q, k [b, h, n, m]``, ``v [b, h, n, d]`` ->
-  ``[b, h, n, d]``, normalised and guarded (``_guard``).
+  """Bidirectional linear attention, ``[b, n, h, .]`` in and out: ``q, k [b, n, h, m]``,
+  ``v [b, n, h, d]`` -> ``[b, n, h, d]``, normalised and guarded (``_guard``).
 
-  Forward: ``kva = k^T [v, 1]`` ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched
-  matmuls over contiguous ``[n, .]`` slabs, the denominator riding in the last column.
-  Backward (written out, so XLA sees four more such matmuls and no layout copies):
-  ``ga = [g / den, -(g . out) / den]`` (0 where the guard clamped), ``g_q = ga kva^T``,
-  ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``, ``g_v = k g_kva[:, :d]``. Residuals: the
-  inputs, ``kva``, the output and the guarded denominator."""
+  Head-major inside (one transpose per input). Forward: ``kva = k^T [v, 1]``
+  ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched matmuls over contiguous
+  ``[n, .]`` slabs, the denominator riding in the last column. Backward, written out as four
+  more such matmuls: ``ga = [g / den, -(g . out) / den]`` (0 where the guard clamped),
+  ``g_q = ga kva^T``, ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``, ``g_v = k g_kva[:, :d]``.
+  Residuals: the inputs in their own layout (the backward transposes them again rather than
+  keep head-major copies alive: measured in a layer, that costs two more ``[b, n, h, 64]``
+  arrays), ``kva``, the output and the guarded denominator ``[b, h, n]``."""
   return _bidirectional_fwd(q, k, v, eps)[0]
 
 
@@ -603,24 +604,25 @@ def _with_ones(v):
 
 
 def _bidirectional_fwd(q, k, v, eps: float):
-  kva = jnp.einsum("bhnm,bhne->bhme", k, _with_ones(v))
-  oa = jnp.einsum("bhnm,bhme->bhne", q, kva)
+  kva = jnp.einsum("bhnm,bhne->bhme", _head_major(k), _with_ones(_head_major(v)))
+  oa = jnp.einsum("bhnm,bhme->bhne", _head_major(q), kva)
   kept = jnp.abs(oa[..., -1]) >= eps  # where the guard passes the denominator through
   den = _guard(oa[..., -1], eps)
-  out = oa[..., :-1] / den[..., None]
+  out = _head_major(oa[..., :-1] / den[..., None])
   return out, (q, k, v, kva, out, den, kept)
 
 
 def _bidirectional_bwd(eps: float, res, g):
   del eps
   q, k, v, kva, out, den, kept = res
-  g_den = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
-  ga = jnp.concatenate([g / den[..., None], g_den[..., None]], axis=-1)
+  g_out = jnp.swapaxes(jnp.sum(g * out, axis=-1), 1, 2)  # [b, h, n]
+  g_den = jnp.where(kept, -g_out, jnp.zeros((), g.dtype)) / den
+  ga = jnp.concatenate([_head_major(g) / den[..., None], g_den[..., None]], axis=-1)
   g_q = jnp.einsum("bhne,bhme->bhnm", ga, kva)
-  g_kva = jnp.einsum("bhnm,bhne->bhme", q, ga)
-  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(v), g_kva)
-  g_v = jnp.einsum("bhnm,bhmd->bhnd", k, g_kva[..., :-1])
-  return g_q, g_k, g_v
+  g_kva = jnp.einsum("bhnm,bhne->bhme", _head_major(q), ga)
+  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(_head_major(v)), g_kva)
+  g_v = jnp.einsum("bhnm,bhmd->bhnd", _head_major(k), g_kva[..., :-1])
+  return _head_major(g_q), _head_major(g_k), _head_major(g_v)
 
 
 _bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
