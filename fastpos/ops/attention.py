@@ -303,22 +303,26 @@ def linear_attention(
     head_major: the layout of ``phi_q, phi_k, v``, ``den_features`` and the output:
       ``[batch, heads, N, .]`` (``key_log_scale`` ``[batch, heads, N]``; ``mask`` stays
       ``[batch, N]``) instead of ``[batch, N, heads, .]``. Same results; a caller whose
-      projections emit head-major tensors saves the op's layout copies (bidirectional: the
-      only copies left are the ones-column append and the cotangent's).
+      projections emit head-major tensors saves the op's layout copies (bidirectional: none
+      are left but the ones-column append; other paths move to token-major views, which XLA
+      cancels against their own transposes).
 
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
   up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
   (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
   it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input, none with ``head_major=True``); bidirectional without rpe or
-  ``den_features`` is two batched matmuls forward and four backward, the normaliser riding in
-  a ones column (``_bidirectional``). Memory of the causal path: one carried state
-  ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
+  transpose per input); with ``head_major=True``, bidirectional without rpe or
+  ``den_features`` is two batched matmuls forward and four backward on the caller's arrays,
+  the normaliser riding in a ones column (``_bidirectional``). Memory of the causal path: one
+  carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
   ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token
   ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
   ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
   (``_rpe_mix``).
   """
+  plain = rpe is None and den_features is None and key_log_scale is None
+  if head_major and plain and not causal:
+    return _bidirectional_head_major(phi_q, phi_k, v, mask, eps)
   if head_major:
     # Token-major views: the op moves to head-major inside, and XLA cancels the transpose pairs.
     swap = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)
@@ -372,6 +376,21 @@ def linear_attention(
       eps=eps,
       length=n,
   )
+
+
+def _bidirectional_head_major(phi_q, phi_k, v, mask, eps):
+  """``linear_attention(head_major=True)`` without causality, rpe, den_features or key
+  scales: the checks of the token-major op on transposed views (shapes only), then
+  ``_bidirectional`` on the head-major arrays themselves (no layout copies)."""
+  q, k, vals = (_swap_rank4(a, "phi_q, phi_k, v") for a in (phi_q, phi_k, v))
+  b, n, _ = _check_qkv(q, k, vals, names=("phi_q", "phi_k", "v"))
+  mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
+  dtype = _state_dtype(phi_q, phi_k, v)
+  fk = phi_k.astype(dtype)
+  if mask is not None:  # where, not a product (see _apply_key_mask)
+    fk = jnp.where(mask[:, None, :, None], fk, jnp.zeros((), dtype))
+  out = _bidirectional(phi_q.astype(dtype), fk, v.astype(dtype), eps)
+  return out.astype(v.dtype)
 
 
 def _swap_rank4(a, names: str):
@@ -571,11 +590,6 @@ def _mix(
       den = jnp.einsum("bhim,bhm->bhi", fq, k_sum)
     return _head_major(num), jnp.transpose(den, (0, 2, 1))
 
-  if not causal and rpe is None and den_features is None and split is None:
-    # One dot per product with the normaliser folded in (a ones column on v), and a
-    # hand-written backward of four more (``_bidirectional``).
-    fk = _apply_key_mask(phi_k, mask, dtype)
-    return _bidirectional(phi_q.astype(dtype), fk, v.astype(dtype), eps).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
@@ -585,17 +599,17 @@ def _mix(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _bidirectional(q, k, v, eps: float):
-  """Bidirectional linear attention, ``[b, n, h, .]`` in and out: ``q, k [b, n, h, m]``,
-  ``v [b, n, h, d]`` -> ``[b, n, h, d]``, normalised and guarded (``_guard``).
+  """Bidirectional linear attention, head-major in and out: ``q, k [b, h, n, m]``,
+  ``v [b, h, n, d]`` -> ``[b, h, n, d]``, normalised and guarded (``_guard``).
 
-  Head-major inside (one transpose per input). Forward: ``kva = k^T [v, 1]``
-  ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched matmuls over contiguous
-  ``[n, .]`` slabs, the denominator riding in the last column. Backward, written out as four
-  more such matmuls: ``ga = [g / den, -(g . out) / den]`` (0 where the guard clamped),
-  ``g_q = ga kva^T``, ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``, ``g_v = k g_kva[:, :d]``.
-  Residuals: the inputs in their own layout (the backward transposes them again rather than
-  keep head-major copies alive: measured in a layer, that costs two more ``[b, n, h, 64]``
-  arrays), ``kva``, the output and the guarded denominator ``[b, h, n]``."""
+  Forward: ``kva = k^T [v, 1]`` ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched
+  matmuls over contiguous ``[n, .]`` slabs, the denominator riding in the last column.
+  Backward, written out as four more such matmuls: ``ga = [g / den, -(g . out) / den]`` (0
+  where the guard clamped), ``g_q = ga kva^T``, ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``,
+  ``g_v = k g_kva[:, :d]``. Residuals: the inputs, ``kva``, the output and the guarded
+  denominator. Used for head-major callers only: fed token-major inputs (a transpose in, and
+  the inputs transposed again in the backward to keep a layer's memory), it measured slower
+  than autodiff of the einsums on a 2-core CPU (benchmarks/ops_lean.md)."""
   return _bidirectional_fwd(q, k, v, eps)[0]
 
 
@@ -604,25 +618,24 @@ def _with_ones(v):
 
 
 def _bidirectional_fwd(q, k, v, eps: float):
-  kva = jnp.einsum("bhnm,bhne->bhme", _head_major(k), _with_ones(_head_major(v)))
-  oa = jnp.einsum("bhnm,bhme->bhne", _head_major(q), kva)
+  kva = jnp.einsum("bhnm,bhne->bhme", k, _with_ones(v))
+  oa = jnp.einsum("bhnm,bhme->bhne", q, kva)
   kept = jnp.abs(oa[..., -1]) >= eps  # where the guard passes the denominator through
   den = _guard(oa[..., -1], eps)
-  out = _head_major(oa[..., :-1] / den[..., None])
+  out = oa[..., :-1] / den[..., None]
   return out, (q, k, v, kva, out, den, kept)
 
 
 def _bidirectional_bwd(eps: float, res, g):
   del eps
   q, k, v, kva, out, den, kept = res
-  g_out = jnp.swapaxes(jnp.sum(g * out, axis=-1), 1, 2)  # [b, h, n]
-  g_den = jnp.where(kept, -g_out, jnp.zeros((), g.dtype)) / den
-  ga = jnp.concatenate([_head_major(g) / den[..., None], g_den[..., None]], axis=-1)
+  g_den = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
+  ga = jnp.concatenate([g / den[..., None], g_den[..., None]], axis=-1)
   g_q = jnp.einsum("bhne,bhme->bhnm", ga, kva)
-  g_kva = jnp.einsum("bhnm,bhne->bhme", _head_major(q), ga)
-  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(_head_major(v)), g_kva)
-  g_v = jnp.einsum("bhnm,bhmd->bhnd", _head_major(k), g_kva[..., :-1])
-  return _head_major(g_q), _head_major(g_k), _head_major(g_v)
+  g_kva = jnp.einsum("bhnm,bhne->bhme", q, ga)
+  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(v), g_kva)
+  g_v = jnp.einsum("bhnm,bhmd->bhnd", k, g_kva[..., :-1])
+  return g_q, g_k, g_v
 
 
 _bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)

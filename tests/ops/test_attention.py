@@ -475,7 +475,8 @@ def test_key_log_scale_refuses_what_is_not_built():
 # ---------------------------------------------------------------------------------------------
 # The bidirectional path's written-out backward, and the head-major layout
 # ---------------------------------------------------------------------------------------------
-def test_bidirectional_gradients_where_the_guard_clamps():
+@pytest.mark.parametrize("head_major", (False, True))
+def test_bidirectional_gradients_where_the_guard_clamps(head_major):
   """Sign-changing features (as trf's) with one query whose denominator is 1e-5, inside the
   guard's eps = 1e-3 (clamped), while its numerator is not small: the written-out backward
   must pass no gradient through the clamped denominator, as autodiff of the reference's guard
@@ -495,16 +496,20 @@ def test_bidirectional_gradients_where_the_guard_clamps():
     loss = lambda *a: jnp.sum(fn(*a, mask=mask, eps=eps) * probe)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(pq, pk, v)
 
-  (out, fast), (ref, dense) = grads(attention.linear_attention), grads(
-      attention.linear_attention_reference
-  )
+  swap = lambda a: jnp.swapaxes(a, 1, 2)
+  fast_op = attention.linear_attention
+  if head_major:  # the written-out backward (``_bidirectional``) on head-major arrays
+    fast_op = lambda q, k, vv, **kw: swap(
+        attention.linear_attention(swap(q), swap(k), swap(vv), head_major=True, **kw)
+    )
+  (out, fast), (ref, dense) = grads(fast_op), grads(attention.linear_attention_reference)
   assert abs(out - ref) <= 1e-9 * abs(ref)
   for a, b in zip(fast, dense):
     assert np.all(np.isfinite(np.asarray(a))) and rel_err(a, b) < 1e-9
 
 
-@pytest.mark.parametrize("causal", (False, True))
-def test_linear_attention_float32_gradients_n4096(causal):
+@pytest.mark.parametrize("causal,head_major", ((False, False), (True, False), (False, True)))
+def test_linear_attention_float32_gradients_n4096(causal, head_major):
   n, heads = 4096, 1
   pq, pk, v, rng = _inputs(n, heads, m=4, d=4, seed=17)
   pq, pk, v = pq[:1], pk[:1], v[:1]
@@ -516,7 +521,13 @@ def test_linear_attention_float32_gradients_n4096(causal):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
   dense = grads(attention.linear_attention_reference, pq, pk, v)  # float64
-  fast = grads(attention.linear_attention, *(a.astype(np.float32) for a in (pq, pk, v)))
+  swap = lambda a: jnp.swapaxes(a, 1, 2)
+  op = attention.linear_attention
+  if head_major:
+    op = lambda q, k, vv, **kw: swap(
+        attention.linear_attention(swap(q), swap(k), swap(vv), head_major=True, **kw)
+    )
+  fast = grads(op, *(a.astype(np.float32) for a in (pq, pk, v)))
   for a, b in zip(fast, dense):
     assert a.dtype == jnp.float32 and rel_err(a, b) < 1e-4
 
