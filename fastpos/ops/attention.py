@@ -590,6 +590,14 @@ def _mix(
       den = jnp.einsum("bhim,bhm->bhi", fq, k_sum)
     return _head_major(num), jnp.transpose(den, (0, 2, 1))
 
+  if not causal and rpe is None and den_features is None and split is None:
+    # Divided head-major, then one transpose back (measured about 1.2x faster fwd+bwd than
+    # transposing num and den back first, benchmarks/ops_lean.md).
+    fk = _head_major(_apply_key_mask(phi_k, mask, dtype))
+    fq, vals = (_head_major(a.astype(dtype)) for a in (phi_q, v))
+    num = jnp.einsum("bhim,bhmd->bhid", fq, jnp.einsum("bhjm,bhjd->bhmd", fk, vals))
+    den = jnp.einsum("bhim,bhm->bhi", fq, jnp.sum(fk, axis=2))
+    return _head_major(num / _guard(den, eps)[..., None]).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
