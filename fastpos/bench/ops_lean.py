@@ -3,10 +3,15 @@
 ``python -m fastpos.bench.ops_lean --out benchmarks`` measures, side by side in one process
 (float32, CPU or whatever device JAX sees):
 
-* the device's float32 matmul peak (one large ``jnp.dot``) and linear attention's fwd+bwd
-  GFLOP/s against it, bidirectional and causal (chunked), for the op as it is and for the
-  previous implementation kept here for comparison (``_previous_linear``: einsums in the
-  ``[b, n, h, .]`` layout, and the causal path as a serial scan of chunks);
+* the device's float32 matmul peak and linear attention's fwd+bwd GFLOP/s against it,
+  bidirectional (token-major inputs as the layers pass them, and head-major inputs, see
+  ``linear_attention(head_major=True)``) and causal (chunked), with a copy of the
+  bidirectional op before ``head_major`` (``_before_bidirectional``) for comparison. The
+  peak is the faster of two square matmuls (``jnp.dot``): 2048^3 and the square of the op's
+  own flop count; beside it two ceilings for 64-wide heads, measured in the same group: one
+  batched ``[n, 64] x [64, 64]`` product over the heads, and the six such products of
+  fwd+bwd alone (``_six_products``: what the op would take with a free normaliser and no
+  layout copies);
 * causal linear attention against a Performer-style per-token scan (``_performer_causal``:
   the prefix state ``sum_j phi(k_j) v_j^T`` updated token by token under ``lax.scan``, with
   the Performer's reverse scan for the gradient);
@@ -16,10 +21,17 @@
 
 Flops of linear attention (what GFLOP/s counts): per batch and head, the forward contraction
 ``phi_k^T [v, 1]`` and ``phi_q [kv, ks]`` is 4 N m (d + 1) and the backward twice that:
-12 N m (d + 1) for fwd+bwd. The causal path is counted with the same number (the work of the
+12 N m (d + 1) for fwd+bwd (the flop floor: the two products and the normaliser, nothing for
+the division or layout). The causal path is counted with the same number (the work of the
 bidirectional algorithm; its in-chunk scores are extra work, not extra credit).
 
-Writes ``<out>/ops_lean.md`` and ``.json`` with the goals and PASS / FAIL.
+The machine is shared: each length is one interleaved group whose timed rounds are split into
+``--repeats`` consecutive blocks, each with its own peak; a block gives every ratio, and the
+tables report the median over blocks (and every block's value in the JSON).
+
+Writes ``<out>/ops_lean.md`` and ``.json`` with the goals and PASS / FAIL. A section whose
+lengths are empty is not measured; with ``--out`` its last recorded results are kept, each
+section with the command, date and load of the run that measured it.
 """
 
 from __future__ import annotations
@@ -28,11 +40,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fastpos.bench import measure as bm
 from fastpos.ops import attention, toeplitz
@@ -45,40 +59,21 @@ PEAK_SIZE = 2048
 # ---------------------------------------------------------------------------------------------
 # Implementations kept for comparison only
 # ---------------------------------------------------------------------------------------------
-def _previous_linear(phi_q, phi_k, v, *, causal: bool, chunk: int = 64):
-  """The op before the head-major rewrite: einsums in the ``[b, n, h, .]`` layout
-  (bidirectional) and a serial ``lax.scan`` over chunks, each chunk transposed to head-major
-  inside the rematerialised body (causal). No mask, rpe or decay (not timed here)."""
-  if not causal:
-    kv = jnp.einsum("bjhm,bjhd->bhmd", phi_k, v)
-    num = jnp.einsum("bihm,bhmd->bihd", phi_q, kv)
-    den = jnp.einsum("bihm,bhm->bih", phi_q, jnp.sum(phi_k, axis=1))
-    return num / den[..., None]
-  b, n, h, m = phi_k.shape
-  d = v.shape[-1]
-  g = -(-n // chunk)
+def _before_bidirectional(phi_q, phi_k, v):
+  """A copy of the bidirectional op as it was before ``head_major``: one transpose per input
+  to head-major, einsums for ``kv``, ``ks``, numerator and denominator, and autodiff (the
+  token-major op still runs this; the copy shows the noise between equal rows)."""
+  fq, fk, vals = (jnp.swapaxes(a, 1, 2) for a in (phi_q, phi_k, v))
+  kv = jnp.einsum("bhjm,bhjd->bhmd", fk, vals)
+  num = jnp.einsum("bhim,bhmd->bhid", fq, kv)
+  den = jnp.einsum("bhim,bhm->bhi", fq, jnp.sum(fk, axis=2))
+  return jnp.swapaxes(num / attention._guard(den, attention.DEFAULT_EPS)[..., None], 1, 2)
 
-  def split(a):
-    a = jnp.pad(a, ((0, 0), (0, g * chunk - n), (0, 0), (0, 0)))
-    return jnp.moveaxis(a.reshape(b, g, chunk, h, a.shape[-1]), 1, 0)
 
-  mask = toeplitz.causal_mask(chunk)
-
-  def body(carry, xs):
-    kv, ks = carry
-    q_c, k_c, v_c = (jnp.transpose(a, (0, 2, 1, 3)) for a in xs)
-    scores = jnp.where(mask, jnp.einsum("bhim,bhjm->bhij", q_c, k_c), 0.0)
-    num = jnp.einsum("bhim,bhmd->bhid", q_c, kv) + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
-    den = jnp.einsum("bhim,bhm->bhi", q_c, ks) + jnp.sum(scores, axis=-1)
-    kv = kv + jnp.einsum("bhjm,bhjd->bhmd", k_c, v_c)
-    ks = ks + jnp.sum(k_c, axis=2)
-    return (kv, ks), (jnp.transpose(num, (0, 2, 1, 3)), jnp.transpose(den, (0, 2, 1)))
-
-  init = (jnp.zeros((b, h, m, d), v.dtype), jnp.zeros((b, h, m), v.dtype))
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, (split(phi_q), split(phi_k), split(v)))
-  num = jnp.moveaxis(num, 0, 1).reshape(b, g * chunk, h, d)[:, :n]
-  den = jnp.moveaxis(den, 0, 1).reshape(b, g * chunk, h)[:, :n]
-  return num / den[..., None]
+def _six_products(phi_q, phi_k, v):
+  """Head-major ``phi_q (phi_k^T v)`` without a normaliser: its fwd+bwd is the six batched
+  64-wide products of linear attention and nothing else (a ceiling, not an attention)."""
+  return jnp.einsum("bhnm,bhmd->bhnd", phi_q, jnp.einsum("bhnm,bhnd->bhmd", phi_k, v))
 
 
 @jax.custom_vjp
@@ -144,17 +139,33 @@ def _fwd_bwd(fn, argnums):
   return g
 
 
-def _linear_case(key, fn, n):
+def _output_and_grads(fn):
+  """The output and the grads of ``sum(fn(*inputs) * ct)`` w.r.t. the first three inputs (a
+  layer's fwd+bwd: its output is used, so it is materialised once and kept for the backward)."""
+
+  def g(q, k, v, ct):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(ct)
+
+  return g
+
+
+def _linear_case(key, fn, n, head_major: bool = False):
+  """fwd+bwd of ``fn(phi_q, phi_k, v)`` at length n; ``head_major``: inputs ``[b, h, n, .]``."""
+
   def make():
-    v = bm.pseudo_normal(2, (BATCH, n, HEADS, DIM))
-    return (
-        _features(0, n, FEATURES),
-        _features(1, n, FEATURES),
-        v,
-        bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)),
+    order = (lambda a: jnp.swapaxes(a, 1, 2)) if head_major else (lambda a: a)
+    return tuple(
+        order(a)
+        for a in (
+            _features(0, n, FEATURES),
+            _features(1, n, FEATURES),
+            bm.pseudo_normal(2, (BATCH, n, HEADS, DIM)),
+            bm.pseudo_normal(3, (BATCH, n, HEADS, DIM)),
+        )
     )
 
-  return bm.Case(key, _fwd_bwd(fn, (0, 1, 2)), make)
+  return bm.Case(key, _output_and_grads(fn), make)
 
 
 def linear_flops(n: int) -> float:
@@ -162,47 +173,149 @@ def linear_flops(n: int) -> float:
   return 12.0 * BATCH * HEADS * n * FEATURES * (DIM + 1)
 
 
-def _peak_case():
+def _square_case(key, size: int):
+  make = lambda: (bm.pseudo_normal(0, (size, size)), bm.pseudo_normal(1, (size, size)))
+  return bm.Case(key, jnp.dot, make)
+
+
+def equal_flops_square(n: int) -> int:
+  """The side (a multiple of 64) of the square matmul with the op's fwd+bwd flops at n."""
+  return max(64, 64 * round((linear_flops(n) / 2) ** (1 / 3) / 64))
+
+
+def _batched_case(n: int):
   make = lambda: (
-      bm.pseudo_normal(0, (PEAK_SIZE, PEAK_SIZE)),
-      bm.pseudo_normal(1, (PEAK_SIZE, PEAK_SIZE)),
+      bm.pseudo_normal(0, (BATCH, HEADS, n, FEATURES)),
+      bm.pseudo_normal(1, (BATCH, HEADS, FEATURES, DIM)),
   )
-  return bm.Case("matmul peak", jnp.dot, make)
+  return bm.Case(BATCHED, lambda a, w: jnp.einsum("bhnm,bhmd->bhnd", a, w), make)
 
 
+def _pass_case(n: int):
+  make = lambda: (bm.pseudo_normal(0, (BATCH, HEADS, n, DIM)),)
+  return bm.Case(PASS, lambda a: a + 1.0, make)
+
+
+def hlo_counts(fn, make) -> dict:
+  """Instructions of the optimised HLO's entry computation: dots (plain and inside fused
+  kernels), fusions, and layout copies (fusions XLA names for a transpose or copy)."""
+  text = jax.jit(fn).lower(*jax.eval_shape(make)).compile().as_text()
+  entry = text[text.index("ENTRY") :]
+  names = re.findall(r"^\s*(?:ROOT )?%(\S+) = \S+ (\w[\w-]*)\(", entry, flags=re.M)
+  return {
+      "dots": len(re.findall(r" dot\(", text)),
+      "fusions": sum(op == "fusion" for _, op in names),
+      "layout_copies": sum(
+          op == "fusion" and ("transpose" in name or "copy" in name) for name, op in names
+      ),
+  }
+
+
+PASS = "one elementwise pass over [1, 8, n, 64] (x + 1)"
+PEAK, PEAK_EQUAL = "matmul peak (2048^3)", "matmul peak (square of equal flops)"
+BATCHED = "one batched [n, 64] x [64, 64] product (8 heads)"
+SIX = "the six batched products of fwd+bwd alone"
+CEILINGS = (PEAK, PEAK_EQUAL, BATCHED, SIX)
+
+# row -> (fn, head-major inputs)
 LINEAR_ROWS = {
-    "bidirectional": lambda q, k, v: attention.linear_attention(q, k, v),
-    "bidirectional (previous)": lambda q, k, v: _previous_linear(q, k, v, causal=False),
-    "causal": lambda q, k, v: attention.linear_attention(q, k, v, causal=True),
-    "causal (previous)": lambda q, k, v: _previous_linear(q, k, v, causal=True),
-    "causal Performer scan": _performer_causal,
+    "bidirectional": (lambda q, k, v: attention.linear_attention(q, k, v), False),
+    "bidirectional, head-major inputs": (
+        lambda q, k, v: attention.linear_attention(q, k, v, head_major=True),
+        True,
+    ),
+    "bidirectional (before)": (_before_bidirectional, False),
+    "causal": (lambda q, k, v: attention.linear_attention(q, k, v, causal=True), False),
+    "causal Performer scan": (_performer_causal, False),
 }
 
 
-def measure_linear(lengths, log, rounds: int) -> dict:
-  """GFLOP/s of every ``LINEAR_ROWS`` row against the matmul peak, per length (each length
-  one interleaved group with its own peak measurement)."""
+def _ceiling_flops(n: int) -> dict:
+  side = equal_flops_square(n)
+  return {
+      PEAK: 2.0 * PEAK_SIZE**3,
+      PEAK_EQUAL: 2.0 * side**3,
+      BATCHED: 2.0 * BATCH * HEADS * n * FEATURES * DIM,
+      SIX: 12.0 * BATCH * HEADS * n * FEATURES * DIM,
+  }
+
+
+def _timed_group(cases, runs: int) -> tuple[dict, dict, dict]:
+  """Like ``measure.measure_group`` (compile, warm up, ``runs`` round-robin rounds, each
+  timed run preceded by an untimed one on the same buffers), timing each run twice: wall
+  clock and this process's CPU time (all threads). On a shared machine the CPU time of a
+  run excludes the time its threads waited for a core. Returns (wall lists, CPU lists, temp
+  bytes) by case key."""
+  exes = {c.key: jax.jit(c.fn).lower(*jax.eval_shape(c.make_inputs)).compile() for c in cases}
+  temp = {k: e.memory_analysis().temp_size_in_bytes for k, e in exes.items()}
+  inputs = jax.block_until_ready(jax.jit(lambda: {c.key: c.make_inputs() for c in cases})())
+  wall, cpu = {k: [] for k in exes}, {k: [] for k in exes}
+  for k, e in exes.items():
+    jax.block_until_ready(e(*inputs[k]))
+  for _ in range(runs):
+    for k, e in exes.items():
+      jax.block_until_ready(e(*inputs[k]))
+      t0, c0 = time.perf_counter(), time.process_time()
+      jax.block_until_ready(e(*inputs[k]))
+      cpu[k].append(time.process_time() - c0)
+      wall[k].append(time.perf_counter() - t0)
+  return wall, cpu, temp
+
+
+def _block_row(times: dict, n: int, block: slice) -> dict:
+  """Every ratio of one block of timed rounds (its own peak)."""
+  t = {k: float(np.median(ts[block])) for k, ts in times.items()}
+  flops = _ceiling_flops(n)
+  peak = max(flops[PEAK] / t[PEAK], flops[PEAK_EQUAL] / t[PEAK_EQUAL]) / 1e9
+  out = {"peak_gflops": peak, "ceilings": {}, "rows": {}, "pass_ms": 1e3 * t[PASS]}
+  for k in CEILINGS:
+    gf = flops[k] / t[k] / 1e9
+    out["ceilings"][k] = {"ms": 1e3 * t[k], "gflops": gf, "fraction_of_peak": gf / peak}
+  for k in LINEAR_ROWS:
+    gf = linear_flops(n) / t[k] / 1e9
+    out["rows"][k] = {"ms": 1e3 * t[k], "gflops": gf, "fraction_of_peak": gf / peak}
+  return out
+
+
+def _median_rows(blocks: list[dict]) -> dict:
+  """The median over blocks of every number (a per-block list is kept beside it)."""
+  med = lambda xs: float(np.median(xs))
+  out = {"peak_gflops": med([b["peak_gflops"] for b in blocks]), "ceilings": {}, "rows": {}}
+  for part in ("ceilings", "rows"):
+    for k in blocks[0][part]:
+      out[part][k] = {f: med([b[part][k][f] for b in blocks]) for f in blocks[0][part][k]}
+      out[part][k]["per_block_fraction"] = [b[part][k]["fraction_of_peak"] for b in blocks]
+  return out
+
+
+def measure_linear(lengths, log, rounds: int, repeats: int) -> dict:
+  """GFLOP/s of every ``LINEAR_ROWS`` row and ceiling against the matmul peak, per length:
+  one interleaved group of ``rounds * repeats`` rounds, split into ``repeats`` blocks."""
   out = {}
   for n in lengths:
-    cases = [_peak_case()] + [_linear_case(k, f, n) for k, f in LINEAR_ROWS.items()]
-    got = bm.measure_group(cases, min_time_s=0.0, min_runs=rounds, max_runs=rounds)
-    peak = 2.0 * PEAK_SIZE**3 / got["matmul peak"].time_s / 1e9
-    row = {"peak_gflops": peak, "rows": {}}
-    for key in LINEAR_ROWS:
-      t = got[key].time_s
-      gf = linear_flops(n) / t / 1e9
-      row["rows"][key] = {
-          "ms": 1e3 * t,
-          "gflops": gf,
-          "fraction_of_peak": gf / peak,
-          "temp_mib": got[key].temp_bytes / 2**20,
-      }
+    cases = [_square_case(PEAK, PEAK_SIZE), _square_case(PEAK_EQUAL, equal_flops_square(n))]
+    cases += [_batched_case(n), _linear_case(SIX, _six_products, n, head_major=True)]
+    cases += [_linear_case(k, f, n, head_major=hm) for k, (f, hm) in LINEAR_ROWS.items()]
+    cases.append(_pass_case(n))
+    wall, cpu, temp = _timed_group(cases, rounds * repeats)
+    split = lambda times, n=n: [
+        _block_row(times, n, slice(i * rounds, (i + 1) * rounds)) for i in range(repeats)
+    ]
+    blocks = split(wall)
+    row = _median_rows(blocks)
+    row["cpu_time"] = _median_rows(split(cpu))
+    for c in cases:
+      if c.key in LINEAR_ROWS:
+        row["rows"][c.key]["temp_mib"] = temp[c.key] / 2**20
+        row["rows"][c.key]["hlo"] = hlo_counts(c.fn, c.make_inputs)
+    row["pass_ms"] = float(np.median([b["pass_ms"] for b in blocks]))
+    row["equal_flops_side"] = equal_flops_square(n)
     out[n] = row
     log(
-        f"N={n}: peak {peak:.1f} GFLOP/s; "
+        f"N={n}: peak {row['peak_gflops']:.1f} GFLOP/s; "
         + ", ".join(
             f"{k} {r['ms']:.1f} ms ({100 * r['fraction_of_peak']:.0f}%)"
-            for k, r in row["rows"].items()
+            for k, r in {**row["ceilings"], **row["rows"]}.items()
         )
     )
   return out
@@ -330,13 +443,17 @@ def goals(linear, memory, timing) -> list[dict]:
     out.append({"goal": text, "measured": value, "pass": bool(ok)})
 
   for n, row in linear.items():
-    frac = row["rows"]["bidirectional"]["fraction_of_peak"]
-    goal(
-        f"bidirectional linear attention fwd+bwd >= 50% of the matmul peak at N={n}",
-        f"{100 * frac:.0f}% ({row['rows']['bidirectional']['gflops']:.1f} of "
-        f"{row['peak_gflops']:.1f} GFLOP/s)",
-        frac >= 0.5,
-    )
+    six = row["ceilings"][SIX]["fraction_of_peak"]
+    for key in ("bidirectional", "bidirectional, head-major inputs"):
+      r = row["rows"][key]
+      by_cpu = row.get("cpu_time", {}).get("rows", {}).get(key)
+      cpu = "" if by_cpu is None else f"; by CPU time {100 * by_cpu['fraction_of_peak']:.0f}%"
+      goal(
+          f"{key} linear attention fwd+bwd >= 50% of the matmul peak at N={n}",
+          f"{100 * r['fraction_of_peak']:.0f}% ({r['gflops']:.1f} of "
+          f"{row['peak_gflops']:.1f} GFLOP/s; the six products alone: {100 * six:.0f}%{cpu})",
+          r["fraction_of_peak"] >= 0.5,
+      )
     r = row["rows"]["causal"]["ms"] / row["rows"]["causal Performer scan"]["ms"]
     goal(
         f"causal linear attention fwd+bwd faster than the Performer per-token scan at N={n}",
@@ -362,15 +479,21 @@ def goals(linear, memory, timing) -> list[dict]:
   return out
 
 
+def _provenance(run: dict) -> str:
+  return (
+      f"`{run['command']}` on {run['machine']}, {run['date']}, load average at start "
+      f"{run['load_average']}"
+  )
+
+
 def markdown(result) -> str:
   lines = [
       "# Linear attention at matmul speed, kernelized RPE as lean as the Toeplitz product",
       "",
-      f"`{result['command']}` on {result['machine']}, float32, batch {BATCH}, "
-      f"{HEADS} heads, head dim {DIM}, m = {FEATURES} (kRPE m = {RPE_FEATURES}); "
-      f"{result['date']}. Times are medians of interleaved runs in one process; the "
-      "machine was shared (load average at start "
-      f"{result['load_average']}), so compare within a row group only.",
+      f"float32, batch {BATCH}, {HEADS} heads, head dim {DIM}, m = {FEATURES} (kRPE m = "
+      f"{RPE_FEATURES}). Times are medians of interleaved runs in one process; the machine "
+      "is shared, so compare within a row group only. Each section names the run that "
+      "measured it.",
       "",
       "## Goals",
       "",
@@ -381,29 +504,12 @@ def markdown(result) -> str:
       f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |"
       for g in result["goals"]
   ]
-  lines += [
-      "",
-      "## Linear attention fwd+bwd against the matmul peak",
-      "",
-      f"Flops counted: 12 N m (d + 1) per batch and head (module docstring). Peak: one "
-      f"{PEAK_SIZE}^3 `jnp.dot`, measured in the same group as each length's rows. "
-      '"previous": the implementation before this change (einsums in the '
-      "[b, n, h, .] layout; causal: serial scan with per-chunk transposes), kept in "
-      "the benchmark module for this comparison.",
-      "",
-      "| N | peak GFLOP/s | row | ms | GFLOP/s | % of peak | temp MiB |",
-      "|---|---|---|---|---|---|---|",
-  ]
-  for n, row in result["linear"].items():
-    for k, r in row["rows"].items():
-      lines.append(
-          f"| {n} | {row['peak_gflops']:.1f} | {k} | {r['ms']:.1f} | "
-          f"{r['gflops']:.1f} | {100 * r['fraction_of_peak']:.0f}% | "
-          f"{r['temp_mib']:.1f} |"
-      )
+  lines += _linear_markdown(result)
   lines += [
       "",
       "## Kernelized RPE: backward temporary memory against the Toeplitz product",
+      "",
+      _provenance(result["runs"]["rpe_memory"]) + ".",
       "",
       "Compiled `jax.grad` of kernelized RPE (FFT path; B=1, 8 heads, m=32, d=64) "
       "against `toeplitz_matmul` over `[1, 8, N, 64]` (the channels of v), "
@@ -423,6 +529,8 @@ def markdown(result) -> str:
       "",
       "## Kernelized RPE fwd+bwd against dense softmax with a bias",
       "",
+      _provenance(result["runs"]["rpe_time"]) + ".",
+      "",
       '"auto": the path the op picks by shape (dense up to N = '
       f'{attention._RPE_DENSE_UP_TO}, FFT above); "fft" and "dense" force one '
       "path. Softmax: `softmax_attention` with the table's log as a [h, N, N] bias.",
@@ -436,14 +544,104 @@ def markdown(result) -> str:
   return "\n".join(lines) + "\n"
 
 
+# What this table said before the bidirectional path got its written-out backward.
+PREVIOUS_RECORD = (
+    "Earlier records of the bidirectional row (other runs, so only their own ratios count): "
+    "18% / 22% / 15% of the 2048^3 peak at N = 4K / 8K / 16K (2026-11-25 19:55 UTC, load "
+    "26.7, committed), and 26% / 18% at 4K / 8K in a later re-measurement under load. The "
+    '"(before)" row re-measures that op in this run.'
+)
+
+
+def _linear_markdown(result) -> list[str]:
+  run = result["runs"]["linear"]
+  lines = [
+      "",
+      "## Linear attention fwd+bwd against the matmul peak",
+      "",
+      _provenance(run) + f"; {run.get('repeats', 1)} blocks of {run.get('rounds', '?')} "
+      "interleaved rounds per length, the median over blocks (each block's % of peak in "
+      "brackets).",
+      "",
+      "Flops counted for the op: 12 N m (d + 1) per batch and head (module docstring). Peak: "
+      f"the faster of a {PEAK_SIZE}^3 `jnp.dot` and the square `jnp.dot` of the op's own flop "
+      "count (side in the table), in the same group. Ceilings for 64-wide heads, same group: "
+      "one batched `[n, 64] x [64, 64]` product over the 8 heads, and the six such products "
+      "of fwd+bwd alone (`_six_products`: no normaliser, no layout copies, head-major inputs). "
+      '"bidirectional" takes `[b, n, h, .]` as the layers pass it; "head-major inputs" '
+      "`[b, h, n, .]` (`head_major=True`: the written-out backward, `_bidirectional`); "
+      '"(before)": a copy of the op\'s token-major products before this change (autodiff '
+      "of einsums, head-major inside, divided before the transpose back; the op itself "
+      "divided after transposing num and den back, one layout copy more).",
+      "",
+      PREVIOUS_RECORD,
+      "",
+      "HLO: the optimised entry computation of each row's compiled fwd+bwd (`hlo_counts`): "
+      "dots, fusions, and of those the layout copies (fusions XLA names transpose / copy). "
+      "Pass: one elementwise pass `x + 1` over a `[1, 8, n, 64]` float32 array, in the same "
+      "group (the cost of each extra array the op writes).",
+      "",
+      "CPU time: the same ratios from the process's CPU time per run instead of wall time "
+      "(on a shared machine it leaves out the time the threads waited for a core; the goal "
+      "is judged on wall time).",
+      "",
+      "| N | peak GFLOP/s | row | ms | GFLOP/s | % of peak | % of peak by CPU time | "
+      "temp MiB | HLO dots / fusions / layout copies |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for n, row in result["linear"].items():
+    side = row.get("equal_flops_side")
+    by_cpu = row.get("cpu_time", {})
+    by_cpu = {**by_cpu.get("ceilings", {}), **by_cpu.get("rows", {})}
+    for k, r in {**row.get("ceilings", {}), **row["rows"]}.items():
+      cpu = f"{100 * by_cpu[k]['fraction_of_peak']:.0f}%" if k in by_cpu else "-"
+      blocks = r.get("per_block_fraction")
+      spread = "" if not blocks else " (" + ", ".join(f"{100 * x:.0f}" for x in blocks) + ")"
+      label = f"{k} (side {side})" if k == PEAK_EQUAL and side else k
+      temp = f"{r['temp_mib']:.1f}" if "temp_mib" in r else "-"
+      hlo = r.get("hlo")
+      hlo = f"{hlo['dots']} / {hlo['fusions']} / {hlo['layout_copies']}" if hlo else "-"
+      lines.append(
+          f"| {n} | {row['peak_gflops']:.1f} | {label} | {r['ms']:.1f} | "
+          f"{r['gflops']:.1f} | {100 * r['fraction_of_peak']:.0f}%{spread} | {cpu} | {temp} | "
+          f"{hlo} |"
+      )
+    if "pass_ms" in row:
+      mib = BATCH * HEADS * int(n) * DIM * 4 / 2**20
+      lines.append(
+          f"| {n} | | {PASS} ({mib:.0f} MiB in, {mib:.0f} MiB out) | {row['pass_ms']:.1f} | "
+          f"{2 * mib / 1024 / (row['pass_ms'] / 1e3):.1f} GiB/s | | | | |"
+      )
+  return lines
+
+
+SECTIONS = ("linear", "rpe_memory", "rpe_time")
+
+
+def _kept_sections(path: str, skipped) -> tuple[dict, dict]:
+  """The last recorded results of the ``skipped`` sections (and their runs) from ``path``."""
+  if not skipped or not os.path.exists(path):
+    return {}, {}
+  with open(path) as f:
+    old = json.load(f)
+  top = {k: old.get(k) for k in ("command", "machine", "date", "load_average")}
+  runs = old.get("runs", {})
+  by_length = lambda section: {int(n): row for n, row in section.items()}  # JSON keys are str
+  return (
+      {k: by_length(old[k]) for k in skipped if k in old},
+      {k: runs.get(k, top) for k in skipped if k in old},
+  )
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default=None, help="folder for the .md / .json (none: print only)")
-  # An empty list ("") skips that part.
+  # An empty list ("") skips that part (with --out: its last recorded results are kept).
   p.add_argument("--linear_lengths", default="4096,8192,16384")
   p.add_argument("--memory_lengths", default="4096,16384,65536")
   p.add_argument("--time_lengths", default="512,1024,2048,4096")
   p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=3, help="blocks of rounds per linear length")
   p.add_argument("--name", default="ops_lean", help="output file stem (<out>/<name>.md, .json)")
   args = p.parse_args(argv)
   try:
@@ -454,8 +652,13 @@ def main(argv=None) -> int:
   except ValueError:
     print("lengths must be comma-separated integers, e.g. 4096,8192", file=sys.stderr)
     return 2
+  if args.rounds < 1 or args.repeats < 1:
+    print(
+        f"--rounds and --repeats must be >= 1; got {args.rounds}, {args.repeats}", file=sys.stderr
+    )
+    return 2
   log = lambda text: print(text, flush=True)
-  result = {
+  run = {
       "command": "python -m fastpos.bench.ops_lean "
       + " ".join(sys.argv[1:] if argv is None else argv),
       "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -463,13 +666,25 @@ def main(argv=None) -> int:
       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
       "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
   }
-  result["linear"] = measure_linear(lengths[0], log, args.rounds)
-  result["rpe_memory"] = measure_rpe_memory(lengths[1], log)
-  result["rpe_time"] = measure_rpe_time(lengths[2], log, args.rounds)
+  skipped = [k for k, ls in zip(SECTIONS, lengths) if not ls]
+  json_path = os.path.join(args.out, f"{args.name}.json") if args.out else ""
+  result, runs = _kept_sections(json_path, skipped)
+  measured = {
+      "linear": lambda: measure_linear(lengths[0], log, args.rounds, args.repeats),
+      "rpe_memory": lambda: measure_rpe_memory(lengths[1], log),
+      "rpe_time": lambda: measure_rpe_time(lengths[2], log, args.rounds),
+  }
+  for k, ls in zip(SECTIONS, lengths):
+    if ls:
+      result[k] = measured[k]()
+      runs[k] = dict(run, rounds=args.rounds, repeats=args.repeats)
+    elif k not in result:
+      result[k], runs[k] = {}, dict(run, command="(not measured)")
+  result["runs"] = runs
   result["goals"] = goals(result["linear"], result["rpe_memory"], result["rpe_time"])
   if args.out:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+    with open(json_path, "w") as f:
       json.dump(result, f, indent=1, default=str)
   text = markdown(result)
   print(text)
