@@ -330,7 +330,7 @@ def run_rpe(sizes: Sizes, deadline: Deadline, log) -> dict:
 
 def rpe_goals(part: dict) -> list[dict]:
   out = ops_lean.goals({}, part["memory"], part["time"])
-  cross = [n for n, row in sorted(part["time"].items()) if row["kRPE auto"]["vs_softmax"] <= 1.0]
+  cross = [n for n, row in _by_int(part["time"]) if row["kRPE auto"]["vs_softmax"] <= 1.0]
   if part["time"]:
     out.append(
         _goal(
@@ -401,8 +401,8 @@ def run_linear(sizes: Sizes, deadline: Deadline, log) -> dict:
 
 
 def linear_goals(part: dict) -> list[dict]:
-  first = min(part["batches"], default=None)
-  return ops_lean.goals(part["batches"][first], {}, {}) if first is not None else []
+  batches = _by_int(part["batches"])
+  return ops_lean.goals(batches[0][1], {}, {}) if batches else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +451,19 @@ def machine() -> dict:
   }
 
 
+def _by_int(d: dict) -> list:
+  """``d``'s items by integer key (JSON turns the lengths and batches into strings)."""
+  return sorted(d.items(), key=lambda kv: int(kv[0]))
+
+
+def _peak_cell(r: dict) -> str:
+  """The allocator's peak of a row; "<=" where the row did not raise the high-water mark (an
+  earlier row of the group had: then only a bound)."""
+  if r.get("device_peak_bytes") is None:
+    return "-"
+  return ("<= " if r.get("device_peak_is_bound") else "") + _fmt_gb(r["device_peak_bytes"])
+
+
 def _fmt_gb(b) -> str:
   return "-" if b is None else f"{b / 1e9:.2f} GB"
 
@@ -492,18 +505,18 @@ def _train_md(part: dict) -> list[str]:
     lines.append(
         f"| {r['model']} | {1e3 * r['time_s']:.1f} | {r['steps_per_s']:.2f} | "
         f"{r['tokens_per_s']:,.0f} | {r.get('time_vs_transformer', 0):.2f}x | "
-        f"{_fmt_gb(r.get('memory_bytes'))} | {_fmt_gb(r.get('device_peak_bytes'))} |"
+        f"{_fmt_gb(r.get('memory_bytes'))} | {_peak_cell(r)} |"
     )
   return lines
 
 
 def _rpe_md(part: dict) -> list[str]:
   lines = ["| N | row | fwd+bwd ms | time / softmax + bias |", "|---:|---|---:|---:|"]
-  for n, row in sorted(part["time"].items()):
+  for n, row in _by_int(part["time"]):
     lines += [f"| {n} | {k} | {r['ms']:.2f} | {r['vs_softmax']:.2f}x |" for k, r in row.items()]
   lines += ["", "| N | variant | kRPE temp MiB | Toeplitz temp MiB | ratio |"]
   lines += ["|---:|---|---:|---:|---:|"]
-  for n, row in sorted(part["memory"].items()):
+  for n, row in _by_int(part["memory"]):
     lines += [
         f"| {n} | {k} | {r['krpe_mib']:.1f} | {r['toeplitz_mib']:.1f} | {r['ratio']:.2f}x |"
         for k, r in row.items()
@@ -528,8 +541,8 @@ def _linear_md(part: dict) -> list[str]:
       "that peak | % of HIGHEST peak |",
       "|---:|---:|---:|---|---:|---:|---:|---:|",
   ]
-  for b, rows in sorted(part["batches"].items()):
-    for n, row in sorted(rows.items()):
+  for b, rows in _by_int(part["batches"]):
+    for n, row in _by_int(rows):
       for k, r in row["rows"].items():
         hi = f"{100 * r['gflops'] / p['highest_gflops']:.1f}%" if p else "-"
         lines.append(
@@ -538,6 +551,25 @@ def _linear_md(part: dict) -> list[str]:
         )
   return lines
 
+
+NOTES = {
+    "memory": "SIKF + absolute + FastRPB, 4 layers x 256, 4 heads, MLP 1024, CLS pooling; "
+    "`memory_analysis` of the compiled train step (temp + arguments + outputs - aliased; "
+    "parameters and AdamW state donated). KB / token / layer: temporary bytes over tokens x "
+    "layers. Longest N: on the line through the two compiled points (memory is affine in "
+    "tokens), not confirmed by compiling there.",
+    "train_step": "One jitted step (value_and_grad, global-norm clip, AdamW) of "
+    "`fastpos.bench.models.train_case` (mean pooling), float32 at JAX's default matmul "
+    "precision; median of interleaved runs after a warm-up. Device peak: the allocator's "
+    "high-water mark; '<=' where the row did not raise it (a bound only).",
+    "rpe": "Batch 1, 8 heads, head dim 64, kernelized RPE with m = 32 (ELU+1 features), one "
+    "interleaved group per N (`fastpos.bench.ops_lean`); 'auto' is the path the op picks by "
+    "shape, 'fft' and 'dense' are forced. Memory: compiled backward temp bytes against "
+    "`toeplitz_matmul` over [1, 8, N, 64].",
+    "linear": "m = 64, head dim 64, 8 heads; flops 12 N m (d + 1) per batch and head "
+    "(`fastpos.bench.ops_lean`); the peak is one square `jnp.dot`, measured in each N's "
+    "group at the default precision.",
+}
 
 SECTIONS = {
     "memory": ("Train-step memory: remat x scan_layers x mlp_chunk (compiled only)", _memory_md),
@@ -574,7 +606,7 @@ def markdown(result: dict) -> str:
     if "error" in part:
       lines.append(f"Not measured: {part['error']}")
       continue
-    lines += render(part)
+    lines += [NOTES[name], ""] + render(part)
     errors = part.get("errors")
     if errors:
       lines += ["", "Left out: " + "; ".join(f"{k}: {v}" for k, v in errors.items())]
@@ -598,6 +630,26 @@ def write(out: str, result: dict) -> None:
     f.write(markdown(result))
 
 
+def load(path: str) -> dict:
+  """A ``gpu.json`` back as ``main`` held it (JSON keeps the lengths and batches as strings)."""
+  with open(path) as f:
+    result = json.load(f)
+  ints = lambda d: {int(k): v for k, v in d.items()}
+  rpe, linear = result["parts"].get("rpe", {}), result["parts"].get("linear", {})
+  for key in ("time", "memory"):
+    if key in rpe:
+      rpe[key] = ints(rpe[key])
+  if "batches" in linear:
+    linear["batches"] = {int(b): ints(rows) for b, rows in linear["batches"].items()}
+  return result
+
+
+def render(path: str) -> None:
+  """Rewrites ``gpu.md`` beside ``path`` (a ``gpu.json``) from the numbers in it."""
+  result = load(path)
+  write(os.path.dirname(os.path.abspath(path)), result)
+
+
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
@@ -605,16 +657,21 @@ def parse_args(argv):
   p = argparse.ArgumentParser(
       prog="python -m fastpos.bench.gpu", description=__doc__.split("\n\n")[0]
   )
-  p.add_argument("--out", required=True, help="folder for gpu.md / gpu.json")
+  p.add_argument("--out", help="folder for gpu.md / gpu.json (required unless --render)")
+  p.add_argument(
+      "--render", metavar="GPU_JSON", help="measure nothing: rewrite gpu.md from this gpu.json"
+  )
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
   p.add_argument("--budget-s", type=float, default=420.0, help="whole run; 0: no limit")
   p.add_argument("--smoke", action="store_true", help="tiny sizes: a check that every part runs")
   args = p.parse_args(argv)
+  if not args.out and not args.render:
+    p.error("give --out (or --render GPU_JSON)")
   parts = [x for x in args.parts.split(",") if x]
   bad = [x for x in parts if x not in PARTS]
   if bad or not parts:
     p.error(f"--parts: unknown {bad or 'none given'}; valid: {', '.join(PARTS)}")
-  if args.smoke and os.path.realpath(args.out) == os.path.realpath(COMMITTED):
+  if args.smoke and args.out and os.path.realpath(args.out) == os.path.realpath(COMMITTED):
     p.error(f"--smoke numbers do not go into {COMMITTED}; give another --out")
   args.parts = parts
   return args
@@ -633,6 +690,13 @@ def run_part(name: str, sizes: Sizes, budget: Deadline, smoke: bool, log) -> dic
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.render:
+    try:
+      render(args.render)
+    except (OSError, ValueError, KeyError) as e:
+      print(f"gpu: cannot render {args.render}: {_one_line(e)}", file=sys.stderr)
+      return 2
+    return 0
   sizes = SMOKE if args.smoke else FULL
   budget = Deadline(args.budget_s)
   log = lambda s: print(s, flush=True)

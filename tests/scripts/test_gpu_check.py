@@ -100,3 +100,30 @@ def test_smoke_runs_every_part(tmp_path):
   assert "toeplitz (FastRPB product)" in result["parts"]["rpe"]["time"]["32"]
   assert set(result["parts"]["linear"]["batches"]) == {"1", "2"}
   assert result["goals"] and "## Goals" in (out / "gpu.md").read_text()
+
+
+def test_render_rewrites_the_table_from_the_json(tmp_path):
+  # JSON turns the lengths and batches into strings; --render reads them back as ints, so the
+  # table and the goals come out as the run wrote them.
+  timing = {"kRPE auto": {"ms": 2.0, "vs_softmax": 0.5}, "softmax + bias": {"ms": 4.0}}
+  timing["softmax + bias"]["vs_softmax"] = 1.0
+  rows = {
+      k: {"ms": ms, "gflops": 10.0, "fraction_of_peak": 0.6, "temp_mib": 1.0}
+      for k, ms in (("bidirectional", 1.0), ("causal", 2.0), ("causal Performer scan", 4.0))
+  }
+  result = {
+      "command": "x",
+      "machine": {k: "?" for k in ("device", "host", "python", "jax", "jaxlib", "flax", "optax")},
+      "date": "today",
+      "parts": {
+          "rpe": {"time": {16384: timing, 2048: timing}, "memory": {}, "errors": {}},
+          "linear": {"peak": None, "batches": {8: {4096: {"peak_gflops": 20.0, "rows": rows}}}},
+      },
+  }
+  gpu.write(str(tmp_path), result)
+  written = (tmp_path / "gpu.md").read_text()
+  (tmp_path / "gpu.md").unlink()
+  assert gpu.main(["--render", str(tmp_path / "gpu.json")]) == 0
+  assert (tmp_path / "gpu.md").read_text() == written
+  assert written.index("| 2048 | kRPE auto") < written.index("| 16384 | kRPE auto")
+  assert gpu.load(str(tmp_path / "gpu.json"))["goals"] == result["goals"]
