@@ -38,6 +38,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fastpos.bench import report
@@ -229,6 +230,64 @@ def _lm_table(rec: dict, verdicts: list[tuple[str, bool]]) -> str:
   return "\n".join(lines)
 
 
+def _grad_of(fn):
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), (0, 1, 2)))
+
+
+def _measure_bidirectional(args) -> dict:
+  """Bidirectional linear attention over packed rows, fwd+bwd: the segment sums by two
+  segment-reset scans against a one-hot ``[N, G]`` matmul, and the unpacked op (one state per
+  row, the cost to match), side by side (float32, b=4, h=4, m=d=64)."""
+  from fastpos.ops import attention as ops
+
+  b, h, m, d = 4, 4, 64, 64
+  rec = {"shape": dict(batch=b, heads=h, m=m, d=d), "rows": []}
+  for n in (256, 1024):
+    rng = np.random.default_rng(0)
+    fq, fk = (rng.uniform(0.1, 1, (b, n, h, m)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(b, n, h, d)).astype(np.float32)
+    for g in (2, 8, 32):
+      ids = np.repeat(np.arange(1, g + 1), -(-n // g))[:n][None].repeat(b, 0).astype(np.int32)
+
+      fns = {
+          "unpacked": _grad_of(lambda q, k, vv: ops.linear_attention(q, k, vv)),
+          "scans": _grad_of(lambda q, k, vv, i=ids: ops.linear_attention(q, k, vv, segment_ids=i)),
+          "one_hot": _grad_of(
+              lambda q, k, vv, i=ids, g=g: ops.segmented_linear_attention(
+                  q, k, vv, i, num_segments=g + 1
+              )
+          ),
+      }
+      for fn in fns.values():
+        jax.block_until_ready(fn(fq, fk, v))
+      times = {name: [] for name in fns}
+      for _ in range(args.rounds):
+        for name, fn in fns.items():
+          start = time.perf_counter()
+          for _ in range(3):
+            jax.block_until_ready(fn(fq, fk, v))
+          times[name].append((time.perf_counter() - start) / 3)
+      row = {"n": n, "segments": g, **{f: statistics.median(t) for f, t in times.items()}}
+      rec["rows"].append(row)
+      print(row, flush=True)
+  return rec
+
+
+def _bidirectional_table(rec: dict) -> str:
+  lines = [
+      "| N | segments per row | unpacked op ms | two scans ms (x unpacked) | one-hot ms "
+      "(x unpacked) |",
+      "|---|---|---|---|---|",
+  ]
+  for r in rec["rows"]:
+    u = r["unpacked"]
+    lines.append(
+        f"| {r['n']} | {r['segments']} | {1e3 * u:.1f} | {1e3 * r['scans']:.1f} "
+        f"({r['scans'] / u:.2f}x) | {1e3 * r['one_hot']:.1f} ({r['one_hot'] / u:.2f}x) |"
+    )
+  return "\n".join(lines)
+
+
 def _slots(batches) -> tuple[int, int]:
   real = sum(int(b["mask"].sum()) for b in batches)
   return real, sum(int(b["mask"].size) for b in batches)
@@ -379,7 +438,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--count_steps", type=int, default=600)
   p.add_argument("--out", default="")
-  p.add_argument("--part", choices=("bucketing", "lm"), default="bucketing")
+  p.add_argument("--part", choices=("bucketing", "lm", "bidirectional"), default="bucketing")
   p.add_argument("--lm_config", default="kernel=elu1", help="configs/text_lm.py arguments")
   try:
     args = p.parse_args(argv)
@@ -388,6 +447,12 @@ def main(argv: list[str]) -> int:
   if min(args.steps, args.rounds, args.count_steps) < 1:
     print("--steps, --rounds and --count_steps must be >= 1.", file=sys.stderr)
     return 2
+  if args.part == "bidirectional":
+    rec = _measure_bidirectional(args)
+    table = _bidirectional_table(rec)
+    print(table)
+    report.write(args.out, "padding_bidirectional", table, rec)
+    return 0
   try:
     rec = _measure(args) if args.part == "bucketing" else _measure_lm(args)
   except ValueError as e:  # a bad --buckets / --window / --lm_config (the config's message)

@@ -997,13 +997,19 @@ def _segment_totals_by_scans(fq, fk, vals, ids, chunk: int):
 
 def _segment_totals_one_hot(fq, fk, vals, ids, num_segments: int):
   """Bidirectional segment sums by a one-hot ``[b, n, G]`` of the ids (ids outside [0, G)
-  see nothing): ``[b, h, G, m, d]`` states, one per segment, read back per query."""
-  one_hot = (ids[..., None] == jnp.arange(num_segments)[None, None]).astype(fq.dtype)  # [b, n, G]
-  kv = jnp.einsum("bjg,bhjm,bhjd->bhgmd", one_hot, fk, vals)
-  ks = jnp.einsum("bjg,bhjm->bhgm", one_hot, fk)
-  num = jnp.einsum("big,bhim,bhgmd->bhid", one_hot, fq, kv)
-  den = jnp.einsum("big,bhim,bhgm->bhi", one_hot, fq, ks)
-  return num, den
+  see nothing), as two plain matmuls: the states ``fk^T (one_hot x [v, 1])`` ``[b, h, m,
+  G (d + 1)]`` of every segment at once, then ``fq`` against them, each query keeping its own
+  segment's ``d + 1`` columns. O(N m G d)."""
+  b, h, n, _ = fk.shape
+  d = vals.shape[-1]
+  one_hot = (ids[..., None] == jnp.arange(num_segments)[None, None]).astype(fq.dtype)[:, None]
+  vals1 = jnp.concatenate([vals, jnp.ones(vals.shape[:-1] + (1,), vals.dtype)], axis=-1)
+  spread = one_hot[..., None] * vals1[:, :, :, None, :]  # [b, h, n, G, d + 1]
+  spread = spread.reshape(b, h, n, num_segments * (d + 1))
+  states = jnp.einsum("bhjm,bhje->bhme", fk, spread)  # [b, h, m, G (d + 1)]
+  read = jnp.einsum("bhim,bhme->bhie", fq, states).reshape(b, h, n, num_segments, d + 1)
+  mine = jnp.einsum("bhige,bxig->bhie", read, one_hot)  # [b, h, n, d + 1]
+  return mine[..., :d], mine[..., d]
 
 
 def linear_attention_reference(
