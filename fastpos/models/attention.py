@@ -415,6 +415,17 @@ class FullPath:
 
   def key_features(self, k, projection) -> hooks_lib.KeyFeatures:
     kernel = self.cfg.kernel
+    segs = segments.active()
+    if segs is not None and kernel.name in segments.STABILISED_KEYS:
+      # Packed: each segment's keys take the stabiliser they have alone.
+      parts = functools.partial(segments.segment_key_parts, kernel.name, k, segs.ids)
+      if self._scaled():
+        e, log_scale, key_eps = parts(projection=projection, mask=self.mask, causal=True)
+        return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
+      fk = segments.segment_key_features(
+          kernel.name, k, segs.ids, projection=projection, mask=self.mask, causal=self.cfg.causal
+      )
+      return hooks_lib.KeyFeatures((fk,))
     if self._scaled():
       e, log_scale, key_eps = feature_ops.causal_key_parts(
           kernel.name, k, projection=projection, mask=self.mask, nu=kernel.nu
@@ -428,6 +439,8 @@ class FullPath:
   def linear(self, num, den, keys, dtype):
     cfg = self.cfg
     (fq, (fk,)), mix = num, self.mix
+    segs = segments.active()
+    packed = {} if segs is None else {"segment_ids": segs.ids}  # no state crosses a segment
     if keys.log_scale is not None:
       # The causal scan keeps a running maximum of the keys' scale s (``scaled_keys``), so a
       # late key far above the first cannot overflow.
@@ -441,6 +454,7 @@ class FullPath:
           chunk_size=cfg.chunk_size,
           key_log_scale=keys.log_scale,
           key_eps=keys.eps,
+          **packed,
       )
     rpe = None if mix.log_table is None else jnp.exp(mix.log_table.astype(dtype))
     kw = dict(
@@ -453,9 +467,9 @@ class FullPath:
         eps=cfg.kernel.eps,
     )
     if self.reference:
-      return attn_ops.linear_attention_reference(fq, fk, self.v, **kw)
+      return attn_ops.linear_attention_reference(fq, fk, self.v, **kw, **packed)
     fn = cp.linear_attention if self.split else attn_ops.linear_attention
-    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw)
+    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw, **packed)
 
 
 # Kernels whose causal key features split into a bounded part and a log scale

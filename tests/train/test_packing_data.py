@@ -97,8 +97,9 @@ def test_packing_refusals():
   packing.check_config(cfg, "lm", N, model("softmax", "absolute"))
   with pytest.raises(ValueError, match="'classify' task; packing serves lm tasks"):
     packing.check_config(cfg, "classify", N, model("softmax", "absolute"))
-  with pytest.raises(ValueError, match="kernel 'elu1' is linear"):
-    packing.check_config(cfg, "lm", N, model("elu1", "absolute"))
+  packing.check_config(cfg, "lm", N, model("elu1", "absolute"))  # linear kernels pack too
+  with pytest.raises(ValueError, match="'kernelized_rpe': with the linear kernel 'elu1'"):
+    packing.check_config(cfg, "lm", N, model("elu1", "kernelized_rpe"))
   with pytest.raises(ValueError, match="choose one"):
     packing.check_config(
         _cfg(**{"data.bucket_lengths": (8,)}), "lm", N, model("softmax", "absolute")
