@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import numbers
 import os
 import re
 import sys
@@ -30,7 +31,31 @@ from fastpos.train.config_files import ConfigError, read
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")  # what config_flags takes as an override
 _OPTIONS = "model.positional_options"  # per-scheme options, by scheme name
-_OPTION_TYPES = {"bool": bool, "int": int, "number": float, "str": str, "any": object}
+# A "number" option is a numbers.Real field: an int stays an int, a float a float.
+_OPTION_TYPES = {"bool": bool, "int": int, "number": numbers.Real, "str": str, "any": object}
+
+
+class _NumberParser(flags.ArgumentParser):
+  """A "number" option's value on the command line: an int literal stays an int (``3``), any
+  other number is a float (``0.5``, ``1e3``)."""
+
+  def parse(self, argument):
+    if not isinstance(argument, str):
+      return argument
+    try:
+      return int(argument)
+    except ValueError:
+      pass
+    try:
+      return float(argument)
+    except ValueError:
+      raise ValueError(f"{argument!r} is not a number (an int or a float)") from None
+
+  def flag_type(self) -> str:
+    return "number"
+
+
+config_flags.register_flag_parser_for_type(numbers.Real, _NumberParser())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,10 +279,8 @@ def _declare_options(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _field(value, kind: type):
-  if (
-      value is not None
-      and not isinstance(value, kind)
-      and not (kind is float and isinstance(value, int) and not isinstance(value, bool))
+  if value is not None and (
+      not isinstance(value, kind) or (kind is numbers.Real and isinstance(value, bool))
   ):
     return value  # of another type: the schema check names it
   return ml_collections.FieldReference(value, field_type=kind)
