@@ -127,17 +127,7 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
       result = loop_lib.train_loop(run, ckpts, writer, start)
       ckpts.wait()  # a failed background save raises here
     if not result["stopped_early"] and jax.process_index() == 0:
-      line = summary_line(
-          run.workdir,
-          run.task,
-          run.info,
-          result,
-          train_src,
-          val_src,
-          positional=run.cfg.model.positional,
-          changes=history,
-      )
-      logging.info("%s", line)
+      logging.info("%s", _last_line(run, result, (train_src, val_src), history))
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     where = getattr(e, "filename", None) or (
@@ -173,6 +163,20 @@ def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]
       jax.process_count(),
   )
   return history
+
+
+def _last_line(run: Run, result: dict[str, Any], sources, history: list) -> str:
+  """The summary line from what the run holds: the loop's result, its config and the change
+  record ``history`` (``_record_config``)."""
+  return summary_line(
+      run.workdir,
+      run.task,
+      run.info,
+      result,
+      *sources,
+      positional=run.cfg.model.positional,
+      changes=history,
+  )
 
 
 def _open_writer(run: Run, start: resume_lib.Start, changes) -> metrics_lib.MetricWriter:
