@@ -44,12 +44,8 @@ class _NumberParser(flags.ArgumentParser):
       return argument
     try:
       return int(argument)
-    except ValueError:
-      pass
-    try:
+    except ValueError:  # not an int literal: a float, or float()'s error (absl's wording)
       return float(argument)
-    except ValueError:
-      raise ValueError(f"{argument!r} is not a number (an int or a float)") from None
 
   def flag_type(self) -> str:
     return "number"
@@ -208,7 +204,8 @@ def _check_path(cfg: ml_collections.ConfigDict, path: str, arg: str) -> None:
   for i, part in enumerate(parts):
     where = ".".join(parts[:i])
     if not isinstance(node, ml_collections.ConfigDict):
-      kind = _get(cfg, where.rpartition(".")[0]).get_type(parts[i - 1]).__name__
+      kind = _get(cfg, where.rpartition(".")[0]).get_type(parts[i - 1])
+      kind = "number" if kind is numbers.Real else kind.__name__
       raise ConfigError(f"{arg}: config.{where} is a field ({kind}), not a block of fields.")
     if part not in node:
       raise ConfigError(f"{arg}: {_unknown(cfg, where, part, node)}")

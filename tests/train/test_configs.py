@@ -273,6 +273,8 @@ def test_scheme_options_keep_their_declared_type(tmp_path):
   for option, bad in (("rope.base", "ten"), ("t5_bias.num_buckets", "16.5")):
     with pytest.raises(cli.ConfigError, match=bad):
       options((f"model.positional_options.{option}", bad))
+  with pytest.raises(cli.ConfigError, match=r"rope.base is a field \(number\)"):
+    options(("model.positional_options.rope.base.x", "1"))
   saved = tmp_path / "config.json"
   saved.write_text(cfg.to_json())  # a run's saved config: JSON keeps the int
   base = cli.load_config(str(saved), [("seed", "2")]).model.positional_options.rope.base
