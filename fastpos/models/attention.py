@@ -428,7 +428,7 @@ class FullPath:
       return hooks_lib.KeyFeatures((fk,))
     if self._scaled():
       e, log_scale, key_eps = feature_ops.causal_key_parts(
-          kernel.name, k, projection=projection, mask=self.mask, nu=kernel.nu
+          kernel, k, projection=projection, mask=self.mask, nu=kernel.nu
       )
       return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
     fk = kernel.phi(
@@ -472,20 +472,15 @@ class FullPath:
     return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw, **packed)
 
 
-# Kernels whose causal key features split into a bounded part and a log scale
-# (``fastpos.ops.features.causal_key_parts``).
-SCALED_KEY_KERNELS = ("sikf", "favor", "orf", "prf")
-
-
 def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
   """Whether the layer's linear path runs with ``key_log_scale`` (a running maximum of the
-  keys' scale in the causal scan): a causal layer with a stabilised random-feature kernel and
+  keys' scale in the causal scan): a causal layer with a ``Kernel.scaled_keys`` kernel and
   no relative table, decay, or post_phi scheme other than a permutation (the op does not take
   ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``); schemes say whether
   they only permute features (``Scheme.permutes_features``)."""
   return (
       cfg.causal
-      and cfg.kernel.name in SCALED_KEY_KERNELS
+      and cfg.kernel.scaled_keys
       and log_table is None
       and log_decay is None
       and all(s.permutes_features for s in post)
