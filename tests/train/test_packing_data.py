@@ -95,8 +95,10 @@ def test_packing_refusals():
     return build_model(c, lm)
 
   packing.check_config(cfg, "lm", N, model("softmax", "absolute"))
-  with pytest.raises(ValueError, match="'classify' task; packing serves lm tasks"):
-    packing.check_config(cfg, "classify", N, model("softmax", "absolute"))
+  with pytest.raises(ValueError, match="'retrieval' task: a retrieval example is two documents"):
+    packing.check_config(cfg, "retrieval", N, model("softmax", "absolute"))
+  with pytest.raises(ValueError, match="'vision' task: packing serves lm / classify tasks"):
+    packing.check_config(cfg, "vision", N, model("softmax", "absolute"))
   with pytest.raises(ValueError, match="kernel 'elu1' is linear"):
     packing.check_config(cfg, "lm", N, model("elu1", "absolute"))
   with pytest.raises(ValueError, match="choose one"):
