@@ -139,7 +139,7 @@ def _flat(tree):
     "pooling, scheme, extra",
     [
         ("mean", "absolute+t5_bias", {}),
-        ("cls", "absolute+t5_bias", {}),
+        pytest.param("cls", "absolute+t5_bias", {}, marks=pytest.mark.slow),
         # The segments reach the layers and the pooling through nn.scan and remat, too.
         pytest.param(
             "cls",
