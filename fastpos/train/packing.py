@@ -21,10 +21,11 @@ limited), in order, packed into rows and cut into batches, the last filled with 
 each example is scored exactly once. Retrieval (two documents per example) is not packed.
 
 Training: the endless shuffled example sequence (from ``config.seed``) is read in windows of
-``bucket_window * batch_size`` examples; each window is packed into rows and cut into batches
-(the window's last batch filled with copies of its first row given weight 0). Batch b is a
-pure function of b (windows are packed in order, their batch counts kept), so the grain
-iterator's position restores the same stream exactly. Each process reads the rows of its row
+``bucket_window * batch_size`` examples; each window (with the examples the previous window
+left over) is packed into rows and cut into whole batches, and the examples of the rows that
+do not fill a whole batch go on to the next window: no training row is a filler. Batch b is
+a pure function of b (windows are packed in order from the first, their batch counts kept),
+so the grain iterator's position restores the same stream exactly. Each process reads the rows of its row
 group (``sharding.data_reader``).
 """
 
@@ -207,14 +208,19 @@ def train_batches(
   per_window = int(cfg.data.get("bucket_window", 1)) * global_batch
   order = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat()
   cache: dict[int, list[list[int]]] = {}
+  carried: dict[int, list[int]] = {0: []}  # examples window w takes over from window w - 1
   first_batch = [0]  # first_batch[w]: the first batch of window w (windows packed in order)
   lock = threading.Lock()
   reader = sharding.data_reader(cfg)
 
   def window_rows(w: int) -> list[list[int]]:
+    """Window w's rows that fill whole batches; the rest's examples go on to window w + 1."""
     if w not in cache:
-      idx = [order[start + w * per_window + i] for i in range(per_window)]
-      cache[w] = layout.rows(np.array(idx, np.int64))
+      idx = carried[w] + [order[start + w * per_window + i] for i in range(per_window)]
+      rows = layout.rows(np.array(idx, np.int64))
+      whole = len(rows) // global_batch * global_batch
+      cache[w] = rows[:whole]
+      carried[w + 1] = [e for r in rows[whole:] for e in r]
       for old in [k for k in cache if k < w - 2]:
         del cache[old]
     return cache[w]
@@ -223,7 +229,7 @@ def train_batches(
     with lock:
       while first_batch[-1] <= b:
         w = len(first_batch) - 1
-        first_batch.append(first_batch[-1] + -(-len(window_rows(w)) // global_batch))
+        first_batch.append(first_batch[-1] + len(window_rows(w)) // global_batch)
       w = int(np.searchsorted(first_batch, b, side="right")) - 1
       return w, b - first_batch[w]
 
@@ -231,10 +237,8 @@ def train_batches(
     w, j = locate(b)
     with lock:
       rows = window_rows(w)[j * global_batch : (j + 1) * global_batch]
-    real = np.arange(global_batch) < len(rows)
-    rows = rows + [rows[0]] * (global_batch - len(rows))  # fillers: real rows, weight 0
     mine = _mine(rows, reader)
-    return layout.batch(rows[mine], real[mine])
+    return layout.batch(rows[mine], np.ones(len(rows), bool)[mine])
 
   return grain.MapDataset.range(2**62).map(make)
 
