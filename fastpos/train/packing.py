@@ -25,8 +25,8 @@ Training: the endless shuffled example sequence (from ``config.seed``) is read i
 left over) is packed into rows and cut into whole batches, and the examples of the rows that
 do not fill a whole batch go on to the next window: no training row is a filler. Batch b is
 a pure function of b (windows are packed in order from the first, their batch counts kept),
-so the grain iterator's position restores the same stream exactly. Each process reads the rows of its row
-group (``sharding.data_reader``).
+so the grain iterator's position restores the same stream exactly. Each process reads the
+rows of its row group (``sharding.data_reader``).
 """
 
 from __future__ import annotations
