@@ -294,9 +294,13 @@ FIELDS: dict[str, Field] = {
         check=lambda lengths: all(_is_int(n) for n in lengths),
     ),
     "data.bucket_window": _int(16, 1),  # >= 1 global batches sorted (or packed) together
-    # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes
-    # none / absolute / t5_bias / rope / kernelized_rpe): several examples per row.
+    # Sequence packing (lm and classify tasks, models that keep segments apart: softmax kernel,
+    # schemes none / absolute / t5_bias / rope / kernelized_rpe): several examples per row.
+    # Regroups the examples: changes the results.
     "data.pack": _bool(False),
+    # Packed classification: at most this many examples per row (the model returns one logit
+    # vector per slot). Changes the results (another grouping); unused for lm tasks.
+    "data.pack_segments": _int(8, 1, 1024),
     # The paper's cell and numbers (configs/common.set_paper), read by the tables; only the
     # configs of a paper's table have them.
     "experiment": _block(trajectory=False, base=False),

@@ -70,7 +70,7 @@ def cell_table() -> tuple[str, list[dict]]:
   from fastpos import positional
 
   rows, lines = [], [
-      "| kernel | scheme | causal | packing (lm: causal) | bucketing "
+      "| kernel | scheme | causal | packing (lm: causal; classify: bidirectional) | bucketing "
       "(classify, retrieval) | why it does not pack |",
       "|---|---|---|---|---|---|",
   ]
@@ -89,7 +89,7 @@ def cell_table() -> tuple[str, list[dict]]:
                 "why_not": why,
             }
         )
-        packs = "packs" if causal else "exact in the layer; packed classification not built"
+        packs = "packs" if causal else "packs (classify)"
         lines.append(
             f"| {kernel} | {scheme} | {'yes' if causal else 'no'} | "
             f"{packs if why is None else 'refuses'} | "
