@@ -196,9 +196,11 @@ def test_packed_logits_and_gradients_equal_each_example_alone(pooling, scheme, e
 def test_cells_that_cannot_pack_stop_before_compiling(tmp_path):
   from configs import listops_generated
 
-  cfg = listops_generated.get_config("tiny")  # the main job's cell: SIKF + absolute + FastRPB
+  cfg = listops_generated.get_config(
+      "tiny"
+  )  # the main job's cell: SIKF + absolute + FastRPB (FastRPB spans the row)
   cfg.data.pack = True
-  with pytest.raises(ValueError, match=r"kernel 'sikf' is linear.*config\.data\.bucket_lengths"):
+  with pytest.raises(ValueError, match=r"scheme 'fastrpb'.*config\.data\.bucket_lengths"):
     build_run(cfg, tmp_path)
   cfg = tiny_config(**{"data.pack": True})
   with pytest.raises(ValueError, match="'retrieval' task: a retrieval example is two documents"):
