@@ -279,6 +279,7 @@ class Attention(nn.Module):
       deterministic: bool = True,
       reference: bool = False,
       decode=None,
+      tail=None,
   ):
     """Args:
     x: ``[batch, N, D]``.
@@ -291,10 +292,14 @@ class Attention(nn.Module):
     reference: dense O(N^2) references instead of the fast paths.
     decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
       layer's ``cache`` collection (``fastpos.models.decoding``).
+    tail: a token-wise function run on each chunk of the output when the call runs by chunks
+      (``chunked_attention.attend``; the caller checks ``by_chunks``), else refused.
     """
     grid, mask = self._check_inputs(x, mask, grid, memory, reference)
-    if self._by_chunks(x, memory, decode, reference):
-      return self._chunked(x, mask, deterministic)
+    if self.by_chunks(x, memory, decode, reference):
+      return self._chunked(x, mask, deterministic, tail)
+    if tail is not None:
+      raise ValueError("Attention: tail is only run by a call that runs by chunks.")
     dense = lambda name: nn.DenseGeneral(
         (self.cfg.num_heads, self.cfg.head_dim), dtype=self.dtype, name=name
     )
@@ -319,7 +324,7 @@ class Attention(nn.Module):
     out = out.astype(self.dtype)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
-  def _by_chunks(self, x, memory, decode, reference) -> bool:
+  def by_chunks(self, x, memory, decode, reference) -> bool:
     """Whether this call runs by chunks (``cfg.attn_chunk``): not while initialising (the
     parameters are built by the whole-sequence path), decoding, with memory or as the dense
     reference, and only with more than one chunk in a device's block of the sequence."""
@@ -335,7 +340,7 @@ class Attention(nn.Module):
       )
     return True
 
-  def _chunked(self, x, mask, deterministic):
+  def _chunked(self, x, mask, deterministic, tail):
     """The layer by chunks of the sequence (``fastpos.models.chunked_attention.attend``):
     the same parameters, projection draw and output hooks as the whole-sequence path."""
     hooks = hooks_lib.Hooks.of(self._schemes())
@@ -369,6 +374,7 @@ class Attention(nn.Module):
         projection=w,
         chunk=self.cfg.attn_chunk,
         parts=cp.seq_size(),
+        tail=tail,
     )
 
   def _check_inputs(self, x, mask, grid, memory, reference):

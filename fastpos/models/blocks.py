@@ -232,6 +232,8 @@ class Block(nn.Module):
     if decode is not None:  # a decoding step (fastpos.models.decoding)
       kw["decode"] = decode
     chunked = self._chunked(x, decode)
+    if chunked and self._fused(attn, x, memory, decode, reference):
+      return attn(x, tail=self._tail(x, drop, mlp, train), **kw)
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
       y = attn(self._apply(norm1, x, mask), memory=mem, **kw)
@@ -256,11 +258,26 @@ class Block(nn.Module):
       return False
     return -(-x.shape[1] // context_parallel.seq_size()) > self.mlp_chunk
 
+  def _fused(self, attn, x, memory, decode, reference) -> bool:
+    """Whether the token-wise part runs inside the attention's chunk loop
+    (``chunked_attention.attend``'s ``tail``): post-norm, ``attention.attn_chunk`` equal to
+    ``mlp_chunk``, and the attention call running by chunks."""
+    if self.norm != "post" or self.attention.attn_chunk != self.mlp_chunk:
+      return False
+    return attn.by_chunks(x, memory, decode, reference)
+
   def _chunked_tail(self, x, y, drop, mlp, train):
     """``x [b, N, D]`` the block's input and ``y`` its attention output -> the block's output,
-    computed by ``tokenwise.map_chunks`` from the parameters of the whole-sequence path's
-    modules (same math: their own ``apply``) and slices of its dropout masks (same keys,
-    drawn in the same order)."""
+    computed by ``tokenwise.map_chunks`` (``_tail``)."""
+    return tokenwise.map_chunks(
+        self._tail(x, drop, mlp, train), (x, y), self.mlp_chunk, context_parallel.seq_size()
+    )
+
+  def _tail(self, x, drop, mlp, train):
+    """The block's token-wise part as ``fn(pos, x_chunk, y_chunk) -> out_chunk`` (chunks
+    ``[b, P, C, D]`` of the block input and attention output, ``pos`` the tokens' positions),
+    from the parameters of the whole-sequence path's modules (same math: their own
+    ``apply``) and slices of its dropout masks (same keys, drawn in the same order)."""
     det = not train
     keys = (drop.key(deterministic=det), mlp(None, deterministic=det, key_only=True))
     keys += (drop.key(deterministic=det),)
@@ -297,7 +314,7 @@ class Block(nn.Module):
       x1 = ln1(xc + dropped(yc, keys[0]))
       return ln2(x1 + dropped(mlp_fn(x1), keys[2]))
 
-    return tokenwise.map_chunks(tail, (x, y), self.mlp_chunk, context_parallel.seq_size())
+    return tail
 
 
 class Layer(Block):

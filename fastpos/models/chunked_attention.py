@@ -119,6 +119,7 @@ def attend(
     projection,
     chunk: int,
     parts: int,
+    tail: Callable | None = None,
 ):
   """The layer's output ``[b, N, D]`` of ``x [b, N, D]`` by chunks of ``chunk`` tokens.
 
@@ -126,7 +127,11 @@ def attend(
   params: the layer's parameters (``query``, ``key``, ``value``, ``out``, as the unchunked
   layer's ``nn.DenseGeneral``). terms: ``v [b, N, h, d] -> [terms [b, N, h, d]]``, the
   ``output`` hooks on the masked values. projection: the kernel's random projection or None.
-  parts: P, the devices the sequence is split over."""
+  parts: P, the devices the sequence is split over. tail: None, or a token-wise
+  ``fn(pos, x_chunk, y_chunk) -> [b, P, C, D']`` run on each chunk of the layer's output y in
+  the second pass (the block's token-wise part: then the result is its output, and neither
+  y nor a second chunk loop is stored); ``pos`` int32 ``[1, P, C, 1]``: the tokens'
+  positions (>= N: padding), as ``fastpos.models.tokenwise.map_chunks`` gives them."""
   b, n, width = x.shape
   kernel, eps = cfg.kernel, cfg.kernel.eps
   state = jnp.promote_types(dtype, jnp.float32)  # feature maps and sums: float32 at least
@@ -179,8 +184,11 @@ def attend(
   kv, ks = jnp.sum(kv, axis=1), jnp.sum(ks, axis=1)  # over the devices' blocks
   extra = tuple(_split(t, parts, chunk) for t in terms(_merge(v, n)))
 
+  starts = jnp.arange(parts, dtype=jnp.int32)[None, :, None, None] * -(-n // parts)
+  offsets = jnp.arange(chunk, dtype=jnp.int32)[None, None, :, None]
+
   @jax.checkpoint
-  def outputs(xc, m, *ts):
+  def outputs(index, xc, m, *ts):
     q = prepared(query(xc), m)
     fq = kernel.phi(_flat(q), projection=projection, is_query=True, mask=_flat(m))
     fq = fq.astype(state).reshape(q.shape[:3] + (cfg.num_heads, -1))
@@ -189,9 +197,11 @@ def attend(
     out = (num / _guard(den, eps)[..., None]).astype(dtype)
     for t in ts:
       out = out + t.astype(out.dtype)
-    return out_proj(out.astype(dtype))
+    y = out_proj(out.astype(dtype))
+    return y if tail is None else tail(starts + index * chunk + offsets, xc, y)
 
-  _, y = jax.lax.scan(lambda c, a: (c, outputs(*a)), None, xs + extra)
+  steps = jnp.arange(xs[0].shape[0], dtype=jnp.int32)
+  _, y = jax.lax.scan(lambda c, a: (c, outputs(*a)), None, (steps,) + xs + extra)
   return _merge(y, n)
 
 

@@ -103,15 +103,19 @@ def _compare(whole, chunked, params, batch, place=lambda p, b: (p, b)) -> tuple[
   )
 
 
-@pytest.mark.slow
-def test_chunked_model_equals_the_whole_model():
+# attn_chunk == mlp_chunk: the token-wise part runs inside the attention's chunk loop (the
+# default run); else after it, in its own chunks.
+@pytest.mark.parametrize(
+    "attn_chunk", [4, pytest.param(8, marks=pytest.mark.slow)], ids=["fused", "apart"]
+)
+def test_chunked_model_equals_the_whole_model(attn_chunk):
   """The LRA Text cell's layout (CLS pooling: N + 1 positions), scanned and rematerialised
   layers, with the token-wise part chunked too: train-mode outputs and gradients."""
   with jax.enable_x64(True):
     task = TaskInfo("classify", V, 3, N)
     layout = dict(pooling="cls", scan_layers=True, remat="block", mlp_chunk=4)
     whole = build_model(_cfg(**layout), task)
-    chunked = build_model(_cfg(**layout, attn_chunk=8), task)
+    chunked = build_model(_cfg(**layout, attn_chunk=attn_chunk), task)
     params = whole.init(jax.random.key(0), _batch())["params"]
     out_err, grad_err = _compare(whole, chunked, params, _batch())
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
@@ -128,7 +132,7 @@ def run_split() -> dict:
   mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
   task = TaskInfo("classify", V, 3, 28)
   whole = build_model(_cfg(pooling="cls"), task)
-  chunked = build_model(_cfg(pooling="cls", attn_chunk=3), task)
+  chunked = build_model(_cfg(pooling="cls", attn_chunk=3, mlp_chunk=3), task)
   batch = _batch(28)
   params = jax.tree.map(
       lambda a: a.astype(jnp.float64), whole.init(jax.random.key(0), batch)["params"]
@@ -155,7 +159,8 @@ print("RESULT" + json.dumps(t.run_split()))
 @pytest.mark.slow
 def test_chunks_of_a_split_sequence_equal_the_whole_model():
   """Each of 4 devices chunks its own block (CLS pooling: 29 positions, padded to 4 x 8, in
-  chunks of 3); the key sums and sikf's stabiliser span the devices."""
+  chunks of 3, the token-wise part in the same loop); the key sums and sikf's stabiliser
+  span the devices; dropout masks are the unsplit, unchunked ones."""
   out_err, grad_err = run_on_devices(_SCRIPT, timeout=1200)["split"]
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
