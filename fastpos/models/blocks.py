@@ -82,6 +82,37 @@ def _masked_scale_bwd(keep, mask, g):
 masked_scale.defvjp(_masked_scale_fwd, _masked_scale_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def keyed_scale(x, key, keep: float):
+  """``masked_scale(x, bernoulli(key, keep, x.shape), keep)`` whose backward pass keeps only
+  the key and draws the mask again: nothing of ``x``'s size is stored (XLA would keep the
+  generator's two 32-bit words per entry, fused into the backward's select, for a mask)."""
+  return masked_scale(x, jax.random.bernoulli(key, p=keep, shape=x.shape), keep)
+
+
+def _keyed_scale_fwd(x, key, keep):
+  return keyed_scale(x, key, keep), key
+
+
+def _after(key, g):
+  """``key`` itself, made to depend on ``g`` (it changes only where g's first entry is NaN, and
+  then the gradient is NaN anyway): XLA's scheduler would otherwise draw the backward pass's
+  mask, which depends on the key alone, during the forward pass and keep it."""
+  tie = jnp.isnan(g.reshape(-1)[0]).astype(jnp.uint32)
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(key)
+    return jax.random.wrap_key_data(jax.random.key_data(key) + tie, impl=impl)
+  return key + tie
+
+
+def _keyed_scale_bwd(keep, key, g):
+  mask = jax.random.bernoulli(_after(key, g), p=keep, shape=g.shape)
+  return jax.lax.select(mask, g / keep, jnp.zeros_like(g)), None
+
+
+keyed_scale.defvjp(_keyed_scale_fwd, _keyed_scale_bwd)
+
+
 class Dropout(nn.Module):
   """``nn.Dropout`` (its name, rng stream and masks: a run's numbers do not change) whose
   backward pass keeps a boolean mask, not a float copy (``masked_scale``)."""
@@ -103,8 +134,8 @@ class Dropout(nn.Module):
   def __call__(self, x, *, deterministic: bool):
     if self.rate == 1.0 and not deterministic:
       return jnp.zeros_like(x)
-    mask = self.make_mask(x.shape, deterministic=deterministic)
-    return x if mask is None else masked_scale(x, mask, 1.0 - self.rate)
+    key = self.key(deterministic=deterministic)
+    return x if key is None else keyed_scale(x, key, 1.0 - self.rate)
 
 
 class _GeluDropDense(nn.Dense):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Layer, check_stack, remat_policy
+from fastpos.models.blocks import Dropout, Layer, check_stack, remat_policy
 from fastpos.ops import segments
 from fastpos.ops.masks import check_mask
 
@@ -174,7 +174,7 @@ class Tower(nn.Module):
         if spec.option_dict().get("share_across_layers")
     )
     cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
     settings = dict(
         attention=cfg,
