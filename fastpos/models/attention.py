@@ -359,10 +359,7 @@ class Attention(nn.Module):
           deterministic=deterministic,
           reference=False,
       )
-      return [
-          s.output(v, path.ctx) if path.output_term is None else path.output_term(s, v, path.ctx)
-          for s in hooks.output
-      ]
+      return hooks_lib.output_terms(hooks, path)
 
     return chunked.attend(
         x,

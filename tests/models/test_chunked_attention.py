@@ -103,17 +103,23 @@ def _compare(whole, chunked, params, batch, place=lambda p, b: (p, b)) -> tuple[
   )
 
 
-# attn_chunk == mlp_chunk: the token-wise part runs inside the attention's chunk loop (the
-# default run); else after it, in its own chunks.
-@pytest.mark.parametrize(
-    "attn_chunk", [4, pytest.param(8, marks=pytest.mark.slow)], ids=["fused", "apart"]
-)
-def test_chunked_model_equals_the_whole_model(attn_chunk):
-  """The LRA Text cell's layout (CLS pooling: N + 1 positions), scanned and rematerialised
-  layers, with the token-wise part chunked too: train-mode outputs and gradients."""
+# attn_chunk == mlp_chunk: the token-wise part runs inside the attention's chunk loop; else
+# after it, in its own chunks. The default run holds one layer, unrolled and fused.
+SCAN = dict(scan_layers=True, remat="block")
+CASES = [
+    pytest.param(4, dict(num_layers=1), id="fused-one_layer"),
+    pytest.param(4, SCAN, id="fused-scan_block", marks=pytest.mark.slow),
+    pytest.param(8, SCAN, id="apart-scan_block", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("attn_chunk, layout", CASES)
+def test_chunked_model_equals_the_whole_model(attn_chunk, layout):
+  """The LRA Text cell's layout (CLS pooling: N + 1 positions) with the token-wise part
+  chunked too (mlp_chunk=4): train-mode outputs and gradients, dropout on."""
   with jax.enable_x64(True):
     task = TaskInfo("classify", V, 3, N)
-    layout = dict(pooling="cls", scan_layers=True, remat="block", mlp_chunk=4)
+    layout = dict(pooling="cls", mlp_chunk=4, **layout)
     whole = build_model(_cfg(**layout), task)
     chunked = build_model(_cfg(**layout, attn_chunk=attn_chunk), task)
     params = whole.init(jax.random.key(0), _batch())["params"]
