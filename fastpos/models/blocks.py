@@ -115,7 +115,7 @@ keyed_scale.defvjp(_keyed_scale_fwd, _keyed_scale_bwd)
 
 class Dropout(nn.Module):
   """``nn.Dropout`` (its name, rng stream and masks: a run's numbers do not change) whose
-  backward pass keeps a boolean mask, not a float copy (``masked_scale``)."""
+  backward pass keeps only the key and draws the mask again (``keyed_scale``)."""
 
   rate: float
 
