@@ -226,6 +226,11 @@ FIELDS: dict[str, Field] = {
     # chunk by chunk and rematerialised; 0: the whole sequence at once. Changes memory and
     # time, not the function (dropout masks included); not with norm="batch".
     "model.mlp_chunk": _int(0, 0, trajectory=False),
+    # Tokens per chunk of each attention layer (projections, feature maps, outputs), run chunk
+    # by chunk and rematerialised, with the key sums carried between two passes; 0: the whole
+    # sequence at once. Changes memory and time, not the function (round-off only); for
+    # bidirectional linear layers with output-hook schemes (fastpos.models.chunked_attention).
+    "model.attn_chunk": _int(0, 0, trajectory=False),
     # Batches and duration. Durations are in optimizer steps.
     "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts
     # Global evaluation batch; 0 means batch_size (an LM's evaluation streams follow it).
@@ -294,9 +299,13 @@ FIELDS: dict[str, Field] = {
         check=lambda lengths: all(_is_int(n) for n in lengths),
     ),
     "data.bucket_window": _int(16, 1),  # >= 1 global batches sorted (or packed) together
-    # Sequence packing (lm tasks, models that keep segments apart: softmax kernel, schemes
-    # none / absolute / t5_bias / rope / kernelized_rpe): several examples per row.
+    # Sequence packing (lm and classify tasks, models that keep segments apart: softmax kernel,
+    # schemes none / absolute / t5_bias / rope / kernelized_rpe): several examples per row.
+    # Regroups the examples: changes the results.
     "data.pack": _bool(False),
+    # Packed classification: at most this many examples per row (the model returns one logit
+    # vector per slot). Changes the results (another grouping); unused for lm tasks.
+    "data.pack_segments": _int(8, 1, 1024),
     # The paper's cell and numbers (configs/common.set_paper), read by the tables; only the
     # configs of a paper's table have them.
     "experiment": _block(trajectory=False, base=False),

@@ -9,13 +9,19 @@ batch), temporaries (activations kept for the backward pass, gradients, FFT buff
 total (arguments + outputs + temporaries - donated aliases). Variants: the absolute table
 learned (sharded over "seq" by the trainer's position rules, or replicated as before) or
 sinusoidal (no table); each ``--remat`` policy (``model.remat``, with ``model.scan_layers``),
-each with every ``--mlp_chunk`` (``model.mlp_chunk``: the blocks' token-wise part in chunks).
+each with every ``--mlp_chunk`` (``model.mlp_chunk``: the blocks' token-wise part in chunks)
+and every ``--attn_chunk`` (``model.attn_chunk``: the attention layers in chunks).
 
 Breakdown: the per-device bytes of each part of the train state come from its shardings; what
 each further layer adds from a compile with one layer (``(temp(L) - temp(1)) / (L - 1)``, with
 remat the activations a layer keeps); and what dominates a layer's own working set (the one
 layer whose backward runs at a time) from one-layer compiles without a part
 (``ABLATIONS``): the difference in temporaries is that part's share.
+
+Time cost of the chunking (``--time_length`` N > 0): forward + backward (``value_and_grad`` of
+the train loss, dropout on) of the same model on one device at N tokens, the first variant's
+settings against the same with ``attn_chunk=0`` (and ``mlp_chunk=0``), interleaved repeats
+in one process, medians and their ratio.
 
 Then, when ``--run`` allows and ``free`` shows enough memory (the devices x the total per
 device + 4 GiB), the first variant's step runs once on this host: state initialised on the
@@ -37,10 +43,11 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fastpos.bench import context_parallel, report
-from fastpos.models import TaskInfo
+from fastpos.models import TaskInfo, build_model
 from fastpos.train import sharding as sharding_lib
 from fastpos.train.config import base_config
 
@@ -60,7 +67,13 @@ POSITIONS = {
 
 
 def make_config(
-    n: int, seq: int, positions: str, remat: str | None, layers: int = 4, mlp_chunk: int = 0
+    n: int,
+    seq: int,
+    positions: str,
+    remat: str | None,
+    layers: int = 4,
+    mlp_chunk: int = 0,
+    attn_chunk: int = 0,
 ):
   """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``."""
   c = base_config("synthetic")
@@ -83,6 +96,8 @@ def make_config(
     c.model.scan_layers = True  # XLA:CPU honours a remat policy under a scan over the layers
   if mlp_chunk:
     c.model.mlp_chunk = mlp_chunk
+  if attn_chunk:
+    c.model.attn_chunk = attn_chunk
   c.batch_size = 1
   c.mesh.seq = seq
   return c
@@ -173,6 +188,51 @@ def run_once(compiled, state, batch, init_fn, n: int) -> dict:
   return {"init_s": init_s, "step_s": step_s, "peak_rss": int(peak), "metrics": metrics}
 
 
+def time_chunking(n: int, positions, remat, chunks, layers: int, repeats: int = 3) -> dict:
+  """Median seconds of fwd+bwd (the train loss's ``value_and_grad``, dropout on) of the model
+  at ``n`` tokens on one device: with ``chunks`` = (mlp_chunk, attn_chunk) and with neither
+  (the same remat), interleaved in one process."""
+  task = TaskInfo("classify", 257, 2, n)
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, 257, (1, n)), jnp.int32)
+  batch = {"inputs": ids, "mask": jnp.ones((1, n), bool)}
+  fns, params = {}, None
+  for name, c in (("chunked", chunks), ("unchunked", (0, 0))):
+    model = build_model(make_config(n, 1, positions, remat, layers, *c).model, task)
+    if params is None:
+      params = model.init(jax.random.key(0), batch)["params"]
+
+    def loss(p, model=model):
+      out = model.apply({"params": p}, batch, train=True, rngs={"dropout": jax.random.key(1)})
+      return jnp.sum(jax.nn.log_softmax(out)[:, 0])
+
+    fns[name] = jax.jit(jax.value_and_grad(loss))
+    jax.block_until_ready(fns[name](params))  # compile and warm up
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params))
+      times[name].append(time.perf_counter() - start)
+  med = {name: float(np.median(t)) for name, t in times.items()}
+  return {
+      "length": n,
+      "chunks": list(chunks),
+      "times": times,
+      "median": med,
+      "ratio": med["chunked"] / med["unchunked"],
+  }
+
+
+def _timing_line(t: dict) -> str:
+  c, a = t["chunks"]
+  return (
+      f"Time cost of the chunking (fwd+bwd of the same model on one device at N = "
+      f"{t['length']:,}, dropout on, median of {len(t['times']['chunked'])} interleaved runs): "
+      f"mlp_chunk={c}, attn_chunk={a}: {t['median']['chunked']:.2f} s; unchunked: "
+      f"{t['median']['unchunked']:.2f} s; ratio {t['ratio']:.2f}x."
+  )
+
+
 def _gib(nbytes: float) -> str:
   return f"{nbytes / GIB:,.2f} GiB"
 
@@ -197,6 +257,17 @@ def _parse(argv):
       "--mlp_chunk",
       default="0",
       help="model.mlp_chunk values, comma-separated (each with every --remat policy; 0: off)",
+  )
+  parser.add_argument(
+      "--attn_chunk",
+      default="0",
+      help="model.attn_chunk values, comma-separated (each with every --mlp_chunk; 0: off)",
+  )
+  parser.add_argument(
+      "--time_length",
+      type=int,
+      default=0,
+      help="N > 0: time fwd+bwd at N tokens on one device, first variant vs unchunked",
   )
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument(
@@ -227,22 +298,30 @@ def _parse(argv):
   if args.layers < 2:
     raise ValueError(f"--layers={args.layers} must be >= 2 (the breakdown compiles 1).")
   remat = [r.strip() for r in args.remat.split(",") if r.strip()]
-  chunks = [c.strip() for c in args.mlp_chunk.split(",") if c.strip()]
-  if not chunks or not all(c.isdigit() for c in chunks):
-    raise ValueError(f"--mlp_chunk={args.mlp_chunk!r}: give ints >= 0, comma-separated.")
-  args.chunks = [int(c) for c in chunks]
+  args.chunks = _ints("--mlp_chunk", args.mlp_chunk)
+  args.attn_chunks = _ints("--attn_chunk", args.attn_chunk)
+  if args.time_length < 0:
+    raise ValueError(f"--time_length={args.time_length} must be >= 0 (0: no timing).")
   return prog, args, positions, remat
 
 
-def _variants(positions, remat, chunks):
-  """[(label, positions, remat, mlp_chunk)], the first one the headline."""
+def _ints(flag: str, text: str) -> list[int]:
+  values = [c.strip() for c in text.split(",") if c.strip()]
+  if not values or not all(c.isdigit() for c in values):
+    raise ValueError(f"{flag}={text!r}: give ints >= 0, comma-separated.")
+  return [int(c) for c in values]
+
+
+def _variants(positions, remat, chunks, attn_chunks=(0,)):
+  """[(label, positions, remat, (mlp_chunk, attn_chunk))], the first one the headline."""
   out = []
   for r in remat:
     for c in chunks:
-      name = f"remat={r}, mlp_chunk={c}" if c else f"remat={r}"
-      out.append((f"{positions[0]}, {name} (scanned layers)", positions[0], r, c))
+      for a in attn_chunks:
+        name = f"remat={r}" + (f", mlp_chunk={c}" if c else "") + (f", attn_chunk={a}" if a else "")
+        out.append((f"{positions[0]}, {name} (scanned layers)", positions[0], r, (c, a)))
   for p in positions:
-    out.append((f"{p}, no remat" if remat else p, p, None, 0))
+    out.append((f"{p}, no remat" if remat else p, p, None, (0, 0)))
   return out
 
 
@@ -250,7 +329,7 @@ def _breakdown(args, n, head, head_variant, results) -> tuple[float, dict]:
   """One layer's temp memory and, per ablated part, its share of it; adds the one-layer
   compile to ``results``."""
   head_pos, head_remat, head_chunk = head_variant
-  cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
+  cfg = make_config(n, args.seq, head_pos, head_remat, 1, *head_chunk)
   one = compile_step(cfg, n)
   one.pop("_run")
   per_layer = (head["temp"] - one["temp"]) / (args.layers - 1)
@@ -262,12 +341,35 @@ def _breakdown(args, n, head, head_variant, results) -> tuple[float, dict]:
   )
   parts = {}
   for part, fields in ABLATIONS.items():
-    cfg = make_config(n, args.seq, head_pos, head_remat, 1, head_chunk)
+    cfg = make_config(n, args.seq, head_pos, head_remat, 1, *head_chunk)
     cfg.model.update(fields)
     r = compile_step(cfg, n)
     parts[part] = {"temp": r["temp"], "share": one["temp"] - r["temp"]}
     print(f"one layer without {part}: temp {_gib(r['temp'])}", flush=True)
   return per_layer, parts
+
+
+def _maybe_run(args, head: dict, n: int) -> tuple[dict | None, str]:
+  """Runs the headline step once when ``--run`` and the host's free memory allow: (the run's
+  record or None, one line saying what happened)."""
+  run, why = None, ""
+  need = args.seq * head["total"] + 4 * GIB
+  avail = available_bytes()
+  if args.run == "never":
+    why = "not run (--run=never)"
+  elif args.run == "auto" and avail < 1.3 * need:  # a shared host: a 30% margin
+    why = (
+        f"not run: {_gib(avail)} available, under 1.3 x what the run needs ({args.seq} x "
+        f"{_gib(head['total'])} + 4 GiB = {_gib(need)})"
+    )
+  else:
+    run = run_once(*head["_run"], n)
+    why = (
+        f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
+        f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
+        f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}"
+    )
+  return run, why
 
 
 def main(argv=None) -> int:
@@ -285,8 +387,8 @@ def main(argv=None) -> int:
   n = args.length
   results = {}
   try:
-    for label, pos, r, c in _variants(positions, remat, args.chunks):
-      cfg = make_config(n, args.seq, pos, r, args.layers, c)
+    for label, pos, r, c in _variants(positions, remat, args.chunks, args.attn_chunks):
+      cfg = make_config(n, args.seq, pos, r, args.layers, *c)
       if not POSITIONS[pos][1]:
         cfg.mesh.rules = ((r"pos_absolute/table$", (None, None)),)  # the old replication
       res = compile_step(cfg, n)
@@ -299,29 +401,17 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
-  head_label, head_pos, head_remat, head_chunk = _variants(positions, remat, args.chunks)[0]
+  variants = _variants(positions, remat, args.chunks, args.attn_chunks)
+  head_label, head_pos, head_remat, head_chunk = variants[0]
   head = results[head_label]
   per_layer, parts = None, {}
   if args.breakdown:
     per_layer, parts = _breakdown(args, n, head, (head_pos, head_remat, head_chunk), results)
+  timing = None
+  if args.time_length:
+    timing = time_chunking(args.time_length, head_pos, head_remat, head_chunk, args.layers)
 
-  run, why = None, ""
-  need = args.seq * head["total"] + 4 * GIB
-  avail = available_bytes()
-  if args.run == "never":
-    why = "not run (--run=never)"
-  elif args.run == "auto" and avail < need:
-    why = (
-        f"not run: {_gib(avail)} available, the run needs {args.seq} x "
-        f"{_gib(head['total'])} + 4 GiB = {_gib(need)}"
-    )
-  else:
-    run = run_once(*head["_run"], n)
-    why = (
-        f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
-        f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
-        f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}"
-    )
+  run, why = _maybe_run(args, head, n)
   print(why, flush=True)
   for r in results.values():
     r.pop("_run", None)
@@ -366,6 +456,8 @@ def main(argv=None) -> int:
           f"| {part} | {_gib(r['temp'])} | {_gib(r['share'])} | "
           f"{r['share'] / tokens / 1024:.1f} KiB |"
       )
+  if timing is not None:
+    lines += ["", _timing_line(timing)]
   lines += [
       "",
       f"Run: {why}.",
@@ -385,6 +477,7 @@ def main(argv=None) -> int:
           "parts": parts,
           "run": run,
           "run_note": why,
+          "timing": timing,
           "args": vars(args),
           "pass": ok,
       },

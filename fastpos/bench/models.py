@@ -442,6 +442,7 @@ class Model:
   kernel: str
   positional: str
   core: bool = True  # in the "core" rows (--train-rows core, the CPU default)
+  fields: tuple = ()  # further (name, value) config.model fields, e.g. (("remat", "block"),)
 
 
 def train_models(num_features: int) -> list[Model]:
@@ -492,6 +493,7 @@ def _model_cfg(m: Model, args) -> ml_collections.ConfigDict:
   cfg.positional = m.positional
   cfg.kernel_options.num_features = args.num_features
   cfg.dtype = args.dtype
+  cfg.update(dict(m.fields))
   if args.smoke:
     cfg.update(num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
   return cfg

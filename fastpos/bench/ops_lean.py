@@ -406,9 +406,10 @@ def measure_rpe_memory(lengths, log) -> dict:
   return out
 
 
-def measure_rpe_time(lengths, log, rounds: int) -> dict:
+def measure_rpe_time(lengths, log, rounds: int, extra=None) -> dict:
   """fwd+bwd ms of kernelized RPE (as picked, FFT path, dense path) and of dense softmax with
-  the bias, one interleaved group per length."""
+  the bias, one interleaved group per length; ``extra(n)`` (optional) gives further cases
+  timed in the same group."""
   out = {}
   for n in lengths:
     cases = [
@@ -418,6 +419,7 @@ def measure_rpe_time(lengths, log, rounds: int) -> dict:
     cases.append(
         bm.Case("softmax + bias", _fwd_bwd(_softmax_bias, (0, 1, 2, 3)), _softmax_inputs(n))
     )
+    cases += list(extra(n)) if extra else []
     got = bm.measure_group(cases, min_time_s=0.0, min_runs=rounds, max_runs=rounds)
     soft = got["softmax + bias"].time_s
     row = {

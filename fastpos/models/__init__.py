@@ -76,6 +76,7 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
       grid=grid,
       causal=task.kind == "lm",
       chunk_size=chunk_size or None,
+      attn_chunk=cfg.get("attn_chunk", 0),
   )
 
 

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from fastpos import positional
+from fastpos.models import chunked_attention as chunked
 from fastpos.models import context_parallel as cp
 from fastpos.models import decoding
 from fastpos.models import hooks as hooks_lib
@@ -87,6 +88,7 @@ class AttentionConfig:
   grid: tuple[int, int] | None = None
   causal: bool = False
   chunk_size: int | None = None  # None: chosen by shape (ops.attention.causal_chunk_size)
+  attn_chunk: int = 0  # > 0: the layer by chunks of this many tokens (models.chunked_attention)
 
   def __post_init__(self):
     _check_sizes(self)
@@ -98,6 +100,18 @@ class AttentionConfig:
         two_d=self.grid is not None,
         options={p.name: p.option_dict() for p in self.positional},
     )
+    if chunked.check_chunk(self.attn_chunk):
+      why = chunked.problem(
+          self.kernel,
+          [p.cls for p in self.positional],
+          causal=self.causal,
+          two_d=self.grid is not None,
+      )
+      if why is not None:
+        raise ValueError(
+            f"AttentionConfig: attn_chunk={self.attn_chunk} runs the layer by chunks of the "
+            f"sequence, which this layer cannot do: {why}. Use attn_chunk=0."
+        )
 
   def scheme_dims(self) -> dict[str, positional.Dims]:
     """The Dims each attention-level scheme is built with (feature_dim = the size its
@@ -265,6 +279,7 @@ class Attention(nn.Module):
       deterministic: bool = True,
       reference: bool = False,
       decode=None,
+      tail=None,
   ):
     """Args:
     x: ``[batch, N, D]``.
@@ -277,8 +292,14 @@ class Attention(nn.Module):
     reference: dense O(N^2) references instead of the fast paths.
     decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
       layer's ``cache`` collection (``fastpos.models.decoding``).
+    tail: a token-wise function run on each chunk of the output when the call runs by chunks
+      (``chunked_attention.attend``; the caller checks ``by_chunks``), else refused.
     """
     grid, mask = self._check_inputs(x, mask, grid, memory, reference)
+    if self.by_chunks(x, memory, decode, reference):
+      return self._chunked(x, mask, deterministic, tail)
+    if tail is not None:
+      raise ValueError("Attention: tail is only run by a call that runs by chunks.")
     dense = lambda name: nn.DenseGeneral(
         (self.cfg.num_heads, self.cfg.head_dim), dtype=self.dtype, name=name
     )
@@ -302,6 +323,56 @@ class Attention(nn.Module):
     out = hooks_lib.run(hooks, path, q, k, kernel=self.cfg.kernel, projection=draw)
     out = out.astype(self.dtype)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
+
+  def by_chunks(self, x, memory, decode, reference) -> bool:
+    """Whether this call runs by chunks (``cfg.attn_chunk``): not while initialising (the
+    parameters are built by the whole-sequence path), decoding, with memory or as the dense
+    reference, and only with more than one chunk in a device's block of the sequence."""
+    chunk = self.cfg.attn_chunk
+    if not chunk or decode is not None or memory is not None or reference:
+      return False
+    if self.is_initializing() or -(-x.shape[1] // cp.seq_size()) <= chunk:
+      return False
+    if segments.active() is not None:
+      raise ValueError(
+          f"attn_chunk={chunk}: a packed batch (segment ids) is not run by chunks; use "
+          "attn_chunk=0 with packing."
+      )
+    return True
+
+  def _chunked(self, x, mask, deterministic, tail):
+    """The layer by chunks of the sequence (``fastpos.models.chunked_attention.attend``):
+    the same parameters, projection draw and output hooks as the whole-sequence path."""
+    hooks = hooks_lib.Hooks.of(self._schemes())
+    kernel = self.cfg.kernel
+    state = jnp.promote_types(self.dtype, jnp.float32)  # as the hooks' linear path draws it
+    w = self.feature_projection(kernel, self.cfg.head_dim, state, deterministic)
+
+    def terms(v):
+      path = FullPath(
+          self.cfg,
+          hooks,
+          v,
+          mask,
+          grid=None,
+          length=x.shape[1],
+          deterministic=deterministic,
+          reference=False,
+      )
+      return hooks_lib.output_terms(hooks, path)
+
+    return chunked.attend(
+        x,
+        mask,
+        cfg=self.cfg,
+        params=self.variables["params"],
+        dtype=self.dtype,
+        terms=terms,
+        projection=w,
+        chunk=self.cfg.attn_chunk,
+        parts=cp.seq_size(),
+        tail=tail,
+    )
 
   def _check_inputs(self, x, mask, grid, memory, reference):
     """Raises ValueError for a grid, memory, packing or mask the layer cannot take; returns
@@ -415,9 +486,20 @@ class FullPath:
 
   def key_features(self, k, projection) -> hooks_lib.KeyFeatures:
     kernel = self.cfg.kernel
+    segs = segments.active()
+    if segs is not None and kernel.name in segments.STABILISED_KEYS:
+      # Packed: each segment's keys take the stabiliser they have alone.
+      parts = functools.partial(segments.segment_key_parts, kernel.name, k, segs.ids)
+      if self._scaled():
+        e, log_scale, key_eps = parts(projection=projection, mask=self.mask, causal=True)
+        return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
+      fk = segments.segment_key_features(
+          kernel.name, k, segs.ids, projection=projection, mask=self.mask, causal=self.cfg.causal
+      )
+      return hooks_lib.KeyFeatures((fk,))
     if self._scaled():
       e, log_scale, key_eps = feature_ops.causal_key_parts(
-          kernel.name, k, projection=projection, mask=self.mask, nu=kernel.nu
+          kernel, k, projection=projection, mask=self.mask, nu=kernel.nu
       )
       return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
     fk = kernel.phi(
@@ -428,6 +510,8 @@ class FullPath:
   def linear(self, num, den, keys, dtype):
     cfg = self.cfg
     (fq, (fk,)), mix = num, self.mix
+    segs = segments.active()
+    packed = {} if segs is None else {"segment_ids": segs.ids}  # no state crosses a segment
     if keys.log_scale is not None:
       # The causal scan keeps a running maximum of the keys' scale s (``scaled_keys``), so a
       # late key far above the first cannot overflow.
@@ -441,6 +525,7 @@ class FullPath:
           chunk_size=cfg.chunk_size,
           key_log_scale=keys.log_scale,
           key_eps=keys.eps,
+          **packed,
       )
     rpe = None if mix.log_table is None else jnp.exp(mix.log_table.astype(dtype))
     kw = dict(
@@ -453,25 +538,20 @@ class FullPath:
         eps=cfg.kernel.eps,
     )
     if self.reference:
-      return attn_ops.linear_attention_reference(fq, fk, self.v, **kw)
+      return attn_ops.linear_attention_reference(fq, fk, self.v, **kw, **packed)
     fn = cp.linear_attention if self.split else attn_ops.linear_attention
-    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw)
-
-
-# Kernels whose causal key features split into a bounded part and a log scale
-# (``fastpos.ops.features.causal_key_parts``).
-SCALED_KEY_KERNELS = ("sikf", "favor", "orf", "prf")
+    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw, **packed)
 
 
 def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
   """Whether the layer's linear path runs with ``key_log_scale`` (a running maximum of the
-  keys' scale in the causal scan): a causal layer with a stabilised random-feature kernel and
+  keys' scale in the causal scan): a causal layer with a ``Kernel.scaled_keys`` kernel and
   no relative table, decay, or post_phi scheme other than a permutation (the op does not take
   ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``); schemes say whether
   they only permute features (``Scheme.permutes_features``)."""
   return (
       cfg.causal
-      and cfg.kernel.name in SCALED_KEY_KERNELS
+      and cfg.kernel.scaled_keys
       and log_table is None
       and log_decay is None
       and all(s.permutes_features for s in post)

@@ -82,9 +82,40 @@ def _masked_scale_bwd(keep, mask, g):
 masked_scale.defvjp(_masked_scale_fwd, _masked_scale_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def keyed_scale(x, key, keep: float):
+  """``masked_scale(x, bernoulli(key, keep, x.shape), keep)`` whose backward pass keeps only
+  the key and draws the mask again: nothing of ``x``'s size is stored (XLA would keep the
+  generator's two 32-bit words per entry, fused into the backward's select, for a mask)."""
+  return masked_scale(x, jax.random.bernoulli(key, p=keep, shape=x.shape), keep)
+
+
+def _keyed_scale_fwd(x, key, keep):
+  return keyed_scale(x, key, keep), key
+
+
+def _after(key, g):
+  """``key`` itself, made to depend on ``g`` (it changes only where g's first entry is NaN, and
+  then the gradient is NaN anyway): XLA's scheduler would otherwise draw the backward pass's
+  mask, which depends on the key alone, during the forward pass and keep it."""
+  tie = jnp.isnan(g.reshape(-1)[0]).astype(jnp.uint32)
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(key)
+    return jax.random.wrap_key_data(jax.random.key_data(key) + tie, impl=impl)
+  return key + tie
+
+
+def _keyed_scale_bwd(keep, key, g):
+  mask = jax.random.bernoulli(_after(key, g), p=keep, shape=g.shape)
+  return jax.lax.select(mask, g / keep, jnp.zeros_like(g)), None
+
+
+keyed_scale.defvjp(_keyed_scale_fwd, _keyed_scale_bwd)
+
+
 class Dropout(nn.Module):
   """``nn.Dropout`` (its name, rng stream and masks: a run's numbers do not change) whose
-  backward pass keeps a boolean mask, not a float copy (``masked_scale``)."""
+  backward pass keeps only the key and draws the mask again (``keyed_scale``)."""
 
   rate: float
 
@@ -103,8 +134,8 @@ class Dropout(nn.Module):
   def __call__(self, x, *, deterministic: bool):
     if self.rate == 1.0 and not deterministic:
       return jnp.zeros_like(x)
-    mask = self.make_mask(x.shape, deterministic=deterministic)
-    return x if mask is None else masked_scale(x, mask, 1.0 - self.rate)
+    key = self.key(deterministic=deterministic)
+    return x if key is None else keyed_scale(x, key, 1.0 - self.rate)
 
 
 class _GeluDropDense(nn.Dense):
@@ -232,6 +263,8 @@ class Block(nn.Module):
     if decode is not None:  # a decoding step (fastpos.models.decoding)
       kw["decode"] = decode
     chunked = self._chunked(x, decode)
+    if chunked and self._fused(attn, x, memory, decode, reference):
+      return attn(x, tail=self._tail(x, drop, mlp, train), **kw)
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
       y = attn(self._apply(norm1, x, mask), memory=mem, **kw)
@@ -256,11 +289,26 @@ class Block(nn.Module):
       return False
     return -(-x.shape[1] // context_parallel.seq_size()) > self.mlp_chunk
 
+  def _fused(self, attn, x, memory, decode, reference) -> bool:
+    """Whether the token-wise part runs inside the attention's chunk loop
+    (``chunked_attention.attend``'s ``tail``): post-norm, ``attention.attn_chunk`` equal to
+    ``mlp_chunk``, and the attention call running by chunks."""
+    if self.norm != "post" or self.attention.attn_chunk != self.mlp_chunk:
+      return False
+    return attn.by_chunks(x, memory, decode, reference)
+
   def _chunked_tail(self, x, y, drop, mlp, train):
     """``x [b, N, D]`` the block's input and ``y`` its attention output -> the block's output,
-    computed by ``tokenwise.map_chunks`` from the parameters of the whole-sequence path's
-    modules (same math: their own ``apply``) and slices of its dropout masks (same keys,
-    drawn in the same order)."""
+    computed by ``tokenwise.map_chunks`` (``_tail``)."""
+    return tokenwise.map_chunks(
+        self._tail(x, drop, mlp, train), (x, y), self.mlp_chunk, context_parallel.seq_size()
+    )
+
+  def _tail(self, x, drop, mlp, train):
+    """The block's token-wise part as ``fn(pos, x_chunk, y_chunk) -> out_chunk`` (chunks
+    ``[b, P, C, D]`` of the block input and attention output, ``pos`` the tokens' positions),
+    from the parameters of the whole-sequence path's modules (same math: their own
+    ``apply``) and slices of its dropout masks (same keys, drawn in the same order)."""
     det = not train
     keys = (drop.key(deterministic=det), mlp(None, deterministic=det, key_only=True))
     keys += (drop.key(deterministic=det),)
@@ -297,7 +345,7 @@ class Block(nn.Module):
       x1 = ln1(xc + dropped(yc, keys[0]))
       return ln2(x1 + dropped(mlp_fn(x1), keys[2]))
 
-    return tokenwise.map_chunks(tail, (x, y), self.mlp_chunk, context_parallel.seq_size())
+    return tail
 
 
 class Layer(Block):

@@ -140,9 +140,7 @@ class StepPath:
   def key_features(self, k, projection):
     """phi(k) split as ``e exp(s - c) + eps_add`` (``fastpos.ops.decoding.key_parts``): both
     parts go through the hooks, which are linear in the keys."""
-    e, s_log, eps_add = dec_ops.key_parts(
-        self.kernel.name, k, projection=projection, nu=self.kernel.nu
-    )
+    e, s_log, eps_add = dec_ops.key_parts(self.kernel, k, projection=projection, nu=self.kernel.nu)
     b = None if not eps_add else jnp.full_like(e, eps_add)
     return hooks_lib.KeyFeatures((e, b), log_scale=s_log)
 

@@ -144,13 +144,18 @@ def run(hooks: Hooks, path: Path, q, k, *, kernel: feature_ops.Kernel, projectio
     out = _softmax(hooks, path, q, k)
   else:
     out = _linear(hooks, path, q, k, kernel, projection)
-  for s in hooks.output:
-    if path.output_term is None:
-      term = s.output(path.values, ctx)
-    else:
-      term = path.output_term(s, path.values, ctx)
+  for term in output_terms(hooks, path):
     out = out + term.astype(out.dtype)
   return out
+
+
+def output_terms(hooks: Hooks, path: Path) -> list:
+  """The ``output`` hooks' terms on ``path.values``, in the layer's order (``run`` adds them
+  to the attention output; the chunked layer adds them chunk by chunk)."""
+  ctx = path.ctx
+  if path.output_term is None:
+    return [s.output(path.values, ctx) for s in hooks.output]
+  return [path.output_term(s, path.values, ctx) for s in hooks.output]
 
 
 def _softmax(hooks: Hooks, path: Path, q, k):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fastpos import positional
 from fastpos.models import decoding
 from fastpos.models.attention import AttentionConfig
-from fastpos.models.blocks import Layer, check_stack, remat_policy
+from fastpos.models.blocks import Dropout, Layer, check_stack, remat_policy
 from fastpos.ops import segments
 from fastpos.ops.masks import check_mask
 
@@ -174,7 +174,7 @@ class Tower(nn.Module):
         if spec.option_dict().get("share_across_layers")
     )
     cfg = cfg.attention_only()  # the embed hook ran above; the blocks run the others
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = Dropout(self.dropout_rate)(x, deterministic=not train)
     states, mmask = memory if memory is not None else (None, None)
     settings = dict(
         attention=cfg,
@@ -301,21 +301,57 @@ class _Base(nn.Module):
     return jnp.sum(y * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1)
 
   def _head(self, x, name="head"):
-    """LRA's classifier head: Dense(mlp_dim) -> ReLU -> Dense(num_classes), float32 logits."""
+    """LRA's classifier head: Dense(mlp_dim) -> ReLU -> Dense(num_classes), float32 logits
+    (float64 in a float64 model)."""
     x = nn.relu(nn.Dense(self.mlp_dim, dtype=self.dtype, name=f"{name}_hidden")(x))
-    return nn.Dense(self.num_classes, dtype=self.dtype, name=f"{name}_out")(x).astype(jnp.float32)
+    out = jnp.promote_types(self.dtype, jnp.float32)  # float64 in a float64 model (tests)
+    return nn.Dense(self.num_classes, dtype=self.dtype, name=f"{name}_out")(x).astype(out)
 
 
 class Classifier(_Base):
-  """Encoder classifier: embed -> blocks -> pooling -> head. Returns ``[b, num_classes]``."""
+  """Encoder classifier: embed -> blocks -> pooling -> head. Returns ``[b, num_classes]``.
+
+  A packed batch (``fastpos.train.packing``) holds several examples per row: ``segment_ids``
+  and ``positions`` ``[b, N]`` int32 and ``segment_mask`` ``[b, S]`` bool (True where slot s
+  holds an example); with ``pooling="cls"`` each segment's position-0 slot takes the CLS
+  token. Each segment is pooled alone: returns ``[b, S, num_classes]`` (empty slots' logits
+  are those of a zero vector, never read)."""
 
   @nn.compact
   def __call__(self, batch, *, train: bool = False, reference: bool = False):
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
+    if batch.get("segment_ids") is not None:
+      return self._head(self._packed(batch, inputs, mask, train, reference))
     pooled = self._encode(
         self._embed(), self._tower(), self._cls_token(), inputs, mask, train, reference
     )
     return self._head(pooled)
+
+  def _packed(self, batch, inputs, mask, train, reference):
+    """A packed batch's per-segment pooled states ``[b, S, D]``."""
+    ids, positions = batch["segment_ids"], batch.get("positions")
+    slots = batch.get("segment_mask")
+    if slots is None or positions is None:
+      raise ValueError(
+          "a packed classification batch needs 'positions' and 'segment_mask' beside "
+          "'segment_ids' (fastpos.train.packing)."
+      )
+    x = self._embed()(inputs).astype(self.dtype)
+    cls = self._cls_token()
+    member = ids[..., None] == jnp.arange(1, slots.shape[1] + 1)[None, None]  # [b, N, S]
+    if cls is not None:  # the CLS token sits in each segment's first slot
+      first = (positions == 0) & (ids > 0)
+      x = jnp.where(first[..., None], jnp.broadcast_to(cls.astype(x.dtype), x.shape), x)
+      mask = mask | first
+      member = member & first[..., None]
+    else:
+      member = member & mask[..., None]
+    with segments.packed(ids, positions):
+      y, _ = self._tower()(x, mask, train=train, reference=reference)
+    w = member.astype(y.dtype)
+    total = jnp.einsum("bns,bnd->bsd", w, y, precision=jax.lax.Precision.HIGHEST)
+    pooled = total / jnp.maximum(jnp.sum(w, axis=1), 1)[..., None]
+    return jnp.where(slots[..., None], pooled, jnp.zeros((), pooled.dtype))
 
 
 class DualEncoder(_Base):

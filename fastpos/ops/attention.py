@@ -264,6 +264,7 @@ def linear_attention(
     eps: float = DEFAULT_EPS,
     key_log_scale=None,
     key_eps: float = 0.0,
+    segment_ids=None,
     head_major: bool = False,
 ):
   """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
@@ -300,6 +301,8 @@ def linear_attention(
       ``eps`` guards the denominator in the keys' own scale (as without the split).
       Not built with ``rpe``, ``decay`` or ``den_features`` (ValueError).
     key_eps: see ``key_log_scale`` (only used with it).
+    segment_ids: optional ``[batch, N]`` int, a packed row's segments (contiguous runs of one
+      id): query i sees key j only when they share a segment (``segmented_linear_attention``).
     head_major: the layout of ``phi_q, phi_k, v``, ``den_features`` and the output:
       ``[batch, heads, N, .]`` (``key_log_scale`` ``[batch, heads, N]``; ``mask`` stays
       ``[batch, N]``) instead of ``[batch, N, heads, .]``. Same results; a caller whose
@@ -320,7 +323,7 @@ def linear_attention(
   ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
   (``_rpe_mix``).
   """
-  plain = rpe is None and den_features is None and key_log_scale is None
+  plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
     return _bidirectional_head_major(phi_q, phi_k, v, mask, eps)
   if head_major:
@@ -338,6 +341,7 @@ def linear_attention(
         eps=eps,
         key_log_scale=swap(key_log_scale),
         key_eps=key_eps,
+        segment_ids=segment_ids,
     )
     return jnp.swapaxes(out, 1, 2)
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
@@ -347,6 +351,22 @@ def linear_attention(
   _check_den_features(den_features, phi_q, phi_k)
   if grid is not None and rpe is None:
     raise ValueError("grid is only used together with a 2D rpe table; got rpe=None.")
+  if segment_ids is not None:
+    return segmented_linear_attention(
+        phi_q,
+        phi_k,
+        v,
+        segment_ids,
+        mask=mask,
+        causal=causal,
+        rpe=rpe,
+        decay=decay,
+        den_features=den_features,
+        chunk_size=chunk_size,
+        eps=eps,
+        key_log_scale=key_log_scale,
+        key_eps=key_eps,
+    )
   if key_log_scale is not None:
     return _scaled_keys(
         phi_q,
@@ -404,7 +424,20 @@ def _swap_rank4(a, names: str):
 
 
 def _scaled_keys(
-    phi_q, phi_k, v, mask, log_scale, key_eps, *, causal, rpe, decay, den_features, chunk_size, eps
+    phi_q,
+    phi_k,
+    v,
+    mask,
+    log_scale,
+    key_eps,
+    *,
+    causal,
+    rpe,
+    decay,
+    den_features,
+    chunk_size,
+    eps,
+    segment_ids=None,
 ):
   """``linear_attention`` with keys ``phi_k * exp(log_scale) + key_eps`` (see there)."""
   b, n, h = phi_q.shape[:3]
@@ -433,7 +466,7 @@ def _scaled_keys(
     )
     if chunk < 1:
       raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
-    num, den, ref = _causal_running_max(q, k, vals, s, k_eps, chunk)
+    num, den, ref = _causal_running_max(q, k, vals, s, k_eps, chunk, segment_ids)
   else:
     ref = jax.lax.stop_gradient(jnp.maximum(jnp.max(s, axis=2, keepdims=True), 0.0))
     w = jnp.exp(s - ref)  # [b, h, n], every exponent <= 0
@@ -447,7 +480,7 @@ def _scaled_keys(
   return _head_major(out).astype(v.dtype)
 
 
-def _causal_running_max(q, k, v, s, k_eps, chunk: int):
+def _causal_running_max(q, k, v, s, k_eps, chunk: int, segment_ids=None):
   """Causal linear attention with keys ``k_j exp(s_j) + k_eps_j``, head-major (``q, k
   [b, h, n, m]``, ``v [b, h, n, d]``, ``s, k_eps [b, h, n]``; s = -inf for padded keys).
 
@@ -456,7 +489,11 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
   state relative to the reference at the chunk's start and is rescaled by
   ``exp(R_old - R_new) <= 1`` when the reference grows; inside a chunk the reference of each
   query is the cumulative maximum up to it (``lax.cummax``), so a later key changes nothing
-  before it. The references are constants for autodiff (they cancel)."""
+  before it. The references are constants for autodiff (they cancel).
+
+  With ``segment_ids`` ``[b, n]`` (contiguous segments) everything restarts at a segment start,
+  the reference too: ``R_i`` is the running maximum over the keys of i's own segment, so a
+  large key of one segment never shrinks the weights of the next (``_running_max_segments``)."""
   b, h, n, m = k.shape
   d = v.shape[-1]
   dtype = q.dtype
@@ -472,33 +509,56 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
   tri = mask.astype(dtype)
 
   def body(carry, xs):
-    kv, ks, ev, es, ref = carry  # [b,h,m,d], [b,h,m], [b,h,d], [b,h], [b,h]
-    q_c, k_c, v_c, s_c, e_c = xs
-    r = jax.lax.stop_gradient(jnp.maximum(ref[..., None], jax.lax.cummax(s_c, axis=2)))
+    kv, ks, ev, es, ref = carry[:5]  # [b,h,m,d], [b,h,m], [b,h,d], [b,h], [b,h]
+    q_c, k_c, v_c, s_c, e_c = xs[:5]
+    if segment_ids is None:
+      r = jax.lax.stop_gradient(jnp.maximum(ref[..., None], jax.lax.cummax(s_c, axis=2)))
+      seen, sees, mine = mask, None, None
+    else:
+      r, seen, sees, mine, new_seg = _running_max_segments(carry[5], xs[5], s_c, ref, mask)
     # The future's exponents can be large: masked before exp, so no inf meets a zero gradient.
-    w = jnp.exp(jnp.where(mask, s_c[..., None, :] - r[..., :, None], -jnp.inf))
+    w = jnp.exp(jnp.where(seen, s_c[..., None, :] - r[..., :, None], -jnp.inf))
     scores = jnp.einsum("bhim,bhjm->bhij", q_c, k_c) * w
-    old = jnp.exp(ref[..., None] - r)  # [b, h, chunk]: the carry's scale for each query
+    # [b, h, chunk]: the carry's scale for each query (0 for a query outside its segment).
+    lift = ref[..., None] - r
+    old = jnp.exp(lift) if sees is None else jnp.where(sees, jnp.exp(jnp.minimum(lift, 0)), 0)
     eps_w = jnp.exp(-r) * jnp.sum(q_c, axis=-1)  # the eps part's scale times q . 1
-    e_in = jnp.einsum("ij,bhj->bhi", tri, e_c)  # sum of eps over keys j <= i in the chunk
+    if sees is None:
+      e_in = jnp.einsum("ij,bhj->bhi", tri, e_c)  # sum of eps over keys j <= i in the chunk
+      e_v = jnp.einsum("ij,bhj,bhjd->bhid", tri, e_c, v_c)
+      ev_in, es_in = ev[:, :, None], es[..., None]
+    else:  # the same over the visible keys of i's segment; the carry's only if i reads it
+      e_seen = jnp.where(seen, e_c[..., None, :], 0)  # [b, h, chunk, chunk]
+      e_in, e_v = jnp.sum(e_seen, axis=-1), jnp.einsum("bhij,bhjd->bhid", e_seen, v_c)
+      ev_in = jnp.where(sees[..., None], ev[:, :, None], 0)
+      es_in = jnp.where(sees, es[..., None], 0)
     num = (
         old[..., None] * jnp.einsum("bhim,bhmd->bhid", q_c, kv)
         + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
-        + eps_w[..., None] * (ev[:, :, None] + jnp.einsum("ij,bhj,bhjd->bhid", tri, e_c, v_c))
+        + eps_w[..., None] * (ev_in + e_v)
     )
     den = (
         old * jnp.einsum("bhim,bhm->bhi", q_c, ks)
         + jnp.sum(scores, axis=-1)
-        + eps_w * (es[..., None] + e_in)
+        + eps_w * (es_in + e_in)
     )
     new = r[..., -1]
-    k_w = k_c * jnp.exp(s_c - new[..., None])[..., None]
-    shrink = jnp.exp(ref - new)
+    if mine is None:
+      k_w = k_c * jnp.exp(s_c - new[..., None])[..., None]
+      shrink = jnp.exp(ref - new)
+      e_w = e_c
+    else:  # only the chunk's last segment travels on; the old carry only if it is that one
+      k_w = k_c * jnp.exp(jnp.where(mine, s_c - new[..., None], -jnp.inf))[..., None]
+      keep = (carry[5] == new_seg)[:, None]
+      shrink = jnp.where(keep, jnp.exp(jnp.minimum(ref - new, 0)), 0)
+      ev, es = ev * keep[..., None], es * keep
+      e_w = jnp.where(mine, e_c, 0)
     kv = kv * shrink[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", k_w, v_c)
     ks = ks * shrink[..., None] + jnp.sum(k_w, axis=2)
-    ev = ev + jnp.einsum("bhj,bhjd->bhd", e_c, v_c)
-    es = es + jnp.sum(e_c, axis=-1)
-    return (kv, ks, ev, es, new), (num, den, r)
+    ev = ev + jnp.einsum("bhj,bhjd->bhd", e_w, v_c)
+    es = es + jnp.sum(e_w, axis=-1)
+    tail = () if segment_ids is None else (new_seg,)
+    return (kv, ks, ev, es, new) + tail, (num, den, r)
 
   init = (
       jnp.zeros((b, h, m, d), dtype),
@@ -507,13 +567,31 @@ def _causal_running_max(q, k, v, s, k_eps, chunk: int):
       jnp.zeros((b, h), dtype),
       jnp.zeros((b, h), dtype),
   )
-  _, (num, den, ref) = jax.lax.scan(
-      jax.checkpoint(body), init, (split(q), split(k), split(v), split(s, -jnp.inf), split(k_eps))
-  )
+  xs = (split(q), split(k), split(v), split(s, -jnp.inf), split(k_eps))
+  if segment_ids is not None:
+    init = init + (jnp.full((b,), -1, jnp.int32),)
+    xs = xs + (_chunk_ids(segment_ids, g, chunk),)
+  _, (num, den, ref) = jax.lax.scan(jax.checkpoint(body), init, xs)
   num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
   den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
   ref = jnp.moveaxis(ref, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
   return num, den, ref
+
+
+def _running_max_segments(seg, ids, s_c, ref, mask):
+  """The segment reset of ``_causal_running_max`` in one chunk: ``seg [b]`` the carry's
+  segment, ``ids [b, chunk]``, ``s_c [b, h, chunk]``, ``ref [b, h]`` the carry's reference.
+  Returns ``r [b, h, chunk]`` (each query's reference: max(0, its segment's keys so far)),
+  ``seen [b, 1, chunk, chunk]`` (j <= i in i's segment), ``sees [b, 1, chunk]`` (the query
+  reads the carry), ``mine [b, 1, chunk]`` (the key is in the chunk's last segment) and that
+  segment."""
+  seen = mask[None, None] & (ids[:, :, None] == ids[:, None, :])[:, None]
+  sees = (ids == seg[:, None])[:, None]
+  inside = jnp.max(jnp.where(seen, s_c[..., None, :], -jnp.inf), axis=-1)  # [b, h, chunk]
+  base = jnp.where(sees, ref[..., None], 0.0)
+  r = jax.lax.stop_gradient(jnp.maximum(base, jnp.maximum(inside, 0.0)))
+  last = ids[:, -1]
+  return r, seen, sees, (ids == last[:, None])[:, None], last
 
 
 def _scaled_guard(den, eps: float, ref):
@@ -810,7 +888,7 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   return mix(phi_q, phi_k, v, rpe)
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
+def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None, segment_ids=None):
   """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
 
   Head-major in and out: ``phi_q, phi_k [b, h, n, m]``, ``v [b, h, n, d]`` -> num
@@ -830,6 +908,12 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
   by r^chunk per chunk): every exponent is <= 0, so nothing overflows. ``init``: the carry
   entering the first chunk (keys before the sequence, weighted r^(-j) for a key at j < 0),
   ``([b, h, m, d], [b, h, m])``; zeros when None.
+
+  With ``segment_ids`` (``[b, n]`` int, contiguous segments; not with ``init``) the state
+  resets at each segment start (``_segment_step``): inside a chunk the causal products are
+  also masked to one segment; a query reads the carry only when its segment is the carry's
+  (the segment of the previous chunk's last token); the carry leaving a chunk holds the keys
+  of the chunk's last segment only (plus the old carry when that segment began earlier).
   """
   b, h, n, m = phi_k.shape
   d = v.shape[-1]
@@ -856,8 +940,8 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
     step = jnp.exp(log_decay * chunk)[None, :, None]  # r^chunk per chunk, [1, h, 1]
 
   def body(carry, xs):
-    kv, ks = carry  # [b, h, m, d], [b, h, m]
-    q_c, k_c, v_c = xs  # [b, h, chunk, .]
+    kv, ks = carry[:2]  # [b, h, m, d], [b, h, m]
+    q_c, k_c, v_c = xs[:3]  # [b, h, chunk, .]
     scores = jnp.einsum("bhim,bhjm->bhij", q_c, k_c)
     if log_decay is None:
       scores = jnp.where(mask, scores, jnp.zeros((), dtype))
@@ -866,18 +950,182 @@ def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None):
       scores = scores * intra
       q_in, k_in = q_c * q_w, k_c * k_w
       kv, ks = kv * step[..., None], ks * step
+    seg = () if segment_ids is None else (carry[2], xs[3])
+    if seg:
+      scores, q_in, k_in, kv, ks, new_seg = _segment_step(*seg, scores, q_in, k_in, kv, ks)
     num = jnp.einsum("bhim,bhmd->bhid", q_in, carry[0]) + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
     den = jnp.einsum("bhim,bhm->bhi", q_in, carry[1]) + jnp.sum(scores, axis=-1)
     kv = kv + jnp.einsum("bhjm,bhjd->bhmd", k_in, v_c)
     ks = ks + jnp.sum(k_in, axis=2)
-    return (kv, ks), (num, den)
+    return (kv, ks) + ((new_seg,) if seg else ()), (num, den)
 
+  if segment_ids is not None and init is not None:
+    raise ValueError("_causal_chunked: segment_ids are not built with an init carry.")
   if init is None:
     init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, (split(phi_q), split(phi_k), split(v)))
+  xs = (split(phi_q), split(phi_k), split(v))
+  if segment_ids is not None:
+    init = init + (jnp.full((b,), -1, jnp.int32),)  # the carry's segment: none yet
+    xs = xs + (_chunk_ids(segment_ids, g, chunk),)
+  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, xs)
   num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
   den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
   return num, den
+
+
+def _chunk_ids(segment_ids, g: int, chunk: int):
+  """``[b, n]`` segment ids -> ``[g, b, chunk]`` int32, the chunk padding as segment -1."""
+  b, n = segment_ids.shape
+  ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, g * chunk - n)), constant_values=-1)
+  return jnp.moveaxis(ids.reshape(b, g, chunk), 1, 0)
+
+
+def _segment_step(seg, ids, scores, q_in, k_in, kv, ks):
+  """One chunk of the segment reset (``_causal_chunked``): ``seg [b]`` the carry's segment,
+  ``ids [b, chunk]``. Returns the scores masked to one segment, the queries that read the
+  carry (others zeroed), the keys of the chunk's last segment (others zeroed), the carry kept
+  only when that segment began before the chunk, and the new carry's segment."""
+  zero = jnp.zeros((), scores.dtype)
+  last = ids[:, -1]  # [b]: the segment the carry leaving this chunk belongs to
+  same = (ids[:, :, None] == ids[:, None, :])[:, None]  # [b, 1, chunk, chunk]
+  scores = jnp.where(same, scores, zero)
+  q_in = jnp.where((ids == seg[:, None])[:, None, :, None], q_in, zero)
+  k_in = jnp.where((ids == last[:, None])[:, None, :, None], k_in, zero)
+  keep = (seg == last)[:, None, None]
+  return scores, q_in, k_in, jnp.where(keep[..., None], kv, zero), jnp.where(keep, ks, zero), last
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows: linear attention inside segments
+# ---------------------------------------------------------------------------------------------
+def _check_segment_ids(segment_ids, b: int, n: int) -> None:
+  if jnp.shape(segment_ids) != (b, n) or not jnp.issubdtype(
+      jnp.result_type(segment_ids), jnp.integer
+  ):
+    raise ValueError(
+        f"segment_ids must be an integer array [batch, N]=({b}, {n}); got shape "
+        f"{jnp.shape(segment_ids)} of {jnp.result_type(segment_ids)}."
+    )
+
+
+def segmented_linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    segment_ids,
+    *,
+    mask=None,
+    causal: bool = False,
+    rpe=None,
+    decay=None,
+    den_features=None,
+    chunk_size: int | None = None,
+    eps: float = DEFAULT_EPS,
+    key_log_scale=None,
+    key_eps: float = 0.0,
+    num_segments: int | None = None,
+):
+  """``linear_attention`` over a packed row: query i sees key j only when
+  ``segment_ids[i] == segment_ids[j]`` (and j <= i when causal), so each segment's outputs
+  are those it has alone. Segments are contiguous runs of one id (a packed row); padding may
+  carry any id (its keys are masked).
+
+  Causal (with ``decay``, ``den_features`` or ``key_log_scale`` as in ``linear_attention``):
+  the chunked scan's state, normaliser and running maximum restart at each segment start
+  (``_causal_chunked``, ``_causal_running_max``). Bidirectional: each query reads its
+  segment's total ``sum phi(k) v^T`` and ``sum phi(k)``, by default as two segment-reset
+  scans (the inclusive prefix left to right plus the one right to left, minus the token's own
+  term; O(N m d), no bound on the segment count), or with ``num_segments = G`` (ids in
+  [0, G)) by a one-hot ``[N, G]`` matmul (O(N G m d), for a few segments per row).
+
+  Not built (ValueError): ``rpe`` (its FFT Toeplitz product spans the row) and a
+  bidirectional ``key_log_scale``.
+  """
+  b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
+  _check_segment_ids(segment_ids, b, n)
+  mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
+  _check_decay(decay, h, causal)
+  _check_den_features(den_features, phi_q, phi_k)
+  if rpe is not None:
+    raise ValueError(
+        "segment_ids are not built with rpe: its Toeplitz product (FFT) spans the whole row."
+    )
+  if num_segments is not None and (causal or not _positive_int(num_segments)):
+    raise ValueError(
+        f"num_segments must be None or an int >= 1, bidirectional only; got {num_segments!r} "
+        f"(causal={causal})."
+    )
+  if key_log_scale is not None:
+    if not causal:
+      raise ValueError("segment_ids with key_log_scale are built for causal=True only.")
+    return _scaled_keys(
+        *(phi_q, phi_k, v, mask, key_log_scale, key_eps),
+        causal=True,
+        rpe=None,
+        decay=decay,
+        den_features=den_features,
+        chunk_size=chunk_size,
+        eps=eps,
+        segment_ids=segment_ids,
+    )
+  chunk = causal_chunk_size(phi_k.shape[-1], v.shape[-1]) if chunk_size is None else chunk_size
+  if not _positive_int(chunk):
+    raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
+  chunk = min(chunk, n)
+  dtype = _state_dtype(phi_q, phi_k, v)
+  log_decay = None if decay is None else decay.astype(dtype)
+  ids = jnp.asarray(segment_ids).astype(jnp.int32)
+
+  def contract(fq, fk, vals):  # [b, n, h, .] in, num [b, n, h, d] and den [b, n, h] out
+    fk = _apply_key_mask(fk, mask, dtype)
+    fq, fk, vals = (_head_major(a.astype(dtype)) for a in (fq, fk, vals))
+    if causal:
+      num, den = _causal_chunked(fq, fk, vals, chunk, log_decay, segment_ids=ids)
+    elif num_segments is None:
+      num, den = _segment_totals_by_scans(fq, fk, vals, ids, chunk)
+    else:
+      num, den = _segment_totals_one_hot(fq, fk, vals, ids, num_segments)
+    return _head_major(num), jnp.transpose(den, (0, 2, 1))
+
+  num, den = contract(phi_q, phi_k, v)
+  if den_features is not None:
+    den = contract(den_features[0], den_features[1], jnp.ones(v.shape[:-1] + (1,), dtype))[0]
+    den = den[..., 0]
+  return (num / _guard(den, eps)[..., None]).astype(v.dtype)
+
+
+def _positive_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+
+def _segment_totals_by_scans(fq, fk, vals, ids, chunk: int):
+  """Bidirectional segment sums, head-major (``fq, fk [b, h, n, m]``, ``vals [b, h, n, d]``,
+  ``ids [b, n]``): the segment-reset causal scan left to right (keys j <= i of i's segment)
+  plus the one right to left (j >= i), minus query i's own key counted twice."""
+  fwd = _causal_chunked(fq, fk, vals, chunk, segment_ids=ids)
+  flip = lambda a: jnp.flip(a, axis=2)
+  bwd = _causal_chunked(flip(fq), flip(fk), flip(vals), chunk, segment_ids=jnp.flip(ids, 1))
+  own = jnp.sum(fq * fk, axis=-1)  # [b, h, n]
+  num = fwd[0] + flip(bwd[0]) - own[..., None] * vals
+  den = fwd[1] + jnp.flip(bwd[1], axis=2) - own
+  return num, den
+
+
+def _segment_totals_one_hot(fq, fk, vals, ids, num_segments: int):
+  """Bidirectional segment sums by a one-hot ``[b, n, G]`` of the ids (ids outside [0, G)
+  see nothing), as two plain matmuls: the states ``fk^T (one_hot x [v, 1])`` ``[b, h, m,
+  G (d + 1)]`` of every segment at once, then ``fq`` against them, each query keeping its own
+  segment's ``d + 1`` columns. O(N m G d)."""
+  b, h, n, _ = fk.shape
+  d = vals.shape[-1]
+  one_hot = (ids[..., None] == jnp.arange(num_segments)[None, None]).astype(fq.dtype)[:, None]
+  vals1 = jnp.concatenate([vals, jnp.ones(vals.shape[:-1] + (1,), vals.dtype)], axis=-1)
+  spread = one_hot[..., None] * vals1[:, :, :, None, :]  # [b, h, n, G, d + 1]
+  spread = spread.reshape(b, h, n, num_segments * (d + 1))
+  states = jnp.einsum("bhjm,bhje->bhme", fk, spread)  # [b, h, m, G (d + 1)]
+  read = jnp.einsum("bhim,bhme->bhie", fq, states).reshape(b, h, n, num_segments, d + 1)
+  mine = jnp.einsum("bhige,bxig->bhie", read, one_hot)  # [b, h, n, d + 1]
+  return mine[..., :d], mine[..., d]
 
 
 def linear_attention_reference(
@@ -892,10 +1140,12 @@ def linear_attention_reference(
     decay=None,
     den_features=None,
     eps: float = DEFAULT_EPS,
+    segment_ids=None,
 ):
   """Dense reference: materialises ``A = (phi_q phi_k^T) * C * R * masks`` of [b, h, N, N]
-  (C the rpe Toeplitz matrix, R_ij = r^(i-j) the decay) and normalises by the row sums of the
-  same matrix built from ``den_features`` when given."""
+  (C the rpe Toeplitz matrix, R_ij = r^(i-j) the decay, masks: padding, causal, and with
+  ``segment_ids`` [b, N] same segment) and normalises by the row sums of the same matrix built
+  from ``den_features`` when given."""
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
   _check_rpe(rpe, h, n, grid)
@@ -914,6 +1164,8 @@ def linear_attention_reference(
       a = a * jnp.exp(decay.astype(dtype)[:, None, None] * dist[None])[None]
     if causal:
       a = jnp.where(toeplitz.causal_mask(n)[None, None], a, 0)
+    if segment_ids is not None:
+      a = jnp.where((segment_ids[:, :, None] == segment_ids[:, None, :])[:, None], a, 0)
     return a
 
   a = scores(phi_q, phi_k)

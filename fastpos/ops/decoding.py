@@ -13,17 +13,14 @@ slot (``real`` False marks padding, which contributes nothing). Three forms:
   (kernelized RPE): the weight of every past key changes as the query moves, so there is no
   fixed-size state; caches phi(k_j) and v_j (not their [m, d] outer product): O(T (m + d)).
 
-Stabilised feature maps (``sikf``, ``favor``, ``orf``) scale every key's features by one shared
-exp(-c); in a causal layer c is the first real key's max (``features._stabilizer``), which
-every query sees. ``key_parts`` splits phi(k_j) = e_j exp(s_j - c) + eps_add (s_j the token's
-own max), and the steps take c from the first real key they see and keep it, so a step equals
-the full causal forward.
+Stabilised feature maps (``Kernel.stabilised``: ``sikf``, ``favor``, ``orf``) scale every key's
+features by one shared exp(-c); in a causal layer c is the first real key's max
+(``features._stabilizer``), which every query sees. ``key_parts`` splits phi(k_j) = e_j
+exp(s_j - c) + eps_add (s_j the token's own max), and the steps take c from the first real
+key they see and keep it, so a step equals the full causal forward.
 """
 
 from __future__ import annotations
-
-import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,30 +28,18 @@ import jax.numpy as jnp
 from fastpos.ops import features as feature_ops
 from fastpos.ops.attention import _guard
 
-# Feature maps whose key features carry a stabilising max shared by all keys (the exponent
-# z whose max is subtracted, and what is added after the exponential).
-_FAVOR_EPS = inspect.signature(feature_ops.favor.__wrapped__).parameters["eps"].default
-STABILISED = {
-    "sikf": (lambda x, w: feature_ops._upcast(x), 0.0, False),
-    "favor": (feature_ops._prf_exponent, _FAVOR_EPS, True),
-    "orf": (feature_ops._prf_exponent, _FAVOR_EPS, True),
-}
 
-
-def key_parts(name: str, k, *, projection=None, nu: int = 1):
+def key_parts(kernel: "str | feature_ops.Kernel", k, *, projection=None, nu: int = 1):
   """``(e [b, L, h, m], s [b, L, h], eps_add)`` with the layer's key features
-  ``phi(k_j) = e_j exp(s_j - c) + eps_add`` for the shared stabiliser c; for maps without a
-  stabiliser ``s = 0``, ``eps_add = 0`` and ``e = phi(k)``."""
-  if name not in STABILISED:
-    e = feature_ops.feature_map(name, k, projection=projection, is_query=False, nu=nu)
+  ``phi(k_j) = e_j exp(s_j - c) + eps_add`` for the shared stabiliser c, for kernels whose keys
+  share one (``Kernel.stabilised``); for the others ``s = 0``, ``eps_add = 0`` and
+  ``e = phi(k)``. ``kernel``: a name or the record."""
+  kernel = feature_ops.get_kernel(kernel)
+  if not kernel.stabilised:
+    e = feature_ops.feature_map(kernel, k, projection=projection, is_query=False, nu=nu)
     return e, jnp.zeros(e.shape[:3], e.dtype), 0.0
-  exponent, eps_add, normalise = STABILISED[name]
-  z = exponent(k, projection)
-  s = jax.lax.stop_gradient(jnp.max(z, axis=-1))
-  e = jnp.exp(z - s[..., None])
-  if normalise:
-    e = e / math.sqrt(z.shape[-1])
-  return e, s, eps_add
+  _, e, top = feature_ops.exp_parts(kernel, k, projection)
+  return e, top[..., 0], kernel.map.exp_form.eps
 
 
 def _pos_weights(log_decay, exponents, dtype):

@@ -23,7 +23,9 @@ Conventions:
     output depends on a later key); the other maps are plain formulas.
   * ``Kernel`` is the one record of a kernel (``softmax`` included): its name and options, and
     as properties the facts of its ``FeatureMap`` (the map as a typed callable with named
-    arguments, its projection, softmax scaling, sign, output size and options).
+    arguments, its projection, softmax scaling, sign, output size, options and, for the
+    exponential maps, the ``ExpForm`` that lets causal layers and decoding keep the keys'
+    scale apart: ``Kernel.scaled_keys``, ``Kernel.stabilised``).
     ``get_kernel(name)`` gives it with default options; ``feature_map`` / ``make_projection`` /
     ``feature_dim`` / ``needs_projection`` / ``is_nonnegative`` read it; so do the attention
     layer (``fastpos.models.KernelSpec``), the schemes (``fastpos.positional.KernelInfo``), the
@@ -266,8 +268,13 @@ def prf(x, projection):
   return jnp.exp(z) / math.sqrt(z.shape[-1])
 
 
+FAVOR_EPS = 1e-6  # what favor (and orf) add after the exponential, by default
+
+
 @functools.partial(jax.jit, static_argnames=("is_query", "eps", "causal"))
-def favor(x, projection, *, is_query: bool, mask=None, eps: float = 1e-6, causal: bool = False):
+def favor(
+    x, projection, *, is_query: bool, mask=None, eps: float = FAVOR_EPS, causal: bool = False
+):
   """Performer FAVOR+: PRF (Luo Eq. 5) with the Performer stabiliser, plus eps.
 
   phi(x) = exp(w_i.x - |x|^2/2 - c) / sqrt(m) + eps, c from ``_stabilizer`` (per token for
@@ -345,6 +352,34 @@ def _two_per_feature(dim: int, num_features: int | None, nu: int) -> int:
   return 2 * num_features
 
 
+def _sikf_exponent(x, projection=None):
+  """sikf's exponent: x itself (upcast). ``[b, l, h, d] -> [b, l, h, d]``."""
+  del projection
+  return _upcast(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpForm:
+  """An exponential map's form, ``phi(x) = exp(z - c) * r + eps`` with ``z = exponent(x, w)``
+  ``[b, l, h, m]``, ``r = 1/sqrt(m)`` or 1 and ``c`` the stabiliser (0 without one): what lets
+  a causal layer and decoding split key features into a bounded part ``exp(z - max z)`` and a
+  log scale (``causal_key_parts``, ``fastpos.ops.decoding.key_parts``).
+
+  Attributes:
+    exponent: ``exponent(x, projection) -> z``, in the compute dtype.
+    normalised: phi carries the 1/sqrt(m) of an average over m random features.
+    eps: what phi adds after the exponential (favor's eps; 0 for the others).
+    shared_max: keys are stabilised by one max shared by all keys (the first real key's in a
+      causal layer, ``_stabilizer``), which decoding must take from the first key it sees;
+      False: no stabiliser (``prf``).
+  """
+
+  exponent: Callable[..., jax.Array]
+  normalised: bool = True
+  eps: float = 0.0
+  shared_max: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureMap:
   """A feature map phi and its facts, called with named arguments:
@@ -360,6 +395,9 @@ class FeatureMap:
     estimates_softmax: phi(q).phi(k) estimates exp(q.k), so the attention layer scales q and k
       by d^-1/4 before phi to estimate softmax's exp(q.k / sqrt(d)).
     nonnegative: phi(x) >= 0 always (what causal kernelized RPE and PermuteFormer need).
+    exp_form: the map is an exponential (``ExpForm``), so a causal layer keeps its keys'
+      scale apart (``Kernel.scaled_keys``) and, with ``shared_max``, decoding splits its key
+      features (``Kernel.stabilised``); None for the other maps.
   """
 
   fn: Callable[..., jax.Array]
@@ -369,6 +407,7 @@ class FeatureMap:
   projection: Projection | None = None
   estimates_softmax: bool = False
   nonnegative: bool = True
+  exp_form: ExpForm | None = None
 
   def __post_init__(self):
     unknown = [r for r in self.reads if r not in MAP_ARGUMENTS]
@@ -410,19 +449,24 @@ def _random(fn, *, reads=(), out_dim=_per_feature, **facts) -> FeatureMap:
 # Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
 # (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one. softmax has no map:
 # it is computed from materialised scores.
+_FAVOR_FORM = ExpForm(_prf_exponent, eps=FAVOR_EPS)
 _MAPS: dict[str, FeatureMap | None] = {
     "softmax": None,
     "elu1": FeatureMap(elu1),
     "relu": FeatureMap(relu),
-    "sikf": FeatureMap(sikf, reads=_STABILISED),
+    "sikf": FeatureMap(sikf, reads=_STABILISED, exp_form=ExpForm(_sikf_exponent, normalised=False)),
     "dpfp": FeatureMap(dpfp, reads=("nu",), out_dim=_dpfp_dim, options=("nu", "eps")),
-    "favor": _random(favor, reads=_STABILISED, estimates_softmax=True),
-    "prf": _random(prf, estimates_softmax=True),
+    "favor": _random(favor, reads=_STABILISED, estimates_softmax=True, exp_form=_FAVOR_FORM),
+    "prf": _random(prf, estimates_softmax=True, exp_form=ExpForm(_prf_exponent, shared_max=False)),
     "trf": _random(trf, out_dim=_two_per_feature, estimates_softmax=True, nonnegative=False),
     # nprf normalises q and k itself (a d^-1/4 scale would cancel), so estimates_softmax=False.
     "nprf": _random(nprf),
     "orf": _random(
-        favor, reads=_STABILISED, projection=orthogonal_projection, estimates_softmax=True
+        favor,
+        reads=_STABILISED,
+        projection=orthogonal_projection,
+        estimates_softmax=True,
+        exp_form=_FAVOR_FORM,
     ),
 }
 KERNELS = tuple(_MAPS)
@@ -498,6 +542,19 @@ class Kernel:
     return self.map is None or self.map.nonnegative
 
   @property
+  def scaled_keys(self) -> bool:
+    """phi is an exponential (``FeatureMap.exp_form``): a causal layer splits its keys into a
+    bounded part and a log scale (``causal_key_parts``) and its scan keeps a running maximum
+    of the scale, so a late key far above the first one cannot overflow."""
+    return self.map is not None and self.map.exp_form is not None
+
+  @property
+  def stabilised(self) -> bool:
+    """Its keys share one stabilising max (``ExpForm.shared_max``), which decoding takes from
+    the first real key it sees (``fastpos.ops.decoding.key_parts``)."""
+    return self.scaled_keys and self.map.exp_form.shared_max
+
+  @property
   def options(self) -> tuple[str, ...]:
     """The names of ``OPTION_DEFAULTS`` this kernel reads."""
     return () if self.map is None else self.map.options
@@ -514,7 +571,7 @@ class Kernel:
   def phi(self, x, *, projection=None, is_query: bool = False, mask=None, causal: bool = False):
     """``feature_map`` of this kernel (its ``nu``): ``[b, l, h, d] -> [b, l, h, m]``."""
     return feature_map(
-        self.name, x, projection=projection, is_query=is_query, mask=mask, nu=self.nu, causal=causal
+        self, x, projection=projection, is_query=is_query, mask=mask, nu=self.nu, causal=causal
     )
 
   def make_projection(self, key, dim: int, *, dtype=jnp.float32):
@@ -539,14 +596,18 @@ def get_kernel(name: "str | Kernel") -> Kernel:
   return name if isinstance(name, Kernel) else Kernel(name)
 
 
-def _feature_kernel(name: str) -> Kernel:
+def _feature_kernel(name: "str | Kernel") -> Kernel:
+  """The record of a feature-map kernel (a name, or a record as it is)."""
+  if isinstance(name, Kernel) and not name.is_softmax:
+    return name
+  name = getattr(name, "name", name)
   if name not in FEATURE_MAPS:
     raise ValueError(f"Unknown feature map {name!r}; valid choices: {', '.join(FEATURE_MAPS)}.")
   return Kernel(name)
 
 
 def feature_map(
-    name: str,
+    name: "str | Kernel",
     x,
     *,
     projection=None,
@@ -555,7 +616,7 @@ def feature_map(
     nu: int = 1,
     causal: bool = False,
 ):
-  """Applies the feature map ``name`` (one of ``FEATURE_MAPS``) to ``x [b, l, h, d]``.
+  """Applies the feature map ``name`` (one of ``FEATURE_MAPS``, or its record) to ``x``.
 
   ``projection`` is required by the random maps (build it with ``make_projection``) and refused
   by the deterministic ones; ``is_query``, ``mask`` and ``causal`` (keys of a causal layer:
@@ -563,6 +624,7 @@ def feature_map(
   ``orf``); ``nu`` for ``dpfp``. Returns ``[b, l, h, feature_dim(...)]``.
   """
   kernel = _feature_kernel(name)
+  name = kernel.name
   _check_x(x)
   if kernel.needs_projection:
     _check_projection(projection, x, name)
@@ -599,38 +661,49 @@ def feature_dim(name: str, dim: int, *, num_features: int | None = None, nu: int
   return dim if kernel.is_softmax else kernel.map.out_dim(dim, num_features, nu)
 
 
-def causal_key_parts(name: str, x, *, projection=None, mask=None, nu: int = 1, eps: float = 1e-6):
+def exp_parts(kernel: Kernel, x, projection=None):
+  """``(z, e, top)`` of a map with an ``exp_form``: its exponent z ``[b, l, h, m]``, the token's
+  max ``top = max_m z`` ``[b, l, h, 1]`` (behind stop_gradient) and the bounded part
+  ``e = exp(z - top)`` (over sqrt(m) when ``normalised``): phi(x) = e exp(top - c) + eps."""
+  form = kernel.map.exp_form
+  if kernel.needs_projection:
+    _check_projection(projection, x, kernel.name)
+  z = form.exponent(x, projection)
+  top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+  e = jnp.exp(z - top)
+  if form.normalised:
+    e = e / math.sqrt(z.shape[-1])
+  return z, e, top
+
+
+def causal_key_parts(
+    name: "str | Kernel", x, *, projection=None, mask=None, nu: int = 1, eps: float | None = None
+):
   """The causal keys' features split for ``linear_attention(key_log_scale=, key_eps=)``.
 
   Returns ``(e [b, l, h, m], log_scale [b, l, h], key_eps)`` with
   ``e * exp(log_scale) + key_eps == feature_map(name, x, causal=True, mask=mask)`` in exact
   arithmetic, where ``e`` is bounded (each token's largest feature is 1, or 1/sqrt(m)) and
-  ``log_scale`` carries the rest: for ``sikf``, ``favor``, ``orf`` the token's own max minus
-  the first real key's (the causal stabiliser of ``_stabilizer``), for ``prf`` the token's
-  max. The op then keeps a running maximum of ``log_scale``, so a late key far larger than the
-  first one no longer overflows ``exp``. Other maps: ``log_scale = 0``, ``key_eps = 0``.
-  ``eps``: favor's / orf's eps (their default). Scales sit behind stop_gradient except through
-  ``e``'s own exponent, so gradients equal those of the features.
+  ``log_scale`` carries the rest, for the maps with an ``exp_form`` (``Kernel.scaled_keys``:
+  ``sikf``, ``favor``, ``orf``, ``prf``): the token's own max, minus the first real key's
+  (the causal stabiliser of ``_stabilizer``) where the keys share one (``shared_max``). The op
+  then keeps a running maximum of ``log_scale``, so a late key far larger than the first one
+  no longer overflows ``exp``. Other maps: ``log_scale = 0``, ``key_eps = 0``. ``eps``: what
+  the map adds after the exponential (None: its own, ``ExpForm.eps``). Scales sit behind
+  stop_gradient except through ``e``'s own exponent, so gradients equal those of the features.
   """
   kernel = _feature_kernel(name)
   _check_x(x)
   _check_mask(mask, x)
-  if name in ("sikf", "favor", "orf", "prf"):
-    if name == "sikf":
-      z = _upcast(x)
-    else:
-      _check_projection(projection, x, name)
-      z = _prf_exponent(x, projection)
-    top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))  # [b, l, h, 1]
-    e = jnp.exp(z - top)
-    if name != "sikf":
-      e = e / math.sqrt(z.shape[-1])
-    log_scale = top[..., 0]
-    if name != "prf":
-      log_scale = log_scale - _stabilizer(z, is_query=False, mask=mask, causal=True)[..., 0]
-    return e, log_scale, (eps if name in ("favor", "orf") else 0.0)
-  e = kernel.map(x, projection=projection, is_query=False, mask=mask, nu=nu, causal=True)
-  return e, jnp.zeros(e.shape[:3], e.dtype), 0.0
+  form = kernel.map.exp_form
+  if form is None:
+    e = kernel.map(x, projection=projection, is_query=False, mask=mask, nu=nu, causal=True)
+    return e, jnp.zeros(e.shape[:3], e.dtype), 0.0
+  z, e, top = exp_parts(kernel, x, projection)
+  log_scale = top[..., 0]
+  if form.shared_max:
+    log_scale = log_scale - _stabilizer(z, is_query=False, mask=mask, causal=True)[..., 0]
+  return e, log_scale, (form.eps if eps is None or not form.eps else eps)
 
 
 def needs_projection(name: str) -> bool:

@@ -8,13 +8,22 @@ adds a block-diagonal bias (a query sees the keys of its own segment only) and t
 scheme embeds in-segment positions, so each sequence's outputs are those it has alone, to
 float rounding.
 
-Which cells pack (``check_packable``): the softmax kernel, whose attention is a sum over
-allowed pairs, with schemes whose terms depend on in-row offsets j - i only (equal to the
-in-segment offsets inside a block) or on in-segment positions: none, absolute (1D), t5_bias,
-rope, kernelized_rpe. Everything else is refused with a message (bucket instead): a linear
-kernel's key-value state spans the row (bidirectional) or would need a reset at each segment
-start (causal; not built), FastRPB's ``W V`` is one Toeplitz product over the row, and
-feature schemes other than RoPE (lrpe, permuteformer, spe) are not checked for packing.
+Which cells pack (``check_packable``):
+
+* the softmax kernel, whose attention is a sum over allowed pairs, with schemes whose terms
+  depend on in-row offsets j - i only (equal to the in-segment offsets inside a block) or on
+  in-segment positions: none, absolute (1D), t5_bias, rope, kernelized_rpe;
+* every linear kernel with none, absolute or rope (``LINEAR_PACKABLE_SCHEMES``): the op takes
+  the segment ids (``fastpos.ops.attention.segmented_linear_attention``: the causal state, its
+  normaliser and running maximum restart at each segment start; bidirectional queries read
+  their own segment's sums), and the stabilised maps (``STABILISED_KEYS``) take each
+  segment's own key stabiliser (``segment_key_features``), so even favor's eps weighs as it
+  does alone.
+
+Everything else is refused with a message (bucket instead): FastRPB's ``W V`` and a linear
+kernel's kernelized RPE (``exp(b)`` weights) are Toeplitz products (FFT) over the whole row;
+t5_bias is a logits bias (softmax only); lrpe, permuteformer and spe are not checked for
+packing; grids, a Transformer-XL memory and a sequence split over devices have no packed form.
 """
 
 from __future__ import annotations
@@ -23,9 +32,18 @@ import contextlib
 import contextvars
 from typing import Iterator, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
+from fastpos.ops import features
+
 PACKABLE_SCHEMES = ("none", "absolute", "t5_bias", "rope", "kernelized_rpe")
+# With a linear kernel: schemes whose terms are in-segment positions or offsets j - i inside
+# phi(q) phi(k) (RoPE's rotations), or act before the blocks (absolute).
+LINEAR_PACKABLE_SCHEMES = ("none", "absolute", "rope")
+# Feature maps whose key features subtract one stabiliser per (row, head): packed, each
+# segment takes its own (``segment_key_features``).
+STABILISED_KEYS = ("sikf", "favor", "orf")
 _NEG = -1e30  # a logit bias that exp() turns into exactly 0 in float32 / float64 / bfloat16
 
 
@@ -72,20 +90,20 @@ def packing_refusal(
   """Why a (kernel, schemes, causal) cell cannot pack exactly, or None when it packs."""
   if split:
     return "the sequence is split over the mesh's seq axis"
-  if kernel != "softmax":
-    state = (
-        "its key-value state spans the whole row"
-        if not causal
-        else "its causal state would need a reset at each segment start (not built)"
-    )
-    return f"kernel {kernel!r} is linear: {state}"
   if grid is not None:
     return "2D (grid) inputs have no sequences to pack"
   if memory_length:
     return "a Transformer-XL memory carries states across rows"
-  bad = [s for s in schemes if s not in PACKABLE_SCHEMES]
+  linear = kernel != "softmax"
+  packable = LINEAR_PACKABLE_SCHEMES if linear else PACKABLE_SCHEMES
+  bad = [s for s in schemes if s not in packable]
   if bad:
-    why = {"fastrpb": "its W V is one Toeplitz product (FFT) over the row"}
+    why = {
+        "fastrpb": "its W V is one Toeplitz product (FFT) over the row",
+        "kernelized_rpe": f"with the linear kernel {kernel!r} its exp(b) weights are one "
+        "Toeplitz product (FFT) over the row",
+        "t5_bias": "a logits bias (softmax only)",
+    }
     return "; ".join(f"scheme {s!r}: {why.get(s, 'not checked for packing')}" for s in bad)
   return None
 
@@ -107,7 +125,8 @@ def check_packable(
     raise ValueError(
         f"packed batches (segment_ids) cannot run exactly on this model: "
         f"{reason}. Packing runs the softmax kernel with schemes "
-        f"{', '.join(PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
+        f"{', '.join(PACKABLE_SCHEMES)} and the linear kernels with "
+        f"{', '.join(LINEAR_PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
         "config.data.bucket_lengths)."
     )
 
@@ -118,3 +137,50 @@ def segment_bias(ids, dtype) -> jnp.ndarray:
   row is empty (their outputs are padding, never read)."""
   same = (ids[:, :, None] == ids[:, None, :]) | (ids[:, :, None] == 0)
   return jnp.where(same, jnp.zeros((), dtype), jnp.asarray(_NEG, dtype))[:, None]
+
+
+def _runs(ids):
+  """``[b, N]`` ids -> ``[b * N]`` int32: the index of each token's run of equal ids
+  (contiguous segments), counted over the flattened batch (a row starts a new run)."""
+  b, n = ids.shape
+  start = jnp.ones((b, n), bool).at[:, 1:].set(ids[:, 1:] != ids[:, :-1])
+  return jnp.cumsum(start.reshape(-1)) - 1
+
+
+def segment_reference(log_scale, ids, mask, *, causal: bool):
+  """Each token's segment's key stabiliser, taken from ``log_scale`` ``[b, N, h]``: the value
+  at the segment's first real key (causal: what every query of the segment sees) or the
+  maximum over the segment's real keys (bidirectional); 0 for a segment with no real key.
+  Behind stop_gradient. ``[b, N, h]``."""
+  b, n, h = log_scale.shape
+  runs = _runs(ids)
+  real = jnp.ones((b, n), bool) if mask is None else mask
+  flat = log_scale.reshape(b * n, h)
+  if causal:
+    at = jnp.where(real.reshape(-1), jnp.arange(b * n), b * n)
+    first = jax.ops.segment_min(at, runs, num_segments=b * n)[runs]  # [b * N]
+    ref = jnp.where((first < b * n)[:, None], flat[jnp.minimum(first, b * n - 1)], 0.0)
+  else:
+    top = jnp.where(real.reshape(-1, 1), flat, -jnp.inf)
+    ref = jax.ops.segment_max(top, runs, num_segments=b * n)[runs]
+    ref = jnp.where(jnp.isfinite(ref), ref, 0.0)
+  return jax.lax.stop_gradient(ref.reshape(b, n, h))
+
+
+def segment_key_parts(name: str, k, ids, *, projection=None, mask=None, causal: bool):
+  """A stabilised map's key features (``STABILISED_KEYS``) split as in
+  ``features.causal_key_parts`` but with each segment's own stabiliser: ``(e [b, N, h, m],
+  log_scale [b, N, h], key_eps)`` with ``e exp(log_scale) + key_eps`` the features the
+  segment's keys have alone (``causal``: its first real key's stabiliser; else the maximum
+  over its real keys)."""
+  e, log_scale, key_eps = features.causal_key_parts(name, k, projection=projection, mask=mask)
+  return e, log_scale - segment_reference(log_scale, ids, mask, causal=causal), key_eps
+
+
+def segment_key_features(name: str, k, ids, *, projection=None, mask=None, causal: bool):
+  """``phi(k)`` ``[b, N, h, m]`` of a stabilised map with each segment's own stabiliser (what
+  the map gives each segment alone, ``segment_key_parts``)."""
+  e, log_scale, key_eps = segment_key_parts(
+      name, k, ids, projection=projection, mask=mask, causal=causal
+  )
+  return e * jnp.exp(log_scale)[..., None] + key_eps

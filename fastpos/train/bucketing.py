@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 
 import grain
-import jax
 import ml_collections
 import numpy as np
 
 from fastpos.tasks.base import ArraySource
+from fastpos.train import sharding
 
 SEQUENCE_FIELDS = ("inputs", "mask", "inputs2", "mask2")  # cut to the bucket length
 BUCKETED_KINDS = ("classify", "retrieval")
@@ -110,10 +110,12 @@ def _gather(source: ArraySource, rows: np.ndarray) -> dict[str, np.ndarray]:
   return {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
 
 
-def _local(rows: np.ndarray) -> np.ndarray:
-  """This process's slice of a global batch's rows."""
-  local = len(rows) // jax.process_count()
-  return rows[jax.process_index() * local : (jax.process_index() + 1) * local]
+def _local(rows: np.ndarray, reader: tuple[int, int]) -> np.ndarray:
+  """The slice of a global batch's rows that this process's row group reads (``reader``:
+  ``sharding.data_reader``; processes holding blocks of the same rows read the same rows)."""
+  index, procs = reader
+  local = len(rows) // procs
+  return rows[index * local : (index + 1) * local]
 
 
 def train_batches(
@@ -126,6 +128,7 @@ def train_batches(
   sizes = example_lengths(source)
   window = int(cfg.data.get("bucket_window", 1))
   order = grain.MapDataset.range(n).seed(cfg.seed).shuffle().repeat()
+  reader = sharding.data_reader(cfg)
 
   @functools.lru_cache(maxsize=4)  # the W batches of a window are read one after another
   def window_rows(w: int) -> np.ndarray:
@@ -137,7 +140,7 @@ def train_batches(
 
   def make(b: int) -> dict[str, np.ndarray]:
     rows = window_rows(b // window)[b % window]
-    batch = _gather(source, _local(rows))
+    batch = _gather(source, _local(rows, reader))
     batch["weight"] = np.ones(len(batch["inputs"]), np.float32)
     return cut(batch, fit(int(sizes[rows].max()), lengths))
 
@@ -154,12 +157,13 @@ def eval_batches(
   sizes = example_lengths(source)
   covered = min(n, total * global_batch)  # the examples the unbucketed batches would score
   order = np.argsort(sizes[:covered], kind="stable")
+  reader = sharding.data_reader(cfg)
 
   def make(b: int) -> dict[str, np.ndarray]:
     slots = b * global_batch + np.arange(global_batch)
     rows = order[slots % covered]  # fillers past the end: real (short) examples, weight 0
-    batch = _gather(source, _local(rows))
-    batch["weight"] = _local(slots < covered).astype(np.float32)
+    batch = _gather(source, _local(rows, reader))
+    batch["weight"] = _local(slots < covered, reader).astype(np.float32)
     return cut(batch, fit(int(sizes[rows].max()), lengths))
 
   return grain.MapDataset.range(total).map(make)

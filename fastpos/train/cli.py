@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import numbers
 import os
 import re
 import sys
@@ -30,7 +31,27 @@ from fastpos.train.config_files import ConfigError, read
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")  # what config_flags takes as an override
 _OPTIONS = "model.positional_options"  # per-scheme options, by scheme name
-_OPTION_TYPES = {"bool": bool, "int": int, "number": float, "str": str, "any": object}
+# A "number" option is a numbers.Real field: an int stays an int, a float a float.
+_OPTION_TYPES = {"bool": bool, "int": int, "number": numbers.Real, "str": str, "any": object}
+
+
+class _NumberParser(flags.ArgumentParser):
+  """A "number" option's value on the command line: an int literal stays an int (``3``), any
+  other number is a float (``0.5``, ``1e3``)."""
+
+  def parse(self, argument):
+    if not isinstance(argument, str):
+      return argument
+    try:
+      return int(argument)
+    except ValueError:  # not an int literal: a float, or float()'s error (absl's wording)
+      return float(argument)
+
+  def flag_type(self) -> str:
+    return "number"
+
+
+config_flags.register_flag_parser_for_type(numbers.Real, _NumberParser())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +204,8 @@ def _check_path(cfg: ml_collections.ConfigDict, path: str, arg: str) -> None:
   for i, part in enumerate(parts):
     where = ".".join(parts[:i])
     if not isinstance(node, ml_collections.ConfigDict):
-      kind = _get(cfg, where.rpartition(".")[0]).get_type(parts[i - 1]).__name__
+      kind = _get(cfg, where.rpartition(".")[0]).get_type(parts[i - 1])
+      kind = "number" if kind is numbers.Real else kind.__name__
       raise ConfigError(f"{arg}: config.{where} is a field ({kind}), not a block of fields.")
     if part not in node:
       raise ConfigError(f"{arg}: {_unknown(cfg, where, part, node)}")
@@ -254,10 +276,8 @@ def _declare_options(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _field(value, kind: type):
-  if (
-      value is not None
-      and not isinstance(value, kind)
-      and not (kind is float and isinstance(value, int) and not isinstance(value, bool))
+  if value is not None and (
+      not isinstance(value, kind) or (kind is numbers.Real and isinstance(value, bool))
   ):
     return value  # of another type: the schema check names it
   return ml_collections.FieldReference(value, field_type=kind)

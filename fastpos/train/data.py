@@ -81,10 +81,14 @@ def eval_iterator(
   Global batch b holds examples ``[b * B, (b + 1) * B)``; rows past the end of the split
   repeat real examples (so every model input is well formed) with ``weight`` 0. With
   ``config.data.bucket_lengths``: the same examples in length order, each batch cut to its
-  bucket length (``fastpos.train.bucketing``).
+  bucket length (``fastpos.train.bucketing``); with ``config.data.pack`` on a classification
+  task: the same examples packed (``fastpos.train.packing``), each scored once.
   """
   n = len(source)
   global_batch = cfg.eval_batch_size or cfg.batch_size
+  if packing.enabled(cfg) and packing.source_kind(source) == "classify":
+    ds = packing.eval_batches(source, cfg, num_eval_batches(n, global_batch, limit))
+    return iter(ds.to_iter_dataset(_read_options(cfg)))
   if bucketing.bucket_lengths(cfg, source.arrays["inputs"].shape[1]):
     ds = bucketing.eval_batches(source, cfg, num_eval_batches(n, global_batch, limit))
     return iter(ds.to_iter_dataset(_read_options(cfg)))

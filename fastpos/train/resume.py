@@ -68,11 +68,11 @@ class Start:
 
 def batching(cfg: ml_collections.ConfigDict) -> list:
   """How the training stream is cut into batches beyond its order: [] for plain batches, else
-  the bucket lengths or "pack", and the window (another value maps a position to other
-  batches)."""
+  the bucket lengths or "pack" (and the examples per packed row), and the window (another
+  value maps a position to other batches)."""
   lengths = list(cfg.data.get("bucket_lengths", ()) or ())
   if cfg.data.get("pack", False):
-    lengths = ["pack"]
+    lengths = ["pack", f"segments={int(cfg.data.get('pack_segments', 8))}"]
   return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 

@@ -29,7 +29,15 @@ import optax
 
 from fastpos.train.state import TrainState
 
-MODEL_INPUTS = ("inputs", "mask", "inputs2", "mask2", "segment_ids", "positions")
+MODEL_INPUTS = (
+    "inputs",
+    "mask",
+    "inputs2",
+    "mask2",
+    "segment_ids",
+    "positions",
+    "segment_mask",
+)
 
 
 def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -55,8 +63,10 @@ def loss_and_metrics(
   """Summed cross-entropy and the (sum, count) metrics of one batch.
 
   Args:
-    logits: ``[b, classes]`` (classify / retrieval) or ``[b, N, vocab]`` (lm).
-    batch: ``targets`` ``[b]`` or ``[b, N]``, ``weight`` ``[b]`` (0 for padded examples) and,
+    logits: ``[b, classes]`` (classify / retrieval), ``[b, S, classes]`` (packed classify:
+      one per segment slot) or ``[b, N, vocab]`` (lm).
+    batch: ``targets`` ``[b]``, ``[b, S]`` or ``[b, N]``, ``weight`` ``[b]`` (0 for padded
+      examples; ``[b, S]`` for packed classify, 0 for empty slots) and,
       for lm, ``mask`` ``[b, N]`` (the scored tokens; ``score`` when present, e.g. a
       sliding-window evaluation whose context tokens are real but not scored, or the answer
       tokens of a recall task, ``fastpos.tasks.mqar``, whose accuracy is then on answers only).
@@ -66,7 +76,7 @@ def loss_and_metrics(
     (loss_sum, {"loss": (sum, count), "accuracy": (sum, count)}); padded examples and tokens
     are removed with ``where`` so that whatever their logits are, they add exactly 0.
   """
-  logits = logits.astype(jnp.float32)
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   targets = batch["targets"]
   weight = batch["weight"].astype(jnp.float32)
   if kind == "lm":  # "score": the scored tokens of a sliding-window evaluation, else "mask"
@@ -87,8 +97,13 @@ def loss_and_metrics(
 
 def real_tokens(batch: dict[str, jax.Array]) -> jax.Array:
   """The batch's real (unpadded) tokens as a float32 scalar: the True entries of ``mask``
-  (and ``mask2``, a retrieval pair's second input) in examples of nonzero ``weight``; for lm
-  the mask marks the scored target tokens."""
+  (and ``mask2``, a retrieval pair's second input) in examples of nonzero ``weight`` (in
+  packed classification, in segments of nonzero weight); for lm the mask marks the scored
+  target tokens."""
+  if batch["weight"].ndim == 2:  # packed classification: a weight per segment slot
+    ids = batch["segment_ids"]
+    w = jnp.take_along_axis(batch["weight"], jnp.maximum(ids - 1, 0), axis=1)
+    return jnp.sum((batch["mask"] & (ids > 0) & (w > 0)).astype(jnp.float32))
   real = batch["weight"] > 0
   total = jnp.zeros((), jnp.float32)
   for key in ("mask", "mask2"):

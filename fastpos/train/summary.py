@@ -2,40 +2,50 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from fastpos.tasks.info import TaskInfo
 from fastpos.train import config_record
-from fastpos.train.errors import RunError
 
 
 def summary_line(
-    workdir: Path, task, info: TaskInfo, result: dict[str, Any], train_src, val_src
+    workdir: Path,
+    task,
+    info: TaskInfo,
+    result: dict[str, Any],
+    train_src,
+    val_src,
+    *,
+    positional: str,
+    changes: Sequence[Mapping[str, Any]],
 ) -> str:
   """The run's last line: the validation metric (and the test one when eval.py scored this
   workdir) beside the accuracy of always answering the training split's majority class, the
-  mean training tokens/s (``result["tokens_per_second"]``, from the metric writer) and where
-  the outputs are."""
+  mean training tokens/s (``result["tokens_per_second"]``, from the metric writer), the config
+  changes of its resumes and where the outputs are.
+
+  The trainer hands over what it holds: ``result`` (the loop's and the writer's figures), the
+  run's ``model.positional`` and ``changes``, the entries of ``config_changes.jsonl`` as it
+  read and appended them. Only eval.py's ``results_test.json`` is read here.
+  """
   parts = [f"{task.task_name}: step {result['step']}", *_metric_parts(workdir, task, result)]
   baseline = _majority_baseline(info, train_src, val_src)
   if baseline:
     parts.append(baseline)
   if result.get("tokens_per_second") is not None:  # the metric writer's running mean
     parts.append(f"{result['tokens_per_second']:,.0f} tokens/s")
-  with contextlib.suppress(RunError):
-    changed = config_record.describe(config_record.read_changes(workdir))
-    if changed:
-      parts.append(changed)
+  changed = config_record.describe(changes)
+  if changed:
+    parts.append(changed)
   parts.append(f"workdir {workdir}: metrics.jsonl, tensorboard/, config.json")
   if task.has_split("test"):  # only commands that will produce something
     parts[-1] += f"; test: python eval.py --workdir={workdir} --split=test"
-  if _plotted_schemes(workdir):
+  if _plotted_schemes(positional):
     parts.append(f"plots: python scripts/plot_positional.py {workdir}")
   return "; ".join(parts)
 
@@ -79,10 +89,6 @@ def _majority_baseline(info: TaskInfo, train_src, val_src) -> str | None:
 PLOTTED_SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")  # what scripts/plot_positional.py draws
 
 
-def _plotted_schemes(workdir: Path) -> list[str]:
-  """The schemes of the run's config.json that ``scripts/plot_positional.py`` can plot."""
-  try:
-    names = json.loads((workdir / "config.json").read_text())["model"]["positional"]
-  except (OSError, ValueError, KeyError, TypeError):
-    return []
-  return [n for n in re.split(r"[,+]", str(names)) if n.strip() in PLOTTED_SCHEMES]
+def _plotted_schemes(positional: str) -> list[str]:
+  """The schemes of ``model.positional`` that ``scripts/plot_positional.py`` can plot."""
+  return [n for n in re.split(r"[,+]", str(positional)) if n.strip() in PLOTTED_SCHEMES]

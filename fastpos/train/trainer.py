@@ -121,13 +121,13 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
     log_file.enter_context(_log_file(run.workdir / "train.log"))
-    _announce(run, start, changes, (len(train_src), len(val_src)))
+    history = _announce(run, start, changes, (len(train_src), len(val_src)))
     writer = _open_writer(run, start, changes)
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = loop_lib.train_loop(run, ckpts, writer, start)
       ckpts.wait()  # a failed background save raises here
     if not result["stopped_early"] and jax.process_index() == 0:
-      logging.info("%s", summary_line(run.workdir, run.task, run.info, result, train_src, val_src))
+      logging.info("%s", _last_line(run, result, (train_src, val_src), history))
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     where = getattr(e, "filename", None) or (
@@ -145,13 +145,13 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     lock.release()
 
 
-def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]) -> None:
+def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]) -> list:
   """Logs where the run starts and what it is; writes config.json (a run from scratch) or
-  records the resume's config changes."""
+  records the resume's config changes. Returns the entries of the change record."""
   restored = start.restored
   if restored is not None:
     logging.info("resumed from %s", restored.path)
-  _record_config(run, restored.step if restored is not None else None, changes)
+  history = _record_config(run, restored.step if restored is not None else None, changes)
   logging.info(
       "task %s: %d train / %d validation examples; model: %d parameters; %d "
       "devices (mesh %s), %d process(es)",
@@ -161,6 +161,21 @@ def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]
       jax.device_count(),
       dict(run.mesh.shape),
       jax.process_count(),
+  )
+  return history
+
+
+def _last_line(run: Run, result: dict[str, Any], sources, history: list) -> str:
+  """The summary line from what the run holds: the loop's result, its config and the change
+  record ``history`` (``_record_config``)."""
+  return summary_line(
+      run.workdir,
+      run.task,
+      run.info,
+      result,
+      *sources,
+      positional=run.cfg.model.positional,
+      changes=history,
   )
 
 
@@ -182,23 +197,26 @@ def _open_writer(run: Run, start: resume_lib.Start, changes) -> metrics_lib.Metr
   return writer
 
 
-def _record_config(run: Run, resumed_step: int | None, changes) -> None:
+def _record_config(run: Run, resumed_step: int | None, changes) -> list:
   """config.json for a run from scratch (a stale change record goes); a resume keeps it and
-  appends its changes to config_changes.jsonl (process 0 writes)."""
+  appends its changes to config_changes.jsonl (process 0 writes). Returns the record's entries
+  (the summary line's; [] on other processes)."""
   if jax.process_index() != 0:
-    return
+    return []
   config_json = run.workdir / config_record.CONFIG_NAME
   if resumed_step is None or not config_json.is_file():
     (run.workdir / config_record.CHANGES_NAME).unlink(missing_ok=True)
     _write_json(config_json, run.cfg.to_json_best_effort(indent=2))
-    return
+    return []
+  history = config_record.read_changes(run.workdir)  # parsed by check_resume just before
   if changes:
-    config_record.record(run.workdir, resumed_step, changes)
+    history.append(config_record.record(run.workdir, resumed_step, changes))
     logging.warning(
         "resumed with a changed config (recorded in %s): %s",
         config_record.CHANGES_NAME,
         "; ".join(map(str, changes)),
     )
+  return history
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ def test_packed_row_equals_each_sequence_alone(scheme, layers):
 @pytest.mark.parametrize(
     "kernel, scheme, match",
     [
-        ("elu1", "absolute", "kernel 'elu1' is linear: its causal state would need a reset"),
+        ("elu1", "kernelized_rpe", "'kernelized_rpe': with the linear kernel 'elu1' its exp"),
         ("softmax", "absolute+fastrpb", "scheme 'fastrpb': its W V is one Toeplitz product"),
         ("softmax", "permuteformer", "scheme 'permuteformer': not checked for packing"),
     ],
@@ -105,7 +105,8 @@ def test_cells_that_cannot_pack_refuse(kernel, scheme, match):
 
 def test_refusal_table():
   assert segments.packing_refusal("softmax", ["absolute", "rope"], causal=True) is None
-  assert "spans the whole row" in segments.packing_refusal("sikf", ["none"], causal=False)
+  assert segments.packing_refusal("sikf", ["none"], causal=False) is None
+  assert "Toeplitz" in segments.packing_refusal("sikf", ["fastrpb"], causal=False)
   assert "grid" in segments.packing_refusal("softmax", ["none"], causal=False, grid=(4, 4))
   assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True, memory_length=8)
   with (

@@ -244,3 +244,38 @@ def test_switching_the_scheme_on_the_command_line_just_works():
   )
   with pytest.raises(ValueError, match="options for 'absolute', which is not in"):
     build_model(cfg.model, info)  # set on the command line for an unlisted scheme: refused
+
+
+def test_scheme_options_keep_their_declared_type(tmp_path):
+  """Through the real flag parser: a "number" option keeps the int or float it was given (in
+  the file or on the command line), an "int" option stays an int, and a config.json's too."""
+  path = tmp_path / "typed.py"
+  path.write_text(
+      "from configs import synthetic\n\n\n"
+      "def get_config(arg=None):\n"
+      "  cfg = synthetic.get_config('tiny')\n"
+      "  cfg.model.positional = 'rope+t5_bias'\n"
+      "  cfg.model.positional_options = {'rope': {'base': 500}, 't5_bias': {'num_buckets': 8}}\n"
+      "  return cfg\n"
+  )
+
+  def options(*overrides):
+    cfg = cli.load_config(str(path), [("seed", "1"), *overrides])
+    return cfg, cfg.model.positional_options.rope.base, cfg.model.positional_options.t5_bias
+
+  cfg, base, t5 = options()
+  assert type(base) is int and base == 500 and type(t5.num_buckets) is int
+  for given, want in (("300", 300), ("0.5", 0.5), ("1e3", 1000.0), ("300.0", 300.0)):
+    _, base, _ = options(("model.positional_options.rope.base", given))
+    assert type(base) is type(want) and base == want, (given, base)
+  _, _, t5 = options(("model.positional_options.t5_bias.num_buckets", "16"))
+  assert type(t5.num_buckets) is int and t5.num_buckets == 16
+  for option, bad in (("rope.base", "ten"), ("t5_bias.num_buckets", "16.5")):
+    with pytest.raises(cli.ConfigError, match=bad):
+      options((f"model.positional_options.{option}", bad))
+  with pytest.raises(cli.ConfigError, match=r"rope.base is a field \(number\)"):
+    options(("model.positional_options.rope.base.x", "1"))
+  saved = tmp_path / "config.json"
+  saved.write_text(cfg.to_json())  # a run's saved config: JSON keeps the int
+  base = cli.load_config(str(saved), [("seed", "2")]).model.positional_options.rope.base
+  assert type(base) is int and base == 500

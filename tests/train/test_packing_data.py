@@ -10,6 +10,7 @@ from fastpos.models import TaskInfo, build_model, model_config
 from fastpos.tasks.base import ArraySource
 from fastpos.train import bucketing, data, packing
 from tests.train.common import tiny_config
+from tests.train.test_packing_classify import check_stream
 
 N = 16
 
@@ -72,11 +73,11 @@ def test_packed_batches_hold_each_example_once_and_restore():
     return out
 
   seen, fresh = [], data.train_iterator(src, cfg)
-  while len(seen) < len(src):  # windows are consumed whole: 3 windows = one epoch
+  for _ in range(30):
     batch = next(fresh)
-    assert batch["inputs"].shape == (4, N)
+    assert batch["inputs"].shape == (4, N) and batch["weight"].all()  # no filler rows
     seen += segments_of(batch)
-  assert sorted(seen) == list(range(len(src)))
+  check_stream(seen, cfg, len(src), carry=3 * 8)  # at most 3 rows of <= 8 examples
   real = sum(int((b["mask"] * b["weight"][:, None]).sum()) for b in first + rest)
   slots = sum(int(b["weight"].sum()) * N for b in first + rest)
   plain = sizes.sum() / (len(src) * N)
@@ -95,10 +96,13 @@ def test_packing_refusals():
     return build_model(c, lm)
 
   packing.check_config(cfg, "lm", N, model("softmax", "absolute"))
-  with pytest.raises(ValueError, match="'classify' task; packing serves lm tasks"):
-    packing.check_config(cfg, "classify", N, model("softmax", "absolute"))
-  with pytest.raises(ValueError, match="kernel 'elu1' is linear"):
-    packing.check_config(cfg, "lm", N, model("elu1", "absolute"))
+  packing.check_config(cfg, "lm", N, model("elu1", "absolute"))  # linear kernels pack too
+  with pytest.raises(ValueError, match="'kernelized_rpe': with the linear kernel 'elu1'"):
+    packing.check_config(cfg, "lm", N, model("elu1", "kernelized_rpe"))
+  with pytest.raises(ValueError, match="'retrieval' task: a retrieval example is two documents"):
+    packing.check_config(cfg, "retrieval", N, model("softmax", "absolute"))
+  with pytest.raises(ValueError, match="'vision' task: packing serves lm / classify tasks"):
+    packing.check_config(cfg, "vision", N, model("softmax", "absolute"))
   with pytest.raises(ValueError, match="choose one"):
     packing.check_config(
         _cfg(**{"data.bucket_lengths": (8,)}), "lm", N, model("softmax", "absolute")

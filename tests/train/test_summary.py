@@ -13,6 +13,8 @@ from fastpos.tasks.info import TaskInfo
 from fastpos.train.metrics import MetricWriter
 from fastpos.train.trainer import summary_line
 
+NONE = {"positional": "none", "changes": []}  # the run's model.positional, its change record
+
 
 def _src(targets):
   targets = np.asarray(targets)
@@ -29,13 +31,15 @@ def test_summary_line(tmp_path):
       "tokens_per_second": 2000.0,  # the metric writer's running mean
   }
   # training's majority is 3 (3 of 5); it is 1 of 4 validation examples
-  line = summary_line(tmp_path, task, info, result, _src([3, 3, 3, 1, 2]), _src([3, 1, 1, 2]))
+  line = summary_line(
+      tmp_path, task, info, result, _src([3, 3, 3, 1, 2]), _src([3, 1, 1, 2]), **NONE
+  )
   assert line.startswith(
       "listops: step 100; validation accuracy 37.50% (best 40.00% at step "
       "50); majority-class baseline 25.00% (always 3); 2,000 tokens/s; "
       f"workdir {tmp_path}: metrics.jsonl"
   )
-  assert "test accuracy" not in line and "plot_positional.py" not in line  # no config.json
+  assert "test accuracy" not in line and "plot_positional.py" not in line  # no results_test
   assert f"; test: python eval.py --workdir={tmp_path} --split=test" in line
   for positional, plots in (
       ("absolute+fastrpb", True),
@@ -43,12 +47,13 @@ def test_summary_line(tmp_path):
       ("lrpe", True),
       ("none", False),
   ):
-    (tmp_path / "config.json").write_text(json.dumps({"model": {"positional": positional}}))
-    line = summary_line(tmp_path, task, info, result, _src([3]), _src([3]))
+    line = summary_line(
+        tmp_path, task, info, result, _src([3]), _src([3]), positional=positional, changes=[]
+    )
     assert (f"plots: python scripts/plot_positional.py {tmp_path}" in line) == plots, positional
   (tmp_path / "results_test.json").write_text(json.dumps({"accuracy": 0.41, "step": 50}))
   assert "; test accuracy 41.00% (step 50);" in summary_line(
-      tmp_path, task, info, result, _src([3]), _src([3])
+      tmp_path, task, info, result, _src([3]), _src([3]), **NONE
   )
 
 
@@ -62,11 +67,11 @@ def test_no_test_command_without_a_test_split(tmp_path):
   assert task.has_split("validation") and not task.has_split("test")
   info = TaskInfo(kind="lm", vocab_size=257, num_classes=0, max_length=4)
   result = {"step": 10, "validation": {"loss": 2.0}}
-  line = summary_line(tmp_path, task, info, result, None, None)
+  line = summary_line(tmp_path, task, info, result, None, None, **NONE)
   assert line.startswith("text_lm: step 10; validation loss 2; workdir") and "eval.py" not in line
   cfg.test_fraction = 0.1
   assert f"test: python eval.py --workdir={tmp_path} --split=test" in summary_line(
-      tmp_path, tasks.make_task(cfg), info, result, None, None
+      tmp_path, tasks.make_task(cfg), info, result, None, None, **NONE
   )
 
 
@@ -105,3 +110,24 @@ def test_the_writer_keeps_the_mean_tokens_per_second_across_a_resume(tmp_path):
   fresh = MetricWriter(tmp_path / "new", 10)
   assert fresh.mean_tokens_per_second() is None
   fresh.close()
+
+
+def test_the_line_reads_the_changes_it_is_handed_not_the_disk(tmp_path):
+  """The config changes come from the trainer's record (what it read and appended), and the
+  plotted schemes from the run's config: the line does not read config.json or
+  config_changes.jsonl."""
+  task = types.SimpleNamespace(task_name="listops", metric="accuracy", has_split=lambda s: False)
+  info = TaskInfo(kind="lm", vocab_size=20, num_classes=0, max_length=4)
+  result = {"step": 7, "validation": {"accuracy": 0.5}}
+  change = {"field": "seed", "old": 0, "new": 1, "affects_results": True}
+  entries = [{"step": 4, "checkpoint": 3, "changes": [change]}]
+  (tmp_path / "config_changes.jsonl").write_text("not json\n")  # never read
+  (tmp_path / "config.json").write_text("not json")
+  line = summary_line(
+      tmp_path, task, info, result, None, None, positional="fastrpb", changes=entries
+  )
+  assert "config changed at step 4: seed 0 -> 1 (config_changes.jsonl)" in line
+  assert f"plots: python scripts/plot_positional.py {tmp_path}" in line
+  assert "config changed" not in summary_line(
+      tmp_path, task, info, result, None, None, positional="rope", changes=[]
+  )

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU check in one call (fastpos.bench.gpu): what the device is, then the four parts
+# (train step, kernelized RPE, linear attention, train-step memory) within BUDGET_S seconds.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [extra flags for python -m fastpos.bench.gpu]
+#   BUDGET_S=420 bash scripts/gpu_check.sh /tmp/gpu            # the default budget
+#   bash scripts/gpu_check.sh /tmp/gpu_smoke --smoke            # tiny sizes, any machine
+#
+# Writes OUT_DIR/gpu.md, OUT_DIR/gpu.json and OUT_DIR/gpu_log.txt (everything printed).
+# Exit status: the driver's (0 every part ran and every goal passed, 1 otherwise, 2 bad flag).
+set -uo pipefail
+if [[ $# -lt 1 ]]; then
+  echo "usage: bash scripts/gpu_check.sh OUT_DIR [flags of python -m fastpos.bench.gpu]" >&2
+  exit 2
+fi
+out=$1
+shift
+mkdir -p "$out" || exit 2
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
+  "$python" -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
+"optax", optax.__version__, jax.devices())'
+} 2>&1 | tee "$out/gpu_log.txt"
+"$python" -m fastpos.bench.gpu --out "$out" --budget-s "${BUDGET_S:-420}" "$@" 2>&1 \
+  | tee -a "$out/gpu_log.txt"
