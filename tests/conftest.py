@@ -168,8 +168,9 @@ def _cache_in_tmp(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _programs_compilation_cache(tmp_path_factory):
   # The environment only: this process read JAX's settings at import, so its own compiles are
-  # unaffected. One folder for both xdist workers (the base temp's parent is shared).
-  cache = tmp_path_factory.getbasetemp().parent / "programs_jax_cache"
+  # unaffected. One folder per run, for both xdist workers (their base temps share a parent).
+  run = tmp_path_factory.getbasetemp()
+  cache = (run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run) / "programs_jax_cache"
   cache.mkdir(exist_ok=True)
   mp = pytest.MonkeyPatch()
   mp.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
