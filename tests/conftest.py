@@ -10,12 +10,23 @@
   are a library's own set-up at its first import, and are left alone.
 * ``_cache_in_tmp`` (autouse, session): tasks' default cache folder (``$FASTPOS_CACHE_DIR``) is
   a temporary folder, so no test writes caches into the repository or the user's home.
+* ``_programs_compilation_cache`` (autouse, session): the programs the tests start (train.py,
+  eval.py, examples, scripts) share one persistent JAX compilation cache, so a step that several
+  of them compile is compiled once per run (the cached executable is the one XLA would build).
+* Under pytest-xdist (``-n 2`` without ``--dist``), ``pytest_xdist_make_scheduler`` deals the
+  tests one at a time as workers free up, except that a module with a module-scoped fixture (or
+  an ``xdist_group`` mark) goes to one worker as a whole: its fixture is built once (plain
+  ``load`` could build it on both workers), and such modules are dealt before the single tests,
+  so the expensive ones start first instead of ending the run on one worker.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+from pathlib import Path
 
 import jax
 import pytest
@@ -25,6 +36,8 @@ import pytest
 import tensorboardX  # noqa: F401
 from absl import flags
 from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -150,6 +163,54 @@ def _cache_in_tmp(tmp_path_factory):
   mp.setenv("FASTPOS_CACHE_DIR", str(tmp_path_factory.mktemp("fastpos_cache")))
   yield
   mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _programs_compilation_cache(tmp_path_factory):
+  # The environment only: this process read JAX's settings at import, so its own compiles are
+  # unaffected. One folder per run, for both xdist workers (their base temps share a parent).
+  run = tmp_path_factory.getbasetemp()
+  cache = (run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run) / "programs_jax_cache"
+  cache.mkdir(exist_ok=True)
+  mp = pytest.MonkeyPatch()
+  mp.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+  mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  mp.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  yield
+  mp.undo()
+
+
+# A test module is dealt to one xdist worker as a whole when it has a module-scoped fixture or an
+# ``xdist_group`` mark: its fixture is then built once.
+_GROUPED = re.compile(r'scope="module"|pytest\.mark\.xdist_group\(')
+
+
+@functools.cache
+def _grouped_module(path: str) -> bool:
+  try:
+    return bool(_GROUPED.search((_ROOT / path).read_text(encoding="utf-8")))
+  except OSError:
+    return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """``-n N`` without ``--dist``: load balancing, one test at a time, except that the tests of a
+  grouped module go to one worker together, and before any single test. (xdist's own
+  ``loadgroup`` cannot mark tests under this pytest: it renames ``item._nodeid``, which pytest
+  no longer reads.)"""
+  given = " ".join([*config.invocation_params.args, os.environ.get("PYTEST_ADDOPTS", "")])
+  if config.option.dist != "load" or "--dist" in given:
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # only under xdist
+
+  class SharedFixtureScheduling(LoadScopeScheduling):
+
+    def _split_scope(self, nodeid: str) -> str:
+      path = nodeid.split("::", 1)[0]
+      return path if _grouped_module(path) else nodeid
+
+  return SharedFixtureScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

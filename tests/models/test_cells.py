@@ -289,10 +289,10 @@ def test_causal_cells_never_look_ahead(cell):
   x, _ = _inputs(n)
   mask = jnp.ones((1, n), bool)
 
-  def f(x1):
+  def f(x1, params):
     return run(params, x1[None], mask, False)[0]
 
-  jac = jax.jacrev(f)(x[0])  # [n, D, n, D]
+  jac = jax.jit(jax.jacrev(f))(x[0], params)  # [n, D, n, D]; one compiled program
   # FFT paths (FastRPB / kernelized RPE tables) mix all positions through the transform:
   # their future entries are float64 round-off, bounded relative to the largest entry.
   fft = any(s in ("fastrpb", "kernelized_rpe") for s in schemes)

@@ -139,13 +139,14 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
       x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
       inputs = {"x": x, "mask": batch["mask"]}
       apply = lambda v, b: model.apply(v, b["x"], mask=b["mask"])
-      variables = model.init(jax.random.key(0), x, mask=batch["mask"])
+      variables = jax.jit(model.init)(jax.random.key(0), x, mask=batch["mask"])
     else:
       model = build_model(c, task)
       inputs = batch
       apply = lambda v, b: model.apply(v, b)
-      variables = model.init(jax.random.key(0), batch)
-    # float64 parameters, moved off their init so that no table starts at zero.
+      variables = jax.jit(model.init)(jax.random.key(0), batch)
+    # (init compiled: run op by op it costs more than compiling it.) float64 parameters, moved
+    # off their init so that no table starts at zero.
     leaves, tree = jax.tree.flatten(variables)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     variables = jax.tree.unflatten(

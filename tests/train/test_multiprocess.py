@@ -53,7 +53,12 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 
 def _env(devices: int | None = None, **extra: str) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  # No JAX_ settings from the caller but the shared compilation cache (tests/conftest.py).
+  env = {
+      k: v
+      for k, v in os.environ.items()
+      if not k.startswith("JAX_") or k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+  }
   env.update(PYTHONPATH=str(ROOT), PYTHON=sys.executable, XLA_FLAGS=FAST_COMPILE, **extra)
   if devices is not None:
     env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
