@@ -37,6 +37,8 @@ import tensorboardX  # noqa: F401
 from absl import flags
 from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
 
+from tests.helpers import FAST_COMPILE_FLAGS
+
 _ROOT = Path(__file__).resolve().parents[1]
 
 jax.config.update("jax_enable_x64", True)
@@ -47,7 +49,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # round-off, which every comparison allows for). Only this process: XLA reads XLA_FLAGS once,
 # at its first compile, so the variable is set for that compile and restored at once, and the
 # programs the tests start (train.py, sweeps, benchmarks) compile as users' do.
-_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_FAST_COMPILE_FLAGS = FAST_COMPILE_FLAGS
 
 
 def _compile_fast() -> None:

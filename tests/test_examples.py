@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
+from tests.helpers import FAST_COMPILE_FLAGS
+
 # The three run one after another on one xdist worker, dealt before the single tests
 # (tests/conftest.py): the run does not end waiting for one of them.
 pytestmark = pytest.mark.xdist_group("examples")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = FAST_COMPILE_FLAGS
 
 
 def _run(script: str, *args: str) -> str:

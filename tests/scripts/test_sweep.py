@@ -27,6 +27,7 @@ import make_tables  # noqa: E402
 import plot_positional  # noqa: E402
 from fastpos.ops import toeplitz  # noqa: E402
 from fastpos.sweep import plan, runner  # noqa: E402
+from tests.helpers import FAST_COMPILE_FLAGS  # noqa: E402
 
 CONFIG = "configs/listops_generated.py:tiny"
 MODEL = "absolute+fastrpb+kernelized_rpe+lrpe"  # every plotted table in one tiny model
@@ -392,7 +393,7 @@ def env(tmp_path_factory):
       "PYTHON": sys.executable,
       # The runs are about the sweep, not the model: XLA's CPU backend compiles these tiny steps
       # about a quarter faster without its LLVM optimisations.
-      "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+      "XLA_FLAGS": FAST_COMPILE_FLAGS,
   }
 
 
