@@ -34,7 +34,7 @@ import time
 import jax
 import numpy as np
 
-from fastpos.bench import report
+from fastpos.bench import padding, report
 from fastpos.train import data as data_lib
 from fastpos.train import run as run_lib
 from fastpos.train.steps import make_train_step, without_carry
@@ -105,25 +105,9 @@ def _step_alone(runs, batches, args, rec) -> None:
   }
   states = {name: run.init_state()[0] for name, run in runs.items()}
   rng = runs["padded"].train_rng
-  for name, bs in batches.items():
-    compile_s = {}
-    for b in bs:
-      width = b["inputs"].shape[1]
-      if width not in compile_s:
-        start = time.perf_counter()
-        fns[name].lower(states[name], b, rng).compile()
-        compile_s[width] = time.perf_counter() - start
-        states[name], m = fns[name](states[name], b, rng)
-        jax.block_until_ready(m)
-    rec["variants"][name]["compile_s"] = compile_s
-  times = {name: [] for name in batches}
-  for _ in range(args.rounds):
-    for name, bs in batches.items():
-      start = time.perf_counter()
-      for b in bs:
-        states[name], m = fns[name](states[name], b, rng)
-      jax.block_until_ready(m)
-      times[name].append(time.perf_counter() - start)
+  compile_s, times = padding.time_steps(fns, states, batches, rng, args.rounds)
+  for name in batches:
+    rec["variants"][name]["compile_s"] = compile_s[name]
   for name, bs in batches.items():
     v, real = rec["variants"][name], sum(_real(b) for b in bs)
     v["step_real_tokens_per_s"] = statistics.median(real / t for t in times[name])

@@ -297,6 +297,33 @@ def _take(it, n: int) -> list[dict]:
   return [next(it) for _ in range(n)]
 
 
+def time_steps(fns, states, batches, rng, rounds: int) -> tuple[dict, dict]:
+  """Compiles each variant's step once per batch width and runs it there, then times
+  ``rounds`` interleaved passes over each variant's batches (``states`` is updated in place).
+
+  Returns ``({name: {width: compile s}}, {name: [s per pass]})``.
+  """
+  compile_s = {name: {} for name in batches}
+  for name, bs in batches.items():
+    for b in bs:
+      width = b["inputs"].shape[1]
+      if width not in compile_s[name]:
+        start = time.perf_counter()
+        fns[name].lower(states[name], b, rng).compile()
+        compile_s[name][width] = time.perf_counter() - start
+        states[name], m = fns[name](states[name], b, rng)
+        jax.block_until_ready(m)
+  times = {name: [] for name in batches}
+  for _ in range(rounds):
+    for name, bs in batches.items():
+      start = time.perf_counter()
+      for b in bs:
+        states[name], m = fns[name](states[name], b, rng)
+      jax.block_until_ready(m)
+      times[name].append(time.perf_counter() - start)
+  return compile_s, times
+
+
 def _measure(args) -> dict:
   before, after = _configs(tuple(args.buckets), args.window)
   runs = {
@@ -339,25 +366,9 @@ def _measure(args) -> dict:
       name: _take(data_lib.train_iterator(src, run.cfg), args.steps) for name, run in runs.items()
   }
   rng = runs["before"].train_rng
-  for name, bs in batches.items():
-    compile_s, fn = {}, fns[name]
-    for b in bs:
-      width = b["inputs"].shape[1]
-      if width not in compile_s:
-        start = time.perf_counter()
-        fn.lower(states[name], b, rng).compile()
-        compile_s[width] = time.perf_counter() - start
-        states[name], m = fn(states[name], b, rng)
-        jax.block_until_ready(m)
-    rec["variants"][name]["compile_s"] = compile_s
-  times = {name: [] for name in batches}
-  for _ in range(args.rounds):
-    for name, bs in batches.items():
-      start = time.perf_counter()
-      for b in bs:
-        states[name], m = fns[name](states[name], b, rng)
-      jax.block_until_ready(m)
-      times[name].append(time.perf_counter() - start)
+  compile_s, times = time_steps(fns, states, batches, rng, args.rounds)
+  for name in batches:
+    rec["variants"][name]["compile_s"] = compile_s[name]
   for name, bs in batches.items():
     v = rec["variants"][name]
     real = sum(int(b["mask"].sum()) for b in bs)
