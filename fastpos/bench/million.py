@@ -23,13 +23,17 @@ the train loss, dropout on) of the same model on one device at N tokens, the fir
 settings against the same with ``attn_chunk=0`` (and ``mlp_chunk=0``), interleaved repeats
 in one process, medians and their ratio.
 
-Then, when ``--run`` allows and ``free`` shows enough memory (the devices x the total per
-device + 4 GiB), the first variant's step runs once on this host: state initialised on the
-devices, one call, its wall time and the process's peak resident memory (``ru_maxrss``).
+Then, when ``--run`` allows and there is enough memory (on a CPU host ``free`` shows the
+devices x the total per device + 4 GiB; on an accelerator the device's memory holds the
+total), the first variant's step runs once: state initialised on the devices, one call, its
+wall time, the loss, the process's peak resident memory (``ru_maxrss``) and, where the
+device reports it, the device's peak memory in use.
 
-On a CPU host the devices are simulated (``--xla_force_host_platform_device_count``, set here
-before JAX starts). Exit 0 when the first variant fits ``--budget`` GiB per device, 1 when it
-does not, 2 for a bad flag (one line).
+``--seq=1`` puts the whole sequence on one device (no ring, e.g. one GPU); the record names
+the device kind. On a CPU host the ``--seq`` devices are simulated
+(``--xla_force_host_platform_device_count``, set here before JAX starts). Exit 0 when the
+first variant fits ``--budget`` GiB per device, 1 when it does not, 2 for a bad flag (one
+line).
 """
 
 from __future__ import annotations
@@ -163,9 +167,17 @@ def available_bytes() -> int:
   return 0
 
 
+def device_bytes() -> tuple[int | None, int | None]:
+  """(memory limit, peak bytes in use) of the first device, where it reports them (GPUs and
+  TPUs do; simulated CPU devices do not: None)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+
+
 def run_once(compiled, state, batch, init_fn, n: int) -> dict:
   """Initialises the state on the devices and runs the compiled step once: wall seconds of
-  the step, the loss, and the process's peak resident memory."""
+  the state's initialisation and of the step, the loss, the process's peak resident memory
+  and the first device's peak memory in use (None where it is not reported)."""
   start = time.perf_counter()
   real = init_fn(jax.random.key(0))
   jax.block_until_ready(real)
@@ -185,7 +197,13 @@ def run_once(compiled, state, batch, init_fn, n: int) -> dict:
   step_s = time.perf_counter() - start
   metrics = {k: float(np.asarray(v[0]) / np.asarray(v[1])) for k, v in metrics.items()}
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  return {"init_s": init_s, "step_s": step_s, "peak_rss": int(peak), "metrics": metrics}
+  return {
+      "init_s": init_s,
+      "step_s": step_s,
+      "peak_rss": int(peak),
+      "device_peak": device_bytes()[1],
+      "metrics": metrics,
+  }
 
 
 def time_chunking(n: int, positions, remat, chunks, layers: int, repeats: int = 3) -> dict:
@@ -233,6 +251,11 @@ def _timing_line(t: dict) -> str:
   )
 
 
+def device_kind() -> str:
+  """The first device's kind as JAX names it (e.g. "cpu", "NVIDIA H100 80GB HBM3")."""
+  return str(jax.devices()[0].device_kind)
+
+
 def _gib(nbytes: float) -> str:
   return f"{nbytes / GIB:,.2f} GiB"
 
@@ -241,7 +264,9 @@ def _parse(argv):
   prog = "python -m fastpos.bench.million"
   parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
   parser.add_argument("--length", type=int, default=2**20, help="tokens per sequence")
-  parser.add_argument("--seq", type=int, default=8, help="mesh.seq (devices)")
+  parser.add_argument(
+      "--seq", type=int, default=8, help="mesh.seq (devices; 1: the whole sequence on one)"
+  )
   parser.add_argument(
       "--positions",
       default="learned,learned-replicated,sinusoidal",
@@ -293,8 +318,8 @@ def _parse(argv):
       )
   if not positions:
     raise ValueError(f"--positions is empty; valid choices: {', '.join(POSITIONS)}.")
-  if args.seq < 2 or args.length < args.seq or args.length % args.seq:
-    raise ValueError(f"--seq={args.seq} must be >= 2 and divide --length={args.length}.")
+  if args.seq < 1 or args.length < args.seq or args.length % args.seq:
+    raise ValueError(f"--seq={args.seq} must be >= 1 and divide --length={args.length}.")
   if args.layers < 2:
     raise ValueError(f"--layers={args.layers} must be >= 2 (the breakdown compiles 1).")
   remat = [r.strip() for r in args.remat.split(",") if r.strip()]
@@ -353,21 +378,23 @@ def _maybe_run(args, head: dict, n: int) -> tuple[dict | None, str]:
   """Runs the headline step once when ``--run`` and the host's free memory allow: (the run's
   record or None, one line saying what happened)."""
   run, why = None, ""
-  need = args.seq * head["total"] + 4 * GIB
-  avail = available_bytes()
+  limit = device_bytes()[0]
+  if limit is None:  # simulated devices: the host's memory holds all of them
+    need, avail = args.seq * head["total"] + 4 * GIB, available_bytes()
+    needs = f"{args.seq} x {_gib(head['total'])} + 4 GiB = {_gib(need)}"
+  else:
+    need, avail, needs = head["total"], limit, f"{_gib(head['total'])} per device"
   if args.run == "never":
     why = "not run (--run=never)"
   elif args.run == "auto" and avail < 1.3 * need:  # a shared host: a 30% margin
-    why = (
-        f"not run: {_gib(avail)} available, under 1.3 x what the run needs ({args.seq} x "
-        f"{_gib(head['total'])} + 4 GiB = {_gib(need)})"
-    )
+    why = f"not run: {_gib(avail)} available, under 1.3 x what the run needs ({needs})"
   else:
     run = run_once(*head["_run"], n)
+    device = "" if run["device_peak"] is None else f", device peak {_gib(run['device_peak'])}"
     why = (
         f"ran once: step {run['step_s']:.1f} s (state init {run['init_s']:.1f} s), peak "
-        f"resident memory {_gib(run['peak_rss'])} for all {args.seq} devices, loss "
-        f"{run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}"
+        f"resident memory {_gib(run['peak_rss'])} for all {args.seq} device(s){device}, "
+        f"loss {run['metrics']['loss']:.4f}, finite: {np.isfinite(run['metrics']['loss'])}"
     )
   return run, why
 
@@ -385,6 +412,9 @@ def main(argv=None) -> int:
     print(f"{prog}: --seq needs {args.seq} devices; {jax.device_count()} visible.", file=sys.stderr)
     return 2
   n = args.length
+  print(
+      f"devices: {jax.device_count()} x {device_kind()} ({jax.devices()[0].platform})", flush=True
+  )
   results = {}
   try:
     for label, pos, r, c in _variants(positions, remat, args.chunks, args.attn_chunks):
@@ -418,12 +448,16 @@ def main(argv=None) -> int:
 
   ok = head["total"] <= args.budget * GIB
   command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
+  where = (
+      f"over mesh.seq = {args.seq} devices ({n // args.seq:,} each)"
+      if args.seq > 1
+      else "on one device (mesh.seq = 1, no ring)"
+  )
   lines = [
-      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-      f"{jax.__version__}, {time.strftime('%Y-%m-%d')})",
+      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}: "
+      f"{device_kind()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')})",
       "",
-      f"N = {n:,} tokens over mesh.seq = {args.seq} devices ({n // args.seq:,} each), "
-      "per device:",
+      f"N = {n:,} tokens {where}, per device:",
       "",
       "| variant | position table + moments | other state | temp | total | compile |",
       "|---|---|---|---|---|---|",
@@ -479,6 +513,7 @@ def main(argv=None) -> int:
           "run_note": why,
           "timing": timing,
           "args": vars(args),
+          "device": {"platform": jax.devices()[0].platform, "kind": device_kind()},
           "pass": ok,
       },
   )

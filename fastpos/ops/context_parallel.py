@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fastpos.ops import attention as attn
 from fastpos.ops import toeplitz
@@ -41,7 +42,7 @@ def _axis(axis_name) -> tuple[int, jax.Array]:
 # ---------------------------------------------------------------------------------------------
 # Toeplitz product over a split sequence: a ring of block products
 # ---------------------------------------------------------------------------------------------
-def toeplitz_matmul(w, x, *, axis_name, causal: bool = False):
+def toeplitz_matmul(w, x, *, axis_name, causal: bool = False, seq_axis: int = -2):
   """``out[i] = sum_j w[j - i + N - 1] x[j]`` for this device's block of queries i, over the
   keys j of every block, without gathering the sequence (the unsplit op is
   ``fastpos.ops.toeplitz.toeplitz_matmul``).
@@ -53,35 +54,125 @@ def toeplitz_matmul(w, x, *, axis_name, causal: bool = False):
   by its ``T_s`` (an FFT product of size fft_size(2n-1)) and accumulates. Causal: the
   diagonal block is a causal product, blocks from later devices (s > 0) add nothing.
 
+  The backward pass (a custom VJP, so that no device keeps the P blocks it saw) is written
+  out, not differentiated: ``T_s^T dy`` is the same FFT product with the conjugate kernel
+  spectrum (the flipped table), and the gradient of the table entries of ``T_s`` is the
+  correlation of dy with ``x_q``, summed over channels in the frequency domain (one inverse
+  FFT of the table's size). Each block goes around the ring once more with its gradient.
+
+  Every product runs over groups of about ``toeplitz._GROUP_BYTES`` of spectrum (items of the
+  batch, or channels of one item), one group after the other, accumulating in place into the
+  output (or gradient) block: the temporary memory is one group's FFT buffers, and the
+  carries are the travelling block, the output block and, in the backward pass, the
+  travelling gradient and the table gradient, initialised by the first block product (no
+  zero-filled block-sized accumulators).
+
   Cost per device: P Toeplitz products of length n (FFT size about 2n), i.e. O(P n log n) =
   O(N log n) work per device where the unsplit op does O(N log N) on one device; memory
   O(n C) (one block in flight at a time). Communication: P - 1 ``ppermute`` of an ``[n, C]``
-  block forward; the backward pass (a custom VJP, so that no device keeps the P blocks it
-  saw) sends each block once more around the ring with its gradient, P ``ppermute`` of two
-  ``[n, C]`` blocks, and sums the table's gradient over devices (one ``psum`` of ``w``).
+  block forward; backward, P ``ppermute`` of two ``[n, C]`` blocks and one ``psum`` of ``w``.
 
   Args:
     w: ``[..., 2N-1]`` the global relative table (replicated), N = n P.
-    x: ``[..., n, C]`` this device's block; leading dims broadcast against those of w.
+    x: this device's block, the sequence (n positions) on axis ``seq_axis`` and channels on
+      the last axis, e.g. ``[..., n, C]`` (the default) or ``[b, n, h, d]`` with
+      ``seq_axis=1``; its other axes (in order) broadcast against the leading dims of w
+      (e.g. one table per head: w ``[h, 2N-1]``).
     axis_name: the mesh axis the sequence is split over.
     causal: keep only ``j <= i``.
+    seq_axis: the sequence axis of x (not the last).
 
   Returns:
-    ``[broadcast(...), n, C]`` in the promoted dtype of w and x.
+    x's layout, its other axes broadcast with w's leading dims (new ones in front), in the
+    promoted dtype of w and x.
   """
   num, _ = _axis(axis_name)
-  n = x.shape[-2]
   if jnp.ndim(x) < 2 or jnp.ndim(w) < 1:
     raise ValueError(
-        f"w must be [..., 2N-1] and x [..., n, C]; got {jnp.shape(w)}, " f"{jnp.shape(x)}."
+        f"w must be [..., 2N-1] and x [..., n, C]; got {jnp.shape(w)}, {jnp.shape(x)}."
     )
+  if not -x.ndim <= seq_axis < x.ndim - 1:
+    raise ValueError(
+        f"seq_axis={seq_axis} is not an axis of x {x.shape} other than the last (channels); "
+        f"valid: {-x.ndim} .. {x.ndim - 2}."
+    )
+  seq = seq_axis - x.ndim if seq_axis >= 0 else seq_axis  # negative: stays put as dims prepend
+  n = x.shape[seq]
   if w.shape[-1] != 2 * n * num - 1:
     raise ValueError(
         f"w has {w.shape[-1]} entries along its last axis; a sequence of N = {n} x {num} "
         f"devices = {n * num} needs 2N-1 = {2 * n * num - 1} (the global table, offsets j-i "
         f"from -(N-1) to N-1)."
     )
-  return _ring_toeplitz(w, x, axis_name, causal)
+  before, after = x.shape[: x.ndim + seq], x.shape[x.ndim + seq + 1 : -1]
+  batch = toeplitz._broadcast_batch("w", w.shape[:-1], before + after)
+  before = batch[: len(batch) - len(after)]
+  shape = before + (n,) + after + (x.shape[-1],)
+  # x broadcast to the output's batch up front: autodiff sums its gradient back.
+  x = jnp.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
+  items, heads = int(np.prod(before, dtype=np.int64)), int(np.prod(after, dtype=np.int64))
+  rows = np.broadcast_to(np.arange(int(np.prod(w.shape[:-1]))).reshape(w.shape[:-1]), batch)
+  ring = _Ring(axis_name, causal, tuple(map(tuple, rows.reshape(items, heads).tolist())))
+  y = _ring_toeplitz(w.reshape(-1, w.shape[-1]), x.reshape(items, n, heads, -1), ring)
+  return y.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The static side of a ring product: the mesh axis, causality and the table row of each
+  (item, head) of the block ``[items, n, heads, C]``."""
+
+  axis_name: str
+  causal: bool
+  rows: tuple  # [items][heads] of ints
+
+
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+  """The block ``[items, n, heads, C]`` in groups of ``size`` items x ``chunk`` channels of
+  one head; group g is (item group, head, channel chunk) in row-major order."""
+
+  size: int
+  chunk: int
+  shape: tuple
+
+  @staticmethod
+  def plan(shape, fft_len: int, itemsize: int) -> _Groups:
+    items, _, _, c = shape
+    pairs = max(1, toeplitz._GROUP_BYTES // (fft_len * 2 * itemsize))  # complex rows
+    if -(-c // 2) <= pairs:
+      return _Groups(_largest_divisor(items, pairs // -(-c // 2)), c, shape)
+    return _Groups(1, _largest_divisor(c, 2 * pairs), shape)
+
+  @property
+  def count(self) -> int:
+    items, _, heads, c = self.shape
+    return items // self.size * heads * (c // self.chunk)
+
+  def _corner(self, g):
+    items, _, heads, c = self.shape
+    chunks = c // self.chunk
+    return (g // (chunks * heads)) * self.size, (g // chunks) % heads, (g % chunks) * self.chunk
+
+  def take(self, a, g):
+    """Group g of ``a [items, n, heads, C]``: ``[size, n, chunk]``."""
+    i, h, c = self._corner(g)
+    part = jax.lax.dynamic_slice(a, (i, 0, h, c), (self.size, a.shape[1], 1, self.chunk))
+    return part[:, :, 0, :]
+
+  def put(self, a, part, g):
+    i, h, c = self._corner(g)
+    return jax.lax.dynamic_update_slice(a, part[:, :, None, :].astype(a.dtype), (i, 0, h, c))
+
+  def rows(self, ring: _Ring, g):
+    """The table row of each item of group g: int32 ``[size]``."""
+    i, h, _ = self._corner(g)
+    table = jnp.asarray(np.asarray(ring.rows, np.int32))
+    return jax.lax.dynamic_slice(table, (i, h), (self.size, 1))[:, 0]
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+  return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
 
 
 def _block_table(w, s, n: int, num: int):
@@ -91,9 +182,8 @@ def _block_table(w, s, n: int, num: int):
 
 def _varying(tree, axis_name):
   """``tree``'s arrays typed as varying over ``axis_name`` (shard_map's check_vma types): a
-  scan's zero carry must have its body's type, and a vjp taken inside shard_map sums the
-  cotangent of an invariant (replicated) input over the axis, where the ring's backward pass
-  wants each device's own table gradient, summed once at the end."""
+  loop's carry must have its body's type, where the ring's backward pass wants each device's
+  own table gradient, summed once at the end."""
 
   def one(x):
     if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
@@ -108,69 +198,146 @@ def _ring_perm(num: int):
   return [(i, (i - 1) % num) for i in range(num)]
 
 
-def _block_product(w, s, xq, n: int, num: int, causal: bool):
-  """``T_s x_q``: the diagonal block (s = 0) causal when ``causal``, later blocks (s > 0)
-  zero when ``causal``. ``s`` is traced: the branches are chosen at run time."""
-
-  def off_diagonal(xq):
-    y = toeplitz.toeplitz_matmul(_block_table(w, s, n, num), xq, remat=False)
-    return jnp.where(s < 0, y, jnp.zeros((), y.dtype)) if causal else y
-
-  if not causal:
-    return off_diagonal(xq)
-  diagonal = lambda xq: toeplitz.toeplitz_matmul(
-      _block_table(w, 0, n, num), xq, causal=True, remat=False
-  )
-  return jax.lax.cond(s == 0, diagonal, off_diagonal, xq)
+def _spectrum(xg, fft_len: int):
+  """``[G, n, c]`` real -> ``[G, ceil(c/2), L]``: channel pairs as one complex signal (as in
+  ``fastpos.ops.toeplitz``), zero-padded to L and transformed along the sequence."""
+  return jnp.fft.fft(jnp.swapaxes(toeplitz._pack_pairs(xg), -1, -2), n=fft_len, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _ring_toeplitz(w, x, axis_name, causal):
-  num, p = _axis(axis_name)
-  n = x.shape[-2]
+def _signal(zf, n: int, c: int):
+  """Inverse of ``_spectrum``, the first n positions: ``[G, ceil(c/2), L]`` -> ``[G, n, c]``."""
+  z = jnp.fft.ifft(zf, axis=-1)[..., :n]
+  return toeplitz._unpack_pairs(jnp.swapaxes(z, -1, -2), c)
 
-  # One loop over all P blocks (the home block at t = 0, no hop before it): unrolled, the
-  # independent block products let the scheduler receive every block first and hold the
-  # whole sequence on each device.
+
+def _kernels(w, s, n: int, num: int, fft_len: int, causal_diagonal: bool):
+  """(block table ``[R, 2n-1]``, its circular kernel's spectrum ``[R, L]``) of ``T_s``; the
+  table's future half zero for the causal diagonal block."""
+  b = _block_table(w, s, n, num)
+  kernel = toeplitz._circular_kernel(b, n, fft_len, -1, causal_diagonal)
+  return b, jnp.fft.fft(toeplitz._to_complex(kernel), axis=-1)
+
+
+def _refined_head(b, xg, k: int):
+  """The first k outputs of the causal product of the block table ``b [G, 2n-1]`` and
+  ``xg [G, >= k, c]``, by a smaller causal product (float32 FFT round-off is relative to the
+  largest outputs; as ``toeplitz.toeplitz_matmul`` does)."""
+  n = (b.shape[-1] + 1) // 2
+  return toeplitz.toeplitz_matmul(b[:, n - k : n + k - 1], xg[:, :k], causal=True, remat=False)
+
+
+def _sweep_forward(y, w, xq, s, ring: _Ring, *, diagonal: bool, init: bool):
+  """``y + T_s xq`` (``T_0 xq`` written over y when ``init``), group by group, in place."""
+  num, _ = _axis(ring.axis_name)
+  n = xq.shape[1]
+  fft_len = toeplitz.fft_size(2 * n - 1)
+  groups = _Groups.plan(xq.shape, fft_len, jnp.dtype(w.dtype).itemsize)
+  causal_diagonal = diagonal and ring.causal
+  b, kf = _kernels(w, s, n, num, fft_len, causal_diagonal)
+  refine = n // toeplitz._REFINE_FACTOR if causal_diagonal else 0
+
+  def body(g, y):
+    rows, xg = groups.rows(ring, g), groups.take(xq, g).astype(w.dtype)
+    yg = _signal(_spectrum(xg, fft_len) * kf[rows][:, None, :], n, groups.chunk)
+    if refine:
+      yg = jnp.concatenate([_refined_head(b[rows], xg, refine), yg[:, refine:]], axis=1)
+    return groups.put(y, yg if init else groups.take(y, g) + yg, g)
+
+  return jax.lax.fori_loop(0, _count(groups, ring, s, diagonal), body, y)
+
+
+def _sweep_backward(dx, w, xq, dy, s, ring: _Ring, *, diagonal: bool, init: bool):
+  """(``dx + T_s^T dy``, the gradient ``[R, 2n-1]`` of ``T_s``'s table entries), group by
+  group; ``T_s^T dy`` written over dx when ``init``."""
+  num, _ = _axis(ring.axis_name)
+  n = xq.shape[1]
+  fft_len = toeplitz.fft_size(2 * n - 1)
+  groups = _Groups.plan(xq.shape, fft_len, jnp.dtype(w.dtype).itemsize)
+  causal_diagonal = diagonal and ring.causal
+  b, kf = _kernels(w, s, n, num, fft_len, causal_diagonal)
+  refine = n // toeplitz._REFINE_FACTOR if causal_diagonal else 0
+  keep = jnp.arange(2 * n - 1) <= n - 1  # the causal diagonal block's past and diagonal
+
+  def body(g, carry):
+    dx, db = carry
+    rows = groups.rows(ring, g)
+    dyf = _spectrum(groups.take(dy, g).astype(w.dtype), fft_len)
+    # T^T is the product with the reversed kernel: the conjugate spectrum (a real kernel).
+    dxg = _signal(dyf * jnp.conj(kf[rows])[:, None, :], n, groups.chunk)
+    if refine:  # the last outputs of the anti-causal T^T: T^T = R T R on the reversed tail
+      tail = _refined_head(b[rows], jnp.flip(groups.take(dy, g)[:, n - refine :], 1), refine)
+      dxg = jnp.concatenate([dxg[:, : n - refine], jnp.flip(tail, 1).astype(dxg.dtype)], 1)
+    dx = groups.put(dx, dxg if init else groups.take(dx, g) + dxg, g)
+    # db[k] = sum_i <dy[i], x[i + k - (n-1)]>: the circular correlation, channels summed
+    # before its inverse FFT.
+    xf = _spectrum(groups.take(xq, g).astype(w.dtype), fft_len)
+    corr = jnp.real(jnp.fft.ifft(jnp.sum(jnp.conj(dyf) * xf, axis=1), axis=-1))
+    dbg = jnp.concatenate([corr[:, fft_len - (n - 1) :], corr[:, :n]], axis=-1)
+    if causal_diagonal:
+      dbg = jnp.where(keep, dbg, jnp.zeros((), dbg.dtype))
+    return dx, db.at[rows].add(dbg)
+
+  db = _varying(jnp.zeros((w.shape[0], 2 * n - 1), w.dtype), ring.axis_name)
+  return jax.lax.fori_loop(0, _count(groups, ring, s, diagonal), body, (dx, db))
+
+
+def _count(groups: _Groups, ring: _Ring, s, diagonal: bool):
+  """The groups to run at block offset s: all, or (traced) none for a causal ring's later
+  blocks (s > 0), which add nothing."""
+  if diagonal or not ring.causal:
+    return groups.count
+  return jnp.where(s < 0, groups.count, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ring_toeplitz(w, x, ring: _Ring):
+  """``[R, 2N-1]`` tables and the block ``[items, n, heads, C]`` -> the product, x's shape."""
+  num, p = _axis(ring.axis_name)
+  dtype = jnp.result_type(w, x)
+  w = w.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+  # The home block first: its product initialises the carry (x's buffer, overwritten).
+  y = _sweep_forward(x.astype(dtype), w, x, 0, ring, diagonal=True, init=True)
+
   def step(t, carry):
     xq, y = carry
-    xq = jax.lax.cond(
-        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, xq
-    )
-    return xq, y + _block_product(w, (p + t) % num - p, xq, n, num, causal).astype(y.dtype)
+    xq = jax.lax.ppermute(xq, ring.axis_name, _ring_perm(num))
+    s = (p + t) % num - p
+    return xq, _sweep_forward(y, w, xq, s, ring, diagonal=False, init=False)
 
-  dtype = jnp.result_type(w, x)
-  y = _varying(jnp.zeros(jnp.broadcast_shapes(w.shape[:-1] + (1, 1), x.shape), dtype), axis_name)
-  return jax.lax.fori_loop(0, num, step, (x, y))[1]
+  return jax.lax.fori_loop(1, num, step, (x, y))[1]
 
 
-def _ring_toeplitz_fwd(w, x, axis_name, causal):
-  return _ring_toeplitz(w, x, axis_name, causal), (w, x)
+def _ring_toeplitz_fwd(w, x, ring):
+  return _ring_toeplitz(w, x, ring), (w, x)
 
 
-def _ring_toeplitz_bwd(axis_name, causal, res, dy):
+def _ring_toeplitz_bwd(ring, res, dy):
   # The blocks go around the ring again, each carrying the gradient of its own block: device p
   # adds T_{q-p}^T dy_p to block q's gradient and the table gradient of offsets s; after P
   # hops every block (and its gradient) is home.
-  w, x = res
-  w = _varying(w, axis_name)
-  num, p = _axis(axis_name)
-  n = x.shape[-2]
+  w_in, x = res
+  num, p = _axis(ring.axis_name)
+  n = x.shape[1]
+  w = w_in.astype(jnp.float64 if dy.dtype == jnp.float64 else jnp.float32)
+
+  def window(dw, db, s):  # dw's entries of T_s += db
+    start = (s + num - 1) * n
+    part = jax.lax.dynamic_slice_in_dim(dw, start, 2 * n - 1, axis=-1)
+    return jax.lax.dynamic_update_slice_in_dim(dw, part + db, start, axis=-1)
+
+  dx, db = _sweep_backward(dy, w, x, dy, 0, ring, diagonal=True, init=True)
+  dw = window(_varying(jnp.zeros(w.shape, w.dtype), ring.axis_name), db, 0)
 
   def step(t, carry):
     xq, dx, dw = carry
-    xq, dx = jax.lax.cond(
-        t > 0, lambda a: jax.lax.ppermute(a, axis_name, _ring_perm(num)), lambda a: a, (xq, dx)
-    )
+    xq, dx = jax.lax.ppermute((xq, dx), ring.axis_name, _ring_perm(num))
     s = (p + t) % num - p
-    _, vjp = jax.vjp(lambda a, b: _block_product(a, s, b, n, num, causal), w, xq)
-    dws, dxq = vjp(dy)
-    return xq, dx + dxq, dw + dws
+    dx, db = _sweep_backward(dx, w, xq, dy, s, ring, diagonal=False, init=False)
+    return xq, dx, window(dw, db, s)
 
-  dx0 = jnp.zeros_like(x)  # varying, as x
-  _, dx, dw = jax.lax.fori_loop(0, num, step, (x, dx0, jnp.zeros_like(w)))
-  dx = jax.lax.ppermute(dx, axis_name, _ring_perm(num))
-  return jax.lax.psum(dw, axis_name), dx
+  _, dx, dw = jax.lax.fori_loop(1, num, step, (x, dx, dw))
+  dx = jax.lax.ppermute(dx, ring.axis_name, _ring_perm(num))
+  return jax.lax.psum(dw, ring.axis_name).astype(w_in.dtype), dx.astype(x.dtype)
 
 
 _ring_toeplitz.defvjp(_ring_toeplitz_fwd, _ring_toeplitz_bwd)
