@@ -60,17 +60,18 @@ def toeplitz_matmul(w, x, *, axis_name, causal: bool = False, seq_axis: int = -2
   correlation of dy with ``x_q``, summed over channels in the frequency domain (one inverse
   FFT of the table's size). Each block goes around the ring once more with its gradient.
 
-  Every product runs over groups of about ``toeplitz._GROUP_BYTES`` of spectrum (items of the
-  batch, or channels of one item), one group after the other, accumulating in place into the
-  output (or gradient) block: the temporary memory is one group's FFT buffers, and the
-  carries are the travelling block, the output block and, in the backward pass, the
-  travelling gradient and the table gradient, initialised by the first block product (no
-  zero-filled block-sized accumulators).
+  Every product runs over groups of about 4 MiB of spectrum (items of the batch, or channels
+  of one item; the group size of ``fastpos.ops.toeplitz``), one after the other, adding in
+  place into the output (or gradient) block: the temporary memory is one group's FFT
+  buffers, and the carries are the travelling block, the output block and, in the backward
+  pass, the travelling gradient and the table gradient, initialised by the first block
+  product (no zero-filled block-sized accumulators).
 
   Cost per device: P Toeplitz products of length n (FFT size about 2n), i.e. O(P n log n) =
   O(N log n) work per device where the unsplit op does O(N log N) on one device; memory
   O(n C) (one block in flight at a time). Communication: P - 1 ``ppermute`` of an ``[n, C]``
-  block forward; backward, P ``ppermute`` of two ``[n, C]`` blocks and one ``psum`` of ``w``.
+  block forward; backward, P - 1 ``ppermute`` of two ``[n, C]`` blocks (the block and its
+  gradient), one more of the gradient (home), and one ``psum`` of the table gradient.
 
   Args:
     w: ``[..., 2N-1]`` the global relative table (replicated), N = n P.

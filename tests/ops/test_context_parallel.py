@@ -284,3 +284,23 @@ def test_a_table_of_the_wrong_length_names_the_global_length():
   )
   with pytest.raises(ValueError, match=r"N = 8 x 1 devices = 8 needs 2N-1 = 15 \(the global"):
     f(jnp.ones((2, 7)), jnp.ones((2, 8, 3)))
+
+
+def test_a_bad_seq_axis_names_the_valid_axes():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  from fastpos.ops import context_parallel as cp
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  f = jax.shard_map(
+      lambda w, x: cp.toeplitz_matmul(w, x, axis_name="seq", seq_axis=2),
+      mesh=mesh,
+      in_specs=(P(), P(None, "seq")),
+      out_specs=P(None, "seq"),
+  )
+  with pytest.raises(ValueError, match=r"seq_axis=2 is not an axis .* valid: -3 \.\. 1"):
+    f(jnp.ones((2, 15)), jnp.ones((2, 8, 3)))
