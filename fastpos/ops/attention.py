@@ -812,6 +812,7 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   group = _rpe_group(b, n, m, d, jnp.dtype(v.dtype).itemsize)
   per_head = m // group
   mark = (lambda t: t) if zeros is None else zeros
+  phi_q, phi_k, v = mark((phi_q, phi_k, v))  # den_features' ones column: same on every device
 
   def head(a, hh, start=0, size=None):  # [b, n, h, e] -> [b, 1, n, size] (a reshape)
     size = a.shape[-1] if size is None else size

@@ -109,8 +109,10 @@ def toeplitz_matmul(w, x, *, axis_name, causal: bool = False, seq_axis: int = -2
   batch = toeplitz._broadcast_batch("w", w.shape[:-1], before + after)
   before = batch[: len(batch) - len(after)]
   shape = before + (n,) + after + (x.shape[-1],)
-  # x broadcast to the output's batch up front: autodiff sums its gradient back.
+  # x broadcast to the output's batch up front, and typed as varying over the axis (a block
+  # the same on every device, e.g. ones, too): autodiff sums its gradient back.
   x = jnp.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
+  x = _varying(x, axis_name)
   items, heads = int(np.prod(before, dtype=np.int64)), int(np.prod(after, dtype=np.int64))
   rows = np.broadcast_to(np.arange(int(np.prod(w.shape[:-1]))).reshape(w.shape[:-1]), batch)
   ring = _Ring(axis_name, causal, tuple(map(tuple, rows.reshape(items, heads).tolist())))
@@ -187,11 +189,19 @@ def _varying(tree, axis_name):
   own table gradient, summed once at the end."""
 
   def one(x):
-    if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
+    if axis_name in _varying_axes(x):
       return x
     return jax.lax.pcast(x, axis_name, to="varying")
 
   return jax.tree.map(one, tree)
+
+
+def _varying_axes(x) -> frozenset:
+  """The mesh axes x varies over (its type's ``vma``; ``manual_axis_type.varying`` in the JAX
+  versions that name it so)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
 
 
 def _ring_perm(num: int):
