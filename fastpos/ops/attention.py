@@ -287,8 +287,9 @@ def linear_attention(
       denominator instead of ``(phi_q, phi_k)`` (for positional transforms that may make the
       numerator's features negative, e.g. rotations: the denominator keeps the plain positive
       features). Same masks, causality, rpe and decay.
-    chunk_size: chunk length of the causal path without rpe; None picks it from the shape
-      (``causal_chunk_size``).
+    chunk_size: chunk length of the causal path without rpe; None picks it: 32
+      (``CAUSAL_PLAIN_CHUNK``) without decay, segments, key scales or den_features, else from
+      the shape (``causal_chunk_size``).
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
     key_log_scale: optional ``[batch, N, heads]``: the keys' features are
@@ -310,18 +311,18 @@ def linear_attention(
       are left but the ones-column append; other paths move to token-major views, which XLA
       cancels against their own transposes).
 
-  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
-  up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
-  (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
-  it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input); with ``head_major=True``, bidirectional without rpe or
-  ``den_features`` is two batched matmuls forward and four backward on the caller's arrays,
-  the normaliser riding in a ones column (``_bidirectional``). Memory of the causal path: one
-  carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
-  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token
-  ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
-  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
-  (``_rpe_mix``).
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe: up to N
+  = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
+  materialised (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias),
+  above it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
+  transpose per input); with ``head_major=True``, bidirectional without rpe or ``den_features`` is
+  two batched matmuls forward and four backward on the caller's arrays, the normaliser riding in a
+  ones column (``_bidirectional``). Causal without rpe, decay, segments, key scales or den_features
+  scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the causal
+  path: one carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
+  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token ``[N, m, d]``
+  cumulative sum; the FFT rpe path holds one (head, group of features)' ``[N, group*(d+1)]``
+  channels at a time and keeps only its inputs for the backward pass (``_rpe_mix``).
   """
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
@@ -866,11 +867,18 @@ def _product_2d(w, x, *, grid, causal):
 # at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
 # (benchmarks/ops_lean.md).
 _RPE_DENSE_UP_TO = 2048
+# On GPU the dense path beat the FFT path at every length measured, N = 1K-16K (H200, m = 32,
+# d = 64, 8 heads, fwd+bwd; 28.5 vs 68.8 ms at 16384: benchmarks/gpu/gpu.md, kRPE section).
+_RPE_DENSE_UP_TO_GPU = 16384
 
 
-def _rpe_dense_is_faster(n: int, m: int, d: int) -> bool:
+def _rpe_dense_is_faster(n: int, m: int, d: int, backend: str | None = None) -> bool:
+  """Whether kernelized RPE runs densely at length ``n``, by the measured crossover of the
+  ``backend`` (``jax.default_backend()`` at trace time when None): ``_RPE_DENSE_UP_TO_GPU``
+  on "gpu", ``_RPE_DENSE_UP_TO`` (measured on CPU) on every other backend."""
   del m, d  # measured at m = 32, d = 64; the FFT side grows with m d as the dense with m + d
-  return n <= _RPE_DENSE_UP_TO
+  backend = jax.default_backend() if backend is None else backend
+  return n <= (_RPE_DENSE_UP_TO_GPU if backend == "gpu" else _RPE_DENSE_UP_TO)
 
 
 def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
