@@ -37,9 +37,9 @@ def _inputs(n, *, b=2, heads=3, m=5, d=4, seed=0, dtype=np.float64):
 
 
 @pytest.mark.parametrize(
-    "n, chunk_size", [(1, None), (7, None), (64, None), (100, 16), (257, 32), (33, 64)]
+    "n, chunk_size, masked",
+    [(1, None, False), (7, None, True), (100, 16, True), (257, 32, False), (33, 64, True)],
 )
-@pytest.mark.parametrize("masked", (False, True))
 def test_plain_causal_path_and_gradients_match_dense_float64(n, chunk_size, masked):
   pq, pk, v, probe = _inputs(n)
   mask = None
@@ -87,11 +87,12 @@ def test_plain_causal_path_is_the_one_taken(monkeypatch):
 
   monkeypatch.setattr(attention, "_causal_scan", counted)
   pq, pk, v, _ = _inputs(70, b=1, heads=2)
-  attention.linear_attention(pq, pk, v, causal=True)
+  trace = lambda **kw: jax.make_jaxpr(lambda *a: attention.linear_attention(*a, **kw))(pq, pk, v)
+  trace(causal=True)
   chunk = attention.CAUSAL_PLAIN_CHUNK
   assert calls == [(-(-70 // chunk), 1, chunk, 2, 5)]
-  attention.linear_attention(pq, pk, v, causal=True, decay=np.full((2,), -0.1))
-  attention.linear_attention(pq, pk, v, causal=False)
+  trace(causal=True, decay=np.full((2,), -0.1))
+  trace(causal=False)
   assert len(calls) == 1
 
 
