@@ -732,9 +732,10 @@ def _bidirectional_bwd(eps: float, res, g):
 _bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
 
 
-# The chunk of the plain causal path (``_causal_plain``) when none is given. Measured fwd+bwd
-# on a 2-core CPU (m = d = 64, 8 heads, N = 4K-16K, against the Performer scan,
-# benchmarks/ops_lean.md): chunk 32 beat 16 and 64.
+# The chunk of the plain causal path (``_causal_plain``) when none is given: fwd+bwd on a
+# shared 2-core CPU (m = d = 64, 8 heads; chunks side by side in one run per N, not recorded)
+# took 0.53x / 0.85x / 0.74x the Performer scan's time at chunk 32 / 16 / 64 (N = 4K), 0.59x /
+# 1.05x at 32 / 64 (8K). The op at 32 is recorded in benchmarks/ops_lean.md.
 CAUSAL_PLAIN_CHUNK = 32
 
 
