@@ -287,8 +287,9 @@ def linear_attention(
       denominator instead of ``(phi_q, phi_k)`` (for positional transforms that may make the
       numerator's features negative, e.g. rotations: the denominator keeps the plain positive
       features). Same masks, causality, rpe and decay.
-    chunk_size: chunk length of the causal path without rpe; None picks it from the shape
-      (``causal_chunk_size``).
+    chunk_size: chunk length of the causal path without rpe; None picks it: 32
+      (``CAUSAL_PLAIN_CHUNK``) without decay, segments, key scales or den_features, else from
+      the shape (``causal_chunk_size``).
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
     key_log_scale: optional ``[batch, N, heads]``: the keys' features are
@@ -310,18 +311,18 @@ def linear_attention(
       are left but the ones-column append; other paths move to token-major views, which XLA
       cancels against their own transposes).
 
-  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe:
-  up to N = ``_RPE_DENSE_UP_TO`` (2048) the ``[N, N]`` weights are materialised
-  (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias), above
-  it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input); with ``head_major=True``, bidirectional without rpe or
-  ``den_features`` is two batched matmuls forward and four backward on the caller's arrays,
-  the normaliser riding in a ones column (``_bidirectional``). Memory of the causal path: one
-  carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
-  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token
-  ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
-  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
-  (``_rpe_mix``).
+  Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe: up to N
+  = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
+  materialised (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias),
+  above it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
+  transpose per input); with ``head_major=True``, bidirectional without rpe or ``den_features`` is
+  two batched matmuls forward and four backward on the caller's arrays, the normaliser riding in a
+  ones column (``_bidirectional``). Causal without rpe, decay, segments, key scales or den_features
+  scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the causal
+  path: one carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
+  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token ``[N, m, d]``
+  cumulative sum; the FFT rpe path holds one (head, group of features)' ``[N, group*(d+1)]``
+  channels at a time and keeps only its inputs for the backward pass (``_rpe_mix``).
   """
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
@@ -623,9 +624,7 @@ def _mix(
   device, or the device-axis operations of ``fastpos.ops.context_parallel`` (``toeplitz``,
   ``varying``, ``causal``, ``psum``) when the inputs are this device's block of the sequence.
   """
-  if chunk_size is None:
-    chunk_size = causal_chunk_size(phi_k.shape[-1], v.shape[-1])
-  if chunk_size < 1:
+  if chunk_size is not None and chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
   out_dtype = v.dtype
   dtype = _state_dtype(phi_q, phi_k, v)
@@ -668,6 +667,12 @@ def _mix(
       den = jnp.einsum("bhim,bhm->bhi", fq, k_sum)
     return _head_major(num), jnp.transpose(den, (0, 2, 1))
 
+  if causal and rpe is None and decay is None and den_features is None and split is None:
+    fk = _apply_key_mask(phi_k, mask, dtype)
+    chunk = CAUSAL_PLAIN_CHUNK if chunk_size is None else chunk_size
+    return _causal_plain(phi_q.astype(dtype), fk, v.astype(dtype), chunk, eps).astype(out_dtype)
+  if chunk_size is None:
+    chunk_size = causal_chunk_size(phi_k.shape[-1], v.shape[-1])
   if not causal and rpe is None and den_features is None and split is None:
     # Divided head-major, then one transpose back (measured about 1.2x faster fwd+bwd than
     # transposing num and den back first, benchmarks/ops_lean.md).
@@ -727,6 +732,110 @@ def _bidirectional_bwd(eps: float, res, g):
 _bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
 
 
+# The chunk of the plain causal path (``_causal_plain``) when none is given: fwd+bwd on a
+# shared 2-core CPU (m = d = 64, 8 heads; chunks side by side in one run per N, not recorded)
+# took 0.53x / 0.85x / 0.74x the Performer scan's time at chunk 32 / 16 / 64 (N = 4K), 0.59x /
+# 1.05x at 32 / 64 (8K). The op at 32 is recorded in benchmarks/ops_lean.md.
+CAUSAL_PLAIN_CHUNK = 32
+
+
+def _causal_plain(phi_q, phi_k, v, chunk: int, eps: float):
+  """Causal linear attention without rpe, decay, segments or separate denominator features,
+  normalised and guarded: ``phi_q, phi_k [b, n, h, m]``, ``v [b, n, h, d]`` (token-major, as
+  the layers pass them; padded keys already zeroed) -> ``[b, n, h, d]``.
+
+  The sequence is zero-padded to ``g`` chunks and viewed chunk-major ``[g, b, chunk, h, .]``
+  (a reshape, and for batch 1 no copy at all); ``_causal_scan`` runs over the chunks, its
+  backward written out (``_causal_scan_bwd``)."""
+  b, n, h, _ = phi_k.shape
+  chunk = min(chunk, n)
+  g = -(-n // chunk)
+
+  def split(a):  # [b, n, h, e] -> [g, b, chunk, h, e]
+    a = jnp.pad(a, ((0, 0), (0, g * chunk - n), (0, 0), (0, 0)))
+    return jnp.swapaxes(a.reshape((b, g, chunk) + a.shape[2:]), 0, 1)
+
+  out = _causal_scan(split(phi_q), split(phi_k), split(v), eps)
+  return jnp.swapaxes(out, 0, 1).reshape((b, g * chunk) + out.shape[3:])[:, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _causal_scan(q, k, v, eps: float):
+  """The chunked causal scan, chunk-major token-major: ``q, k [g, b, c, h, m]``,
+  ``v [g, b, c, h, d]`` -> ``[g, b, c, h, d]``, normalised and guarded (``_guard``).
+
+  Chunk t's queries read the carried state ``S = sum over earlier chunks of k^T v``
+  ``[b, h, m, d]`` and ``s = sum of k`` ``[b, h, m]``, plus their own chunk's keys through the
+  masked scores ``A = tril(q k^T)`` ``[b, h, c, c]``: ``num = q S + A v``,
+  ``den = q s + A 1``, ``out = num / den``. Each chunk's products are small enough to stay in
+  cache, and the body's layout copies stay inside it. The forward emits the states entering
+  each chunk (residuals ``[g, b, h, m, d]``: N m d / c numbers, no recomputation); the
+  backward (``_causal_scan_bwd``) is a reverse scan of nine such products per chunk."""
+  return _causal_scan_fwd(q, k, v, eps)[0]
+
+
+def _causal_scan_fwd(q, k, v, eps: float):
+  mask = toeplitz.causal_mask(q.shape[2])
+
+  def body(carry, xs):
+    s_kv, s_k = carry  # [b, h, m, d], [b, h, m]
+    q_c, k_c, v_c = xs  # [b, c, h, .]
+    a = jnp.where(mask, jnp.einsum("bihm,bjhm->bhij", q_c, k_c), jnp.zeros((), q.dtype))
+    num = jnp.einsum("bihm,bhmd->bihd", q_c, s_kv) + jnp.einsum("bhij,bjhd->bihd", a, v_c)
+    den = jnp.einsum("bihm,bhm->bih", q_c, s_k) + jnp.swapaxes(jnp.sum(a, axis=-1), 1, 2)
+    kept = jnp.abs(den) >= eps  # where the guard passes the denominator through
+    den = _guard(den, eps)
+    s_kv_next = s_kv + jnp.einsum("bjhm,bjhd->bhmd", k_c, v_c)
+    ys = (num / den[..., None], den, kept, s_kv, s_k)
+    return (s_kv_next, s_k + jnp.sum(k_c, axis=1)), ys
+
+  b, _, h, m = q.shape[1:]
+  init = (jnp.zeros((b, h, m, v.shape[-1]), q.dtype), jnp.zeros((b, h, m), q.dtype))
+  _, (out, den, kept, s_kv, s_k) = jax.lax.scan(body, init, (q, k, v))
+  return out, (q, k, v, out, den, kept, s_kv, s_k)
+
+
+def _causal_scan_bwd(eps: float, res, g):
+  """Chunks in reverse, carrying ``R = sum over later chunks of q^T g_num`` ``[b, h, m, d]``
+  and ``r = q^T g_den`` ``[b, h, m]``. With ``g_num = g / den``, ``g_den = -(g . out) / den``
+  (0 where the guard clamped) and ``B = tril(g_num v^T + g_den 1^T)``:
+  ``g_q = g_num S^T + g_den s^T + B k``, ``g_k = B^T q + v R^T + r``,
+  ``g_v = A^T g_num + k R``. No state is rebuilt by subtraction."""
+  del eps
+  mask = toeplitz.causal_mask(res[0].shape[2])
+  zero = jnp.zeros((), g.dtype)
+
+  def body(carry, xs):
+    r_kv, r_k = carry
+    q_c, k_c, v_c, out_c, den_c, kept_c, s_kv, s_k, g_c = xs
+    g_num = g_c / den_c[..., None]
+    g_den = jnp.where(kept_c, -jnp.sum(g_c * out_c, axis=-1), zero) / den_c  # [b, c, h]
+    a = jnp.where(mask, jnp.einsum("bihm,bjhm->bhij", q_c, k_c), zero)
+    bb = jnp.einsum("bihd,bjhd->bhij", g_num, v_c) + jnp.swapaxes(g_den, 1, 2)[..., None]
+    bb = jnp.where(mask, bb, zero)
+    g_q = (
+        jnp.einsum("bihd,bhmd->bihm", g_num, s_kv)
+        + g_den[..., None] * s_k[:, None]
+        + jnp.einsum("bhij,bjhm->bihm", bb, k_c)
+    )
+    g_k = (
+        jnp.einsum("bhij,bihm->bjhm", bb, q_c)
+        + jnp.einsum("bjhd,bhmd->bjhm", v_c, r_kv)
+        + r_k[:, None]
+    )
+    g_v = jnp.einsum("bhij,bihd->bjhd", a, g_num) + jnp.einsum("bjhm,bhmd->bjhd", k_c, r_kv)
+    r_kv = r_kv + jnp.einsum("bihm,bihd->bhmd", q_c, g_num)
+    return (r_kv, r_k + jnp.einsum("bihm,bih->bhm", q_c, g_den)), (g_q, g_k, g_v)
+
+  s_kv, s_k = res[-2:]
+  init = (jnp.zeros_like(s_kv[0]), jnp.zeros_like(s_k[0]))
+  _, grads = jax.lax.scan(body, init, res + (g,), reverse=True)
+  return grads
+
+
+_causal_scan.defvjp(_causal_scan_fwd, _causal_scan_bwd)
+
+
 def _head_major(a):
   """``[b, n, h, e] <-> [b, h, n, e]`` (head-major: the layout of the products inside the op)."""
   return jnp.transpose(a, (0, 2, 1, 3))
@@ -759,11 +868,18 @@ def _product_2d(w, x, *, grid, causal):
 # at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
 # (benchmarks/ops_lean.md).
 _RPE_DENSE_UP_TO = 2048
+# On GPU the dense path beat the FFT path at every length measured, N = 1K-16K (H200, m = 32,
+# d = 64, 8 heads, fwd+bwd; 28.5 vs 68.8 ms at 16384: benchmarks/gpu/gpu.md, kRPE section).
+_RPE_DENSE_UP_TO_GPU = 16384
 
 
-def _rpe_dense_is_faster(n: int, m: int, d: int) -> bool:
+def _rpe_dense_is_faster(n: int, m: int, d: int, backend: str | None = None) -> bool:
+  """Whether kernelized RPE runs densely at length ``n``, by the measured crossover of the
+  ``backend`` (``jax.default_backend()`` at trace time when None): ``_RPE_DENSE_UP_TO_GPU``
+  on "gpu", ``_RPE_DENSE_UP_TO`` (measured on CPU) on every other backend."""
   del m, d  # measured at m = 32, d = 64; the FFT side grows with m d as the dense with m + d
-  return n <= _RPE_DENSE_UP_TO
+  backend = jax.default_backend() if backend is None else backend
+  return n <= (_RPE_DENSE_UP_TO_GPU if backend == "gpu" else _RPE_DENSE_UP_TO)
 
 
 def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
