@@ -1,6 +1,7 @@
 """Softmax and kernelized attention against their dense references."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,14 @@ linear_fast = jax.jit(attention.linear_attention, static_argnames=("causal", "gr
 linear_dense = jax.jit(attention.linear_attention_reference, static_argnames=("causal", "grid"))
 softmax_fast = jax.jit(attention.softmax_attention, static_argnames=("causal",))
 softmax_dense = jax.jit(attention.softmax_attention_reference, static_argnames=("causal",))
+
+
+def _sampled(cases, default):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  return [
+      pytest.param(*c, id="-".join(map(str, c)), marks=() if c in default else pytest.mark.slow)
+      for c in cases
+  ]
 
 
 def _features(rng, shape):
@@ -44,10 +53,20 @@ def _inputs(n, heads, *, m=5, d=4, seed=0):
 # ---------------------------------------------------------------------------------------------
 # Linear attention
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("masked", (False, True))
+# (n, heads, causal, masked): the full product runs with -m slow. By default each length once,
+# with every heads x causal and causal x masked pair present (a covering set, not the product).
+DENSE_CASES = list(itertools.product(LENGTHS, (1, 3), (False, True), (False, True)))
+DENSE_DEFAULT = {
+    (1, 1, False, False),
+    (2, 3, True, True),
+    (7, 3, False, True),
+    (64, 1, True, False),
+    (257, 3, True, True),
+    (1000, 1, False, True),
+}
+
+
+@pytest.mark.parametrize("n, heads, causal, masked", _sampled(DENSE_CASES, DENSE_DEFAULT))
 def test_linear_attention_matches_dense_float64(n, heads, causal, masked):
   pq, pk, v, _ = _inputs(n, heads)
   mask = _mask(2, n, max(1, n // 2)) if masked else None
@@ -56,10 +75,11 @@ def test_linear_attention_matches_dense_float64(n, heads, causal, masked):
   assert rel_err(out, linear_dense(pq, pk, v, mask=mask, causal=causal)) < 1e-9
 
 
-@pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("masked", (False, True))
+# The same covering set as DENSE_DEFAULT, with heads flipped (the other half of each length).
+RPE_DEFAULT = {(n, 4 - h, c, m) for n, h, c, m in DENSE_DEFAULT}
+
+
+@pytest.mark.parametrize("n, heads, causal, masked", _sampled(DENSE_CASES, RPE_DEFAULT))
 def test_linear_attention_rpe_matches_dense_float64(n, heads, causal, masked):
   pq, pk, v, rng = _inputs(n, heads, seed=1)
   rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
@@ -68,9 +88,12 @@ def test_linear_attention_rpe_matches_dense_float64(n, heads, causal, masked):
   assert rel_err(out, linear_dense(pq, pk, v, mask=mask, causal=causal, rpe=rpe)) < 1e-9
 
 
-@pytest.mark.parametrize("grid", ((1, 1), (4, 4), (3, 5), (12, 10)))
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
+# (grid, heads, causal): by default each grid once, with every heads x causal pair.
+GRID_CASES = list(itertools.product(((1, 1), (4, 4), (3, 5), (12, 10)), (1, 3), (False, True)))
+GRID_DEFAULT = {((1, 1), 1, True), ((4, 4), 3, False), ((3, 5), 3, True), ((12, 10), 1, False)}
+
+
+@pytest.mark.parametrize("grid, heads, causal", _sampled(GRID_CASES, GRID_DEFAULT))
 def test_linear_attention_rpe_2d_matches_dense_float64(grid, heads, causal):
   n = grid[0] * grid[1]
   pq, pk, v, rng = _inputs(n, heads, seed=2)
@@ -81,15 +104,23 @@ def test_linear_attention_rpe_2d_matches_dense_float64(grid, heads, causal):
   assert rel_err(out, ref) < 1e-9
 
 
-@pytest.mark.parametrize("chunk_size", (1, 3, 64, 5000))
+# The extremes by default (one token per chunk; one chunk past N); a chunk that does not divide N
+# is the dense tests' (16 at N=257). 3 and 64 run with -m slow.
+@pytest.mark.parametrize("chunk_size", _sampled([(1,), (3,), (64,), (5000,)], {(1,), (5000,)}))
 def test_causal_chunk_size_does_not_change_the_result(chunk_size):
   pq, pk, v, _ = _inputs(257, 2, seed=3)
   out = linear_fast(pq, pk, v, causal=True, chunk_size=chunk_size)
   assert rel_err(out, linear_dense(pq, pk, v, causal=True)) < 1e-12
 
 
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("rpe_kind", (None, "1d", "2d"))
+# Each path once by default, the causal FFT ones (head refinement) included; the rest -m slow.
+@pytest.mark.parametrize(
+    "causal, rpe_kind",
+    _sampled(
+        list(itertools.product((False, True), (None, "1d", "2d"))),
+        {(True, None), (True, "1d"), (False, "2d")},
+    ),
+)
 def test_linear_attention_float32_n4096(causal, rpe_kind):
   # The causal FFT paths need the head refinement of fastpos.ops.toeplitz for this
   # (without it: 3e-3 at position 0).
@@ -108,8 +139,12 @@ def test_linear_attention_float32_n4096(causal, rpe_kind):
   assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("use_rpe", (False, True))
+# Each value of each flag once by default (the written-out bidirectional backward is also held
+# against the reference below, where the guard clamps); the other two cells -m slow.
+@pytest.mark.parametrize(
+    "causal, use_rpe",
+    _sampled(list(itertools.product((False, True), (False, True))), {(True, False), (False, True)}),
+)
 def test_linear_attention_gradients_match_dense(causal, use_rpe):
   n, heads = 23, 2
   pq, pk, v, rng = _inputs(n, heads, seed=5)
@@ -144,9 +179,14 @@ def rpe_fft_path(monkeypatch):
   monkeypatch.setattr(attention, "_RPE_GROUP_BYTES", 1)
 
 
+# By default 1D bidirectional and 2D causal: with the N=4096 float32 test's 1D causal and 2D
+# bidirectional cells, every (dimension, direction) of the FFT path stays in the default run.
 @pytest.mark.parametrize(
     "causal, grid, masked",
-    [(False, None, True), (True, None, True), (True, (3, 5), True), (False, (3, 5), False)],
+    _sampled(
+        [(False, None, True), (True, None, True), (True, (3, 5), True), (False, (3, 5), False)],
+        {(False, None, True), (True, (3, 5), True)},
+    ),
 )
 def test_rpe_fft_path_matches_dense(rpe_fft_path, causal, grid, masked):
   """The FFT path (one loop step per head and feature, custom backward): outputs and the
@@ -169,7 +209,7 @@ def test_rpe_fft_path_matches_dense(rpe_fft_path, causal, grid, masked):
     assert rel_err(a, b) < 1e-9
 
 
-@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("causal", _sampled([(False,), (True,)], {(True,)}))  # causal: the harder
 def test_rpe_dense_path_float32_n2048(causal):
   """The dense path (lengths up to _RPE_DENSE_UP_TO) in float32 against float64."""
   n, heads = attention._RPE_DENSE_UP_TO, 2
@@ -188,14 +228,23 @@ def test_rpe_fft_path_never_sees_the_future(rpe_fft_path):
   pq, pk, v = pq[:1], pk[:1], v[:1]
   rpe = np.exp(rng.normal(size=(heads, 2 * n - 1)))
   fn = lambda a, b, c: attention.linear_attention(a, b, c, causal=True, rpe=rpe)[0]
-  for argnum in range(3):
-    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, pk, v)
+  for jac in jax.jit(jax.jacrev(fn, argnums=(0, 1, 2)))(pq, pk, v):  # one compile
     assert_causal_jacobian(jac, n, in_axis=4, rtol=FFT_ROUNDOFF)
 
 
+# By default: the chunked path, the 1D table past the toeplitz head refinement, a 2D grid.
 @pytest.mark.parametrize(
     "use_rpe, grid, n",
-    [(False, None, 12), (True, None, 12), (True, None, 80), (True, (3, 4), 12), (True, (9, 9), 81)],
+    _sampled(
+        [
+            (False, None, 12),
+            (True, None, 12),
+            (True, None, 80),
+            (True, (3, 4), 12),
+            (True, (9, 9), 81),
+        ],
+        {(False, None, 12), (True, None, 80), (True, (9, 9), 81)},
+    ),
 )
 def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
   heads = 2
@@ -209,13 +258,15 @@ def test_causal_linear_attention_never_sees_the_future(use_rpe, grid, n):
       a, b, c, causal=True, rpe=rpe, grid=grid, chunk_size=5
   )[0]
   rtol = FFT_ROUNDOFF if use_rpe else 0.0  # the chunked path is exactly causal
-  for argnum in range(3):  # pq, pk, v
-    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, pk, v)  # [n, h, d, 1, n, h, m]
+  for jac in jax.jit(jax.jacrev(fn, argnums=(0, 1, 2)))(pq, pk, v):  # [n, h, d, 1, n, h, m] each
     assert_causal_jacobian(jac, n, in_axis=4, rtol=rtol)
 
 
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("use_rpe", (False, True))
+# Causal with the table and bidirectional without by default; the other two cells -m slow.
+@pytest.mark.parametrize(
+    "causal, use_rpe",
+    _sampled(list(itertools.product((False, True), (False, True))), {(True, True), (False, False)}),
+)
 def test_padding_never_changes_real_outputs(causal, use_rpe):
   n, n_real, heads = 20, 13, 2
   pq, pk, v, rng = _inputs(n, heads, seed=7)
@@ -271,10 +322,12 @@ def test_linear_attention_bfloat16_keeps_float32_states():
 # ---------------------------------------------------------------------------------------------
 # Softmax attention
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", (1, 2, 7, 64, 257))
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("masked", (False, True))
+# By default each length once, with every heads x causal and causal x masked pair.
+SOFTMAX_CASES = list(itertools.product((1, 2, 7, 64, 257), (1, 3), (False, True), (False, True)))
+SOFTMAX_DEFAULT = {c for c in DENSE_DEFAULT if c[0] != 1000}
+
+
+@pytest.mark.parametrize("n, heads, causal, masked", _sampled(SOFTMAX_CASES, SOFTMAX_DEFAULT))
 def test_softmax_attention_matches_reference(n, heads, causal, masked):
   rng = np.random.default_rng(n + heads)
   q, k, v = (rng.normal(size=(2, n, heads, 8)) for _ in range(3))
@@ -302,10 +355,8 @@ def test_softmax_attention_causal_and_padding_by_gradient():
   n = 9
   rng = np.random.default_rng(12)
   q, k, v = (rng.normal(size=(1, n, 2, 4)) for _ in range(3))
-  for argnum in (1, 2):
-    jac = jax.jit(
-        jax.jacrev(lambda *a: attention.softmax_attention(*a, causal=True)[0], argnums=argnum)
-    )(q, k, v)
+  causal = lambda *a: attention.softmax_attention(*a, causal=True)[0]
+  for jac in jax.jit(jax.jacrev(causal, argnums=(1, 2)))(q, k, v):  # one compile
     assert_causal_jacobian(jac, n, in_axis=4)  # [n, h, d, 1, n, h, d]
   mask = _mask(1, n, 6)
   jac = np.asarray(
@@ -370,8 +421,11 @@ def _scaled_inputs(n, heads, seed):
   return pq, e, v, 3.0 * rng.normal(size=e.shape[:3]), rng
 
 
-@pytest.mark.parametrize("causal", (False, True))
-@pytest.mark.parametrize("key_eps", (0.0, 0.3))
+# Each flag's two values once by default (running maximum with the eps); the rest -m slow.
+@pytest.mark.parametrize(
+    "causal, key_eps",
+    _sampled(list(itertools.product((False, True), (0.0, 0.3))), {(True, 0.3), (False, 0.0)}),
+)
 def test_key_log_scale_matches_dense_float64(causal, key_eps):
   n, heads = 37, 2
   pq, e, v, s, rng = _scaled_inputs(n, heads, 11)
@@ -409,8 +463,10 @@ def test_key_log_scale_guards_the_denominator_in_the_keys_own_scale(causal):
   s = np.zeros((1, n, heads))
   s[:, 8] = 100.0
   v = rng.normal(size=(1, n, heads, 3))
-  fast = attention.linear_attention(pq, e, v, causal=causal, key_log_scale=s, chunk_size=5)
-  dense = attention.linear_attention_reference(pq, e * np.exp(s)[..., None], v, causal=causal)
+  fast = jax.jit(  # op by op, every primitive would be compiled on its own
+      functools.partial(attention.linear_attention, causal=causal, chunk_size=5)
+  )(pq, e, v, key_log_scale=s)
+  dense = linear_dense(pq, e * np.exp(s)[..., None], v, causal=causal)
   assert rel_err(fast, dense) < 1e-9
 
 
@@ -421,8 +477,7 @@ def test_key_log_scale_never_sees_the_future():
   fn = lambda a, b, c, d: attention.linear_attention(
       a, b, c, causal=True, key_log_scale=d, key_eps=0.1, chunk_size=5
   )[0]
-  for argnum in range(4):
-    jac = jax.jit(jax.jacrev(fn, argnums=argnum))(pq, e, v, s)
+  for jac in jax.jit(jax.jacrev(fn, argnums=(0, 1, 2, 3)))(pq, e, v, s):  # one compile
     assert_causal_jacobian(jac, n, in_axis=4)
 
 
@@ -439,15 +494,19 @@ def test_late_huge_key_does_not_overflow_the_running_max(name):
   x[:, 3000] = proj[0] if name == "favor" else 128.0
   v = rng.normal(size=(1, n, heads, 4))
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
-  q = features.feature_map(name, f32(x), projection=f32(proj), is_query=True)
-  old = features.feature_map(name, f32(x), projection=f32(proj), causal=True)
+
+  @jax.jit  # one program (op by op, every primitive would be compiled on its own)
+  def run(x32, proj32, v32, x64, proj64):
+    q = features.feature_map(name, x32, projection=proj32, is_query=True)
+    old = features.feature_map(name, x32, projection=proj32, causal=True)
+    e, s, key_eps = features.causal_key_parts(name, x32, projection=proj32)
+    out = attention.linear_attention(q, e, v32, causal=True, key_log_scale=s, key_eps=key_eps)
+    e64, s64, _ = features.causal_key_parts(name, x64, projection=proj64)
+    return q, old, out, e64 * jnp.exp(s64)[..., None] + key_eps
+
+  q, old, out, keys64 = run(f32(x), f32(proj), f32(v), x, proj)
   assert not np.all(np.isfinite(np.asarray(old)))  # the scheme this replaces overflows here
-  e, s, key_eps = features.causal_key_parts(name, f32(x), projection=f32(proj))
-  out = attention.linear_attention(q, e, f32(v), causal=True, key_log_scale=s, key_eps=key_eps)
-  e64, s64, _ = features.causal_key_parts(name, x, projection=proj)
-  ref = linear_dense(
-      np.asarray(q, np.float64), e64 * jnp.exp(s64)[..., None] + key_eps, v, causal=True
-  )
+  ref = linear_dense(np.asarray(q, np.float64), keys64, v, causal=True)
   assert np.all(np.isfinite(np.asarray(out)))
   assert rel_err(out, ref) < 1e-4
 
@@ -508,7 +567,12 @@ def test_bidirectional_gradients_where_the_guard_clamps(head_major):
     assert np.all(np.isfinite(np.asarray(a))) and rel_err(a, b) < 1e-9
 
 
-@pytest.mark.parametrize("causal,head_major", ((False, False), (True, False), (False, True)))
+# Causal and bidirectional once each by default (bidirectional on the head-major layout, which
+# test_head_major_layout_equals_token_major ties to the token-major one); the rest -m slow.
+@pytest.mark.parametrize(
+    "causal,head_major",
+    _sampled([(False, False), (True, False), (False, True)], {(True, False), (False, True)}),
+)
 def test_linear_attention_float32_gradients_n4096(causal, head_major):
   n, heads = 4096, 1
   pq, pk, v, rng = _inputs(n, heads, m=4, d=4, seed=17)
@@ -622,8 +686,12 @@ def test_softmax_reference_rows_without_keys_are_zero():
   ref = softmax_dense(q[1:, 3:], k[1:, 3:], v[1:, 3:], causal=True)
   assert rel_err(out[1:, 3:], ref) < 1e-12
   real = mask[..., None, None].astype(np.float64)
-  grads = jax.grad(
-      lambda *a: jnp.sum(attention.softmax_attention_reference(*a, mask=mask, causal=True) * real),
-      argnums=(0, 1, 2),
+  grads = jax.jit(
+      jax.grad(
+          lambda *a: jnp.sum(
+              attention.softmax_attention_reference(*a, mask=mask, causal=True) * real
+          ),
+          argnums=(0, 1, 2),
+      )
   )(q, k, v)
   assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)

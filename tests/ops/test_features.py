@@ -463,8 +463,12 @@ def _causal_layer(kernel: str):
       chunk_size=4,
   )
   layer = Attention(cfg, dtype=jnp.float64)
-  x = jax.random.normal(jax.random.key(1), (1, n, width), jnp.float64)
-  params = layer.init(jax.random.key(0), x)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(1, n, width)))
+  # Random parameters of the init's shapes (traced only: compiling an init per kernel costs
+  # more than the check).
+  shapes = jax.eval_shape(layer.init, jax.random.key(0), x)
+  params = jax.tree.map(lambda a: rng.normal(0.0, 0.25, a.shape).astype(a.dtype), shapes)
 
   def out(dk, dv):
     def add(next_fun, args, kwargs, context):
@@ -476,7 +480,7 @@ def _causal_layer(kernel: str):
     with nn.intercept_methods(add):
       return layer.apply(params, x)[0]
 
-  return jax.jit(out), n, (1, n, heads, width // heads)
+  return out, n, (1, n, heads, width // heads)
 
 
 @pytest.mark.parametrize("kernel", F.KERNELS)
@@ -486,26 +490,35 @@ def test_causal_outputs_never_depend_on_later_keys_or_values(kernel):
   bit for bit (a stabiliser taken over all keys would shift it)."""
   out, n, shape = _causal_layer(kernel)
   zero = jnp.zeros(shape, jnp.float64)
-  # One compiled program for the whole Jacobian (unjitted, jacrev compiles pieces one by one).
-  jk, jv = jax.jit(jax.jacrev(out, argnums=(0, 1)))(zero, zero)  # [n, D, 1, n, h, d] each
+  rng = np.random.default_rng(0)
+  cases, dks, dvs = [], [zero], [zero]  # entry 0: the unperturbed output
+  for t in range(n - 1):
+    for scale in (0.5, 3.0):
+      later = (np.arange(n) > t)[None, :, None, None]
+      dks.append(np.where(later, scale * rng.standard_normal(shape), 0.0))
+      dvs.append(np.where(later, scale * rng.standard_normal(shape), 0.0))
+      cases.append((t, scale))
+
+  # One compiled program: the Jacobian and every output, one after the other (lax.map runs the
+  # same code for each, so an unchanged output is bit for bit the base one).
+  def check(dk, dv):
+    jac = jax.jacrev(out, argnums=(0, 1))(zero, zero)  # [n, D, 1, n, h, d] each
+    return jac, jax.lax.map(lambda a: out(*a), (dk, dv))
+
+  (jk, jv), outs = jax.jit(check)(jnp.asarray(np.stack(dks)), jnp.asarray(np.stack(dvs)))
   for jac in (jk, jv):
     jac = np.abs(np.asarray(jac)).reshape(n, -1, n, shape[2] * shape[3]).max(axis=(1, 3))
     assert np.all(jac[np.triu_indices(n, 1)] == 0.0), jac  # [i, j]: j > i is exactly 0
     assert jac.max() > 0
-  base = np.asarray(out(zero, zero))
-  rng = np.random.default_rng(0)
+  outs = np.asarray(outs)
+  base = outs[0]
   later_changed = False
-  for t in range(n - 1):
-    for scale in (0.5, 3.0):
-      later = (np.arange(n) > t)[None, :, None, None]
-      dk = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
-      dv = jnp.asarray(np.where(later, scale * rng.standard_normal(shape), 0.0))
-      moved = np.asarray(out(dk, dv))
-      assert np.array_equal(moved[: t + 1], base[: t + 1]), (
-          kernel,
-          t,
-          scale,
-          np.abs(moved[: t + 1] - base[: t + 1]).max(),
-      )
-      later_changed |= not np.array_equal(moved[t + 1 :], base[t + 1 :])
+  for (t, scale), moved in zip(cases, outs[1:]):
+    assert np.array_equal(moved[: t + 1], base[: t + 1]), (
+        kernel,
+        t,
+        scale,
+        np.abs(moved[: t + 1] - base[: t + 1]).max(),
+    )
+    later_changed |= not np.array_equal(moved[t + 1 :], base[t + 1 :])
   assert later_changed  # the perturbations reach the outputs that may see them

@@ -110,6 +110,19 @@ def _jit(fn):
   return jax.jit(fn)
 
 
+def _init(module, *args, **kwargs):
+  """Random variables of ``module.init``'s shapes: traced, not compiled (compiling each init
+  costs more than the checks, which hold for any parameters)."""
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *args, **kwargs))
+  rng = np.random.default_rng(0)
+  draw = lambda a: (
+      rng.normal(0.0, 0.3, a.shape).astype(a.dtype)
+      if jnp.issubdtype(a.dtype, jnp.floating)
+      else np.zeros(a.shape, a.dtype)
+  )
+  return jax.tree.map(draw, shapes)
+
+
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("jit", (False, True), ids=("eager", "jit"))
 @pytest.mark.parametrize("op", OPS)
@@ -143,8 +156,8 @@ def test_op_accepts_a_nested_list_of_bools():
 @pytest.mark.parametrize("op", REFERENCES)
 def test_boolean_mask_matches_reference_and_jit(op):
   m = jnp.asarray(_mask())
-  out = np.asarray(OPS[op](m))
-  assert rel_err(out, REFERENCES[op](m)) < 1e-12
+  out = np.asarray(OPS[op](m))  # eager
+  assert rel_err(out, _jit(REFERENCES[op])(m)) < 1e-12
   np.testing.assert_allclose(np.asarray(_jit(OPS[op])(m)), out, rtol=1e-12, atol=1e-12)
 
 
@@ -153,6 +166,7 @@ def test_boolean_mask_equals_the_unpadded_sequence(op):
   """The padded example's real rows equal the same tokens without padding, whatever the padded
   keys hold (huge values: an inverted or ignored mask would show at once)."""
   fn = {"softmax": attention.softmax_attention, "linear": attention.linear_attention}[op]
+  fn = _jit(lambda q, k, v, mask=None, fn=fn: fn(q, k, v, mask=mask))
   k, v = K.copy(), VAL.copy()
   k[-1, N_REAL:], v[-1, N_REAL:] = 50.0, 1e6
   out = np.asarray(fn(Q, k, v, mask=_mask()))
@@ -182,7 +196,7 @@ def _x(n=N, seed=0):
 @pytest.fixture(scope="module", params=("softmax", "sikf"))
 def attention_layer(request):
   layer = Attention(_attn_cfg(request.param), dtype=jnp.float64)
-  params = layer.init(jax.random.key(0), _x())
+  params = _init(layer, _x())
   return layer, params
 
 
@@ -216,7 +230,7 @@ def test_attention_layer_with_memory_checks_the_key_mask():
   """With memory the mask covers the M memory keys and the N current ones."""
   layer = Attention(_attn_cfg("softmax"), dtype=jnp.float64)
   mem = _x(3, seed=1)
-  params = layer.init(jax.random.key(0), _x(), memory=mem)
+  params = _init(layer, _x(), memory=mem)
   with pytest.raises(ValueError, match=_shape_error("mask", (B, 3 + N), (B, N))):
     layer.apply(params, _x(), memory=mem, mask=_mask())
   with pytest.raises(ValueError, match=_dtype_error("mask", "additive")):
@@ -227,7 +241,7 @@ def test_attention_layer_with_memory_checks_the_key_mask():
 @pytest.fixture(scope="module")
 def block():
   layer = Block(_attn_cfg("softmax"), mlp_dim=16, dtype=jnp.float64)
-  return layer, layer.init(jax.random.key(0), _x(), memory=_x(3, seed=1))
+  return layer, _init(layer, _x(), memory=_x(3, seed=1))
 
 
 @pytest.mark.parametrize("bad", ("float32", "int32", "additive"))
@@ -259,7 +273,7 @@ def test_block_boolean_masks_equal_all_true_defaults(block):
 def test_tower_rejects_non_boolean_masks():
   tower = Tower(_attn_cfg("softmax"), num_layers=1, mlp_dim=16)
   x = _x().astype(jnp.float32)
-  params = tower.init(jax.random.key(0), x, _mask())
+  params = _init(tower, x, _mask())
   with pytest.raises(ValueError, match=_dtype_error("mask", "int32")):
     tower.apply(params, x, BAD["int32"](_mask()))
   with pytest.raises(ValueError, match=_shape_error("mask", (B, N), (B, N + 1))):
@@ -307,7 +321,7 @@ def encoder(request):
   kind, _, kernel = request.param.partition("-")
   model = _model(kind, kernel or "softmax")
   batch = _batch(pair=kind == "retrieval")
-  return model, model.init(jax.random.key(0), batch), batch
+  return model, _init(model, batch), batch
 
 
 @pytest.mark.parametrize("bad", BAD)
@@ -335,7 +349,7 @@ def test_encoder_models_boolean_mask_equals_the_derived_one(encoder):
 def test_decoder_rejects_non_boolean_masks():
   model = _model("lm", memory_length=3, positional="transformer_xl")
   batch = {k: v for k, v in _batch().items()}
-  params = model.init(jax.random.key(0), batch)
+  params = _init(model, batch)
   with pytest.raises(ValueError, match=_dtype_error("batch['mask']", "additive")):
     model.apply(params, dict(batch, mask=BAD["additive"](batch["mask"])))
   states, mmask = model.init_memory(B)

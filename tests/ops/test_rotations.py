@@ -65,8 +65,20 @@ def _perm_matrix(perm):
   return m
 
 
-@pytest.mark.parametrize("f", [5, 6])
-@pytest.mark.parametrize("p", rotations.P_CHOICES)
+def _sampled(cases, default):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  return [
+      pytest.param(*c, id="-".join(map(str, c)), marks=() if c in default else pytest.mark.slow)
+      for c in cases
+  ]
+
+
+# Each P once by default, odd and even feature dims in turn; the full product -m slow.
+P_F = [(p, f) for p in rotations.P_CHOICES for f in (5, 6)]
+DEFAULT_P_F = {(p, (5, 6)[i % 2]) for i, p in enumerate(rotations.P_CHOICES)}
+
+
+@pytest.mark.parametrize("p, f", _sampled(P_F, DEFAULT_P_F))
 def test_apply_p_matches_its_dense_matrix(p, f):
   x = _x(f)
   arrays = _p_arrays(p, f)
@@ -158,9 +170,21 @@ def _lambda_dense(lrpe_type, f, theta, slot_pos, cycles_perm):
   return m
 
 
-@pytest.mark.parametrize("f", [5, 6])
-@pytest.mark.parametrize("p", rotations.P_CHOICES)
-@pytest.mark.parametrize("lrpe_type", [1, 2, 3])
+# Each type with an odd and an even feature dim, and every P among them; the full product
+# runs with -m slow.
+DEFAULT_TYPE_P_F = {
+    (1, "identity", 5),
+    (1, "fourier", 6),
+    (2, "householder", 5),
+    (2, "random_permutation", 6),
+    (3, "permutation", 5),
+    (3, "fourier", 6),
+}
+
+
+@pytest.mark.parametrize(
+    "lrpe_type, p, f", _sampled([(t, p, f) for t in (1, 2, 3) for p, f in P_F], DEFAULT_TYPE_P_F)
+)
 def test_lrpe_apply_matches_lambda_times_p(lrpe_type, p, f):
   # realise(M_s x) with M_s = Lambda^(s) P (Eq. 75) against the dense complex product.
   rng = np.random.default_rng(11)

@@ -46,14 +46,24 @@ def _inputs(seed=0):
   return fq, fk, v
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("chunk", [CHUNK, 5])
+# By default causal with chunks of 5 (boundaries off the chunk edges; CHUNK's edges are the
+# tests below) and bidirectional; the other two cells run with -m slow.
+@pytest.mark.parametrize(
+    "causal, chunk",
+    [(True, 5), (False, CHUNK)]
+    + [pytest.param(c, k, marks=pytest.mark.slow) for c, k in ((True, CHUNK), (False, 5))],
+)
 def test_packed_op_matches_dense_reference(causal, chunk):
   fq, fk, v = _inputs()
   ids = _ids()
   mask = ids > 0
-  ref = ops.linear_attention_reference(fq, fk, v, mask=mask, causal=causal, segment_ids=ids)
-  out = ops.linear_attention(fq, fk, v, mask=mask, causal=causal, segment_ids=ids, chunk_size=chunk)
+  # Jitted: op by op, each primitive is compiled on its own.
+  ref = jax.jit(functools.partial(ops.linear_attention_reference, causal=causal))(
+      fq, fk, v, mask=mask, segment_ids=ids
+  )
+  out = jax.jit(functools.partial(ops.linear_attention, causal=causal, chunk_size=chunk))(
+      fq, fk, v, mask=mask, segment_ids=ids
+  )
   real = mask[..., None, None]
   assert rel_err(np.where(real, out, 0), np.where(real, ref, 0)) < 1e-12
 
@@ -158,10 +168,13 @@ def test_running_max_restarts_per_segment_in_float32():
   s = np.zeros((2, N, H))
   s[:, 3] = 200.0
   ids = _ids()
-  kw = dict(mask=ids > 0, causal=True, segment_ids=ids, chunk_size=CHUNK, key_eps=1e-6)
-  out64 = ops.linear_attention(fq, fk, v, key_log_scale=s, **kw)
+  op = jax.jit(  # op by op, each primitive is compiled on its own
+      functools.partial(ops.linear_attention, causal=True, chunk_size=CHUNK, key_eps=1e-6)
+  )
+  kw = dict(mask=ids > 0, segment_ids=ids)
+  out64 = op(fq, fk, v, key_log_scale=s, **kw)
   f32 = [a.astype(np.float32) for a in (fq, fk, v, s)]
-  out32 = ops.linear_attention(*f32[:3], key_log_scale=f32[3], **kw)
+  out32 = op(*f32[:3], key_log_scale=f32[3], **kw)
   real = (ids > 0)[..., None, None]
   assert np.all(np.isfinite(np.asarray(out32)))
   assert rel_err(np.where(real, out32, 0), np.where(real, out64, 0)) < 1e-4
@@ -197,7 +210,7 @@ def _layer(kernel, scheme, causal):
 def _layer_fns(kernel, scheme, causal):
   layer = _layer(kernel, scheme, causal)
   x = np.random.default_rng(5).normal(size=(1, N, 16))
-  variables = layer.init(jax.random.key(0), x)
+  variables = jax.jit(layer.init)(jax.random.key(0), x)  # op by op, init compiles every primitive
   leaves, tree = jax.tree.flatten(variables)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   variables = jax.tree.unflatten(
@@ -206,13 +219,11 @@ def _layer_fns(kernel, scheme, causal):
 
   def loss(params, xx, w, mask, ids, pos):
     with segments.packed(ids, pos):
-      return jnp.sum(layer.apply(params, xx, mask=mask) * w)
+      y = layer.apply(params, xx, mask=mask)
+    return jnp.sum(y * w), y
 
-  def out(params, xx, mask, ids, pos):
-    with segments.packed(ids, pos):
-      return layer.apply(params, xx, mask=mask)
-
-  return variables, jax.jit(out), jax.jit(jax.grad(loss, (0, 1)))
+  # One program per (packed, alone) gives the outputs and the gradients.
+  return variables, jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
 
 LAYER_CELLS = [
@@ -235,27 +246,25 @@ LAYER_CELLS = [
 def test_packed_layer_equals_each_segment_alone(kernel, scheme, causal):
   """The layer inside ``packed()``: outputs and gradients (parameters and inputs) of every
   segment equal those of the segment alone (padded), float64."""
-  variables, out, grad = _layer_fns(kernel, scheme, causal)
+  variables, out_and_grad = _layer_fns(kernel, scheme, causal)
   rng = np.random.default_rng(6)
   ids = _ids()[:1]
   pos = np.zeros_like(ids)
   for start, n in _spans(0):
     pos[0, start : start + n] = np.arange(n)
   x = rng.normal(size=(1, N, 16))
-  packed = np.asarray(out(variables, x, ids > 0, ids, pos))
   worst, worst_grad = 0.0, 0.0
   for start, n in _spans(0):
     xa = np.zeros_like(x)
     xa[0, :n] = x[0, start : start + n]
     mask = np.arange(N)[None] < n
-    alone = np.asarray(out(variables, xa, mask, None, None))
-    worst = max(worst, rel_err(packed[0, start : start + n], alone[0, :n]))
     w = np.zeros((1, N, 16))
     w[0, start : start + n] = rng.normal(size=(n, 16))
     wa = np.zeros_like(w)
     wa[0, :n] = w[0, start : start + n]
-    gp, gx = grad(variables, x, w, ids > 0, ids, pos)
-    ga, gxa = grad(variables, xa, wa, mask, None, None)
+    (_, packed), (gp, gx) = out_and_grad(variables, x, w, ids > 0, ids, pos)
+    (_, alone), (ga, gxa) = out_and_grad(variables, xa, wa, mask, None, None)
+    worst = max(worst, rel_err(packed[0, start : start + n], alone[0, :n]))
     for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(ga)):
       worst_grad = max(worst_grad, rel_err(a, b))
     worst_grad = max(worst_grad, rel_err(gx[0, start : start + n], gxa[0, :n]))

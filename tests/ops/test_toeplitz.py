@@ -1,6 +1,7 @@
 """FFT Toeplitz products against their dense O(N^2) references."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,14 @@ LENGTHS = (1, 2, 7, 64, 257, 1000)
 # FFT paths are causal up to float64 round-off (see tests.helpers.assert_causal_jacobian).
 FFT_ROUNDOFF = 1e-13
 GRIDS = ((1, 1), (1, 5), (4, 4), (3, 5), (7, 2), (12, 10))
+
+
+def _sampled(cases, default):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  return [
+      pytest.param(*c, id="-".join(map(str, c)), marks=() if c in default else pytest.mark.slow)
+      for c in cases
+  ]
 
 
 # One compiled function per (static options, shape), shared by the tests.
@@ -63,9 +72,15 @@ def test_dense_toeplitz_convention():
   np.testing.assert_array_equal(t, [[2, 3, 4], [1, 2, 3], [0, 1, 2]])
 
 
-@pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
+# (n, heads, causal): the full product runs with -m slow. By default each length once, with every
+# heads x causal pair; causal at 64 (the last dense one) and at 1000 (FFT, refined head that is
+# itself FFT-refined), bidirectional FFT from N=1 up.
+CASES_1D = list(itertools.product(LENGTHS, (1, 3), (False, True)))
+DEFAULT_1D = {(1, 1, False), (2, 3, True), (7, 3, False), (64, 1, True), (257, 1, False)}
+DEFAULT_1D |= {(1000, 3, True)}
+
+
+@pytest.mark.parametrize("n, heads, causal", _sampled(CASES_1D, DEFAULT_1D))
 def test_toeplitz_matmul_matches_dense_float64(n, heads, causal):
   rng = np.random.default_rng(n * 10 + heads)
   w = rng.normal(size=(heads, 2 * n - 1))
@@ -79,17 +94,17 @@ def test_toeplitz_matmul_broadcasts_table_over_batch():
   rng = np.random.default_rng(0)
   w = rng.normal(size=(9,))
   x = rng.normal(size=(3, 2, 5, 4))
-  assert rel_err(toeplitz.toeplitz_matmul(w, x), _dense_1d(w, x, False)) < 1e-12
+  assert rel_err(tm(w, x), _dense_1d(w, x, False)) < 1e-12
 
 
-@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("causal", _sampled([(False,), (True,)], {(True,)}))  # + head refinement
 def test_toeplitz_matmul_float32_n4096(causal):
   n = 4096
   rng = np.random.default_rng(1)
   w = rng.normal(size=(2, 2 * n - 1))
   x = rng.normal(size=(1, 2, n, 8))
   ref = _dense_1d(w, x, causal)  # float64
-  out = toeplitz.toeplitz_matmul(w.astype(np.float32), x.astype(np.float32), causal=causal)
+  out = tm(w.astype(np.float32), x.astype(np.float32), causal=causal)
   assert out.dtype == jnp.float32
   assert rel_err(out, ref) < 1e-4
 
@@ -98,7 +113,7 @@ def test_toeplitz_matmul_bfloat16_computes_in_float32():
   rng = np.random.default_rng(2)
   w = jnp.asarray(rng.normal(size=(63,)), jnp.bfloat16)
   x = jnp.asarray(rng.normal(size=(32, 4)), jnp.bfloat16)
-  out = toeplitz.toeplitz_matmul(w, x)
+  out = tm(w, x)
   assert out.dtype == jnp.bfloat16
   ref = _dense_1d(w.astype(jnp.float64), x.astype(jnp.float64), False)
   assert rel_err(out.astype(jnp.float64), ref) < 2e-2  # bf16 output rounding only
@@ -111,8 +126,9 @@ def test_toeplitz_matmul_gradients_match_dense(causal):
   w = rng.normal(size=(2, 2 * n - 1))
   x = rng.normal(size=(3, 2, n, 4))
   probe = rng.normal(size=(3, 2, n, 4))
-  fast = jax.grad(lambda w, x: jnp.sum(tm(w, x, causal=causal) * probe), argnums=(0, 1))(w, x)
-  dense = jax.grad(lambda w, x: jnp.sum(_dense_1d(w, x, causal) * probe), argnums=(0, 1))(w, x)
+  grad = lambda f: jax.jit(jax.grad(lambda w, x: jnp.sum(f(w, x) * probe), argnums=(0, 1)))
+  fast = grad(lambda w, x: toeplitz.toeplitz_matmul(w, x, causal=causal))(w, x)
+  dense = grad(lambda w, x: _dense_1d(w, x, causal))(w, x)
   for a, b in zip(fast, dense):
     assert rel_err(a, b) < 1e-9
 
@@ -130,8 +146,13 @@ def test_toeplitz_matmul_causal_never_sees_the_future(n):
     assert_causal_jacobian(leaky, n, in_axis=2, rtol=FFT_ROUNDOFF)
 
 
-@pytest.mark.parametrize("n_real", (1, 6, 13))
-@pytest.mark.parametrize("causal", (False, True))
+# Each real length once by default, both directions among them; the rest -m slow.
+@pytest.mark.parametrize(
+    "n_real, causal",
+    _sampled(
+        list(itertools.product((1, 6, 13), (False, True))), {(1, True), (6, False), (13, True)}
+    ),
+)
 def test_padding_never_changes_real_outputs(n_real, causal):
   # The FastRPB reference bug: an FFT sized for max_len is only right at N = max_len. Here a
   # length-n sequence padded with zeros to N and the centre-sliced table agree with the
@@ -142,13 +163,18 @@ def test_padding_never_changes_real_outputs(n_real, causal):
   x = rng.normal(size=(n_real, 3))
   x_pad = np.concatenate([x, np.zeros((n - n_real, 3))])
   w_small = w_max[n - n_real : n + n_real - 1]
-  padded = toeplitz.toeplitz_matmul(w_max, x_pad, causal=causal)[:n_real]
-  assert rel_err(padded, toeplitz.toeplitz_matmul(w_small, x, causal=causal)) < 1e-12
+  padded = tm(w_max, x_pad, causal=causal)[:n_real]
+  assert rel_err(padded, tm(w_small, x, causal=causal)) < 1e-12
 
 
-@pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("heads", (1, 3))
-@pytest.mark.parametrize("causal", (False, True))
+# (grid, heads, causal): by default each grid once, with every heads x causal pair; causal on
+# the FFT path (H*W > 64) at (12, 10).
+CASES_2D = list(itertools.product(GRIDS, (1, 3), (False, True)))
+DEFAULT_2D = {((1, 1), 1, False), ((1, 5), 3, True), ((4, 4), 3, False), ((3, 5), 1, True)}
+DEFAULT_2D |= {((7, 2), 1, False), ((12, 10), 3, True)}
+
+
+@pytest.mark.parametrize("grid, heads, causal", _sampled(CASES_2D, DEFAULT_2D))
 def test_toeplitz_matmul_2d_matches_dense_float64(grid, heads, causal):
   h, wd = grid
   rng = np.random.default_rng(h * 100 + wd)
@@ -165,7 +191,7 @@ def test_toeplitz_matmul_2d_float32_n4096():
   w = rng.normal(size=(127, 127))
   x = rng.normal(size=(1, 4096, 4))
   ref = _dense_2d(w, x, grid, False)
-  out = toeplitz.toeplitz_matmul_2d(w.astype(np.float32), x.astype(np.float32), grid)
+  out = tm2(w.astype(np.float32), x.astype(np.float32), grid)
   assert rel_err(out, ref) < 1e-4
 
 
@@ -173,7 +199,7 @@ def test_toeplitz_matmul_2d_dense_follows_definition():
   # T[(r,c),(r',c')] = w[r'-r+H-1, c'-c+W-1], written out with loops.
   h, wd = 3, 4
   w = np.random.default_rng(6).normal(size=(2 * h - 1, 2 * wd - 1))
-  t = np.asarray(toeplitz.dense_toeplitz_2d(w, (h, wd)))
+  t = np.asarray(jax.jit(toeplitz.dense_toeplitz_2d, static_argnums=1)(w, (h, wd)))
   for r in range(h):
     for c in range(wd):
       for r2 in range(h):
@@ -192,7 +218,21 @@ def test_toeplitz_matmul_2d_raster_causal_by_gradient(grid):
   assert_causal_jacobian(jac, n, in_axis=2, rtol=FFT_ROUNDOFF)
 
 
-@pytest.mark.parametrize("grid", GRIDS)
+@functools.partial(jax.jit, static_argnames=("grid",))
+def _fastrpb_2d_references(w_rows, w_cols, x, grid):
+  """(the product with the full table w_rows + w_cols, the dense product with X + Y)."""
+  full = w_rows[:, :, None] + w_cols[:, None, :]
+  # W2d = X + Y of Appendix B.3: X depends on the row offset, Y on the column offset.
+  xmat = toeplitz.dense_toeplitz_2d(jnp.broadcast_to(w_rows[:, :, None], full.shape), grid)
+  ymat = toeplitz.dense_toeplitz_2d(jnp.broadcast_to(w_cols[:, None, :], full.shape), grid)
+  dense = jnp.einsum("hij,bhjc->bhic", xmat + ymat, x)
+  return toeplitz.toeplitz_matmul_2d(full, x, grid), dense
+
+
+# One row, a tall grid and the largest by default; the others run with -m slow.
+@pytest.mark.parametrize(
+    "grid", _sampled([(g,) for g in GRIDS], {((1, 5),), ((7, 2),), ((12, 10),)})
+)
 def test_fastrpb_2d_equals_full_table_and_paper_definition(grid):
   h, wd = grid
   rng = np.random.default_rng(8)
@@ -200,12 +240,8 @@ def test_fastrpb_2d_equals_full_table_and_paper_definition(grid):
   w_cols = rng.normal(size=(3, 2 * wd - 1))
   x = rng.normal(size=(2, 3, h * wd, 5))
   out = fastrpb2(w_rows, w_cols, x, grid)
-  full = w_rows[:, :, None] + w_cols[:, None, :]
-  assert rel_err(out, toeplitz.toeplitz_matmul_2d(full, x, grid)) < 1e-9
-  # W2d = X + Y of Appendix B.3: X depends on the row offset, Y on the column offset.
-  xmat = toeplitz.dense_toeplitz_2d(jnp.broadcast_to(w_rows[:, :, None], full.shape), grid)
-  ymat = toeplitz.dense_toeplitz_2d(jnp.broadcast_to(w_cols[:, None, :], full.shape), grid)
-  ref = jnp.einsum("hij,bhjc->bhic", xmat + ymat, x)
+  with_full_table, ref = _fastrpb_2d_references(w_rows, w_cols, x, grid)
+  assert rel_err(out, with_full_table) < 1e-9
   assert rel_err(out, ref) < 1e-9
 
 
@@ -213,7 +249,7 @@ def test_fastrpb_2d_shared_table():
   rng = np.random.default_rng(9)
   w = rng.normal(size=(9,))
   x = rng.normal(size=(25, 3))
-  out = toeplitz.fastrpb_2d_matmul(w, w, x, (5, 5))
+  out = fastrpb2(w, w, x, (5, 5))
   ref = _dense_2d(w[:, None] + w[None, :], x, (5, 5), False)
   assert rel_err(out, ref) < 1e-12
 

@@ -1,6 +1,7 @@
 """Transformer-XL relative logits: left-shift fast path vs dense gather reference."""
 
 import functools
+import itertools
 import re
 
 import jax
@@ -20,6 +21,18 @@ _shift = jax.jit(txl.rel_shift)
 _shift_two_sided = jax.jit(functools.partial(txl.rel_shift, two_sided=True))
 _fast_two_sided = jax.jit(functools.partial(txl.relative_logits, two_sided=True))
 _reference_two_sided = jax.jit(functools.partial(txl.relative_logits_reference, two_sided=True))
+
+
+def _sampled(cases, default):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  name = lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x)
+  return [
+      pytest.param(*c, id="-".join(map(name, c)), marks=() if c in default else pytest.mark.slow)
+      for c in cases
+  ]
+
+
+F64, F32 = ("float64", 1e-12), ("float32", 1e-5)  # (dtype, tolerance)
 
 
 def _inputs(seed, batch, length, memory, heads, dim, dtype):
@@ -103,11 +116,25 @@ def test_rel_shift_rejects_bad_shapes(shape):
 # ---------------------------------------------------------------------------------------------
 # relative_logits vs the dense reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("heads", [1, 3])
-@pytest.mark.parametrize("length, memory", SHAPES)
-def test_relative_logits_matches_reference(length, memory, heads, use_bias, dtype, tol):
+# ((L, M), heads, use_bias, (dtype, tol)): the full product runs with -m slow. By default each
+# shape once, with every pair of heads, bias and dtype values present (a covering set).
+LOGITS_CASES = list(itertools.product(SHAPES, (1, 3), (False, True), (F64, F32)))
+LOGITS_DEFAULT = {
+    ((1, 0), 1, False, F64),
+    ((1, 3), 3, True, F64),
+    ((5, 0), 3, False, F32),
+    ((7, 4), 1, True, F32),
+    ((16, 16), 3, True, F64),
+    ((33, 10), 1, False, F64),
+}
+
+
+@pytest.mark.parametrize(
+    "shape, heads, use_bias, dtype_tol", _sampled(LOGITS_CASES, LOGITS_DEFAULT)
+)
+def test_relative_logits_matches_reference(shape, heads, use_bias, dtype_tol):
+  (length, memory), (dtype, tol) = shape, dtype_tol
+  dtype = np.dtype(dtype)
   q, rel_k, pos_bias = _inputs(0, 2, length, memory, heads, 8, dtype)
   pos_bias = pos_bias if use_bias else None
   got = _fast(q, rel_k, pos_bias=pos_bias)
@@ -125,10 +152,22 @@ def test_relative_logits_matches_reference(length, memory, heads, use_bias, dtyp
     assert np.all(np.asarray(got)[..., future] == 0.0)
 
 
-@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("length, memory", SHAPES)
-def test_two_sided_relative_logits_matches_reference(length, memory, use_bias, dtype, tol):
+# ((L, M), use_bias, (dtype, tol)): by default each shape once, with every bias x dtype pair.
+TWO_SIDED_CASES = list(itertools.product(SHAPES, (False, True), (F64, F32)))
+TWO_SIDED_DEFAULT = {
+    ((1, 0), False, F64),
+    ((1, 3), True, F32),
+    ((5, 0), True, F64),
+    ((7, 4), False, F32),
+    ((16, 16), False, F64),
+    ((33, 10), True, F64),
+}
+
+
+@pytest.mark.parametrize("shape, use_bias, dtype_tol", _sampled(TWO_SIDED_CASES, TWO_SIDED_DEFAULT))
+def test_two_sided_relative_logits_matches_reference(shape, use_bias, dtype_tol):
+  (length, memory), (dtype, tol) = shape, dtype_tol
+  dtype = np.dtype(dtype)
   rng = np.random.default_rng(8)
   heads, dim = 3, 8
   q = rng.standard_normal((2, length, heads, dim)).astype(dtype)

@@ -25,7 +25,29 @@ N1 = 11  # positions extracted in 1D
 TYPES = (1, 2, 3)
 PS = lrpe.P_CHOICES
 CONFIGS = [(t, p) for t in TYPES for p in PS]
+# The (type, p) cells of the default run: each type twice and each P at least once (the shared
+# cells also share compiles across the tests); the full product runs with -m slow.
+DEFAULT_CONFIGS = {
+    (1, "fourier"),
+    (1, "identity"),
+    (2, "householder"),
+    (2, "permutation"),
+    (3, "random_permutation"),
+    (3, "householder"),
+}
 WORST: dict[str, float] = {}  # worst relative errors, printed with -s
+
+
+def _sampled(cases, default, ids=None):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  return [
+      pytest.param(
+          *(c if isinstance(c, tuple) and ids is None else (c,)),
+          id=None if ids is None else ids[i],
+          marks=() if c in default else pytest.mark.slow,
+      )
+      for i, c in enumerate(cases)
+  ]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -271,6 +293,13 @@ EXTRA_1D = [  # per-head parameters, fixed angles / householder vector, odd feat
     (_opts(2, "permutation"), 7),
 ]
 CASES_1D = [(_opts(t, p), F) for t, p in CONFIGS] + EXTRA_1D
+# Default: the default cells, per-head parameters, fixed P / fixed angles and an odd dimension.
+DEFAULT_1D = {(_opts(t, p), F) for t, p in DEFAULT_CONFIGS} | {
+    EXTRA_1D[2],
+    EXTRA_1D[3],
+    EXTRA_1D[4],
+    EXTRA_1D[9],
+}
 
 
 def _case_id(case):
@@ -278,7 +307,9 @@ def _case_id(case):
   return ",".join(f"{k}={v}" for k, v in options) + f",f={f}"
 
 
-@pytest.mark.parametrize("case", CASES_1D, ids=[_case_id(c) for c in CASES_1D])
+@pytest.mark.parametrize(
+    "case", _sampled(CASES_1D, DEFAULT_1D, ids=[_case_id(c) for c in CASES_1D])
+)
 def test_group_law_and_maps_match_paper_definitions(case):
   options, f = case
   o = dict(options)
@@ -323,8 +354,14 @@ def _qk_shapes(f, memory):
   return (f, N1 - memory, HEADS, f), (f, N1, HEADS, f)
 
 
-@pytest.mark.parametrize("memory", [0, 4])
-@pytest.mark.parametrize("lrpe_type, p", CONFIGS)
+# The default cells, with and without memory in turn; the full product runs with -m slow.
+@pytest.mark.parametrize(
+    "lrpe_type, p, memory",
+    _sampled(
+        [(t, p, m) for m in (0, 4) for t, p in CONFIGS],
+        {(t, p, 4 * (i % 2)) for i, (t, p) in enumerate(sorted(DEFAULT_CONFIGS))},
+    ),
+)
 def test_scores_depend_on_offset_only(lrpe_type, p, memory):
   options, dims = _opts(lrpe_type, p), _dims()
   q_shape, k_shape = _qk_shapes(F, memory)
@@ -453,7 +490,7 @@ def test_rope_has_no_parameters_and_declares_its_hook():
 # ---------------------------------------------------------------------------------------------
 # (4) feature_out_dim, (6) shapes under jit for softmax and linear dims, dtypes
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lrpe_type, p", CONFIGS)
+@pytest.mark.parametrize("lrpe_type, p", _sampled(CONFIGS, DEFAULT_CONFIGS))
 def test_feature_out_dim_and_shapes_under_jit(lrpe_type, p):
   """Linear-kernel dims: the hook sees f = m (10) != head_dim (4); params follow m. (Softmax
   dims, f = head_dim, 1D and 2D: the shapes checks of the tests above.)"""
@@ -506,7 +543,11 @@ def test_float32_and_bfloat16_keep_their_dtype(lrpe_type, p):
 CASES_2D = CONFIGS + [(2, "identity", 9), (3, "householder", 7), (1, "fourier", 5)]
 
 
-@pytest.mark.parametrize("case", CASES_2D, ids=[str(c) for c in CASES_2D])
+# Default: the default cells and one odd feature dimension; the rest -m slow.
+DEFAULT_2D = set(DEFAULT_CONFIGS) | {(2, "identity", 9)}
+
+
+@pytest.mark.parametrize("case", _sampled(CASES_2D, DEFAULT_2D, ids=[str(c) for c in CASES_2D]))
 def test_2d_group_law_and_shift(case):
   lrpe_type, p = case[:2]
   f = case[2] if len(case) > 2 else 8

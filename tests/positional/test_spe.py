@@ -176,8 +176,16 @@ def _mc(qh, kh):
 # ---------------------------------------------------------------------------------------------
 # (1) The expectation: E[qhat . khat] = sum_d q k P~_d(m - n)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("kind", spe.KINDS)
+# (kind, gated): each kind once by default, gated and not; the other two cells -m slow.
+KIND_GATED = [(k, g) for k in spe.KINDS for g in (True, False)]
+DEFAULT_KIND_GATED = {("sine", True), ("conv", False)}
+KIND_GATED_PARAMS = [
+    pytest.param(k, g, marks=() if (k, g) in DEFAULT_KIND_GATED else pytest.mark.slow)
+    for k, g in KIND_GATED
+]
+
+
+@pytest.mark.parametrize("kind, gated", KIND_GATED_PARAMS)
 def test_monte_carlo_mean_matches_relative_kernel(kind, gated):
   options = _std(kind, gated)
   q, k = _qk(LQ, LK, seed=1)
@@ -195,8 +203,7 @@ def test_monte_carlo_mean_matches_relative_kernel(kind, gated):
   assert np.max(np.abs(plain - target) / se) > 10 * Z_TOL
 
 
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("kind", spe.KINDS)
+@pytest.mark.parametrize("kind, gated", KIND_GATED_PARAMS)
 def test_offset_kernel_closed_form(kind, gated):
   options = _opts(kind, gated)
   n = 6

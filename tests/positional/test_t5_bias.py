@@ -118,9 +118,28 @@ def test_t5_default_buckets_at_known_offsets():
 CASES_1D = [(1, 0), (5, 0), (7, 3), (4, 8)]  # (Lq, M)
 
 
-@pytest.mark.parametrize("options", [SMALL, ()], ids=["small_buckets", "t5_defaults"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lq, memory", CASES_1D + [(9, 14)])
+def _sampled(cases, default):
+  """``cases`` as parameters; those not in ``default`` run with ``-m slow`` only."""
+  return [pytest.param(*c, marks=() if c in default else pytest.mark.slow) for c in cases]
+
+
+# By default each shape once, with every (options, causal) pair; the full product -m slow.
+BUCKETED_DEFAULT = {
+    (SMALL, False, 1, 0),
+    ((), True, 5, 0),
+    (SMALL, True, 7, 3),
+    ((), False, 4, 8),
+    (SMALL, True, 9, 14),
+}
+
+
+@pytest.mark.parametrize(
+    "options, causal, lq, memory",
+    _sampled(
+        [(o, c, *s) for o in (SMALL, ()) for c in (False, True) for s in CASES_1D + [(9, 14)]],
+        BUCKETED_DEFAULT,
+    ),
+)
 def test_bucketed_bias_matches_reference(options, causal, lq, memory):
   got, table = _bias(options, DIMS_1D, lq=lq, memory=memory, causal=causal)
   nb, md = dict(options).get("num_buckets", 32), dict(options).get("max_distance", 128)
@@ -134,8 +153,14 @@ def test_bucketed_bias_matches_reference(options, causal, lq, memory):
   np.testing.assert_array_equal(got, want)  # a gather: exact
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lq, memory", CASES_1D + [(12, 0)])
+# Each shape once by default, causal and not in turn; the full product -m slow.
+@pytest.mark.parametrize(
+    "causal, lq, memory",
+    _sampled(
+        [(c, *s) for c in (False, True) for s in CASES_1D + [(12, 0)]],
+        {(i % 2 == 1, *s) for i, s in enumerate(CASES_1D + [(12, 0)])},
+    ),
+)
 def test_per_offset_bias_matches_reference(causal, lq, memory):
   got, table = _bias((("bucketed", False),), DIMS_1D, lq=lq, memory=memory, causal=causal)
   n_max = DIMS_1D.max_length

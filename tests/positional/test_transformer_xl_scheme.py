@@ -103,9 +103,31 @@ def _reference(params, q, k, *, causal, width):
 CASES = [(1, 0), (5, 0), (5, 3), (4, 7), (1, 4)]  # (Lq, M)
 
 
-@pytest.mark.parametrize("reference", [False, True], ids=["shift", "gather"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "two_sided"])
-@pytest.mark.parametrize("lq, memory", CASES)
+# By default each shape once, with every (causal, path) pair; the full product -m slow.
+DEFAULT_CASES = {
+    ((1, 0), True, False),
+    ((5, 0), False, True),
+    ((5, 3), True, True),
+    ((4, 7), False, False),
+    ((1, 4), True, False),
+}
+
+
+@pytest.mark.parametrize(
+    "lq, memory, causal, reference",
+    [
+        pytest.param(
+            *shape,
+            causal,
+            reference,
+            id=f"{shape}-{('two_sided', 'causal')[causal]}-{('shift', 'gather')[reference]}",
+            marks=() if (shape, causal, reference) in DEFAULT_CASES else pytest.mark.slow,
+        )
+        for shape in CASES
+        for causal in (True, False)
+        for reference in (False, True)
+    ],
+)
 def test_bias_matches_paper_terms(lq, memory, causal, reference):
   q, k = _qk(lq * 10 + memory, lq, memory)
   got = _bias(q, k, causal=causal, reference=reference)
