@@ -1,0 +1,11 @@
+export PYTHONPATH=$PWD/.gpu/whl/ml_collections-1.1.0-py3-none-any.whl:$PWD/.gpu/site
+python -c "import tensorboardX" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/site2
+python -c "import grain" 2>/dev/null || { echo "grain: import-only stand-in"; export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/stub_grain; }
+python -c "import orbax.checkpoint" 2>/dev/null || { echo "orbax: import-only stand-in"; export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/stub_orbax; }
+python -c "import fastpos.bench.million; print('imports ok')"
+nproc; free -g | head -2; nvidia-smi -L
+export PYTHONUNBUFFERED=1
+echo "== 1M step on one GPU"; date -u
+timeout 170 python -m fastpos.bench.million --seq=1 --positions=learned --remat=block --mlp_chunk=2048 --attn_chunk=2048 --breakdown=0 --run=always --budget=139 --out=$OUT/gpu1m > $OUT/gpu1m.log 2>&1; echo "rc=$?"; grep -v cuda_timer $OUT/gpu1m.log | tail -25
+echo "== 1M step over 8 simulated CPU devices"; date -u
+JAX_PLATFORMS=cpu timeout 330 python -m fastpos.bench.million --seq=8 --positions=learned --remat=block --mlp_chunk=2048 --attn_chunk=2048 --breakdown=0 --run=always --out=$OUT/cpu1m > $OUT/cpu1m.log 2>&1; echo "rc=$?"; tail -25 $OUT/cpu1m.log; date -u
