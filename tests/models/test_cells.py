@@ -8,7 +8,8 @@ not, with a batch holding one unpadded and one padded sequence:
 * causal cells never look ahead (gradient of output i w.r.t. input j > i);
 every incompatible cell raises the configuration error.
 
-The default run takes a deterministic sample of the cells (the rule above ``_sample``);
+The default run takes a covering sample of the cells (the rule above ``_sample``), each test's
+sample compiled as one program (``_Family``);
 ``-m slow`` runs the rest.
 """
 
@@ -81,43 +82,55 @@ def _cells():
           yield kernel, (scheme,), (opts,), causal, two_d, ok, i
 
 
-# The default run samples the matrix; `-m slow` runs the rest. The rule, per test:
-# * group the cells by setting (schemes, options, causal, 1D / 2D);
-# * in every group keep the softmax cell (its own path) and one cell of a linear kernel: the
-#   candidate kernel used least so far in the same (causal, 1D / 2D) setting, ties broken by
-#   the order of `compatibility.KERNELS`, groups taken in the order of `_cells()`.
-# So every setting runs both paths, and every linear kernel runs in each (causal, 1D / 2D)
-# setting where it fits (`test_the_sample_covers_every_kernel_and_setting` checks this).
+# The default run keeps a covering sample of each matrix; `-m slow` runs the rest. A cell has
+# facets (below); the sample holds every facet value some cell of the matrix has, so each
+# scheme with each of its option variants runs causal and bidirectional, in 1D and 2D, on the
+# softmax path and on a linear kernel's, and each kernel runs causal and bidirectional, in 1D
+# and 2D (`test_the_sample_covers_every_facet` checks this). It is a greedy cover: take the cell
+# with the most facet values not yet covered, the first in the order of `_cells()` on ties.
 # Causality and shift invariance sample only the kernels whose own code could break them:
 # softmax, SIKF (a masked max over the sequence) and FAVOR+ (a stabiliser over the keys);
 # elementwise maps (ELU+1, TRF, ...) share the linear path of these.
 PROPERTY_KERNELS = ("softmax", "sikf", "favor")
+# The facets each test's sample covers. Causality is checked on causal cells only, shift
+# invariance in 1D only (the properties' own axis is fixed there).
+ALL_FACETS = ("scheme_causal", "scheme_2d", "scheme_path", "kernel_causal", "kernel_2d")
+FACETS = {
+    "fast_equals_dense": ALL_FACETS,
+    "combinations": ("scheme_causal", "scheme_path", "kernel_causal"),
+    "shift_invariant": ("scheme_causal", "scheme_path", "kernel_causal"),
+    "causal": ("scheme_2d", "scheme_path", "kernel_2d"),
+}
 
 
-def _group(c):
-  """A cell's setting: schemes, options, causal, 2D."""
-  return c[1], repr(c[2]), c[3], c[4]
+def _facets(c, names):
+  """The facet values of cell ``c`` for the facets ``names``."""
+  kernel, schemes, opts, causal, two_d = c[:5]
+  scheme, path = (schemes, repr(opts)), kernel == "softmax"
+  values = {
+      "scheme_causal": (scheme, causal),
+      "scheme_2d": (scheme, two_d),
+      "scheme_path": (scheme, path),
+      "kernel_causal": (kernel, causal),
+      "kernel_2d": (kernel, two_d),
+  }
+  return {(n, values[n]) for n in names}
 
 
-def _sample(cells, kernels=None):
+def _sample(cells, facets, kernels=None):
   """The cells of ``cells`` that the default run keeps, by the rule above."""
-  groups, used, keep = {}, {}, []
-  for c in cells:
-    if kernels is None or c[0] in kernels:
-      groups.setdefault(_group(c), []).append(c)
-  for (_, _, causal, two_d), group in groups.items():
-    keep += [c for c in group if c[0] == "softmax"]
-    linear = [c for c in group if c[0] != "softmax"]
-    if linear:
-      count = used.setdefault((causal, two_d), {})
-      pick = min(linear, key=lambda c: (count.get(c[0], 0), KERNELS.index(c[0])))
-      count[pick[0]] = count.get(pick[0], 0) + 1
-      keep.append(pick)
+  cells = [c for c in cells if kernels is None or c[0] in kernels]
+  need = set().union(*(_facets(c, facets) for c in cells))
+  keep = []
+  while need:
+    best = max(cells, key=lambda c: len(_facets(c, facets) & need))
+    keep.append(best)
+    need -= _facets(best, facets)
   return keep
 
 
-def _params(cells, kernels=None):
-  keep = {_id(c) for c in _sample(cells, kernels)}
+def _params(cells, facets, kernels=None):
+  keep = {_id(c) for c in _sample(cells, facets, kernels)}
   return [
       pytest.param(c, id=_id(c), marks=() if _id(c) in keep else (pytest.mark.slow,)) for c in cells
   ]
@@ -187,10 +200,11 @@ def _init(cfg, attn, n, seed=0):
     init = functools.partial(scheme.init, key, x, ctx, method=type(scheme).embed)
     params[f"embed_{p.name}"] = jax.eval_shape(init).get("params", {})
   # Random values everywhere (positional tables are initialised to zero, which would make
-  # the comparison trivial); small enough that exp-based maps stay tame.
+  # the comparison trivial); small enough that exp-based maps stay tame. NumPy draws them: no
+  # program to compile per leaf shape.
   leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 2), len(leaves))
-  leaves = [0.3 * jax.random.normal(k, l.shape, jnp.float64) for k, l in zip(keys, leaves)]
+  rng = np.random.default_rng(seed + 2)
+  leaves = [jnp.asarray(0.3 * rng.standard_normal(l.shape)) for l in leaves]
   return jax.tree.unflatten(tree, leaves)
 
 
@@ -204,24 +218,99 @@ def _n(two_d):
   return GRID[0] * GRID[1] if two_d else N
 
 
-@pytest.mark.parametrize("cell", _params(COMPATIBLE))
-def test_fast_equals_dense(cell, record_property):
-  kernel, schemes, opts, causal, two_d = cell[:5]
-  cfg = _config(kernel, schemes, opts, causal, two_d)
+def _case(cell):
+  """A cell's layer function (params, x, mask, reference) -> [b, n, D], its random params, and
+  inputs x [B, n, D] with mask [B, n] (one unpadded and one padded sequence)."""
+  cfg = _config(*cell[:5])
   attn, run = _layer(cfg)
-  n = _n(two_d)
-  params = _init(cfg, attn, n)
-  x, mask = _inputs(n)
-  fast = run(params, x, mask, False)
-  dense = run(params, x, mask, True)
-  assert fast.shape == (B, n, D)
-  assert np.all(np.isfinite(np.asarray(fast)))
+  n = _n(cell[4])
+  return run, _init(cfg, attn, n), *_inputs(n)
+
+
+def _fast_and_dense(cell):
+  """(function, its argument) giving the fast and the dense layer outputs [B, n, D] and mask."""
+  run, params, x, mask = _case(cell)
+  return lambda a: (run(*a, False), run(*a, True), a[2]), (params, x, mask)
+
+
+SHIFT, LENGTH = 3, 7
+
+
+def _shifted(cell):
+  """(function, its argument) giving the outputs [2, N, D] of a row whose real tokens sit at
+  0..LENGTH-1 and of a row with the same tokens at SHIFT..SHIFT+LENGTH-1 (junk elsewhere)."""
+  run, params, _, _ = _case(cell)
+  real = jax.random.normal(jax.random.key(5), (1, LENGTH, D), jnp.float64)
+  junk = jax.random.normal(jax.random.key(6), (1, N, D), jnp.float64)
+  x = jnp.concatenate([junk.at[:, s : s + LENGTH].set(real) for s in (0, SHIFT)])
+  mask = jnp.zeros((2, N), bool).at[0, :LENGTH].set(True).at[1, SHIFT : SHIFT + LENGTH].set(True)
+  return lambda a: run(*a, False), (params, x, mask)
+
+
+def _jacobian(cell):
+  """(function, its argument) giving d out[i] / d x[j], [n, D, n, D], of one unpadded row."""
+  run, params, x, _ = _case(cell)
+  mask = jnp.ones((1, x.shape[1]), bool)
+
+  def f(x1, params):
+    return run(params, x1[None], mask, False)[0]
+
+  return lambda a: jax.jacrev(f)(*a), (x[0], params)
+
+
+class _Family:
+  """The results of one test's cells. The default sample's cells run side by side in ONE
+  compiled program (compiling dominates on 2 cores; one program for a family compiles in about
+  half the time of one per cell); any other cell (`-m slow`) compiles alone."""
+
+  def __init__(self, build, sample):
+    self.build, self.sample, self.results = build, {_id(c): c for c in sample}, None
+
+  def __call__(self, cell):
+    if self.results is None and _id(cell) in self.sample:
+      try:
+        built = {i: self.build(c) for i, c in self.sample.items()}
+        fns = {i: fn for i, (fn, _) in built.items()}
+        args = {i: arg for i, (_, arg) in built.items()}
+        self.results = jax.jit(lambda a: {i: fns[i](a[i]) for i in a})(args)
+      except Exception:  # noqa: BLE001  the cell alone below raises it in its own test
+        self.results = {}
+    if self.results and _id(cell) in self.results:
+      return self.results[_id(cell)]
+    fn, arg = self.build(cell)
+    return jax.jit(fn)(arg)
+
+
+@pytest.fixture(scope="module")
+def family():
+  """Each test's `_Family`, shared by the module's tests."""
+  return {
+      "fast_equals_dense": _Family(
+          _fast_and_dense,
+          _sample(COMPATIBLE, FACETS["fast_equals_dense"])
+          + _sample(COMBO_CELLS, FACETS["combinations"]),
+      ),
+      "shift_invariant": _Family(
+          _shifted, _sample(SHIFT_CELLS, FACETS["shift_invariant"], PROPERTY_KERNELS)
+      ),
+      "causal": _Family(_jacobian, _sample(CAUSAL_CELLS, FACETS["causal"], PROPERTY_KERNELS)),
+  }
+
+
+def _check_fast_equals_dense(cell, family, record_property):
+  fast, dense, mask = (np.asarray(a) for a in family["fast_equals_dense"](cell))
+  assert fast.shape == (B, _n(cell[4]), D)
+  assert np.all(np.isfinite(fast))
   # Padded queries' rows are meaningless; compare real rows.
-  m = np.asarray(mask)
-  err = rel_err(np.asarray(fast)[m], np.asarray(dense)[m])
+  err = rel_err(fast[mask], dense[mask])
   # With `--junitxml`, scripts/cell_errors.py tabulates these per cell.
   record_property("rel_err", float(err))
   assert err < 1e-9, err
+
+
+@pytest.mark.parametrize("cell", _params(COMPATIBLE, FACETS["fast_equals_dense"]))
+def test_fast_equals_dense(cell, family, record_property):
+  _check_fast_equals_dense(cell, family, record_property)
 
 
 COMBO_CELLS = []
@@ -234,9 +323,9 @@ for _schemes in COMBOS:
           COMBO_CELLS.append((_kernel, _schemes, _opts, _causal, False, True, 0))
 
 
-@pytest.mark.parametrize("cell", _params(COMBO_CELLS))
-def test_combinations_fast_equals_dense(cell, record_property):
-  test_fast_equals_dense(cell, record_property)
+@pytest.mark.parametrize("cell", _params(COMBO_CELLS, FACETS["combinations"]))
+def test_combinations_fast_equals_dense(cell, family, record_property):
+  _check_fast_equals_dense(cell, family, record_property)
 
 
 def _shift_cells():
@@ -249,54 +338,28 @@ def _shift_cells():
     yield c
 
 
-@pytest.mark.parametrize("cell", _params(list(_shift_cells()), PROPERTY_KERNELS))
-def test_relative_schemes_are_shift_invariant(cell):
+SHIFT_CELLS = list(_shift_cells())
+
+
+@pytest.mark.parametrize("cell", _params(SHIFT_CELLS, FACETS["shift_invariant"], PROPERTY_KERNELS))
+def test_relative_schemes_are_shift_invariant(cell, family):
   """Real tokens at positions s..s+L-1 of a padded sequence give the outputs of positions
   0..L-1 (and padding elsewhere changes nothing)."""
-  kernel, schemes, opts, causal, two_d = cell[:5]
-  cfg = _config(kernel, schemes, opts, causal, two_d)
-  attn, run = _layer(cfg)
-  n, length, shift = N, 7, 3
-  params = _init(cfg, attn, n)
-  real = jax.random.normal(jax.random.key(5), (1, length, D), jnp.float64)
-  junk = jax.random.normal(jax.random.key(6), (1, n, D), jnp.float64)
-  outs = []
-  for s in (0, shift):
-    x = junk.at[:, s : s + length].set(real)
-    mask = jnp.zeros((1, n), bool).at[:, s : s + length].set(True)
-    outs.append(
-        np.asarray(run(params, jnp.concatenate([x, x]), jnp.concatenate([mask, mask]), False))[
-            0, s : s + length
-        ]
-    )
-  err = rel_err(outs[1], outs[0])
+  out = np.asarray(family["shift_invariant"](cell))
+  err = rel_err(out[1, SHIFT : SHIFT + LENGTH], out[0, :LENGTH])
   assert err < 1e-9, err
 
 
-def _causal_cells():
-  for c in COMPATIBLE:
-    if c[3]:
-      yield c
+CAUSAL_CELLS = [c for c in COMPATIBLE if c[3]]
 
 
-@pytest.mark.parametrize("cell", _params(list(_causal_cells()), PROPERTY_KERNELS))
-def test_causal_cells_never_look_ahead(cell):
-  kernel, schemes, opts, causal, two_d = cell[:5]
-  cfg = _config(kernel, schemes, opts, causal, two_d)
-  attn, run = _layer(cfg)
-  n = _n(two_d)
-  params = _init(cfg, attn, n)
-  x, _ = _inputs(n)
-  mask = jnp.ones((1, n), bool)
-
-  def f(x1, params):
-    return run(params, x1[None], mask, False)[0]
-
-  jac = jax.jit(jax.jacrev(f))(x[0], params)  # [n, D, n, D]; one compiled program
+@pytest.mark.parametrize("cell", _params(CAUSAL_CELLS, FACETS["causal"], PROPERTY_KERNELS))
+def test_causal_cells_never_look_ahead(cell, family):
+  jac = family["causal"](cell)  # [n, D, n, D]
   # FFT paths (FastRPB / kernelized RPE tables) mix all positions through the transform:
   # their future entries are float64 round-off, bounded relative to the largest entry.
-  fft = any(s in ("fastrpb", "kernelized_rpe") for s in schemes)
-  assert_causal_jacobian(jac, n, in_axis=2, rtol=1e-12 if fft else 0.0)
+  fft = any(s in ("fastrpb", "kernelized_rpe") for s in cell[1])
+  assert_causal_jacobian(jac, _n(cell[4]), in_axis=2, rtol=1e-12 if fft else 0.0)
 
 
 @pytest.mark.parametrize("cell", INCOMPATIBLE, ids=_id)
@@ -315,29 +378,40 @@ def test_every_scheme_has_a_compatible_cell_and_the_table_prints(capsys):
   assert "| softmax |" in out and "fastrpb" in out
 
 
+# Each facet as a projection of a cell, written out again so that the check below does not
+# reuse the sampler's own code.
+PROJECTIONS = {
+    "scheme_causal": lambda c: (c[1], repr(c[2]), c[3]),
+    "scheme_2d": lambda c: (c[1], repr(c[2]), c[4]),
+    "scheme_path": lambda c: (c[1], repr(c[2]), c[0] == "softmax"),
+    "kernel_causal": lambda c: (c[0], c[3]),
+    "kernel_2d": lambda c: (c[0], c[4]),
+}
+
+
 @pytest.mark.parametrize(
-    "cells, kernels",
+    "cells, test, kernels",
     [
-        (COMPATIBLE, KERNELS),
-        (COMBO_CELLS, KERNELS),
-        (list(_shift_cells()), PROPERTY_KERNELS),
-        (list(_causal_cells()), PROPERTY_KERNELS),
+        (COMPATIBLE, "fast_equals_dense", KERNELS),
+        (COMBO_CELLS, "combinations", KERNELS),
+        (SHIFT_CELLS, "shift_invariant", PROPERTY_KERNELS),
+        (CAUSAL_CELLS, "causal", PROPERTY_KERNELS),
     ],
     ids=("fast_equals_dense", "combinations", "shift_invariant", "causal"),
 )
-def test_the_sample_covers_every_kernel_and_setting(cells, kernels):
-  """The default run's sample (the rule above `_sample`): every setting runs softmax and a
-  linear kernel where they fit, and every kernel runs in every (causal, 1D / 2D) setting
-  where it fits."""
-  sample = _sample(cells, kernels)
-  assert len(sample) < len(cells)
+def test_the_sample_covers_every_facet(cells, test, kernels):
+  """The default run's sample (the rule above `_sample`) is smaller than the matrix and has
+  every facet value the matrix has: each scheme and option variant causal and bidirectional,
+  1D and 2D, softmax and linear; each kernel causal and bidirectional, 1D and 2D."""
+  sample = _sample(cells, FACETS[test], kernels)
   cells = [c for c in cells if c[0] in kernels]
-  for g in {_group(c) for c in cells}:
-    fits = {c[0] == "softmax" for c in cells if _group(c) == g}
-    assert fits == {c[0] == "softmax" for c in sample if _group(c) == g}, g
-  # Each kernel in each (causal, 2D) setting where it fits.
-  assert {(c[0], c[3], c[4]) for c in cells} == {(c[0], c[3], c[4]) for c in sample}
+  assert len(sample) < len(cells)
+  assert {_id(c) for c in sample} <= {_id(c) for c in cells}
+  for facet in FACETS[test]:
+    project = PROJECTIONS[facet]
+    assert {project(c) for c in sample} == {project(c) for c in cells}, (test, facet)
   assert {c[0] for c in sample} == {c[0] for c in cells}
+  assert {c[1] for c in sample} == {c[1] for c in cells}
 
 
 def test_kernelized_rpe_softmax_equals_linear_with_exact_exponential_features():

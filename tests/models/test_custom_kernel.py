@@ -47,9 +47,15 @@ def _layer_output(kernel, x, mask, calls):
       chunk_size=8,
   )
   attn = Attention(cfg, dtype=jnp.float64)
-  params = attn.init(jax.random.key(0), x)["params"]
+  # The same random params for every kernel: shapes from an abstract init, values by NumPy.
+  leaves, tree = jax.tree.flatten(jax.eval_shape(attn.init, jax.random.key(0), x)["params"])
+  rng = np.random.default_rng(0)
+  params = jax.tree.unflatten(
+      tree, [jnp.asarray(0.3 * rng.standard_normal(a.shape)) for a in leaves]
+  )
   calls.clear()
-  return np.asarray(attn.apply({"params": params}, x, mask=mask))
+  # Compiled (the op's spy runs once, while tracing), not op by op.
+  return np.asarray(jax.jit(lambda p: attn.apply({"params": p}, x, mask=mask))(params))
 
 
 def test_a_custom_exponential_kernel_gets_scaled_keys(custom_kernels, monkeypatch):

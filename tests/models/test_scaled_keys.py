@@ -69,17 +69,26 @@ def test_layer_equals_dense_float64(kernel, schemes, wired, op_calls):
   attn = Attention(cfg, dtype=jnp.float64)
   x = jax.random.normal(jax.random.key(1), (B, N, D), jnp.float64)
   mask = jnp.ones((B, N), bool).at[1, :3].set(False).at[1, N - 2 :].set(False)
-  params = attn.init(jax.random.key(0), x)["params"]
+  # Shapes only (every value is redrawn, by NumPy: no program per leaf shape).
+  params = jax.eval_shape(attn.init, jax.random.key(0), x)["params"]
   leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(2), len(leaves))
+  rng = np.random.default_rng(2)
   params = jax.tree.unflatten(
-      tree, [0.3 * jax.random.normal(k, a.shape, jnp.float64) for k, a in zip(keys, leaves)]
+      tree, [jnp.asarray(0.3 * rng.standard_normal(a.shape)) for a in leaves]
   )
-  op_calls.clear()  # init ran the layer once
-  fast = attn.apply({"params": params}, x, mask=mask)
-  assert len(op_calls) == 1
+  op_calls.clear()  # init traced the layer once
+
+  fast_calls = []
+
+  @jax.jit  # one compiled program for both paths (op by op is slower)
+  def fast_and_dense(params):
+    fast = attn.apply({"params": params}, x, mask=mask)
+    fast_calls.append(len(op_calls))  # while tracing: the fast path's calls of the op
+    return fast, attn.apply({"params": params}, x, mask=mask, reference=True)
+
+  fast, dense = fast_and_dense(params)
+  assert fast_calls == [1]
   assert (op_calls[0].get("key_log_scale") is not None) == wired
-  dense = attn.apply({"params": params}, x, mask=mask, reference=True)
   m = np.asarray(mask)
   assert rel_err(np.asarray(fast)[m], np.asarray(dense)[m]) < 1e-9
 
@@ -114,7 +123,7 @@ def huge_key_layer():
   n = 64
   attn32, attn64 = Attention(cfg), Attention(cfg, dtype=jnp.float64)
   x = np.asarray(jax.random.normal(jax.random.key(3), (1, n, D), jnp.float64)) * 0.5
-  params = attn64.init(jax.random.key(4), jnp.asarray(x))["params"]
+  params = jax.jit(attn64.init)(jax.random.key(4), jnp.asarray(x))["params"]
   params["query"]["kernel"] = params["query"]["kernel"].at[0].set(0.0)
   w = np.asarray(params["key"]["kernel"])[0]  # [h, d]: what channel 0 adds to the keys
   top = np.max(np.einsum("d,dhe->he", x[0, LATE], np.asarray(params["key"]["kernel"])))
@@ -134,18 +143,25 @@ def test_late_huge_key_is_finite_and_matches_float64(huge_key_layer, monkeypatch
     return real(*args, **kw)
 
   monkeypatch.setattr(model_attention.attn_ops, "linear_attention", spy)
-  out32 = attn32.apply({"params": params32}, jnp.asarray(x, jnp.float32))
-  (fq, e, v), kw = calls[-1]
-  s = kw["key_log_scale"]
+  x32 = jnp.asarray(x, jnp.float32)
+
+  @jax.jit  # compiled, not op by op: the layer, and the op on the features it formed before
+  def layer_and_old_op(x32):
+    out32 = attn32.apply({"params": params32}, x32)
+    (fq, e, v), kw = calls[-1]
+    s = kw["key_log_scale"]
+    old = real(fq, e * jnp.exp(s)[..., None] + kw["key_eps"], v, causal=True, chunk_size=16)
+    return out32, s, old
+
+  out32, s, old = layer_and_old_op(x32)
   assert float(jnp.max(s)) > 110.0  # the late key's scale is far above the first key's
   # The op without the running maximum (the features the layer formed before) overflows.
-  old = real(fq, e * jnp.exp(s)[..., None] + kw["key_eps"], v, causal=True, chunk_size=16)
   assert not np.all(np.isfinite(np.asarray(old)))
   monkeypatch.setattr(model_attention, "scaled_keys", lambda *a: False)
-  old_layer = attn32.apply({"params": params32}, jnp.asarray(x, jnp.float32))
+  old_layer = jax.jit(lambda x32: attn32.apply({"params": params32}, x32))(x32)
   assert not np.all(np.isfinite(np.asarray(old_layer)))
   monkeypatch.undo()
-  ref = attn64.apply({"params": params64}, jnp.asarray(x), reference=True)
+  ref = jax.jit(lambda x: attn64.apply({"params": params64}, x, reference=True))(jnp.asarray(x))
   assert np.all(np.isfinite(np.asarray(out32)))
   assert rel_err(out32, ref) < 1e-4
 
@@ -158,7 +174,7 @@ def test_late_huge_key_never_reaches_earlier_outputs(huge_key_layer):
   def early(x1):
     return jnp.sum(attn32.apply({"params": params32}, x1)[:, :LATE] ** 2)
 
-  grad = np.asarray(jax.grad(early)(jnp.asarray(x, jnp.float32)))
+  grad = np.asarray(jax.jit(jax.grad(early))(jnp.asarray(x, jnp.float32)))  # one program
   assert np.all(np.isfinite(grad))
   assert np.all(grad[:, LATE:] == 0.0)
   assert np.any(grad[:, :LATE] != 0.0)

@@ -35,8 +35,11 @@ def test_bernoulli_at_gives_the_entries_of_the_whole_draw(x64, typed):
   )
   with jax.enable_x64(x64):
     key = jax.random.key(7) if typed else jax.random.PRNGKey(7)
-    full = np.asarray(jax.random.bernoulli(key, 0.9, shape))
-    got = np.asarray(bernoulli_at(key, 0.9, shape, index))
+    # One compiled program for both draws (op by op, the draw's many small ops dominate).
+    draw = jax.jit(
+        lambda k: (jax.random.bernoulli(k, 0.9, shape), bernoulli_at(k, 0.9, shape, index))
+    )
+    full, got = (np.asarray(a) for a in draw(key))
   assert got.shape == (5, 7, 50) and got.dtype == bool
   np.testing.assert_array_equal(got, full[index])
   assert 0.8 < full.mean() < 0.95  # a real draw, not all kept
@@ -120,21 +123,29 @@ def test_chunked_block_equals_the_whole_sequence_block(cell, setting):
       _cfg(kernel=kernel, positional=schemes, **fields, **layout, mlp_chunk=chunk), task
   )
   batch = _batch()
-  params = whole.init(jax.random.key(0), batch)["params"]
-  init = chunked.init(jax.random.key(0), batch)["params"]
+
+  @jax.jit
+  def run(key):
+    """Both inits, both train steps (from the whole model's params) and both eval outputs: one
+    compiled program instead of one per call (and no init or eval run op by op)."""
+    params = whole.init(key, batch)["params"]
+    init = chunked.init(key, batch)["params"]
+    steps = [_step(m)(params, batch) for m in (whole, chunked)]
+    evals = [m.apply({"params": params}, batch) for m in (whole, chunked)]
+    return params, init, steps, evals
+
+  params, init, steps, (eval_whole, eval_chunked) = run(jax.random.key(0))
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), init, params))
   trace = lambda m: str(jax.make_jaxpr(lambda p: _step(m)(p, batch))(params))
   traced = trace(chunked)
   assert "threefry2x32" in traced  # masks drawn by slice inside the chunk loop
   assert traced.count("scan[") > trace(whole).count("scan[")  # the chunk loop ran
-  (_, out0), g0 = _step(whole)(params, batch)
-  (_, out1), g1 = _step(chunked)(params, batch)
+  ((_, out0), g0), ((_, out1), g1) = steps
   assert rel_err(out1, out0) < 1e-9
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g0))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
     assert float(jnp.max(jnp.abs(a - b))) < 1e-9 * scale
-  eval_whole = whole.apply({"params": params}, batch)
-  assert rel_err(chunked.apply({"params": params}, batch), eval_whole) < 1e-9
+  assert rel_err(eval_chunked, eval_whole) < 1e-9
   assert rel_err(out0, eval_whole) > 1e-3  # dropout acted in the compared train outputs
 
 
