@@ -16,6 +16,7 @@ import pytest
 from fastpos.train import cli, errors, train_and_evaluate
 from fastpos.train.checkpoint import CheckpointLoadError
 from fastpos.train.config import base_config
+from tests.helpers import FAST_COMPILE_FLAGS
 from tests.train.faults import rewrite_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,8 +50,14 @@ def workdir(tmp_path_factory):
 
 
 def _run(*args):
+  # generate.py's --check compares two programs it compiles itself: the fast compile flags.
   return subprocess.run(
-      [sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+      [sys.executable, SCRIPT, *args],
+      capture_output=True,
+      text=True,
+      cwd=ROOT,
+      timeout=300,
+      env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS},
   )
 
 

@@ -21,6 +21,7 @@ import pytest
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.train import cli, errors, program
+from tests.helpers import FAST_COMPILE_FLAGS
 from tests.train import forked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,7 +303,11 @@ def runs(tmp_path_factory):
   commands = _commands(base)
   driven = [name for name in commands if name not in FRESH]
   try:
-    results = forked.run_all([commands[n][0] for n in driven], base / "outputs", {})
+    # The two-step run and eval.py compile: with the fast flags (the results are not checked
+    # against anything that compiles otherwise).
+    results = forked.run_all(
+        [commands[n][0] for n in driven], base / "outputs", {"XLA_FLAGS": FAST_COMPILE_FLAGS}
+    )
   finally:
     if "workdir-not-writable" in commands:
       parent = commands["workdir-not-writable"][1]["parent"]

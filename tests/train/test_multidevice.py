@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastpos.train import train_and_evaluate
+from tests.helpers import FAST_COMPILE_FLAGS
 from tests.train.common import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,12 @@ def one_device(tmp_path_factory):
 
 @pytest.mark.parametrize("mesh", ["data4", pytest.param("data2_model2", marks=pytest.mark.slow)])
 def test_four_devices_match_one(tmp_path, one_device, mesh):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT))
+  # The fast compile flags, as this process compiles the 1-device run with (tests/conftest.py).
+  env = dict(
+      os.environ,
+      XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}",
+      PYTHONPATH=str(ROOT),
+  )
   env.pop("JAX_PLATFORMS", None)
   overrides = {**OVERRIDES, **MESHES[mesh]}
   proc = subprocess.run(
