@@ -45,11 +45,12 @@ from tests.train.common import tiny_config
 out, overrides = sys.argv[1], json.loads(sys.argv[2])
 assert jax.device_count() == 4, jax.devices()
 result = {}
+# JSON made the rules lists: tuples again, before either run.
+overrides["mesh.rules"] = tuple((r, tuple(s)) for r, s in overrides.get("mesh.rules", ()))
 try:
   train_and_evaluate(tiny_config(**{**overrides, "batch_size": 7}), out + "/bad")
 except ValueError as e:
   result["bad_batch"] = str(e)
-overrides["mesh.rules"] = tuple((r, tuple(s)) for r, s in overrides.get("mesh.rules", ()))
 r = train_and_evaluate(tiny_config(**overrides), out + "/run")
 leaves = jax.tree_util.tree_leaves_with_path(r["state"].params)
 np.savez(out + "/params.npz", *[np.asarray(x) for _, x in leaves])
