@@ -9,6 +9,7 @@ verdict for each of its targets.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -138,21 +139,30 @@ def _cli(*args):
   )
 
 
-def test_cli_needs_a_mode_and_hands_flags_to_it():
-  run = _cli()
-  assert (
-      run.returncode == 2
-      and "give --mode, one of ops, layer, train_step, all, decode, "
-      "context_parallel, memory." in run.stderr
-      and "Traceback" not in run.stderr
-  )
-  run = _cli("--mode=decode", "--lengths=1024,x")  # decode's own flag, checked by decode
-  assert run.returncode == 2
-  assert run.stderr.startswith("fastpos.bench.decode: ") and "Traceback" not in run.stderr
+def _script():
+  """scripts/benchmark.py as a module (its main, called in this process)."""
+  spec = importlib.util.spec_from_file_location("benchmark_script", f"{ROOT}/scripts/benchmark.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_cli_needs_a_mode_and_hands_flags_to_it(capsys):
+  # context_parallel sets the host device count before JAX starts: a fresh process, which also
+  # holds the script end to end (one line, exit 2, no traceback).
   run = _cli("--mode=context_parallel", "--cells=nope")
   assert run.returncode == 2 and "unknown cell 'nope'" in run.stderr
-  run = _cli("--mode=speed")
-  assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr
+  assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+  # The rest through the same main, in this process.
+  main = _script().main
+  assert main([]) == 2
+  err = capsys.readouterr().err
+  assert "give --mode, one of ops, layer, train_step, all, decode, context_parallel, memory." in err
+  assert main(["--mode=decode", "--lengths=1024,x"]) == 2  # decode's own flag, checked by decode
+  assert capsys.readouterr().err.startswith("fastpos.bench.decode: ")
+  with pytest.raises(SystemExit) as e:
+    main(["--mode=speed"])
+  assert e.value.code == 2 and "invalid choice: 'speed'" in capsys.readouterr().err
 
 
 def test_memory_mode_refuses_a_bad_setting_in_one_line(capsys):

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import make_tables  # noqa: E402
 import plot_positional  # noqa: E402
 from fastpos.ops import toeplitz  # noqa: E402
+from fastpos.sweep import cli as sweep_cli  # noqa: E402
 from fastpos.sweep import plan, runner  # noqa: E402
 from tests.helpers import FAST_COMPILE_FLAGS  # noqa: E402
 
@@ -448,7 +449,18 @@ def test_sweep_runs_every_combination(swept):
   assert "2 done, 0 failed" in proc.stdout
 
 
-def test_rerun_skips_finished_runs(swept, env, tmp_path):
+def _sweep_here(monkeypatch, capsys, sweep_dir: Path, grid: list[str], *extra: str):
+  """sweep.py's main in this process, for the modes that start no run (print, --dry_run):
+  (exit code, stdout, stderr). sweep.sh itself runs in the fixture and the other tests."""
+  # main sets JAX_PLATFORMS=cpu for its own process unless set: set through monkeypatch.
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  capsys.readouterr()
+  code = sweep_cli.main([f"--config={ROOT / CONFIG}", f"--sweep_dir={sweep_dir}", *extra, *grid])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_rerun_skips_finished_runs(swept, env, tmp_path, monkeypatch, capsys):
   d, _, _ = swept
   stamps = {
       n: ((d / n / "results_test.json").stat().st_mtime_ns, (d / n / "sweep.log").stat().st_size)
@@ -464,11 +476,11 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
         (d / n / "sweep.log").stat().st_size,
     ) == stamps[n]
   # --mode=print lists only unfinished runs: none here, both in a fresh sweep directory.
-  proc = _sweep(d, GRID, env, "--mode=print")
-  assert proc.returncode == 0 and proc.stdout == "", proc.stderr
-  proc = _sweep(tmp_path / "fresh", GRID, env, "--mode=print")
-  lines = proc.stdout.strip().splitlines()
-  assert proc.returncode == 0 and len(lines) == 2, proc.stderr
+  code, out, err = _sweep_here(monkeypatch, capsys, d, GRID, "--mode=print")
+  assert code == 0 and out == "", err
+  code, out, err = _sweep_here(monkeypatch, capsys, tmp_path / "fresh", GRID, "--mode=print")
+  lines = out.strip().splitlines()
+  assert code == 0 and len(lines) == 2, err
   assert all(
       "/train.py --config=" in l and "/eval.py --config=" in l and "--config.seed=" in l
       for l in lines
@@ -481,9 +493,9 @@ def test_rerun_skips_finished_runs(swept, env, tmp_path):
   assert not done and "differs from the sweep's config in num_train_steps" in why
   # Scoring another split: the runs are trained, not yet evaluated on it.
   assert plan.finished(d / NAMES[0], resolved, "validation") == (False, "trained, not evaluated")
-  proc = _sweep(d, GRID, env, "--mode=print", "--split=validation")
-  lines = proc.stdout.strip().splitlines()
-  assert proc.returncode == 0 and len(lines) == 2, proc.stderr
+  code, out, err = _sweep_here(monkeypatch, capsys, d, GRID, "--mode=print", "--split=validation")
+  lines = out.strip().splitlines()
+  assert code == 0 and len(lines) == 2, err
   assert all("--split=validation" in l for l in lines)
 
 
@@ -580,24 +592,30 @@ def _sweep_py(sweep_dir: Path, grid: list[str], *extra: str, path: str = ""):
   )
 
 
-def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path):
+def test_gpus_dry_run_shows_the_plan_without_gpus(tmp_path, monkeypatch, capsys):
   no_gpu = tmp_path / "bin"  # PATH without nvidia-smi, no CUDA_VISIBLE_DEVICES
   no_gpu.mkdir()
   d = tmp_path / "sweep"
-  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", path=str(no_gpu))
-  assert proc.returncode == 0, proc.stderr
-  assert [l for l in proc.stderr.splitlines() if l.startswith("[plan]")] == [
-      f"[plan] seed={s}: run" for s in range(3)
-  ]
-  assert "no GPU found on this machine (nvidia-smi is not installed)" in proc.stderr
-  assert "Traceback" not in proc.stderr and not d.exists()
-  # With the GPUs named, the plan says which run starts where.
-  proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5", path=str(no_gpu))
-  assert proc.returncode == 0, proc.stderr
-  assert "[plan] seed=0: run on GPU 3" in proc.stderr
-  assert "[plan] seed=1: run on GPU 5" in proc.stderr
-  assert "[plan] seed=2: run queued for the next free GPU" in proc.stderr
-  assert not d.exists()
+  # The dry runs in this process (they start nothing); the real run below as a user runs it.
+  with monkeypatch.context() as mp:
+    mp.setenv("PATH", str(no_gpu))
+    mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    code, _, err = _sweep_here(mp, capsys, d, ["seed=0,1,2"], "--mode=gpus", "--dry_run")
+    assert code == 0, err
+    assert [l for l in err.splitlines() if l.startswith("[plan]")] == [
+        f"[plan] seed={s}: run" for s in range(3)
+    ]
+    assert "no GPU found on this machine (nvidia-smi is not installed)" in err
+    assert "Traceback" not in err and not d.exists()
+    # With the GPUs named, the plan says which run starts where.
+    code, _, err = _sweep_here(
+        mp, capsys, d, ["seed=0,1,2"], "--mode=gpus", "--dry_run", "--gpus=3,5"
+    )
+    assert code == 0, err
+    assert "[plan] seed=0: run on GPU 3" in err
+    assert "[plan] seed=1: run on GPU 5" in err
+    assert "[plan] seed=2: run queued for the next free GPU" in err
+    assert not d.exists()
   # A real run stops with one message before creating anything.
   proc = _sweep_py(d, ["seed=0,1,2"], "--mode=gpus", path=str(no_gpu))
   assert proc.returncode == 2 and proc.stdout == ""

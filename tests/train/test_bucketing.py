@@ -107,13 +107,18 @@ def test_bucketing_changes_no_example_output():
   )
   model = build_model(mc, tasks.make_task(cfg.task).info)
   full = {k: src.arrays[k] for k in ("inputs", "mask")}
-  variables = model.init(jax.random.key(0), full)
-  # Random, not initial, parameters: FastRPB's weights start at zero.
-  leaves, tree = jax.tree.flatten(variables)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  variables = jax.tree.unflatten(
-      tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-  )
+
+  @jax.jit  # one compiled program, not the float64 model's initialisation op by op
+  def random_variables(full):
+    variables = model.init(jax.random.key(0), full)
+    # Random, not initial, parameters: FastRPB's weights start at zero.
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(
+        tree, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    )
+
+  variables = random_variables(full)
   apply = jax.jit(lambda b: model.apply(variables, b))
   reference = dict(zip(_rows(full), np.asarray(apply(full))))
   worst, widths = 0.0, set()

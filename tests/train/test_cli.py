@@ -4,14 +4,22 @@ the saved workdir and writes results_test.json."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from tests.helpers import FAST_COMPILE_FLAGS
+from tests.train import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "--config=configs/synthetic.py:tiny"
+# The runs compile a tiny model: the fast compile flags (the test is about signals and files).
+ENV = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS}
 
 
 def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
@@ -28,6 +36,7 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
           "--config.checkpoint_every_steps=100000",
       ],
       cwd=ROOT,
+      env=ENV,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
@@ -55,6 +64,7 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   ev = subprocess.run(
       [sys.executable, "eval.py", CONFIG, f"--workdir={workdir}"],
       cwd=ROOT,
+      env=ENV,
       capture_output=True,
       text=True,
       timeout=300,
@@ -67,45 +77,39 @@ def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   assert 0.0 <= results["accuracy"] <= 1.0
 
 
-def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path):
-  workdir = tmp_path / "run"
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "train.py",
-          CONFIG,
-          "--config.seed=1234",
-          "--config.model.kernel=sikf",
-          "--print_config",
-          f"--workdir={workdir}",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
+@pytest.fixture(scope="module")
+def startups(tmp_path_factory):
+  """train.py command lines that stop at start-up, run in one driver (tests/train/forked.py):
+  {name: (result, workdir)}."""
+  base = tmp_path_factory.mktemp("cli")
+  commands = {
+      "print_config": (
+          [CONFIG, "--config.seed=1234", "--config.model.kernel=sikf", "--print_config"],
+          base / "run",
+      ),
+      # No --workdir needed; a bad override still fails with its message.
+      "print_config_bad": ([CONFIG, "--config.no_such_field=1", "--print_config"], None),
+      "bad_config": ([CONFIG, "--config.task.name=cifar"], base / "bad"),
+  }
+  runs = [
+      forked.Command("train.py", args + ([f"--workdir={w}"] if w else []))
+      for args, w in commands.values()
+  ]
+  results = forked.run_all(runs, base / "outputs", {})
+  return {name: (r, w) for (name, (_, w)), r in zip(commands.items(), results)}
+
+
+def test_print_config_prints_the_resolved_config_and_writes_nothing(startups):
+  proc, workdir = startups["print_config"]
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "seed: 1234" in proc.stdout.splitlines()
   assert "  kernel: sikf" in proc.stdout.splitlines() and "name: synthetic" in proc.stdout
   assert not workdir.exists()
-  # No --workdir needed; a bad override still fails with its message.
-  proc = subprocess.run(
-      [sys.executable, "train.py", CONFIG, "--config.no_such_field=1", "--print_config"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
+  proc, _ = startups["print_config_bad"]
   assert proc.returncode == 2 and "no_such_field" in proc.stderr
 
 
-def test_train_cli_stops_on_bad_config(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, "train.py", CONFIG, f"--workdir={tmp_path}", "--config.task.name=cifar"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
+def test_train_cli_stops_on_bad_config(startups):
+  proc, _ = startups["bad_config"]
   assert proc.returncode != 0
   assert "config.task.name must be one of synthetic, listops" in proc.stderr

@@ -2,12 +2,14 @@
 fastpos.train.errors, no traceback (none from background threads either), the workdir as it
 was. Plus the config loader behind them (fastpos.train.cli), in process.
 
-The subprocess cases stop at start-up (no compile); the eval.py cases share one workdir
-trained for two steps.
+The program cases run as real processes, all but one of each kind forked from one driver
+(tests/train/forked.py) that pays the imports once; they stop at start-up (no compile) but for
+the eval.py cases, which share one workdir trained for two steps.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,6 +21,8 @@ import pytest
 from fastpos import tasks
 from fastpos.models import build_model
 from fastpos.train import cli, errors, program
+from tests.helpers import FAST_COMPILE_FLAGS
+from tests.train import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(
@@ -32,8 +36,11 @@ LISTOPS_TSV = [
     "--config.task.num_validation=0",
     "--config.task.num_test=0",
 ]
-# What the trainer leaves today when the data check fails: the checkpoint managers are made
-# before the data is read.
+# Every command line below runs once, in the module's driver (tests/train/forked.py: one start
+# for all, a forked child per command, as real programs: exit code, stderr, traceback). Those in
+# FRESH run instead as fresh ``python train.py`` / ``eval.py`` processes: each kind of exit
+# (config, data, workdir, eval.py) is held end to end once without the driver.
+FRESH = ("config-unknown-field", "missing-data", "workdir-is-a-file", "eval-missing")
 
 
 def _run(script: str, *args: str, data_dir: Path) -> subprocess.CompletedProcess:
@@ -77,190 +84,89 @@ def _one_message(proc, code: int, prog: str, *needles: str) -> str:
   return lines[0]
 
 
-def _untouched(before, workdir: Path) -> None:
-  """Asserts the workdir is as it was (None: it still does not exist)."""
-  after = _listing(workdir)
-  assert after == before, (before, after)
-
-
-@pytest.fixture
-def data_dir(tmp_path):
-  d = tmp_path / "data"
-  d.mkdir()
-  return d
+def _untouched(result: forked.Result) -> None:
+  """Asserts the watched path is as it was before the command (None: it still does not
+  exist)."""
+  assert result.after == result.before, (result.before, result.after)
 
 
 # ---------------------------------------------------------------------------------------------
-# Config errors (subprocess)
+# The commands
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "args, needles",
-    [
-        (
-            ["--config=configs/no_such_config.py"],
-            ["'configs/no_such_config.py' not found", "configs/synthetic.py"],
-        ),
-        (
-            ["--config=configs/listops_generatd.py:tiny"],
-            ["did you mean configs/listops_generated.py"],
-        ),
-        (
-            ["--config=configs/listops_generated.py:tiny,kernal=sikf"],
-            ["unknown config argument 'kernal'; valid: kernel, pos, tiny"],
-        ),
-        (
-            [LISTOPS, "--config.model.kernell=x"],
-            [
-                "--config.model.kernell=x",
-                "no field 'kernell'",
-                "Did you mean model.kernel",
-                "Fields of config.model: ",
-                "positional_options",
-            ],
-        ),
-        ([LISTOPS, "--config.model.kernel.name=x"], ["config.model.kernel is a field (str)"]),
-        ([LISTOPS, "--config.num_train_steps=ten"], ["--config.num_train_steps=ten", "int"]),
-        ([LISTOPS, "--config.async_checkpoints=maybe"], ["Non-boolean argument", "maybe"]),
-        (
-            [LISTOPS, "--config.model.positional_options.fastrpb.per_haed=True"],
-            ["scheme 'fastrpb' has no option 'per_haed'", "Did you mean per_head"],
-        ),
-        (
-            [LISTOPS, "--config.model.positional_options.fastrbp.per_head=True"],
-            ["unknown positional scheme 'fastrbp'", "Did you mean fastrpb"],
-        ),
-        ([LISTOPS, "--workdri=x"], ["Unknown command line flag 'workdri'"]),
-        ([LISTOPS], ["--workdir is required"]),
-    ],
-    ids=[
-        "missing-file",
-        "file-typo",
-        "arg-typo",
-        "unknown-field",
-        "field-not-block",
-        "bad-int",
-        "bad-bool",
-        "option-typo",
-        "scheme-typo",
-        "flag-typo",
-        "no-workdir",
-    ],
-)
-def test_train_config_errors(tmp_path, data_dir, args, needles):
-  workdir = tmp_path / "run"
-  if "--workdir is required" not in needles:
-    args = [*args, f"--workdir={workdir}"]
-  proc = _run("train.py", *args, data_dir=data_dir)
-  _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", *needles)
-  assert not workdir.exists()
-
-
-def test_nested_option_override_gets_past_the_config(tmp_path, data_dir):
-  # The config loads and the model builds; the run then stops at the workdir (a file), which
-  # is checked after the config: a cheap proof that the override was accepted.
-  workdir = tmp_path / "a_file"
-  workdir.write_text("x")
-  proc = _run(
-      "train.py",
-      LISTOPS,
-      "--config.model.positional=fastrpb",
-      "--config.model.positional_options.fastrpb.per_head=True",
-      f"--workdir={workdir}",
-      data_dir=data_dir,
-  )
-  _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", "is a file")
-  assert workdir.read_text() == "x"
-
-
-def test_a_bug_still_shows_its_traceback(tmp_path, data_dir):
-  # A bug in the package (its config check, patched to fail by the config file): a config
-  # file's own failure is the user's (one line, exit 2: test_bad_inputs.py).
-  config = tmp_path / "broken.py"
-  config.write_text(
-      "from configs import common\nfrom fastpos.train import config as config_lib\n"
-      "def _bug(cfg):\n  raise RuntimeError('a bug in the package')\n"
-      "def get_config(arg=None):\n  config_lib.validate = _bug\n"
-      "  return common.base_config('synthetic')\n"
-  )
-  proc = _run("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}", data_dir=data_dir)
-  assert proc.returncode == errors.EXIT_FAILED, proc.stderr
-  assert "Traceback" in proc.stderr and "RuntimeError: a bug in the package" in proc.stderr
-
-
-# ---------------------------------------------------------------------------------------------
-# Data errors (subprocess)
-# ---------------------------------------------------------------------------------------------
-def test_missing_data(tmp_path, data_dir):
-  workdir = tmp_path / "run"
-  proc = _run(
-      "train.py",
-      "--config=configs/lra_text_fastrpb.py:tiny",
-      f"--workdir={workdir}",
-      data_dir=data_dir,
-  )
-  _one_message(
-      proc,
-      errors.EXIT_BAD_INPUT,
-      "train.py",
-      "not found",
-      f"python scripts/download_data.py lra_text --data_dir {data_dir}",
-  )
-  _untouched(None, workdir)
-
+CONFIG_ERRORS = {
+    "missing-file": (
+        ["--config=configs/no_such_config.py"],
+        ["'configs/no_such_config.py' not found", "configs/synthetic.py"],
+    ),
+    "file-typo": (
+        ["--config=configs/listops_generatd.py:tiny"],
+        ["did you mean configs/listops_generated.py"],
+    ),
+    "arg-typo": (
+        ["--config=configs/listops_generated.py:tiny,kernal=sikf"],
+        ["unknown config argument 'kernal'; valid: kernel, pos, tiny"],
+    ),
+    "unknown-field": (
+        [LISTOPS, "--config.model.kernell=x"],
+        [
+            "--config.model.kernell=x",
+            "no field 'kernell'",
+            "Did you mean model.kernel",
+            "Fields of config.model: ",
+            "positional_options",
+        ],
+    ),
+    "field-not-block": (
+        [LISTOPS, "--config.model.kernel.name=x"],
+        ["config.model.kernel is a field (str)"],
+    ),
+    "bad-int": ([LISTOPS, "--config.num_train_steps=ten"], ["--config.num_train_steps=ten", "int"]),
+    "bad-bool": ([LISTOPS, "--config.async_checkpoints=maybe"], ["Non-boolean argument", "maybe"]),
+    "option-typo": (
+        [LISTOPS, "--config.model.positional_options.fastrpb.per_haed=True"],
+        ["scheme 'fastrpb' has no option 'per_haed'", "Did you mean per_head"],
+    ),
+    "scheme-typo": (
+        [LISTOPS, "--config.model.positional_options.fastrbp.per_head=True"],
+        ["unknown positional scheme 'fastrbp'", "Did you mean fastrpb"],
+    ),
+    "flag-typo": ([LISTOPS, "--workdri=x"], ["Unknown command line flag 'workdri'"]),
+    "no-workdir": ([LISTOPS], ["--workdir is required"]),
+}
 
 GOOD_ROWS = "Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4 ]\t3\n"
+MALFORMED_TSV = {
+    "bad-header": (b"Src\tTarget\n[MAX 1 2 ]\t2\n", ["basic_train.tsv:1: header"]),
+    "bad-label": (b"Source\tTarget\n[MAX 1 2 ]\t12\n", ["basic_train.tsv:2: label '12'"]),
+    "cut-off-row": (
+        b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4",
+        ["basic_train.tsv:3:", "cut-off row"],
+    ),
+    "not-utf8": (
+        b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 \xe9 ]\t3\n",
+        ["basic_train.tsv:3: not UTF-8 text (byte 0xe9 at column 8)"],
+    ),
+}
 
-
-@pytest.mark.parametrize(
-    "train_tsv, needles",
-    [
-        (b"Src\tTarget\n[MAX 1 2 ]\t2\n", ["basic_train.tsv:1: header"]),
-        (b"Source\tTarget\n[MAX 1 2 ]\t12\n", ["basic_train.tsv:2: label '12'"]),
-        (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4", ["basic_train.tsv:3:", "cut-off row"]),
-        (
-            b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 \xe9 ]\t3\n",
-            ["basic_train.tsv:3: not UTF-8 text (byte 0xe9 at column 8)"],
-        ),
-    ],
-    ids=["bad-header", "bad-label", "cut-off-row", "not-utf8"],
+BUG_CONFIG = (
+    "from configs import common\nfrom fastpos.train import config as config_lib\n"
+    "def _bug(cfg):\n  raise RuntimeError('a bug in the package')\n"
+    "def get_config(arg=None):\n  config_lib.validate = _bug\n"
+    "  return common.base_config('synthetic')\n"
 )
-def test_malformed_listops_tsv(tmp_path, data_dir, train_tsv, needles):
-  folder = data_dir / "lra_release" / "listops-1000"
-  folder.mkdir(parents=True)
-  (folder / "basic_train.tsv").write_bytes(train_tsv)
-  for name in ("basic_val.tsv", "basic_test.tsv"):
-    (folder / name).write_text(GOOD_ROWS)
-  workdir = tmp_path / "run"
-  proc = _run("train.py", *LISTOPS_TSV, f"--workdir={workdir}", data_dir=data_dir)
-  line = _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", str(folder), *needles)
-  assert "download_data.py listops" in line  # the fix
-  _untouched(None, workdir)
+
+TRAIN_TWO_STEPS = [
+    "--config=configs/synthetic.py:tiny",
+    "--config.num_train_steps=2",
+    "--config.eval_every_steps=2",
+    "--config.checkpoint_every_steps=2",
+    "--config.log_every_steps=1",
+]
 
 
-# ---------------------------------------------------------------------------------------------
-# Workdir errors (subprocess)
-# ---------------------------------------------------------------------------------------------
-def test_workdir_is_a_file(tmp_path, data_dir):
-  workdir = tmp_path / "file"
-  workdir.write_text("keep me")
-  before = _listing(workdir)
-  proc = _run("train.py", LISTOPS, f"--workdir={workdir}", data_dir=data_dir)
-  _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", f"--workdir={workdir} is a file")
-  assert _listing(workdir) == before and workdir.read_text() == "keep me"
-
-
-def test_workdir_under_a_file(tmp_path, data_dir):
-  blocker = tmp_path / "file"
-  blocker.write_text("keep me")
-  workdir = blocker / "run"
-  proc = _run("train.py", LISTOPS, f"--workdir={workdir}", data_dir=data_dir)
-  _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", f"under {blocker}, which is a file")
-  assert blocker.read_text() == "keep me"
-
-
-def _unwritable_parent(tmp_path: Path) -> Path:
+def _unwritable_parent(tmp_path: Path) -> Path | None:
   """A folder this process cannot create folders in. Root ignores permission bits, so as root
-  it is /sys (sysfs refuses mkdir); skipped where neither works."""
+  it is /sys (sysfs refuses mkdir); None where neither works."""
   if os.geteuid() != 0:
     parent = tmp_path / "read_only"
     parent.mkdir()
@@ -272,19 +178,251 @@ def _unwritable_parent(tmp_path: Path) -> Path:
   except OSError:
     return Path("/sys")
   probe.rmdir()
-  pytest.skip("running as root and /sys accepts folders: no unwritable folder to test with")
+  return None
 
 
-def test_workdir_not_writable(tmp_path, data_dir):
-  parent = _unwritable_parent(tmp_path)
-  workdir = parent / f"fastpos_run_{os.getpid()}"
+def _commands(base: Path) -> dict[str, tuple[forked.Command, dict]]:
+  """{case id: (command, what its test needs)}, every case in its own folder under ``base``."""
+  out = {}
+
+  def add(name, script, args, *, watch=None, **extra):
+    folder = base / name
+    data_dir = folder / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    extra.update(folder=folder, data_dir=data_dir)
+    env = {"FASTPOS_DATA_DIR": str(data_dir), "JAX_PLATFORMS": "cpu"}
+    out[name] = (forked.Command(script, list(args), env, watch), extra)
+    return folder, data_dir
+
+  for name, (args, needles) in CONFIG_ERRORS.items():
+    workdir = base / f"config-{name}" / "run"
+    if "--workdir is required" not in needles:
+      args = [*args, f"--workdir={workdir}"]
+    add(f"config-{name}", "train.py", args, watch=workdir, needles=needles)
+  # The config loads and the model builds; the run then stops at the workdir (a file), which
+  # is checked after the config: a cheap proof that the override was accepted.
+  workdir = base / "nested-option" / "a_file"
+  add(
+      "nested-option",
+      "train.py",
+      [
+          LISTOPS,
+          "--config.model.positional=fastrpb",
+          "--config.model.positional_options.fastrpb.per_head=True",
+          f"--workdir={workdir}",
+      ],
+      workdir=workdir,
+  )
+  workdir.write_text("x")
+  config = base / "bug" / "broken.py"
+  add("bug", "train.py", [f"--config={config}", f"--workdir={base / 'bug' / 'run'}"])
+  config.write_text(BUG_CONFIG)
+  # Data errors.
+  workdir = base / "missing-data" / "run"
+  add(
+      "missing-data",
+      "train.py",
+      ["--config=configs/lra_text_fastrpb.py:tiny", f"--workdir={workdir}"],
+      watch=workdir,
+  )
+  for name, (train_tsv, needles) in MALFORMED_TSV.items():
+    workdir = base / f"tsv-{name}" / "run"
+    _, data_dir = add(
+        f"tsv-{name}", "train.py", [*LISTOPS_TSV, f"--workdir={workdir}"], watch=workdir
+    )
+    folder = data_dir / "lra_release" / "listops-1000"
+    folder.mkdir(parents=True)
+    (folder / "basic_train.tsv").write_bytes(train_tsv)
+    for split in ("basic_val.tsv", "basic_test.tsv"):
+      (folder / split).write_text(GOOD_ROWS)
+    out[f"tsv-{name}"][1].update(tsv_folder=folder, needles=needles)
+  # Workdir errors.
+  (base / "workdir-is-a-file").mkdir()
+  workdir = base / "workdir-is-a-file" / "file"
+  workdir.write_text("keep me")
+  add("workdir-is-a-file", "train.py", [LISTOPS, f"--workdir={workdir}"], watch=workdir)
+  (base / "workdir-under-a-file").mkdir()
+  blocker = base / "workdir-under-a-file" / "file"
+  blocker.write_text("keep me")
+  add(
+      "workdir-under-a-file",
+      "train.py",
+      [LISTOPS, f"--workdir={blocker / 'run'}"],
+      watch=blocker,
+      blocker=blocker,
+  )
+  (base / "workdir-not-writable").mkdir()
+  parent = _unwritable_parent(base / "workdir-not-writable")
+  if parent is not None:
+    workdir = parent / f"fastpos_run_{os.getpid()}"
+    add(
+        "workdir-not-writable",
+        "train.py",
+        [LISTOPS, f"--workdir={workdir}"],
+        watch=workdir,
+        parent=parent,
+        workdir=workdir,
+    )
+  # eval.py: a workdir trained for two steps (one evaluation, one checkpoint), scored, then
+  # the errors (each leaves the trained workdir as it was).
+  trained = base / "trained" / "run"
+  add("trained", "train.py", [*TRAIN_TWO_STEPS, f"--workdir={trained}"], workdir=trained)
+  data = out["trained"][1]["data_dir"]
+  add("eval-alone", "eval.py", [f"--workdir={trained}"], workdir=trained)
+  add(
+      "eval-override",
+      "eval.py",
+      [
+          f"--config={trained / 'config.json'}",
+          f"--workdir={trained}",
+          "--split=validation",
+          "--config.task.num_validation=32",
+      ],
+      workdir=trained,
+  )
+  for name, args, needles in (
+      ("missing", [f"--workdir={base / 'eval-missing' / 'nope'}"], ["does not exist"]),
+      ("no-config", [f"--workdir={base / 'eval-no-config'}"], ["has no config.json"]),
+      (
+          "bad-override",
+          [f"--workdir={trained}", "--config.task.num_tset=3"],
+          ["no field 'num_tset'", "Did you mean task.num_test"],
+      ),
+  ):
+    add(f"eval-{name}", "eval.py", args, watch=trained, needles=needles)
+  for name in [n for n in out if n.startswith("eval-")]:
+    out[name][0].env["FASTPOS_DATA_DIR"] = str(data)  # the trained run's data dir
+  return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """{case id: (result, what its test needs)}: the driver's results, and for the cases in
+  FRESH a function that runs the command as a fresh process."""
+  base = tmp_path_factory.mktemp("exits")
+  commands = _commands(base)
+  driven = [name for name in commands if name not in FRESH]
   try:
-    proc = _run("train.py", LISTOPS, f"--workdir={workdir}", data_dir=data_dir)
-    _one_message(proc, errors.EXIT_BAD_INPUT, "train.py", str(workdir))
-    assert not workdir.exists()
+    # The two-step run and eval.py compile: with the fast flags (the results are not checked
+    # against anything that compiles otherwise).
+    results = forked.run_all(
+        [commands[n][0] for n in driven], base / "outputs", {"XLA_FLAGS": FAST_COMPILE_FLAGS}
+    )
   finally:
-    if parent.is_relative_to(tmp_path):
-      parent.chmod(0o700)
+    if "workdir-not-writable" in commands:
+      parent = commands["workdir-not-writable"][1]["parent"]
+      if parent.is_relative_to(base):
+        parent.chmod(0o700)
+  out = dict(zip(driven, ((r, commands[n][1]) for n, r in zip(driven, results))))
+  for name in FRESH:
+    out[name] = (functools.partial(_fresh, commands[name][0]), commands[name][1])
+  return out
+
+
+def _fresh(command: forked.Command) -> forked.Result:
+  before = None if command.watch is None else _listing(command.watch)
+  proc = subprocess.run(
+      [sys.executable, command.script, *command.args],
+      cwd=ROOT,
+      env={**os.environ, **command.env},
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  after = None if command.watch is None else _listing(command.watch)
+  return forked.Result(proc.returncode, proc.stdout, proc.stderr, before, after)
+
+
+def _result(runs, name: str) -> tuple[forked.Result, dict]:
+  result, extra = runs[name]
+  return (result() if name in FRESH else result), extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Config errors
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIG_ERRORS))
+def test_train_config_errors(runs, name):
+  result, extra = _result(runs, f"config-{name}")
+  _one_message(result, errors.EXIT_BAD_INPUT, "train.py", *extra["needles"])
+  assert result.after is None  # no workdir made
+
+
+def test_nested_option_override_gets_past_the_config(runs):
+  result, extra = _result(runs, "nested-option")
+  _one_message(result, errors.EXIT_BAD_INPUT, "train.py", "is a file")
+  assert extra["workdir"].read_text() == "x"
+
+
+def test_a_bug_still_shows_its_traceback(runs):
+  # A bug in the package (its config check, patched to fail by the config file): a config
+  # file's own failure is the user's (one line, exit 2: test_bad_inputs.py).
+  result, _ = _result(runs, "bug")
+  assert result.returncode == errors.EXIT_FAILED, result.stderr
+  assert "Traceback" in result.stderr and "RuntimeError: a bug in the package" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Data errors
+# ---------------------------------------------------------------------------------------------
+def test_missing_data(runs):
+  result, extra = _result(runs, "missing-data")
+  _one_message(
+      result,
+      errors.EXIT_BAD_INPUT,
+      "train.py",
+      "not found",
+      f"python scripts/download_data.py lra_text --data_dir {extra['data_dir']}",
+  )
+  assert result.before is None
+  _untouched(result)
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_TSV))
+def test_malformed_listops_tsv(runs, name):
+  result, extra = _result(runs, f"tsv-{name}")
+  line = _one_message(
+      result, errors.EXIT_BAD_INPUT, "train.py", str(extra["tsv_folder"]), *extra["needles"]
+  )
+  assert "download_data.py listops" in line  # the fix
+  assert result.before is None
+  _untouched(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workdir errors
+# ---------------------------------------------------------------------------------------------
+def test_workdir_is_a_file(runs):
+  result, extra = _result(runs, "workdir-is-a-file")
+  workdir = extra["folder"] / "file"
+  _one_message(result, errors.EXIT_BAD_INPUT, "train.py", f"--workdir={workdir} is a file")
+  assert result.before is not None
+  _untouched(result)
+  assert workdir.read_text() == "keep me"
+
+
+def test_workdir_under_a_file(runs):
+  result, extra = _result(runs, "workdir-under-a-file")
+  blocker = extra["blocker"]
+  _one_message(result, errors.EXIT_BAD_INPUT, "train.py", f"under {blocker}, which is a file")
+  _untouched(result)
+  assert blocker.read_text() == "keep me"
+
+
+def test_workdir_not_writable(runs):
+  if "workdir-not-writable" not in runs:
+    pytest.skip("running as root and /sys accepts folders: no unwritable folder to test with")
+  result, extra = _result(runs, "workdir-not-writable")
+  workdir = extra["workdir"]
+  _one_message(result, errors.EXIT_BAD_INPUT, "train.py", str(workdir))
+  assert result.after is None and not workdir.exists()
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+  d = tmp_path / "data"
+  d.mkdir()
+  return d
 
 
 @pytest.mark.slow
@@ -323,76 +461,44 @@ def test_disk_full(tmp_path, data_dir):
 # ---------------------------------------------------------------------------------------------
 # eval.py
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """A workdir trained for two steps (one evaluation, one checkpoint), and its data dir."""
-  base = tmp_path_factory.mktemp("trained")
-  workdir, data_dir = base / "run", base / "data"
-  data_dir.mkdir()
-  proc = _run(
-      "train.py",
-      "--config=configs/synthetic.py:tiny",
-      f"--workdir={workdir}",
-      "--config.num_train_steps=2",
-      "--config.eval_every_steps=2",
-      "--config.checkpoint_every_steps=2",
-      "--config.log_every_steps=1",
-      data_dir=data_dir,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
+def test_the_trained_run_ends_with_its_summary_line(runs):
+  result, _ = _result(runs, "trained")
+  assert result.returncode == 0, result.stderr[-4000:]
   # The trainer's last line: the metric beside the baseline, tokens/s and the outputs.
-  last = proc.stderr.strip().splitlines()[-1]
+  last = result.stderr.strip().splitlines()[-1]
   assert "synthetic: step 2; validation accuracy " in last, last
   assert "majority-class baseline " in last and " tokens/s; workdir " in last
-  return workdir, data_dir
 
 
-def _results(proc, workdir: Path, split: str) -> dict:
-  out = proc.stdout + proc.stderr
-  assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
-  results = json.loads((workdir / f"results_{split}.json").read_text())
-  assert json.loads(proc.stdout) == results
+def _results(runs, name: str, split: str) -> dict:
+  (trained, _), (result, extra) = runs["trained"], _result(runs, name)
+  assert trained.returncode == 0, trained.stderr[-4000:]
+  out = result.stdout + result.stderr
+  assert result.returncode == 0 and "Traceback" not in out, out[-4000:]
+  results = json.loads((extra["workdir"] / f"results_{split}.json").read_text())
+  assert json.loads(result.stdout) == results
   return results
 
 
-def test_eval_workdir_alone(trained):
-  workdir, data_dir = trained
-  proc = _run("eval.py", f"--workdir={workdir}", data_dir=data_dir)
-  results = _results(proc, workdir, "test")
+def test_eval_workdir_alone(runs):
+  results = _results(runs, "eval-alone", "test")
   assert results["step"] == 2 and results["checkpoint"] == "best"
   assert results["num_examples"] == 50  # synthetic.py:tiny's test split
 
 
-def test_eval_saved_config_json_with_an_override(trained):
-  workdir, data_dir = trained
-  proc = _run(
-      "eval.py",
-      f"--config={workdir / 'config.json'}",
-      f"--workdir={workdir}",
-      "--split=validation",
-      "--config.task.num_validation=32",
-      data_dir=data_dir,
-  )
-  results = _results(proc, workdir, "validation")
+def test_eval_saved_config_json_with_an_override(runs):
+  results = _results(runs, "eval-override", "validation")
   assert results["step"] == 2 and results["num_examples"] == 32
 
 
 @pytest.mark.parametrize("case", ["missing", "no-config", "bad-override"])
-def test_eval_errors(tmp_path, trained, case):
-  workdir, data_dir = trained
-  args, needles = {
-      "missing": ([f"--workdir={tmp_path / 'nope'}"], ["does not exist"]),
-      "no-config": ([f"--workdir={tmp_path}"], ["has no config.json"]),
-      "bad-override": (
-          [f"--workdir={workdir}", "--config.task.num_tset=3"],
-          ["no field 'num_tset'", "Did you mean task.num_test"],
-      ),
-  }[case]
-  before = _listing(workdir)
-  proc = _run("eval.py", *args, data_dir=data_dir)
-  _one_message(proc, errors.EXIT_BAD_INPUT, "eval.py", *needles)
-  assert _listing(workdir) == before
-  assert not (tmp_path / "nope").exists()
+def test_eval_errors(runs, case):
+  assert runs["trained"][0].returncode == 0
+  result, extra = _result(runs, f"eval-{case}")
+  _one_message(result, errors.EXIT_BAD_INPUT, "eval.py", *extra["needles"])
+  assert result.before is not None  # the trained workdir, as it was
+  _untouched(result)
+  assert not (extra["folder"] / "nope").exists()
 
 
 # ---------------------------------------------------------------------------------------------

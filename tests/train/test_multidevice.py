@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastpos.train import train_and_evaluate
+from tests.helpers import FAST_COMPILE_FLAGS
 from tests.train.common import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,11 +45,12 @@ from tests.train.common import tiny_config
 out, overrides = sys.argv[1], json.loads(sys.argv[2])
 assert jax.device_count() == 4, jax.devices()
 result = {}
+# JSON made the rules lists: tuples again, before either run.
+overrides["mesh.rules"] = tuple((r, tuple(s)) for r, s in overrides.get("mesh.rules", ()))
 try:
   train_and_evaluate(tiny_config(**{**overrides, "batch_size": 7}), out + "/bad")
 except ValueError as e:
   result["bad_batch"] = str(e)
-overrides["mesh.rules"] = tuple((r, tuple(s)) for r, s in overrides.get("mesh.rules", ()))
 r = train_and_evaluate(tiny_config(**overrides), out + "/run")
 leaves = jax.tree_util.tree_leaves_with_path(r["state"].params)
 np.savez(out + "/params.npz", *[np.asarray(x) for _, x in leaves])
@@ -66,7 +68,12 @@ def one_device(tmp_path_factory):
 
 @pytest.mark.parametrize("mesh", ["data4", pytest.param("data2_model2", marks=pytest.mark.slow)])
 def test_four_devices_match_one(tmp_path, one_device, mesh):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(ROOT))
+  # The fast compile flags, as this process compiles the 1-device run with (tests/conftest.py).
+  env = dict(
+      os.environ,
+      XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_FLAGS}",
+      PYTHONPATH=str(ROOT),
+  )
   env.pop("JAX_PLATFORMS", None)
   overrides = {**OVERRIDES, **MESHES[mesh]}
   proc = subprocess.run(
