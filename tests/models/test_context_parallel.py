@@ -9,7 +9,8 @@ which the layer pads to a multiple of 4. Under the mesh the parameters take the 
 shardings (``tree_shardings``): a learned absolute table is split over "seq", and its
 gradient comes back split. A 3-step training run with mesh.seq=2, mesh.data=2 (its absolute
 table and Adam moments split over "seq") is compared with the same run on 1 device.
-Configuration-time rejections run in process.
+Configuration-time rejections run in process. The default run holds every linear kernel and
+every scheme (causal and not) once; ``-m slow`` runs every kernel x scheme model cell.
 """
 
 from __future__ import annotations
@@ -36,25 +37,49 @@ LINEAR = ("elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
 SCHEMES = ("fastrpb", "kernelized_rpe", "rope", "lrpe", "permuteformer")
 DECAY = {"permuteformer": {"decay": 0.9}}  # the causal cells run PermuteFormer with a decay
 
-# Layer cases: every linear kernel once, each with a scheme (causal for every other one).
-LAYER_CASES = [
-    (
-        f"layer_{k}_{SCHEMES[i % 5]}_{'causal' if i % 2 else 'bidir'}",
-        "layer",
-        k,
-        SCHEMES[i % 5],
-        bool(i % 2),
-        "mean",
-    )
-    for i, k in enumerate(LINEAR)
+
+def _layer_case(kernel: str, scheme: str, causal: bool) -> tuple:
+  return (
+      f"layer_{kernel}_{scheme}_{'causal' if causal else 'bidir'}",
+      "layer",
+      kernel,
+      scheme,
+      causal,
+      "mean",
+  )
+
+
+# Layer cases (`-m slow`): every linear kernel once, each with a scheme, causal every other one.
+LAYER_CASES = [_layer_case(k, SCHEMES[i % 5], bool(i % 2)) for i, k in enumerate(LINEAR)]
+# The default run: the kernels the model cases leave out, once each, with the (scheme,
+# direction) pairs they leave out: with MODEL_CASES every kernel and every scheme both ways.
+DEFAULT_LAYER_CASES = [
+    _layer_case("relu", "kernelized_rpe", True),
+    _layer_case("dpfp", "permuteformer", False),
+    _layer_case("prf", "fastrpb", False),
+    _layer_case("trf", "lrpe", False),
+    _layer_case("nprf", "rope", True),
+    _layer_case("orf", "rope", False),
 ]
-# Model cases: (name, "model", kernel, positional, causal, pooling); mean pooling and FastRPB
-# in a model are in the training run.
+# Model cases: (name, "model", kernel, positional, causal, pooling); mean pooling in a
+# classifier is in the training run.
 MODEL_CASES = [
     ("classify_sikf_kernelized_rpe_cls", "model", "sikf", "kernelized_rpe", False, "cls"),
-    ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
+    # A learned absolute table split over "seq" (and its gradient), with two relative schemes.
+    (
+        "lm_favor_absolute_permuteformer_lrpe",
+        "model",
+        "favor",
+        "absolute+permuteformer+lrpe",
+        True,
+        "mean",
+    ),
     # Two layers under nn.scan with nn.remat: shard_map inside the scanned, rematted body.
     ("lm_elu1_fastrpb_scan_remat", "model_scan", "elu1", "fastrpb", True, "mean"),
+]
+# Model cases of the slow run only (what they check, the default ones check too).
+SLOW_MODEL_CASES = [
+    ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
     ("classify_sikf_absolute_fastrpb", "model", "sikf", "absolute+fastrpb", False, "mean"),
 ]
 TABLE = "pos_absolute']['table']"  # the learned absolute table's path (jax keystr)
@@ -111,59 +136,40 @@ def split_along_positions(specs: dict, devices: int) -> bool:
   )
 
 
-def run_cases(cases) -> dict[str, dict[str, float]]:
-  """Runs in the subprocess: {case: {"out": rel err, "grad": worst rel err over leaves}}."""
+def run_cases(cases, group: int = 12) -> dict[str, dict[str, float]]:
+  """Runs in the subprocess: {case: {"out": rel err, "grad": worst rel err over leaves}}.
+
+  The inits of up to ``group`` cases are one program (one compile instead of one per case);
+  each case's step is its own program (several cases' gradients in one program compiled no
+  faster)."""
+  if len(cases) > group:
+    return {
+        k: v
+        for i in range(0, len(cases), group)
+        for k, v in run_cases(cases[i : i + group]).items()
+    }
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from fastpos.models import Attention, attention_config
   from fastpos.train.sharding import tree_shardings
   from tests.helpers import rel_err
-  from tests.models.test_models import _batch
 
   mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
+  built = [_build_case(*case) for _, *case in cases]
+  inits, applies, inputs = (list(x) for x in zip(*built))
 
-  def one_case(what, kernel, pos, causal, pooling):
-    names = pos.split("+")
-    c = _cfg(kernel=kernel, positional=pos, dtype="float64", pooling=pooling, num_layers=1)
-    if what == "model_scan":
-      c.update(num_layers=2, scan_layers=True, remat="block")
-    if causal:
-      c.positional_options = {n: DECAY[n] for n in names if n in DECAY}
-    n = 16
-    task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
-    batch = _batch(2, n, pad=3)
-    if what == "layer":
-      model = Attention(attention_config(c, task), dtype=jnp.float64)
-      x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
-      inputs = {"x": x, "mask": batch["mask"]}
-      apply = lambda v, b: model.apply(v, b["x"], mask=b["mask"])
-      variables = jax.jit(model.init)(jax.random.key(0), x, mask=batch["mask"])
-    else:
-      model = build_model(c, task)
-      inputs = batch
-      apply = lambda v, b: model.apply(v, b)
-      variables = jax.jit(model.init)(jax.random.key(0), batch)
-    # (init compiled: run op by op it costs more than compiling it.) float64 parameters, moved
-    # off their init so that no table starts at zero.
-    leaves, tree = jax.tree.flatten(variables)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    variables = jax.tree.unflatten(
-        tree,
-        [
-            x.astype(jnp.float64) + 0.2 * jax.random.normal(k, x.shape, jnp.float64)
-            for k, x in zip(keys, leaves)
-        ],
-    )
+  @jax.jit
+  def init(inputs):
+    return [_perturbed(f(jax.random.key(0), x)) for f, x in zip(inits, inputs)]
 
+  def one_case(apply, variables, inputs):
     def loss(v, b):
       out = apply(v, b)
       out = out[0] if isinstance(out, tuple) else out
       return jnp.sum(jnp.sin(out.astype(jnp.float64))), out
 
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (_, out0), g0 = step(variables, inputs)
+    (_, out0), g0 = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables, inputs)
     with jax.set_mesh(mesh):
       split = jax.device_put(inputs, NamedSharding(mesh, P("data", "seq")))
       placed = jax.device_put(variables, tree_shardings(variables, mesh, ()))
@@ -176,7 +182,52 @@ def run_cases(cases) -> dict[str, dict[str, float]]:
         "table_specs": table_specs({"param": placed, "grad": g1}),
     }
 
-  return {name: one_case(*case) for name, *case in cases}
+  variables = init(inputs)
+  return {name: one_case(*args) for (name, *_), *args in zip(cases, applies, variables, inputs)}
+
+
+def _build_case(what, kernel, pos, causal, pooling):
+  """(init(key, inputs), apply(variables, inputs), inputs) of a case: float64, N = 16,
+  padding on."""
+  import jax.numpy as jnp
+
+  from fastpos.models import Attention, attention_config
+  from tests.models.test_models import _batch
+
+  names = pos.split("+")
+  c = _cfg(kernel=kernel, positional=pos, dtype="float64", pooling=pooling, num_layers=1)
+  if what == "model_scan":
+    c.update(num_layers=2, scan_layers=True, remat="block")
+  if causal:
+    c.positional_options = {n: DECAY[n] for n in names if n in DECAY}
+  n = 16
+  task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
+  batch = _batch(2, n, pad=3)
+  if what == "layer":
+    model = Attention(attention_config(c, task), dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
+    return (
+        lambda key, b: model.init(key, b["x"], mask=b["mask"]),
+        lambda v, b: model.apply(v, b["x"], mask=b["mask"]),
+        {"x": x, "mask": batch["mask"]},
+    )
+  model = build_model(c, task)
+  return model.init, model.apply, batch
+
+
+def _perturbed(variables):
+  """float64 parameters, moved off their init so that no table starts at zero."""
+  import jax.numpy as jnp
+
+  leaves, tree = jax.tree.flatten(variables)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  return jax.tree.unflatten(
+      tree,
+      [
+          x.astype(jnp.float64) + 0.2 * jax.random.normal(k, x.shape, jnp.float64)
+          for k, x in zip(keys, leaves)
+      ],
+  )
 
 
 def run_training(out: str) -> dict:
@@ -197,12 +248,17 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from tests.models import test_context_parallel as t
 assert jax.device_count() == 4, jax.devices()
 out, names = sys.argv[1], set(sys.argv[2].split(","))
-cases = [c for c in t.LAYER_CASES + t.MODEL_CASES + t.matrix_cases() if c[0] in names]
+cases = list({c[0]: c for c in t.ALL_CASES + t.matrix_cases() if c[0] in names}.values())
 result = {"cases": t.run_cases(cases)}
 if "train" in names:
   result["train"] = t.run_training(out)
 print("RESULT" + json.dumps(result))
 """
+
+
+ALL_CASES = DEFAULT_LAYER_CASES + LAYER_CASES + MODEL_CASES + SLOW_MODEL_CASES
+# The layer cases of the slow run: LAYER_CASES that the default run leaves out.
+SLOW_LAYER_CASES = [c for c in LAYER_CASES if c[0] not in {d[0] for d in DEFAULT_LAYER_CASES}]
 
 
 def _run(tmp: Path, names) -> dict:
@@ -212,10 +268,10 @@ def _run(tmp: Path, names) -> dict:
 @pytest.fixture(scope="module")
 def split_run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("split")
-  return tmp, _run(tmp, [c[0] for c in LAYER_CASES + MODEL_CASES] + ["train"])
+  return tmp, _run(tmp, [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES] + ["train"])
 
 
-@pytest.mark.parametrize("case", [c[0] for c in LAYER_CASES + MODEL_CASES])
+@pytest.mark.parametrize("case", [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES])
 def test_split_sequence_equals_unsplit(split_run, case):
   errs = split_run[1]["cases"][case]
   assert errs["leaves"] >= 4  # projections and the scheme's parameters all compared
@@ -245,10 +301,10 @@ def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
 
 @pytest.mark.slow
 def test_every_kernel_and_scheme_split_equals_unsplit(tmp_path):
-  cases = matrix_cases()
+  cases = matrix_cases() + SLOW_LAYER_CASES + SLOW_MODEL_CASES
   res = _run(tmp_path, [c[0] for c in cases])["cases"]
   print(json.dumps(res, indent=1))
-  assert len(res) == len(cases) >= 80
+  assert len(res) == len(cases) >= 80 + len(SLOW_LAYER_CASES) + len(SLOW_MODEL_CASES)
   bad = {k: e for k, e in res.items() if not (e["out"] < TOL and e["grad"] < TOL)}
   assert not bad, bad
 

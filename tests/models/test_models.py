@@ -84,10 +84,12 @@ def test_cls_pooling_with_a_grid_is_rejected():
     build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
 
 
+# Each kind of model, kernel and scheme once, with and without a grid; ELU+1 + FastRPB in a
+# classifier (the slowest: eager FFTs) runs with `-m slow`.
 @pytest.mark.parametrize(
     "kind, kernel, scheme, grid",
     [
-        ("classify", "elu1", "fastrpb", None),
+        pytest.param("classify", "elu1", "fastrpb", None, marks=pytest.mark.slow),
         ("classify", "sikf", "kernelized_rpe", (3, 4)),
         ("classify", "softmax", "fastrpb", (3, 4)),
         ("retrieval", "favor", "fastrpb", None),
@@ -109,14 +111,15 @@ def test_model_fast_equals_dense(kind, kernel, scheme, grid):
   assert rel_err(fast, dense) < 1e-9
 
 
-# ELU+1 with FastRPB is the slowest model here (eager FFTs); its padding is also checked by
-# test_model_fast_equals_dense, so it runs with `-m slow` only.
+# The default run: softmax with the absolute table (padding shifts no position); the linear
+# kernels' padding is also checked by test_model_fast_equals_dense (padded batches), so they
+# run with `-m slow` only.
 @pytest.mark.parametrize(
     "kernel, scheme",
     [
         pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
         ("softmax", "absolute"),
-        ("favor", "kernelized_rpe"),
+        pytest.param("favor", "kernelized_rpe", marks=pytest.mark.slow),
     ],
 )
 def test_trailing_padding_changes_nothing(kernel, scheme):
@@ -203,12 +206,12 @@ def test_batchnorm_variant_keeps_running_stats_of_real_tokens_only():
     np.testing.assert_array_equal(a, b)
 
 
-# FastRPB in bfloat16 is covered by softmax + FastRPB; ELU+1 + FastRPB runs with `-m slow`.
+# The default run: softmax + FastRPB (bfloat16 FFTs); the linear kernels run with `-m slow`.
 @pytest.mark.parametrize(
     "kernel, scheme",
     [
         pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
-        ("favor", "kernelized_rpe"),
+        pytest.param("favor", "kernelized_rpe", marks=pytest.mark.slow),
         ("softmax", "fastrpb"),
     ],
 )

@@ -69,29 +69,44 @@ def _loss(model, kind):
 
 # (kind, kernel, positional, extra fields): the LRA Text cell, a causal LM with the causal
 # FFT output hook, softmax with a bias and BatchNorm, and a kv-mixing scheme.
+TEXT = ("classify", "sikf", "absolute,fastrpb", {})
 CELLS = [
-    ("classify", "sikf", "absolute,fastrpb", {}),
+    TEXT,
     ("lm", "elu1", "fastrpb", {}),
-    pytest.param(("classify", "softmax", "t5_bias", dict(norm="batch")), marks=pytest.mark.slow),
-    pytest.param(("lm", "nprf", "kernelized_rpe", dict(norm="pre")), marks=pytest.mark.slow),
+    ("classify", "softmax", "t5_bias", dict(norm="batch")),
+    ("lm", "nprf", "kernelized_rpe", dict(norm="pre")),
 ]
-# The default run holds each setting against one cell; `-m slow` runs every pair.
+# (model.remat, model.scan_layers), each against the unrolled, non-rematerialised model.
 SETTINGS = [
+    ("none", True),
     ("block", False),
-    pytest.param("save_matmuls", False, marks=pytest.mark.slow),
-    pytest.param("none", True, marks=pytest.mark.slow),
     ("block", True),
+    ("save_matmuls", False),
+    ("save_matmuls", True),
     ("save_dots", True),
 ]
+# The default run holds each remat policy and nn.scan once, on the LRA Text cell (one compiled
+# reference); `-m slow` runs every cell with every setting.
+DEFAULT = [(TEXT, "block", False), (TEXT, "save_matmuls", True), (TEXT, "save_dots", True)]
+CASES = [
+    pytest.param(c, r, s, marks=() if (c, r, s) in DEFAULT else pytest.mark.slow)
+    for c in CELLS
+    for r, s in SETTINGS
+]
 
 
-def _id(cell):
-  return f"{cell[0]}-{cell[1]}-{cell[2]}"
+def _ids(value):
+  return f"{value[0]}-{value[1]}-{value[2]}" if isinstance(value, tuple) else str(value)
 
 
-@pytest.fixture(scope="module", params=CELLS, ids=_id)
-def reference(request):
-  kind, kernel, scheme, extra = request.param
+@pytest.fixture(scope="module")
+def references():
+  """{cell: its reference}, each built at its first use and shared by the cell's settings."""
+  return {}
+
+
+def _reference(cell):
+  kind, kernel, scheme, extra = cell
   task = TaskInfo(kind, V, 0 if kind == "lm" else 3, N)
   model = build_model(_cfg(kernel=kernel, positional=scheme, **extra), task)
   batch = _batch(kind)
@@ -113,9 +128,12 @@ def reference(request):
   )
 
 
-@pytest.mark.parametrize("remat, scan", SETTINGS)
-def test_remat_and_scan_change_no_output_or_gradient(reference, remat, scan):
-  r = reference
+@pytest.mark.parametrize("cell, remat, scan", CASES, ids=_ids)
+def test_remat_and_scan_change_no_output_or_gradient(references, cell, remat, scan):
+  key = _ids(cell)
+  if key not in references:
+    references[key] = _reference(cell)
+  r = references[key]
   model = build_model(_cfg(**r["fields"], remat=remat, scan_layers=scan), r["task"])
   convert = (lambda t: stack_layers(t, 2)) if scan else (lambda t: t)
   (_, out), grads = _loss(model, r["kind"])(convert(r["params"]), convert(r["rest"]), r["batch"])
