@@ -13,7 +13,14 @@ from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.models.blocks import NORMS, REMAT_POLICIES, Block, remat_policy
 from fastpos.models.config import model_config
-from fastpos.models.transformer import POOLINGS, Classifier, DecoderLM, DualEncoder, Tower
+from fastpos.models.transformer import (
+    POOLINGS,
+    Classifier,
+    DecoderLM,
+    DualEncoder,
+    Tower,
+    check_scan,
+)
 from fastpos.tasks.info import TaskInfo
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
@@ -93,6 +100,7 @@ def build_model(cfg, task: TaskInfo):
   scan_layers = cfg.get("scan_layers", False)
   if not isinstance(scan_layers, bool):
     raise ValueError(f"model.scan_layers must be a bool; got {scan_layers!r}.")
+  check_scan(attn.kernel, scan_layers)
   shared = [s.name for s in attn.positional if s.option_dict().get("share_across_layers")]
   if scan_layers and shared:
     # nn.scan would stack the shared table per layer: one table for all layers is not scanned.

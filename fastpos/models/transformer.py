@@ -66,6 +66,19 @@ def unstack_layers(tree, num_layers: int):
   return out
 
 
+def check_scan(kernel, scan_layers: bool) -> None:
+  """Raises ValueError where ``nn.scan`` over the layers would change the model: a kernel whose
+  random-feature projection is keyed by the layer's module path, which scanned layers share."""
+  if scan_layers and kernel.needs_projection:
+    raise ValueError(
+        f"model.scan_layers=True cannot run kernel {kernel.name!r}: its random-feature "
+        "projection is drawn per layer from the layer's path, which the scanned layers share, "
+        "so every layer would use one draw and the model would differ from the unrolled one. "
+        "Set model.scan_layers=False (model.remat works without it) or use a kernel without a "
+        "projection (elu1, relu, sikf, dpfp, softmax)."
+    )
+
+
 class Tower(nn.Module):
   """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks.
 
@@ -115,6 +128,7 @@ class Tower(nn.Module):
         num_layers=self.num_layers,
         mlp_chunk=self.mlp_chunk,
     )
+    check_scan(self.attention.kernel, self.scan_layers)
     super().__post_init__()
 
   @nn.compact
