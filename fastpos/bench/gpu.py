@@ -48,7 +48,7 @@ from fastpos.bench import measure as bm
 from fastpos.bench import memory as bench_memory
 from fastpos.bench import models as bench_models
 from fastpos.bench import ops as bench_ops
-from fastpos.bench import ops_lean
+from fastpos.bench import ops_lean, report
 
 PARTS = ("memory", "train_step", "rpe", "linear")
 # The timed parts run first: compiles that the memory part leaves running past its deadline
@@ -588,15 +588,8 @@ def markdown(result: dict) -> str:
       f"{m['jax']} / jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}; float32; "
       f"{result['date']}. Wall time {result.get('wall_s', 0):.0f} s.",
       "",
-      "## Goals",
-      "",
-      "| goal | measured | result |",
-      "|---|---|---|",
   ]
-  lines += [
-      f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |"
-      for g in result["goals"]
-  ]
+  lines += report.goals_table(result["goals"])
   for name in PARTS:
     title, render = SECTIONS[name]
     part = result["parts"].get(name)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.bench import measure as bm
+from fastpos.bench import report
 from fastpos.ops import attention, toeplitz
 
 BATCH, HEADS, DIM, FEATURES = 1, 8, 64, 64
@@ -573,15 +574,8 @@ def markdown(result) -> str:
       "is shared, so compare within a row group only. Each section names the run that "
       "measured it.",
       "",
-      "## Goals",
-      "",
-      "| goal | measured | result |",
-      "|---|---|---|",
   ]
-  lines += [
-      f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |"
-      for g in result["goals"]
-  ]
+  lines += report.goals_table(result["goals"])
   lines += _linear_markdown(result)
   lines += _causal_markdown(result)
   lines += [

@@ -19,3 +19,11 @@ def write(out_dir: str | None, name: str, table: str, record: dict) -> None:
     f.write(table + "\n")
   with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
     json.dump(record, f, indent=2, default=str)
+
+
+def goals_table(goals: list[dict]) -> list[str]:
+  """Markdown lines of a ``## Goals`` section: one row per ``{"goal", "measured", "pass"}``."""
+  lines = ["## Goals", "", "| goal | measured | result |", "|---|---|---|"]
+  return lines + [
+      f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |" for g in goals
+  ]
