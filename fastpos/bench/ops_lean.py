@@ -753,14 +753,21 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3, help="blocks of rounds per linear length")
   p.add_argument("--name", default="ops_lean", help="output file stem (<out>/<name>.md, .json)")
   args = p.parse_args(argv)
-  try:
-    lengths = [
-        [int(x) for x in a.split(",") if x.strip()]
-        for a in (args.linear_lengths, args.memory_lengths, args.time_lengths, args.causal_lengths)
-    ]
-  except ValueError:
-    print("lengths must be comma-separated integers, e.g. 4096,8192", file=sys.stderr)
-    return 2
+  lengths = []
+  for flag in ("linear_lengths", "memory_lengths", "time_lengths", "causal_lengths"):
+    text = getattr(args, flag)
+    try:
+      values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+      values = [0]
+    if values and min(values) < 2:
+      print(
+          f"--{flag} must be comma-separated integers >= 2 (e.g. 4096,8192; empty: skip the "
+          f"section); got {text!r}",
+          file=sys.stderr,
+      )
+      return 2
+    lengths.append(values)
   if args.rounds < 1 or args.repeats < 1:
     print(
         f"--rounds and --repeats must be >= 1; got {args.rounds}, {args.repeats}", file=sys.stderr
