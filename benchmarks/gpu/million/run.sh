@@ -1,3 +1,10 @@
+#!/usr/bin/env bash
+# The script of the recorded million-token run on the lent GPU machine (benchmarks/million.md),
+# kept as it ran. .gpu/ was a local, untracked folder sent with the run: the ml_collections
+# wheel and tensorboardX (absent there), and import-only stand-ins for grain and orbax (a
+# module whose every attribute is a do-nothing class: the benchmark's train step never calls
+# them). To rerun on a machine with the repository's requirements installed, only the two
+# python -m fastpos.bench.million commands below are needed.
 export PYTHONPATH=$PWD/.gpu/whl/ml_collections-1.1.0-py3-none-any.whl:$PWD/.gpu/site
 python -c "import tensorboardX" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/site2
 python -c "import grain" 2>/dev/null || { echo "grain: import-only stand-in"; export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/stub_grain; }
