@@ -5,13 +5,15 @@
 
 * the device's float32 matmul peak and linear attention's fwd+bwd GFLOP/s against it,
   bidirectional (token-major inputs as the layers pass them, and head-major inputs, see
-  ``linear_attention(head_major=True)``) and causal (chunked), with a copy of the
-  bidirectional op before ``head_major`` (``_before_bidirectional``) for comparison. The
-  peak is the faster of two square matmuls (``jnp.dot``): 2048^3 and the square of the op's
-  own flop count; beside it two ceilings for 64-wide heads, measured in the same group: one
-  batched ``[n, 64] x [64, 64]`` product over the heads, and the six such products of
-  fwd+bwd alone (``_six_products``: what the op would take with a free normaliser and no
-  layout copies);
+  ``linear_attention(head_major=True)``) and causal (chunked), with copies of the
+  bidirectional op before its written-out products (``_before_bidirectional``, token-major)
+  and before they kept the heads' widths (``_before_head_major``) for comparison. The peak is
+  the faster of two square matmuls (``jnp.dot``): 2048^3 and the square of the op's own flop
+  count; beside it the ceilings for 64-wide heads, measured in the same group: one batched
+  ``[n, 64] x [64, 64]`` product over the heads (four of fwd+bwd's six products have this
+  shape), one batched ``[64, n] x [n, 64]`` product over the tokens (the other two), the
+  bound they set on the six (4 + 2 of them, derived), and the six products of fwd+bwd alone
+  (``_six_products``: what the op would take with a free normaliser and no layout copies);
 * causal linear attention against a Performer-style per-token scan (``_performer_causal``:
   the prefix state ``sum_j phi(k_j) v_j^T`` updated token by token under ``lax.scan``, with
   the Performer's reverse scan for the gradient);
@@ -69,6 +71,42 @@ def _before_bidirectional(phi_q, phi_k, v):
   num = jnp.einsum("bhim,bhmd->bhid", fq, kv)
   den = jnp.einsum("bhim,bhm->bhi", fq, jnp.sum(fk, axis=2))
   return jnp.swapaxes(num / attention._guard(den, attention.DEFAULT_EPS)[..., None], 1, 2)
+
+
+@jax.custom_vjp
+def _before_head_major(q, k, v):
+  """A copy of ``linear_attention(head_major=True)``'s written-out products before they kept
+  the heads' widths: the normaliser rode in a ones column, so ``k^T [v, 1]`` and
+  ``q [kv, ks]`` (and three of the four backward products) were ``d + 1`` = 65 wide."""
+  return _before_head_major_fwd(q, k, v)[0]
+
+
+def _with_ones(v):
+  return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+
+
+def _before_head_major_fwd(q, k, v):
+  eps = attention.DEFAULT_EPS
+  kva = jnp.einsum("bhnm,bhne->bhme", k, _with_ones(v))
+  oa = jnp.einsum("bhnm,bhme->bhne", q, kva)
+  kept = jnp.abs(oa[..., -1]) >= eps
+  den = attention._guard(oa[..., -1], eps)
+  out = oa[..., :-1] / den[..., None]
+  return out, (q, k, v, kva, out, den, kept)
+
+
+def _before_head_major_bwd(res, g):
+  q, k, v, kva, out, den, kept = res
+  g_den = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
+  ga = jnp.concatenate([g / den[..., None], g_den[..., None]], axis=-1)
+  g_q = jnp.einsum("bhne,bhme->bhnm", ga, kva)
+  g_kva = jnp.einsum("bhnm,bhne->bhme", q, ga)
+  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(v), g_kva)
+  g_v = jnp.einsum("bhnm,bhmd->bhnd", k, g_kva[..., :-1])
+  return g_q, g_k, g_v
+
+
+_before_head_major.defvjp(_before_head_major_fwd, _before_head_major_bwd)
 
 
 def _six_products(phi_q, phi_k, v):
@@ -202,6 +240,14 @@ def _batched_case(n: int):
   return bm.Case(BATCHED, lambda a, w: jnp.einsum("bhnm,bhmd->bhnd", a, w), make)
 
 
+def _reduction_case(n: int):
+  make = lambda: (
+      bm.pseudo_normal(0, (BATCH, HEADS, n, FEATURES)),
+      bm.pseudo_normal(1, (BATCH, HEADS, n, DIM)),
+  )
+  return bm.Case(REDUCTION, lambda a, w: jnp.einsum("bhnm,bhnd->bhmd", a, w), make)
+
+
 def _pass_case(n: int):
   make = lambda: (bm.pseudo_normal(0, (BATCH, HEADS, n, DIM)),)
   return bm.Case(PASS, lambda a: a + 1.0, make)
@@ -225,8 +271,11 @@ def hlo_counts(fn, make) -> dict:
 PASS = "one elementwise pass over [1, 8, n, 64] (x + 1)"
 PEAK, PEAK_EQUAL = "matmul peak (2048^3)", "matmul peak (square of equal flops)"
 BATCHED = "one batched [n, 64] x [64, 64] product (8 heads)"
+REDUCTION = "one batched [64, n] x [n, 64] product over the tokens (8 heads)"
 SIX = "the six batched products of fwd+bwd alone"
-CEILINGS = (PEAK, PEAK_EQUAL, BATCHED, SIX)
+CEILINGS = (PEAK, PEAK_EQUAL, BATCHED, REDUCTION, SIX)
+# Derived, not timed: four BATCHED products and two REDUCTION ones, the six products' kinds.
+BOUND = "the six products at the speed of the two single ones above (4 + 2)"
 
 # row -> (fn, head-major inputs)
 LINEAR_ROWS = {
@@ -236,6 +285,7 @@ LINEAR_ROWS = {
         True,
     ),
     "bidirectional (before)": (_before_bidirectional, False),
+    "bidirectional, head-major inputs (before)": (_before_head_major, True),
     "causal": (lambda q, k, v: attention.linear_attention(q, k, v, causal=True), False),
     "causal Performer scan": (_performer_causal, False),
 }
@@ -257,6 +307,7 @@ def _ceiling_flops(n: int) -> dict:
       PEAK: 2.0 * PEAK_SIZE**3,
       PEAK_EQUAL: 2.0 * side**3,
       BATCHED: 2.0 * BATCH * HEADS * n * FEATURES * DIM,
+      REDUCTION: 2.0 * BATCH * HEADS * n * FEATURES * DIM,
       SIX: 12.0 * BATCH * HEADS * n * FEATURES * DIM,
   }
 
@@ -292,6 +343,11 @@ def _block_row(times: dict, n: int, block: slice) -> dict:
   for k in CEILINGS:
     gf = flops[k] / t[k] / 1e9
     out["ceilings"][k] = {"ms": 1e3 * t[k], "gflops": gf, "fraction_of_peak": gf / peak}
+  bound = (
+      4 * t[BATCHED] + 2 * t[REDUCTION]
+  )  # fwd+bwd: four products of the first kind, two of the other
+  gf = flops[SIX] / bound / 1e9
+  out["ceilings"][BOUND] = {"ms": 1e3 * bound, "gflops": gf, "fraction_of_peak": gf / peak}
   for k in LINEAR_ROWS:
     gf = linear_flops(n) / t[k] / 1e9
     out["rows"][k] = {"ms": 1e3 * t[k], "gflops": gf, "fraction_of_peak": gf / peak}
@@ -315,7 +371,8 @@ def measure_linear(lengths, log, rounds: int, repeats: int) -> dict:
   out = {}
   for n in lengths:
     cases = [_square_case(PEAK, PEAK_SIZE), _square_case(PEAK_EQUAL, equal_flops_square(n))]
-    cases += [_batched_case(n), _linear_case(SIX, _six_products, n, head_major=True)]
+    cases += [_batched_case(n), _reduction_case(n)]
+    cases.append(_linear_case(SIX, _six_products, n, head_major=True))
     cases += [_linear_case(k, f, n, head_major=hm) for k, (f, hm) in LINEAR_ROWS.items()]
     cases.append(_pass_case(n))
     wall, cpu, temp = _timed_group(cases, rounds * repeats)
@@ -526,6 +583,9 @@ def goals(linear, memory, timing, causal=None) -> list[dict]:
       notes = (
           [] if six is None else [f"the six products alone: {100 * six['fraction_of_peak']:.0f}%"]
       )
+      bound = row.get("ceilings", {}).get(BOUND)
+      if bound is not None:
+        notes.append(f"their bound from single products: {100 * bound['fraction_of_peak']:.0f}%")
       if by_cpu is not None:
         notes.append(f"by CPU time {100 * by_cpu['fraction_of_peak']:.0f}%")
       goal(
@@ -621,8 +681,9 @@ def markdown(result) -> str:
 PREVIOUS_RECORD = (
     "Earlier records of the bidirectional row (other runs, so only their own ratios count): "
     "18% / 22% / 15% of the 2048^3 peak at N = 4K / 8K / 16K (2026-11-25 19:55 UTC, load "
-    "26.7, committed), and 26% / 18% at 4K / 8K in a later re-measurement under load. The "
-    '"(before)" row re-measures that op in this run.'
+    "26.7, committed), 26% / 18% at 4K / 8K in a later re-measurement under load, and 32% / "
+    "24% / 17% (2026-11-26 02:21 UTC, load 13.7; head-major inputs 29% / 22% / 17%). The "
+    '"(before)" rows re-measure those ops in this run.'
 )
 
 
@@ -639,13 +700,18 @@ def _linear_markdown(result) -> list[str]:
       "Flops counted for the op: 12 N m (d + 1) per batch and head (module docstring). Peak: "
       f"the faster of a {PEAK_SIZE}^3 `jnp.dot` and the square `jnp.dot` of the op's own flop "
       "count (side in the table), in the same group. Ceilings for 64-wide heads, same group: "
-      "one batched `[n, 64] x [64, 64]` product over the 8 heads, and the six such products "
-      "of fwd+bwd alone (`_six_products`: no normaliser, no layout copies, head-major inputs). "
+      "one batched `[n, 64] x [64, 64]` product over the 8 heads (four of fwd+bwd's six "
+      "products have this shape), one batched `[64, n] x [n, 64]` product over the tokens "
+      "(the other two), the bound these two set on the six (four of the first, two of the "
+      "second: derived, not timed), and the six products of fwd+bwd alone (`_six_products`: "
+      "no normaliser, no layout copies, head-major inputs). "
       '"bidirectional" takes `[b, n, h, .]` as the layers pass it; "head-major inputs" '
-      "`[b, h, n, .]` (`head_major=True`: the written-out backward, `_bidirectional`); "
-      '"(before)": a copy of the op\'s token-major products before this change (autodiff '
-      "of einsums, head-major inside, divided before the transpose back; the op itself "
-      "divided after transposing num and den back, one layout copy more).",
+      "`[b, h, n, .]` (`head_major=True`); both run `_bidirectional`'s written-out products "
+      "(batch and heads folded into one axis, each product 64 wide). "
+      '"bidirectional (before)": a copy of the token-major op before that (autodiff of '
+      'einsums, head-major inside); "head-major inputs (before)": a copy of the written-out '
+      "products before they kept the heads' widths (the normaliser in a ones column, 65 "
+      "wide).",
       "",
       PREVIOUS_RECORD,
       "",

@@ -308,21 +308,23 @@ def linear_attention(
       ``[batch, heads, N, .]`` (``key_log_scale`` ``[batch, heads, N]``; ``mask`` stays
       ``[batch, N]``) instead of ``[batch, N, heads, .]``. Same results; a caller whose
       projections emit head-major tensors saves the op's layout copies (bidirectional: none
-      are left but the ones-column append; other paths move to token-major views, which XLA
-      cancels against their own transposes).
+      are left; other paths move to token-major views, which XLA cancels against their own
+      transposes).
 
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe: up to N
   = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
   materialised (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias),
   above it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input); with ``head_major=True``, bidirectional without rpe or ``den_features`` is
-  two batched matmuls forward and four backward on the caller's arrays, the normaliser riding in a
-  ones column (``_bidirectional``). Causal without rpe, decay, segments, key scales or den_features
-  scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the causal
-  path: one carried state ``[batch, heads, m, d]`` in the forward pass and the per-chunk states
-  ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a per-token ``[N, m, d]``
-  cumulative sum; the FFT rpe path holds one (head, group of features)' ``[N, group*(d+1)]``
-  channels at a time and keeps only its inputs for the backward pass (``_rpe_mix``).
+  transpose per input); bidirectional without rpe or ``den_features`` is two batched matmuls
+  forward and four backward, each ``m`` or ``d`` wide, with batch and heads folded into one axis
+  and the normaliser as matrix-vector products (``_bidirectional``; with ``head_major=True`` on
+  the caller's arrays, without a transpose). Causal without rpe, decay, segments, key scales or
+  den_features scans token-major chunks with a written-out backward (``_causal_scan``). Memory
+  of the causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
+  per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a
+  per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
+  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
+  (``_rpe_mix``).
   """
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
@@ -674,13 +676,11 @@ def _mix(
   if chunk_size is None:
     chunk_size = causal_chunk_size(phi_k.shape[-1], v.shape[-1])
   if not causal and rpe is None and den_features is None and split is None:
-    # Divided head-major, then one transpose back (measured about 1.2x faster fwd+bwd than
-    # transposing num and den back first, benchmarks/ops_lean.md).
+    # One transpose per input to head-major, the written-out products there, one transpose
+    # back: measured 1.1-1.3x faster fwd+bwd than autodiff of the einsums (ops_lean.md).
     fk = _head_major(_apply_key_mask(phi_k, mask, dtype))
     fq, vals = (_head_major(a.astype(dtype)) for a in (phi_q, v))
-    num = jnp.einsum("bhim,bhmd->bhid", fq, jnp.einsum("bhjm,bhjd->bhmd", fk, vals))
-    den = jnp.einsum("bhim,bhm->bhi", fq, jnp.sum(fk, axis=2))
-    return _head_major(num / _guard(den, eps)[..., None]).astype(out_dtype)
+    return _head_major(_bidirectional(fq, fk, vals, eps)).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
@@ -688,48 +688,63 @@ def _mix(
   return (num / _guard(den, eps)[..., None]).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+# Batched products over one leading axis z = batch * heads (``lax.dot_general`` numbers).
+_ROWS_BY_STATE = (((2,), (1,)), ((0,), (0,)))  # [z, n, m] x [z, m, e] -> [z, n, e]
+_ROWS_BY_STATE_T = (((2,), (2,)), ((0,), (0,)))  # [z, n, e] x [z, m, e] -> [z, n, m]
+_OVER_TOKENS = (((1,), (1,)), ((0,), (0,)))  # [z, n, m] x [z, n, e] -> [z, m, e]
+
+
 def _bidirectional(q, k, v, eps: float):
   """Bidirectional linear attention, head-major in and out: ``q, k [b, h, n, m]``,
   ``v [b, h, n, d]`` -> ``[b, h, n, d]``, normalised and guarded (``_guard``).
 
-  Forward: ``kva = k^T [v, 1]`` ``[b, h, m, d + 1]`` and ``[num, den] = q kva``: two batched
-  matmuls over contiguous ``[n, .]`` slabs, the denominator riding in the last column.
-  Backward, written out as four more such matmuls: ``ga = [g / den, -(g . out) / den]`` (0
-  where the guard clamped), ``g_q = ga kva^T``, ``g_kva = q^T ga``, ``g_k = [v, 1] g_kva^T``,
-  ``g_v = k g_kva[:, :d]``. Residuals: the inputs, ``kva``, the output and the guarded
-  denominator. Used for head-major callers only: fed token-major inputs (a transpose in, and
-  the inputs transposed again in the backward to keep a layer's memory), it measured slower
-  than autodiff of the einsums on a 2-core CPU (benchmarks/ops_lean.md)."""
-  return _bidirectional_fwd(q, k, v, eps)[0]
+  Batch and heads fold into one leading axis (a reshape, no copy) and ``_folded`` runs six
+  ``m``- and ``d``-wide batched products with a written-out backward."""
+  b, h, n, _ = q.shape
+  fold = lambda a: a.reshape((b * h, n, a.shape[-1]))
+  return _folded(fold(q), fold(k), fold(v), eps).reshape((b, h, n, v.shape[-1]))
 
 
-def _with_ones(v):
-  return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _folded(q, k, v, eps: float):
+  """``_bidirectional`` on ``q, k [z, n, m]``, ``v [z, n, d]`` (z = batch * heads).
+
+  Forward: ``s = k^T v`` ``[z, m, d]`` and ``z_k = sum_j k_j`` ``[z, m]``; ``num = q s`` and
+  ``den = q . z_k``; ``out = num / den``. Backward, written out: ``g_n = g / den`` and
+  ``g_d = -(g . out) / den`` (0 where the guard clamped); ``g_q = g_n s^T + g_d z_k``,
+  ``g_s = q^T g_n``, ``g_z = q^T g_d``, ``g_k = v g_s^T + g_z``, ``g_v = k g_s``. The six
+  products keep the heads' own widths: a ones column riding along (``d + 1`` wide) measured
+  about 2x slower on a 2-core CPU (benchmarks/ops_lean.md); the denominator's terms are
+  matrix-vector products and fuse with the elementwise work. Residuals: the inputs, ``s``,
+  ``z_k``, the output and the guarded denominator."""
+  return _folded_fwd(q, k, v, eps)[0]
 
 
-def _bidirectional_fwd(q, k, v, eps: float):
-  kva = jnp.einsum("bhnm,bhne->bhme", k, _with_ones(v))
-  oa = jnp.einsum("bhnm,bhme->bhne", q, kva)
-  kept = jnp.abs(oa[..., -1]) >= eps  # where the guard passes the denominator through
-  den = _guard(oa[..., -1], eps)
-  out = oa[..., :-1] / den[..., None]
-  return out, (q, k, v, kva, out, den, kept)
+def _folded_fwd(q, k, v, eps: float):
+  s = jax.lax.dot_general(k, v, _OVER_TOKENS)
+  z_k = jnp.sum(k, axis=1)
+  num = jax.lax.dot_general(q, s, _ROWS_BY_STATE)
+  den = jnp.einsum("znm,zm->zn", q, z_k)
+  kept = jnp.abs(den) >= eps  # where the guard passes the denominator through
+  den = _guard(den, eps)
+  out = num / den[..., None]
+  return out, (q, k, v, s, z_k, out, den, kept)
 
 
-def _bidirectional_bwd(eps: float, res, g):
+def _folded_bwd(eps: float, res, g):
   del eps
-  q, k, v, kva, out, den, kept = res
-  g_den = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
-  ga = jnp.concatenate([g / den[..., None], g_den[..., None]], axis=-1)
-  g_q = jnp.einsum("bhne,bhme->bhnm", ga, kva)
-  g_kva = jnp.einsum("bhnm,bhne->bhme", q, ga)
-  g_k = jnp.einsum("bhne,bhme->bhnm", _with_ones(v), g_kva)
-  g_v = jnp.einsum("bhnm,bhmd->bhnd", k, g_kva[..., :-1])
+  q, k, v, s, z_k, out, den, kept = res
+  g_n = g / den[..., None]
+  g_d = jnp.where(kept, -jnp.sum(g * out, axis=-1), jnp.zeros((), g.dtype)) / den
+  g_q = jax.lax.dot_general(g_n, s, _ROWS_BY_STATE_T) + g_d[..., None] * z_k[:, None, :]
+  g_s = jax.lax.dot_general(q, g_n, _OVER_TOKENS)
+  g_z = jnp.einsum("znm,zn->zm", q, g_d)
+  g_k = jax.lax.dot_general(v, g_s, _ROWS_BY_STATE_T) + g_z[:, None, :]
+  g_v = jax.lax.dot_general(k, g_s, _ROWS_BY_STATE)
   return g_q, g_k, g_v
 
 
-_bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
+_folded.defvjp(_folded_fwd, _folded_bwd)
 
 
 # The chunk of the plain causal path (``_causal_plain``) when none is given: fwd+bwd on a
