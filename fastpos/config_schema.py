@@ -210,8 +210,8 @@ FIELDS: dict[str, Field] = {
     "model.tie_embeddings": _bool(True),  # lm only: output projection = embedding transposed
     # lm only: Transformer-XL memory M (needs the transformer_xl scheme).
     "model.memory_length": _int(0, 0),
-    # Causal linear attention chunk; 0 picks it from the feature and value sizes
-    # (fastpos.ops.attention.causal_chunk_size: 64, or 32 for large feature maps).
+    # Causal linear attention chunk; 0 picks it: 32 on the plain causal path
+    # (ops.attention.CAUSAL_PLAIN_CHUNK), else by feature and value sizes (causal_chunk_size).
     "model.chunk_size": _int(0, 0),
     # Image tasks: True gives the positional schemes the task's grid (2D positions); False
     # treats the image as its raster sequence (1D schemes, e.g. SPE, or PermuteFormer's
