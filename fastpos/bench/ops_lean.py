@@ -339,6 +339,19 @@ def _timed_group(cases, runs: int) -> tuple[dict, dict, dict]:
   return wall, cpu, temp
 
 
+def donated_pass_ms(n: int, runs: int) -> float:
+  """The median ms of ``PASS`` written into its donated input buffer instead of a fresh one:
+  against the fresh pass it shows what allocating (and first touching) an output costs."""
+  step = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+  a = jax.block_until_ready(step(_pass_case(n).make_inputs()[0]))
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    a = jax.block_until_ready(step(a))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
 def _block_row(times: dict, n: int, block: slice) -> dict:
   """Every ratio of one block of timed rounds (its own peak)."""
   t = {k: float(np.median(ts[block])) for k, ts in times.items()}
@@ -392,6 +405,7 @@ def measure_linear(lengths, log, rounds: int, repeats: int) -> dict:
         row["rows"][c.key]["temp_mib"] = temp[c.key] / 2**20
         row["rows"][c.key]["hlo"] = hlo_counts(c.fn, c.make_inputs)
     row["pass_ms"] = float(np.median([b["pass_ms"] for b in blocks]))
+    row["donated_pass_ms"] = donated_pass_ms(n, rounds * repeats)
     row["equal_flops_side"] = equal_flops_square(n)
     out[n] = row
     log(
@@ -723,7 +737,9 @@ def _linear_markdown(result) -> list[str]:
       "HLO: the optimised entry computation of each row's compiled fwd+bwd (`hlo_counts`): "
       "dots, fusions, and of those the layout copies (fusions XLA names transpose / copy). "
       "Pass: one elementwise pass `x + 1` over a `[1, 8, n, 64]` float32 array, in the same "
-      "group (the cost of each extra array the op writes).",
+      "group (the cost of each extra array the op writes), and the same pass written into its "
+      "donated input (after the group): the difference is what a fresh output buffer costs "
+      "(allocation and first touch of its pages).",
       "",
       "CPU time: the same ratios from the process's CPU time per run instead of wall time "
       "(on a shared machine it leaves out the time the threads waited for a core; the goal "
@@ -755,6 +771,12 @@ def _linear_markdown(result) -> list[str]:
       lines.append(
           f"| {n} | | {PASS} ({mib:.0f} MiB in, {mib:.0f} MiB out) | {row['pass_ms']:.1f} | "
           f"{2 * mib / 1024 / (row['pass_ms'] / 1e3):.1f} GiB/s | | | | |"
+      )
+    if "donated_pass_ms" in row:
+      ms = row["donated_pass_ms"]
+      lines.append(
+          f"| {n} | | the same pass into its donated input buffer (no fresh output) | "
+          f"{ms:.1f} | {2 * mib / 1024 / (ms / 1e3):.1f} GiB/s | | | | |"
       )
   return lines
 
