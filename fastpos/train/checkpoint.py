@@ -261,11 +261,15 @@ def _unlistable_steps(directory: Path) -> list[tuple[Path, Exception]]:
 
 
 def _reason(exc: BaseException) -> str:
-  """One line on why a checkpoint did not load."""
-  text = " ".join(str(exc).split())
-  if len(text) > 300:
-    text = text[:300] + "..."
-  return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+  """One line on why a checkpoint did not load: the error, cut before tensorstore's spec dump,
+  and the error that caused it (e.g. which file failed to decode)."""
+  parts = []
+  while exc is not None and len(parts) < 2:
+    text = " ".join(str(exc).split(" See full TensorStore details", 1)[0].split())
+    parts.append(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    exc = exc.__cause__
+  text = "; caused by ".join(parts)
+  return text if len(text) <= 400 else text[:400] + "..."
 
 
 class Checkpoints:

@@ -84,13 +84,20 @@ class _OneLineBackgroundErrors(py_logging.Filter):
 _SEEN_BACKGROUND: set[tuple[str, str]] = set()
 
 
+def _first_line(exc) -> str:
+  """An exception's message up to its first line break (tensorstore appends its spec, a JSON
+  dump over many lines)."""
+  text = str(exc).strip()
+  return text.split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
+
+
 def _log_background(where: str, exc_type, exc) -> None:
   """One line per distinct background error (an event loop closed under a failed save is
   reported once per array otherwise)."""
-  key = (exc_type.__name__, str(exc))
+  key = (exc_type.__name__, _first_line(exc))
   if key not in _SEEN_BACKGROUND:
     _SEEN_BACKGROUND.add(key)
-    logging.error("%s: %s: %s", where, exc_type.__name__, exc)
+    logging.error("%s: %s: %s", where, exc_type.__name__, key[1])
 
 
 def _thread_hook(args) -> None:
@@ -100,7 +107,21 @@ def _thread_hook(args) -> None:
     )
 
 
+def abandoned_orbax_read(obj) -> bool:
+  """Whether ``obj`` is one of orbax's read coroutines: when one array's read fails, orbax
+  raises that failure where the restore was asked for (reported there: the checkpoint does not
+  load) and abandons the sibling reads, which Python reports one by one when it collects them,
+  seconds later and from another thread."""
+  code = getattr(obj, "cr_code", None)
+  return (
+      code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename and "read" in (code.co_name)
+  )
+
+
 def _unraisable_hook(unraisable) -> None:
+  if abandoned_orbax_read(unraisable.object):
+    logging.debug("abandoned checkpoint read: %s", _first_line(unraisable.exc_value))
+    return
   # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
   _log_background(
       unraisable.err_msg or "ignored exception", unraisable.exc_type, unraisable.exc_value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,9 +160,21 @@ TRAIN_TWO_STEPS = [
     "--config=configs/synthetic.py:tiny",
     "--config.num_train_steps=2",
     "--config.eval_every_steps=2",
-    "--config.checkpoint_every_steps=2",
+    "--config.checkpoint_every_steps=1",
     "--config.log_every_steps=1",
 ]
+# Run in the driver as a script: copies the trained workdir (argv[1]) to argv[2] and flips
+# bytes all over the array data files of its newest checkpoint (checkpoints/2; not the
+# B-tree's), so that the array reads of that checkpoint fail.
+DAMAGE_SCRIPT = """
+import pathlib, shutil, sys
+shutil.copytree(sys.argv[1], sys.argv[2])
+for f in (pathlib.Path(sys.argv[2]) / "checkpoints" / "2" / "state").glob("ocdbt.process_*/d/*"):
+  data = bytearray(f.read_bytes())
+  for i in range(40, len(data), 97):
+    data[i] ^= 0x5A
+  f.write_bytes(bytes(data))
+"""
 
 
 def _unwritable_parent(tmp_path: Path) -> Path | None:
@@ -290,7 +303,14 @@ def _commands(base: Path) -> dict[str, tuple[forked.Command, dict]]:
       ),
   ):
     add(f"eval-{name}", "eval.py", args, watch=trained, needles=needles)
-  for name in [n for n in out if n.startswith("eval-")]:
+  # A copy of the trained workdir, its newest checkpoint damaged, resumed (after the eval
+  # cases, which read the trained workdir as it was).
+  damaged = base / "resume-damaged" / "run"
+  script = base / "damage" / "damage.py"
+  add("damage", str(script), [trained, damaged])
+  script.write_text(DAMAGE_SCRIPT)
+  add("resume-damaged", "train.py", [*TRAIN_TWO_STEPS, f"--workdir={damaged}"], workdir=damaged)
+  for name in [n for n in out if n.startswith("eval-") or n == "resume-damaged"]:
     out[name][0].env["FASTPOS_DATA_DIR"] = str(data)  # the trained run's data dir
   return out
 
@@ -468,6 +488,24 @@ def test_the_trained_run_ends_with_its_summary_line(runs):
   last = result.stderr.strip().splitlines()[-1]
   assert "synthetic: step 2; validation accuracy " in last, last
   assert "majority-class baseline " in last and " tokens/s; workdir " in last
+
+
+def test_a_resume_past_a_damaged_checkpoint_says_so_in_one_line(runs):
+  """Every read of checkpoints/2 fails: the run reports it in one warning line (without
+  tensorstore's spec dump), resumes from checkpoints/1 and finishes. The
+  sibling reads orbax abandons are not reported one by one, and nothing but log lines reaches
+  stderr."""
+  assert runs["damage"][0].returncode == 0, runs["damage"][0].stderr[-4000:]
+  result, extra = _result(runs, "resume-damaged")
+  assert result.returncode == 0, result.stderr[-4000:]
+  lines = result.stderr.strip().splitlines()
+  report = [line for line in lines if "checkpoints/2 does not load (" in line]
+  assert len(report) == 1, result.stderr[-4000:]
+  assert "TensorStore details" not in report[0], report[0]
+  assert (extra["workdir"] / "checkpoints" / "2.corrupt").is_dir()
+  assert [line for line in lines if not re.match(r"[IWEF]\d{4} ", line)] == []
+  assert [line for line in lines if line.startswith(("E", "F"))] == []
+  assert "synthetic: step 2; validation accuracy " in lines[-1], lines[-1]
 
 
 def _results(runs, name: str, split: str) -> dict:
