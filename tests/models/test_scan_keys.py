@@ -68,27 +68,30 @@ def _params(model, batch):
   )
 
 
-def _value_and_grad(model):
+def _value_and_grad(model, reference=False):
   def fn(params, batch):
-    out = model.apply({"params": params}, batch, train=True)
+    out = model.apply({"params": params}, batch, train=True, reference=reference)
     w = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
     return jnp.sum(out * w), out
 
   return jax.jit(jax.value_and_grad(fn, has_aux=True))
 
 
-def scan_errors(kind, kernel, positional, grads=True):
+def scan_errors(kind, kernel, positional, grads=True, reference=False, **fields):
   """(output error, worst gradient error or None) of the scanned model (remat=block) against
-  the unrolled one, relative to the largest output / gradient entry."""
+  the unrolled one, relative to the largest output / gradient entry; ``reference``: both run
+  their dense references; ``fields``: more model fields (e.g. attn_chunk)."""
   batch = _batch()
-  unrolled = build_model(_cfg(kernel, positional), _task(kind))
-  scanned = build_model(_cfg(kernel, positional, scan_layers=True, remat="block"), _task(kind))
+  unrolled = build_model(_cfg(kernel, positional, **fields), _task(kind))
+  scanned = build_model(
+      _cfg(kernel, positional, scan_layers=True, remat="block", **fields), _task(kind)
+  )
   params = _params(unrolled, batch)
   if not grads:
     run = lambda m, p: jax.jit(m.apply)({"params": p}, batch)
     return rel_err(run(scanned, stack_layers(params, L)), run(unrolled, params)), None
-  (_, y0), g0 = _value_and_grad(unrolled)(params, batch)
-  (_, y1), g1 = _value_and_grad(scanned)(stack_layers(params, L), batch)
+  (_, y0), g0 = _value_and_grad(unrolled, reference)(params, batch)
+  (_, y1), g1 = _value_and_grad(scanned, reference)(stack_layers(params, L), batch)
   g1 = unstack_layers(g1, L)
   assert jax.tree.structure(g1) == jax.tree.structure(g0)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g0))
@@ -122,6 +125,17 @@ def test_scanned_model_equals_the_unrolled_model(kind, kernel, scheme, grads):
   out, grad = scan_errors(kind, kernel, scheme, grads)
   print(f"{kind} {kernel} {scheme}: output {out:.1e}, gradient {grad}")
   assert out < 1e-9 and (grad is None or grad < 1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["prf", "trf", "nprf"])  # the kernels attn_chunk can run
+def test_scanned_chunked_and_reference_paths_draw_the_unrolled_projections(kernel):
+  """The layer by chunks (``attn_chunk``) and the dense reference draw their projections
+  through the same call: scanned, they equal the unrolled model too."""
+  for kw in (dict(attn_chunk=4), dict(reference=True)):
+    out, grad = scan_errors("classify", kernel, "fastrpb", **kw)
+    print(f"{kernel} {kw}: output {out:.1e}, gradient {grad:.1e}")
+    assert out < 1e-9 and grad < 1e-9
 
 
 # ---------------------------------------------------------------------------------------------
