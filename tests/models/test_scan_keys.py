@@ -103,11 +103,12 @@ def scan_errors(kind, kernel, positional, grads=True, reference=False, **fields)
 
 
 # (kind, kernel, scheme, gradients too): the cell the old refusal was measured on (0.31 off the
-# unrolled model), and SPE, whose noise is keyed the same way (0.11 off before; its gradients
-# with `-m slow`). `-m slow`: every projection kernel alone, with SPE and with kernelized RPE.
-DEFAULT = [("lm", "nprf", "kernelized_rpe", True), ("classify", "sikf", "spe", False)]
+# unrolled model). SPE, whose noise is keyed the same way (0.11 off before), runs in the default
+# run through the decoding test (prf + spe); `-m slow`: every projection kernel alone, with SPE
+# and with kernelized RPE, and SPE under sikf.
+DEFAULT = [("lm", "nprf", "kernelized_rpe", True)]
 SLOW = (
-    [("classify", "sikf", "spe", True)]
+    [("classify", "sikf", "spe", False), ("classify", "sikf", "spe", True)]
     + [(kind, k, s, True) for k in KERNELS for kind, s in (("classify", "none"), ("lm", "spe"))]
     + [("classify", k, "kernelized_rpe", True) for k in KERNELS]
     + [("lm", k, "kernelized_rpe", True) for k in KERNELS if k != "trf"]  # trf: not causal
@@ -209,6 +210,8 @@ def test_redraw_splits_the_features_stream_per_scanned_layer(projections):
     [("prf", "spe"), pytest.param("nprf", "kernelized_rpe", marks=pytest.mark.slow)],
 )
 def test_decoding_a_scanned_model_equals_decoding_the_unrolled_one(kernel, scheme):
+  """Each scanned layer's cached decoding reads the projection (and SPE noise) of its unrolled
+  twin: a prefill, then a block on the state it left."""
   batch = _batch()
   toks, mask = batch["inputs"], batch["mask"]
   logits = []
