@@ -32,8 +32,6 @@ TYPES = ("bool", "int", "float", "str", "tuple", "block")
 _SEED_HIGH = 2**32 - 1  # numpy's and grain's seeds are uint32
 # model.kernel: "softmax" or a feature map of fastpos.ops.features (a test holds them equal).
 KERNELS = ("softmax", "elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
-# The kernels with a random-feature projection per layer, which model.scan_layers refuses.
-PROJECTION_KERNELS = ("favor", "prf", "trf", "nprf", "orf")
 
 
 class ConfigValueError(ValueError):

@@ -19,7 +19,6 @@ from fastpos.models.transformer import (
     DecoderLM,
     DualEncoder,
     Tower,
-    check_scan,
 )
 from fastpos.tasks.info import TaskInfo
 
@@ -100,7 +99,6 @@ def build_model(cfg, task: TaskInfo):
   scan_layers = cfg.get("scan_layers", False)
   if not isinstance(scan_layers, bool):
     raise ValueError(f"model.scan_layers must be a bool; got {scan_layers!r}.")
-  check_scan(attn.kernel, scan_layers)
   shared = [s.name for s in attn.positional if s.option_dict().get("share_across_layers")]
   if scan_layers and shared:
     # nn.scan would stack the shared table per layer: one table for all layers is not scanned.

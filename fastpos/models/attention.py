@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from typing import Any, Mapping
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from fastpos import positional
@@ -45,7 +43,7 @@ from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import segments, toeplitz
 from fastpos.ops.masks import check_mask
-from fastpos.positional import compatibility
+from fastpos.positional import compatibility, path_keys
 
 # The kernel and its options: the one kernel record (``fastpos.ops.features.Kernel``), under
 # the name models use: ``KernelSpec(name, num_features=..., nu=..., eps=..., redraw=...,
@@ -258,14 +256,14 @@ class Attention(nn.Module):
   def feature_projection(self, spec, dim: int, dtype, deterministic: bool):
     """The random-feature projection of this layer (None for kernels without one): redrawn
     from the ``features`` rng when training with ``redraw``, else fixed by the kernel's seed
-    and the layer's path (so decoding steps use the projection the full forward used)."""
+    and the layer's path (so decoding steps use the projection the full forward used), the
+    path it has in the unrolled model also under ``nn.scan`` (``positional.path_keys``)."""
     if not spec.needs_projection:
       return None
     if spec.redraw and not deterministic:
       key = self.make_rng("features")
     else:
-      path = "/".join(str(p) for p in self.scope.path)
-      key = jax.random.fold_in(jax.random.key(spec.seed), zlib.crc32(path.encode()))
+      key = path_keys.fixed_key(self, spec.seed)
     return spec.make_projection(key, dim, dtype=dtype)
 
   @nn.compact

@@ -10,6 +10,7 @@ linear paths have no attention-weight dropout).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from fastpos.models import context_parallel, decoding, tokenwise
 from fastpos.models.attention import Attention, AttentionConfig, check_layer_schemes
 from fastpos.ops.masks import check_mask
+from fastpos.positional import path_keys
 
 NORMS = ("post", "pre", "batch")
 # model.remat: what a block keeps for its backward pass (a jax.checkpoint policy; "none" keeps
@@ -351,18 +353,23 @@ class Block(nn.Module):
 class Layer(Block):
   """A ``Block`` whose call settings are fields and whose arguments are arrays (or None): the
   body that ``nn.remat`` and ``nn.scan`` wrap (a traced argument cannot steer Python control
-  flow). Same parameters as ``Block``. ``__call__(x, mask, memory, memory_mask, offset)`` ->
-  ``(y, new_memory)``: ``new_memory`` is the layer's Transformer-XL memory for the next
-  segment (its input appended to ``memory``, the last M kept, stop-gradient; None without
-  memory); ``offset`` is the decoding slot when ``decoding`` (``fastpos.models.decoding``)."""
+  flow). Same parameters as ``Block``. ``__call__(x, mask, memory, memory_mask, offset,
+  index=None)`` -> ``(y, new_memory)``: ``new_memory`` is the layer's Transformer-XL memory for
+  the next segment (its input appended to ``memory``, the last M kept, stop-gradient; None
+  without memory); ``offset`` is the decoding slot when ``decoding``
+  (``fastpos.models.decoding``). Under ``nn.scan``, ``index`` is the iteration (int32 scalar)
+  and ``unrolled_names`` the name each iteration has in the unrolled model: fixed random draws
+  (a random-feature projection, SPE's noise) are keyed by that name
+  (``fastpos.positional.path_keys``), so every scanned layer draws what its unrolled twin does."""
 
   train: bool = False
   reference: bool = False
   decoding: bool = False
   cache_length: int | None = None
+  unrolled_names: tuple[str, ...] = ()
 
   @nn.compact
-  def __call__(self, x, mask, memory, memory_mask, offset):
+  def __call__(self, x, mask, memory, memory_mask, offset, index=None):
     new_memory = None
     if memory is not None:
       new_memory = jax.lax.stop_gradient(
@@ -371,7 +378,11 @@ class Layer(Block):
     decode = None
     if self.decoding:
       decode = decoding.Step(offset=offset, cache_length=self.cache_length)
-    y = self._forward(
-        x, mask, self.attention.grid, memory, memory_mask, self.train, self.reference, decode
-    )
+    scanned = contextlib.nullcontext()
+    if index is not None:
+      scanned = path_keys.scanned_layer(self.scope.path, self.unrolled_names, index)
+    with scanned:
+      y = self._forward(
+          x, mask, self.attention.grid, memory, memory_mask, self.train, self.reference, decode
+      )
     return y, new_memory

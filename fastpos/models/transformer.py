@@ -41,13 +41,18 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
   )
 
 
+def block_name(i: int) -> str:
+  """The name of the unrolled model's layer ``i`` (its variables and its module path)."""
+  return f"block_{i}"
+
+
 def stack_layers(tree, num_layers: int):
   """A variables tree (params, batch_stats, cache) of the unrolled layout (``block_0`` ...
   ``block_{L-1}``) in the ``scan_layers`` layout (``layers``, every leaf stacked on a leading
   axis of L), e.g. to load an unrolled checkpoint into a scanned model."""
   if not isinstance(tree, Mapping):
     return tree
-  names = [f"block_{i}" for i in range(num_layers)]
+  names = [block_name(i) for i in range(num_layers)]
   out = {k: stack_layers(v, num_layers) for k, v in tree.items() if k not in names}
   if all(n in tree for n in names):
     out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *(tree[n] for n in names))
@@ -61,22 +66,12 @@ def unstack_layers(tree, num_layers: int):
   out = {k: unstack_layers(v, num_layers) for k, v in tree.items() if k != "layers"}
   if "layers" in tree:
     out.update(
-        {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], tree["layers"]) for i in range(num_layers)}
+        {
+            block_name(i): jax.tree.map(lambda a, i=i: a[i], tree["layers"])
+            for i in range(num_layers)
+        }
     )
   return out
-
-
-def check_scan(kernel, scan_layers: bool) -> None:
-  """Raises ValueError where ``nn.scan`` over the layers would change the model: a kernel whose
-  random-feature projection is keyed by the layer's module path, which scanned layers share."""
-  if scan_layers and kernel.needs_projection:
-    raise ValueError(
-        f"model.scan_layers=True cannot run kernel {kernel.name!r}: its random-feature "
-        "projection is drawn per layer from the layer's path, which the scanned layers share, "
-        "so every layer would use one draw and the model would differ from the unrolled one. "
-        "Set model.scan_layers=False (model.remat works without it) or use a kernel without a "
-        "projection (elu1, relu, sikf, dpfp, softmax)."
-    )
 
 
 class Tower(nn.Module):
@@ -86,8 +81,15 @@ class Tower(nn.Module):
   ``scan_layers``: the blocks run as one ``nn.scan`` body (parameters under ``layers``, stacked
   on a leading axis; ``stack_layers`` converts an unrolled tree): compile time flat in depth,
   and the only form in which XLA:CPU honours the remat policy (unrolled, it schedules the
-  recomputation away); schemes shared across layers are refused with it. ``mlp_chunk``: each
-  block's token-wise part over chunks of that many tokens (``Block``; 0: whole sequence)."""
+  recomputation away). The scanned model is the unrolled one: given ``stack_layers`` of its
+  parameters it computes the same outputs and gradients. Fixed random draws keyed by a
+  layer's path (the random-feature kernels' projections, SPE's noise) are keyed by the path
+  the layer has unrolled (``.../block_{i}/...``; ``fastpos.positional.path_keys``), so each
+  layer draws what the unrolled layer i draws; the ``dropout`` and ``features`` (redrawn
+  projections) streams are split per layer, so each layer gets its own masks and redraws,
+  though not the unrolled model's (those follow the module path). Schemes shared across
+  layers are refused with it. ``mlp_chunk``: each block's token-wise part over chunks of that
+  many tokens (``Block``; 0: whole sequence)."""
 
   attention: AttentionConfig
   num_layers: int
@@ -109,15 +111,19 @@ class Tower(nn.Module):
   def _scanned(self, settings: dict, decoding: bool):
     """The layers as one ``nn.scan`` body, parameters (and batch statistics, decoding caches)
     stacked on a leading layer axis under ``layers``: ``(x, mask, memory [L, b, M, D] or
-    None, memory_mask, offset) -> (x, new memory [L, b, M, D] or None)``."""
+    None, memory_mask, offset, index [L] int32) -> (x, new memory [L, b, M, D] or None)``.
+    ``index`` (``arange(L)``) and the unrolled names key each layer's fixed random draws by
+    its unrolled path (``Layer``); the ``dropout`` and ``features`` (redrawn projections)
+    streams are split per layer."""
     scan = nn.scan(
         self._layer_class(decoding),
         variable_axes={"params": 0, "batch_stats": 0, "cache": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
+        split_rngs={"params": True, "dropout": True, "features": True},
+        in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0),
         length=self.num_layers,
     )
-    return scan(**settings, name="layers")
+    names = tuple(block_name(i) for i in range(self.num_layers))
+    return scan(**settings, unrolled_names=names, name="layers")
 
   def __post_init__(self):
     check_stack(
@@ -128,7 +134,6 @@ class Tower(nn.Module):
         num_layers=self.num_layers,
         mlp_chunk=self.mlp_chunk,
     )
-    check_scan(self.attention.kernel, self.scan_layers)
     super().__post_init__()
 
   @nn.compact
@@ -206,14 +211,19 @@ class Tower(nn.Module):
     offset = None if decode is None else decode.offset
     if self.scan_layers:
       x, new_states = self._scanned(settings, decode is not None)(
-          x, mask, None if states is None else jnp.stack(states), mmask, offset
+          x,
+          mask,
+          None if states is None else jnp.stack(states),
+          mmask,
+          offset,
+          jnp.arange(self.num_layers, dtype=jnp.int32),
       )
       new_states = None if states is None else list(new_states)
     else:
       layer = self._layer_class(decode is not None)
       new_states = [] if memory is not None else None
       for i in range(self.num_layers):
-        x, new = layer(**settings, name=f"block_{i}")(
+        x, new = layer(**settings, name=block_name(i))(
             x, mask, None if states is None else states[i], mmask, offset
         )
         if new_states is not None:

@@ -27,13 +27,13 @@ every kernel works. Causal (features are per position), 1D only; convSPE needs L
 from __future__ import annotations
 
 import math
-import zlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fastpos.positional import path_keys
 from fastpos.positional.base import Context, Option, Scheme
 
 KINDS = ("sine", "conv")
@@ -146,8 +146,7 @@ class SPE(Scheme):
     else:
       shape = (r, h * d, self.dims.max_length + self.kernel_size - 1)
     size = math.prod(shape)
-    path = "/".join(str(p) for p in self.scope.path)
-    key = jax.random.fold_in(jax.random.key(self.seed), zlib.crc32(path.encode()))
+    key = path_keys.fixed_key(self, self.seed)  # by the layer's unrolled path, also scanned
     flat = jax.random.normal(key, (size + h * d * r,), jnp.float32).astype(dtype)
     return flat[:size].reshape(shape), flat[size:].reshape(h, d, r)
 

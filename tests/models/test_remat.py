@@ -88,12 +88,12 @@ SETTINGS = [
 # The default run holds each remat policy and nn.scan once, on the LRA Text cell (one compiled
 # reference); `-m slow` runs every cell with every setting.
 DEFAULT = [(TEXT, "block", False), (TEXT, "save_matmuls", True), (TEXT, "save_dots", True)]
-# nprf draws a random-feature projection per layer: scanned layers are refused (test below).
+# nprf draws a random-feature projection per layer: scanned, each layer draws its unrolled
+# twin's (tests/models/test_scan_keys.py holds every such kernel).
 CASES = [
     pytest.param(c, r, s, marks=() if (c, r, s) in DEFAULT else pytest.mark.slow)
     for c in CELLS
     for r, s in SETTINGS
-    if not (s and c[1] == "nprf")
 ]
 
 
@@ -224,13 +224,3 @@ def test_lean_mlp_equals_the_textbook_mlp_with_its_dropout_masks(deterministic):
     assert not np.allclose(y0, ref.apply(params, x, deterministic=True))  # dropout acted
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
     assert rel_err(a, b) < 1e-12
-
-
-@pytest.mark.parametrize("kernel", ["favor", "prf", "trf", "nprf", "orf"])
-def test_scan_refuses_kernels_with_a_per_layer_projection(kernel):
-  # Scanned layers share one module path, from which each layer's projection is drawn: the
-  # scanned model would differ from the unrolled one (0.31 relative, nprf + kernelized_rpe).
-  task = TaskInfo("lm", V, 0, N)
-  with pytest.raises(ValueError, match=f"scan_layers=True cannot run kernel '{kernel}'"):
-    build_model(_cfg(kernel=kernel, positional="none", scan_layers=True), task)
-  build_model(_cfg(kernel=kernel, positional="none", scan_layers=False), task)

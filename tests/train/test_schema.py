@@ -81,8 +81,6 @@ def test_declarations_match_the_package():
     assert _declared_with_range(decl), path
   assert set(config_schema.KERNEL_OPTIONS) == set(features.OPTION_DEFAULTS)
   assert set(config_schema.KERNELS) == set(features.KERNELS)
-  projected = {n for n in features.KERNELS if features.get_kernel(n).needs_projection}
-  assert set(config_schema.PROJECTION_KERNELS) == projected
   assert common.base_config("listops").keys() == config_lib.base_config("listops").keys()
 
 
