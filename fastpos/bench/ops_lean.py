@@ -5,9 +5,10 @@
 
 * the device's float32 matmul peak and linear attention's fwd+bwd GFLOP/s against it,
   bidirectional (token-major inputs as the layers pass them, and head-major inputs, see
-  ``linear_attention(head_major=True)``) and causal (chunked), with copies of the
-  bidirectional op before its written-out products (``_before_bidirectional``, token-major)
-  and before they kept the heads' widths (``_before_head_major``) for comparison. The peak is
+  ``linear_attention(head_major=True)``; and token-major inputs transposed to it) and causal
+  (chunked), with copies of the token-major op (``_before_bidirectional``: the noise between
+  equal rows) and of the head-major products before they kept the heads' widths
+  (``_before_head_major``) for comparison. The peak is
   the faster of two square matmuls (``jnp.dot``): 2048^3 and the square of the op's own flop
   count; beside it the ceilings for 64-wide heads, measured in the same group: one batched
   ``[n, 64] x [64, 64]`` product over the heads (four of fwd+bwd's six products have this
@@ -63,9 +64,9 @@ PEAK_SIZE = 2048
 # Implementations kept for comparison only
 # ---------------------------------------------------------------------------------------------
 def _before_bidirectional(phi_q, phi_k, v):
-  """A copy of the bidirectional op as it was before ``head_major``: one transpose per input
-  to head-major, einsums for ``kv``, ``ks``, numerator and denominator, and autodiff (the
-  token-major op still runs this; the copy shows the noise between equal rows)."""
+  """A copy of the token-major bidirectional op: one transpose per input to head-major, einsums
+  for ``kv``, ``ks``, numerator and denominator, and autodiff (the op still runs this; the copy
+  shows the noise between equal rows)."""
   fq, fk, vals = (jnp.swapaxes(a, 1, 2) for a in (phi_q, phi_k, v))
   kv = jnp.einsum("bhjm,bhjd->bhmd", fk, vals)
   num = jnp.einsum("bhim,bhmd->bhid", fq, kv)
@@ -290,6 +291,16 @@ LINEAR_ROWS = {
         True,
     ),
     "bidirectional (before)": (_before_bidirectional, False),
+    "bidirectional, token-major inputs through the head-major products": (
+        lambda q, k, v: jnp.swapaxes(
+            attention.linear_attention(
+                *(jnp.swapaxes(a, 1, 2) for a in (q, k, v)), head_major=True
+            ),
+            1,
+            2,
+        ),
+        False,
+    ),
     "bidirectional, head-major inputs (before)": (_before_head_major, True),
     "causal": (lambda q, k, v: attention.linear_attention(q, k, v, causal=True), False),
     "causal Performer scan": (_performer_causal, False),
@@ -724,12 +735,14 @@ def _linear_markdown(result) -> list[str]:
       "(the other two), the bound these two set on the six (four of the first, two of the "
       "second: derived, not timed), and the six products of fwd+bwd alone (`_six_products`: "
       "no normaliser, no layout copies, head-major inputs). "
-      '"bidirectional" takes `[b, n, h, .]` as the layers pass it; "head-major inputs" '
-      "`[b, h, n, .]` (`head_major=True`); both run `_bidirectional`'s written-out products "
-      "(batch and heads folded into one axis, each product 64 wide). "
-      '"bidirectional (before)": a copy of the token-major op before that (autodiff of '
-      'einsums, head-major inside); "head-major inputs (before)": a copy of the written-out '
-      "products before they kept the heads' widths (the normaliser in a ones column, 65 "
+      '"bidirectional" takes `[b, n, h, .]` as the layers pass it (one transpose per input, '
+      'autodiff of einsums head-major); "head-major inputs" `[b, h, n, .]` (`head_major=True`: '
+      "`_bidirectional`'s written-out products, batch and heads folded into one axis, each "
+      'product 64 wide); "token-major inputs through the head-major products": the first '
+      "row's inputs transposed to the second's (the cotangent and each gradient then need a "
+      'layout copy too). "bidirectional (before)": a copy of the token-major op (the noise '
+      'between equal rows); "head-major inputs (before)": a copy of the written-out products '
+      "before they kept the heads' widths (the normaliser in a ones column, 65 "
       "wide).",
       "",
       PREVIOUS_RECORD,

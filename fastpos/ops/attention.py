@@ -315,10 +315,10 @@ def linear_attention(
   = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
   materialised (``_rpe_dense``: O(N^2 (m + d)) in large matmuls, the memory of softmax with a bias),
   above it O(N log N m d) by FFT. Inside the op the products run head-major (``[b, h, n, .]``, one
-  transpose per input); bidirectional without rpe or ``den_features`` is two batched matmuls
-  forward and four backward, each ``m`` or ``d`` wide, with batch and heads folded into one axis
-  and the normaliser as matrix-vector products (``_bidirectional``; with ``head_major=True`` on
-  the caller's arrays, without a transpose). Causal without rpe, decay, segments, key scales or
+  transpose per input); with ``head_major=True``, bidirectional without rpe or ``den_features``
+  is two batched matmuls forward and four backward on the caller's arrays, each ``m`` or ``d``
+  wide, with batch and heads folded into one axis and the normaliser as matrix-vector products
+  (``_bidirectional``). Causal without rpe, decay, segments, key scales or
   den_features scans token-major chunks with a written-out backward (``_causal_scan``). Memory
   of the causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
   per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a
@@ -676,11 +676,14 @@ def _mix(
   if chunk_size is None:
     chunk_size = causal_chunk_size(phi_k.shape[-1], v.shape[-1])
   if not causal and rpe is None and den_features is None and split is None:
-    # One transpose per input to head-major, the written-out products there, one transpose
-    # back: measured 1.1-1.3x faster fwd+bwd than autodiff of the einsums (ops_lean.md).
+    # Divided head-major, then one transpose back. Autodiff of these einsums, not the
+    # written-out products (``_bidirectional``): fed token-major inputs, those need a layout
+    # copy of the cotangent and of each gradient, and measured slower (ops_lean.md).
     fk = _head_major(_apply_key_mask(phi_k, mask, dtype))
     fq, vals = (_head_major(a.astype(dtype)) for a in (phi_q, v))
-    return _head_major(_bidirectional(fq, fk, vals, eps)).astype(out_dtype)
+    num = jnp.einsum("bhim,bhmd->bhid", fq, jnp.einsum("bhjm,bhjd->bhmd", fk, vals))
+    den = jnp.einsum("bhim,bhm->bhi", fq, jnp.sum(fk, axis=2))
+    return _head_major(num / _guard(den, eps)[..., None]).astype(out_dtype)
   num, den = contract(phi_q, phi_k, v)
   if den_features is not None:
     ones = jnp.ones(v.shape[:-1] + (1,), dtype)
