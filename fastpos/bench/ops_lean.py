@@ -794,6 +794,15 @@ def _linear_markdown(result) -> list[str]:
   return lines
 
 
+# What the causal section said in an earlier run, on a loaded machine (load 15.9).
+CAUSAL_PREVIOUS_RECORD = (
+    "Earlier record (2026-11-26 04:39 UTC, load average 15.9, six jobs sharing the 2 cores): "
+    "causal 0.52x / 0.56x / 0.71x the scan's time at N = 4K / 8K / 16K, (before) 0.90x / "
+    "0.92x / 0.91x. Under load the per-token scan suffers most; on a quiet machine (this "
+    "section's run) the chunked paths lead it by less."
+)
+
+
 def _causal_markdown(result) -> list[str]:
   if not result.get("causal"):
     return []
@@ -812,6 +821,8 @@ def _causal_markdown(result) -> list[str]:
       "block's ratio (every block's in brackets); by CPU time: the same from process CPU "
       "time (the goal is judged on wall time). The causal rows of the table above come from "
       "that table's own run (its command and date), which may predate this section's.",
+      "",
+      CAUSAL_PREVIOUS_RECORD,
       "",
       "| N | row | ms | time / scan | by CPU time | temp MiB | HLO dots / fusions / layout "
       "copies |",
