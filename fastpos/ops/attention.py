@@ -318,9 +318,9 @@ def linear_attention(
   transpose per input); with ``head_major=True``, bidirectional without rpe or ``den_features``
   is two batched matmuls forward and four backward on the caller's arrays, each ``m`` or ``d``
   wide, with batch and heads folded into one axis and the normaliser as matrix-vector products
-  (``_bidirectional``). Causal without rpe, decay, segments, key scales or
-  den_features scans token-major chunks with a written-out backward (``_causal_scan``). Memory
-  of the causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
+  (``_bidirectional``). Causal without rpe, decay, segments, key scales or den_features
+  scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the
+  causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
   per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a
   per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
   ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
@@ -717,9 +717,9 @@ def _folded(q, k, v, eps: float):
   ``g_d = -(g . out) / den`` (0 where the guard clamped); ``g_q = g_n s^T + g_d z_k``,
   ``g_s = q^T g_n``, ``g_z = q^T g_d``, ``g_k = v g_s^T + g_z``, ``g_v = k g_s``. The six
   products keep the heads' own widths: a ones column riding along (``d + 1`` wide) measured
-  about 2x slower on a 2-core CPU (benchmarks/ops_lean.md); the denominator's terms are
-  matrix-vector products and fuse with the elementwise work. Residuals: the inputs, ``s``,
-  ``z_k``, the output and the guarded denominator."""
+  1.4-2.4x slower on a 2-core CPU at N = 4K-16K (benchmarks/ops_lean.md); the denominator's
+  terms are matrix-vector products and fuse with the elementwise work. Residuals: the inputs,
+  ``s``, ``z_k``, the output and the guarded denominator."""
   return _folded_fwd(q, k, v, eps)[0]
 
 
