@@ -81,6 +81,16 @@ MODEL_CASES = [
 SLOW_MODEL_CASES = [
     ("lm_favor_permuteformer_lrpe", "model", "favor", "permuteformer+lrpe", True, "mean"),
     ("classify_sikf_absolute_fastrpb", "model", "sikf", "absolute+fastrpb", False, "mean"),
+    # Scanned layers keying their fixed projections by the layer index, inside shard_map.
+    ("lm_prf_fastrpb_scan_remat", "model_scan", "prf", "fastrpb", True, "mean"),
+    (
+        "classify_nprf_kernelized_rpe_scan_remat",
+        "model_scan",
+        "nprf",
+        "kernelized_rpe",
+        False,
+        "mean",
+    ),
 ]
 TABLE = "pos_absolute']['table']"  # the learned absolute table's path (jax keystr)
 TRAIN_OVERRIDES = {
