@@ -118,9 +118,20 @@ def abandoned_orbax_read(obj) -> bool:
   )
 
 
+def _closed_loop_callback(unraisable) -> bool:
+  """Whether ``unraisable`` is tensorstore's callback into an asyncio loop that orbax already
+  closed (no object): it follows a read or write that failed, and that failure is raised
+  where the read or write was asked for."""
+  return (
+      unraisable.object is None
+      and isinstance(unraisable.exc_value, RuntimeError)
+      and "Event loop is closed" in str(unraisable.exc_value)
+  )
+
+
 def _unraisable_hook(unraisable) -> None:
-  if abandoned_orbax_read(unraisable.object):
-    logging.debug("abandoned checkpoint read: %s", _first_line(unraisable.exc_value))
+  if abandoned_orbax_read(unraisable.object) or _closed_loop_callback(unraisable):
+    logging.debug("after a failed checkpoint read: %s", _first_line(unraisable.exc_value))
     return
   # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
   _log_background(
