@@ -237,8 +237,10 @@ def _refined_head(b, xg, k: int):
   return toeplitz.toeplitz_matmul(b[:, n - k : n + k - 1], xg[:, :k], causal=True, remat=False)
 
 
-def _sweep_forward(y, w, xq, s, ring: _Ring, *, diagonal: bool, init: bool):
-  """``y + T_s xq`` (``T_0 xq`` written over y when ``init``), group by group, in place."""
+def _sweep_plan(w, xq, s, ring: _Ring, diagonal: bool):
+  """What both sweeps over the groups need: (n, FFT length, groups, the kernels ``b`` and
+  their spectra ``kf`` at block offset s, the rows refined directly: 0 but for a causal
+  ring's diagonal block)."""
   num, _ = _axis(ring.axis_name)
   n = xq.shape[1]
   fft_len = toeplitz.fft_size(2 * n - 1)
@@ -246,6 +248,12 @@ def _sweep_forward(y, w, xq, s, ring: _Ring, *, diagonal: bool, init: bool):
   causal_diagonal = diagonal and ring.causal
   b, kf = _kernels(w, s, n, num, fft_len, causal_diagonal)
   refine = n // toeplitz._REFINE_FACTOR if causal_diagonal else 0
+  return n, fft_len, groups, b, kf, refine
+
+
+def _sweep_forward(y, w, xq, s, ring: _Ring, *, diagonal: bool, init: bool):
+  """``y + T_s xq`` (``T_0 xq`` written over y when ``init``), group by group, in place."""
+  n, fft_len, groups, b, kf, refine = _sweep_plan(w, xq, s, ring, diagonal)
 
   def body(g, y):
     rows, xg = groups.rows(ring, g), groups.take(xq, g).astype(w.dtype)
@@ -260,13 +268,8 @@ def _sweep_forward(y, w, xq, s, ring: _Ring, *, diagonal: bool, init: bool):
 def _sweep_backward(dx, w, xq, dy, s, ring: _Ring, *, diagonal: bool, init: bool):
   """(``dx + T_s^T dy``, the gradient ``[R, 2n-1]`` of ``T_s``'s table entries), group by
   group; ``T_s^T dy`` written over dx when ``init``."""
-  num, _ = _axis(ring.axis_name)
-  n = xq.shape[1]
-  fft_len = toeplitz.fft_size(2 * n - 1)
-  groups = _Groups.plan(xq.shape, fft_len, jnp.dtype(w.dtype).itemsize)
+  n, fft_len, groups, b, kf, refine = _sweep_plan(w, xq, s, ring, diagonal)
   causal_diagonal = diagonal and ring.causal
-  b, kf = _kernels(w, s, n, num, fft_len, causal_diagonal)
-  refine = n // toeplitz._REFINE_FACTOR if causal_diagonal else 0
   keep = jnp.arange(2 * n - 1) <= n - 1  # the causal diagonal block's past and diagonal
 
   def body(g, carry):

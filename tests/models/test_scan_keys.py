@@ -20,32 +20,20 @@ import numpy as np
 import pytest
 
 from fastpos import tasks
-from fastpos.models import TaskInfo, build_model, decoding, model_config
+from fastpos.models import TaskInfo, build_model, decoding
 from fastpos.models.attention import Attention
 from fastpos.models.transformer import stack_layers, unstack_layers
 from fastpos.positional import path_keys
 from tests.helpers import rel_err
+from tests.models.test_remat import _cfg as remat_cfg
 
 V, N, L = 13, 12, 2
 KERNELS = ("favor", "prf", "trf", "nprf", "orf")
 
 
 def _cfg(kernel, positional, **kw):
-  c = model_config()
-  c.update(
-      num_layers=L,
-      embed_dim=16,
-      num_heads=2,
-      mlp_dim=32,
-      dropout_rate=0.0,
-      dtype="float64",
-      chunk_size=4,
-      kernel=kernel,
-      positional=positional,
-  )
-  c.kernel_options.num_features = 8
-  c.update(kw)
-  return c
+  """test_remat's tiny float64 model (L layers) with ``kernel`` and ``positional``."""
+  return remat_cfg(num_layers=L, kernel=kernel, positional=positional, **kw)
 
 
 def _task(kind):
