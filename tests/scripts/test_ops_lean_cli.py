@@ -1,5 +1,8 @@
-"""fastpos.bench.ops_lean's flags: a bad length list stops before any compute, naming the flag."""
+"""fastpos.bench.ops_lean: a bad length list stops before any compute, naming the flag; the
+benchmark's two attention-layer rows compute the same layer."""
 
+import jax
+import numpy as np
 import pytest
 
 from fastpos.bench import ops_lean
@@ -15,3 +18,19 @@ def test_bad_lengths_exit_2_naming_the_flag_and_value(value, capsys):
       f"--causal_lengths must be comma-separated integers >= 2 (e.g. 4096,8192; empty: skip "
       f"the section); got {value!r}"
   ]
+
+
+def test_the_two_layer_rows_compute_the_same_layer():
+  """The head-major layer row is the token-major layer with its projections written
+  head-major: outputs and every gradient equal (float64)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(0)
+    shapes = [(2, 16, 12), (12, 3, 4), (12, 3, 4), (12, 3, 4), (3, 4, 12)]
+    args = [jax.numpy.asarray(rng.normal(size=s) * 0.3) for s in shapes]
+    ct = jax.numpy.asarray(rng.normal(size=(2, 16, 12)))
+    layers = [ops_lean._layer(hm) for hm in (False, True)]
+    outs = [f(*args) for f in layers]
+    got = [jax.vjp(f, *args)[1](ct) for f in layers]
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-12, atol=0)
+  for a, b in zip(got[0], got[1]):
+    np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-13)
