@@ -172,15 +172,27 @@ def check_resume(workdir: str | os.PathLike, cfg, *, allow: bool) -> list[Change
 def record(workdir: str | os.PathLike, checkpoint_step: int, changes: list[Change]) -> dict:
   """Appends one entry for ``changes`` (a resume from ``checkpoint_step``); returns it."""
   entry = {
-      "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "time": utc_now(),
       "step": checkpoint_step + 1,
       "checkpoint": checkpoint_step,
       "changes": [c.to_json() for c in changes],
   }
-  path = Path(workdir) / CHANGES_NAME
+  append_line(Path(workdir) / CHANGES_NAME, entry)
+  return entry
+
+
+def utc_now() -> str:
+  """The time of a record's entry: ISO 8601, UTC, to the second."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def append_line(path: str | os.PathLike, entry: Mapping[str, Any]) -> None:
+  """Appends ``entry`` to ``path`` as one JSON line and syncs it to disk; a failed write
+  raises an OSError naming ``path``."""
   with errors.names_file(path), open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps(entry) + "\n")
-  return entry
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def describe(entries: Iterable[Mapping[str, Any]]) -> str:

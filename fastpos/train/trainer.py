@@ -13,8 +13,10 @@ then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` an
 (process 0's log, appended to on resume). ``config.json`` is written by a run from scratch and
 never by a resume: a resume whose config changes the run's results is refused before anything
 is restored unless allowed, and its changes go to ``config_changes.jsonl``
-(``fastpos.train.config_record``). Each step says when it is being compiled and how long
-that took.
+(``fastpos.train.config_record``). Every start, from scratch or resumed, appends one line to
+``launches.jsonl``: its command, versions, source commit and devices
+(``fastpos.train.launches``). Each step says when it is being compiled and how long that
+took.
 
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
 and moved aside): parameters, optimizer state, the steps' carry, step, data position and RNG
@@ -46,7 +48,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from fastpos import tasks
-from fastpos.train import config_record, errors
+from fastpos.train import config_record, errors, launches
 from fastpos.train import loop as loop_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import resume as resume_lib
@@ -131,8 +133,8 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     return result
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     where = getattr(e, "filename", None) or (
-        f"{run.workdir} (metrics.jsonl, config.json, config_changes.jsonl, tensorboard/, "
-        "train.log)"
+        f"{run.workdir} (metrics.jsonl, config.json, config_changes.jsonl, launches.jsonl, "
+        "tensorboard/, train.log)"
     )
     raise OSError(e.errno, e.strerror or str(e), where) from None  # one line: program.message
   finally:
@@ -152,6 +154,12 @@ def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]
   if restored is not None:
     logging.info("resumed from %s", restored.path)
   history = _record_config(run, restored.step if restored is not None else None, changes)
+  launches.record(
+      run.workdir,
+      int(jax.device_get(start.state.step)) + 1,
+      None if restored is None else str(restored.path),
+      dict(run.mesh.shape),
+  )
   logging.info(
       "task %s: %d train / %d validation examples; model: %d parameters; %d "
       "devices (mesh %s), %d process(es)",

@@ -1,9 +1,9 @@
-"""A full disk under each file a run writes: ``config.json``, ``config_changes.jsonl``, the
-TensorBoard events, ``train.log``, ``metrics.jsonl`` and the checkpoints. Every write to the
-chosen file goes to ``/dev/full`` (each write fails with ENOSPC, as on a full disk, where the
-error names no file); the run must stop with one line that names the file and the fix, with the
-exit code of a bad workdir (``EXIT_BAD_INPUT``), and without a traceback, in the main thread or
-a background one, and without hanging."""
+"""A full disk under each file a run writes: ``config.json``, ``config_changes.jsonl``,
+``launches.jsonl``, the TensorBoard events, ``train.log``, ``metrics.jsonl`` and the
+checkpoints. Every write to the chosen file goes to ``/dev/full`` (each write fails with
+ENOSPC, as on a full disk, where the error names no file); the run must stop with one line
+that names the file and the fix, with the exit code of a bad workdir (``EXIT_BAD_INPUT``), and
+without a traceback, in the main thread or a background one, and without hanging."""
 
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ HINT = "free space there or use"
         ("events.out.tfevents.*", "tensorboard"),
         ("train.log", "train.log"),
         ("metrics.jsonl", "metrics.jsonl"),
+        ("launches.jsonl", "launches.jsonl"),
     ],
 )
 def test_a_full_disk_under_a_run_file_is_one_line_naming_it(

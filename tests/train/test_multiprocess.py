@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpos.train import distributed, errors
+from fastpos.train import distributed, errors, launches
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = str(ROOT / "scripts" / "launch_local.sh")
@@ -154,6 +154,9 @@ def test_two_processes_log_what_one_process_logs(runs):
       "4 devices (mesh {'data': 4, 'model': 1}), 2 process(es)"
       in (runs["two_proc"] / "train.log").read_text()
   )
+  (launch,) = launches.read(runs["two_proc"])  # one line for the run, not one per process
+  assert launch["processes"] == 2 and launch["devices"]["count"] == 4
+  assert launch["mesh"] == {"data": 4, "model": 1} and launch["first_step"] == 1
 
 
 def _resume_rows(runs, name: str, proc: subprocess.Popen, what: str) -> None:
