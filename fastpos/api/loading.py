@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fastpos import tasks
 from fastpos.models import build_model
-from fastpos.train import cli
+from fastpos.train import cli, launches
 from fastpos.train import config as config_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import state as state_lib
@@ -93,7 +93,8 @@ def load(
     RunError (a ValueError for a bad argument): no such workdir, no config.json, no
     checkpoint, no checkpoint at ``step`` (naming the steps there), a damaged checkpoint
     (``CheckpointLoadError`` / ``DigestMismatch`` naming what differs), a checkpoint of another
-    model or task.
+    model or task, a run trained by an older fastpos whose model computes another function now
+    (``fastpos.train.launches.check_format``).
 
   Example::
 
@@ -112,6 +113,7 @@ def load(
   config_lib.validate(cfg)
   task = tasks.make_task(cfg.task)
   model = build_model(cfg.model, task.info)
+  launches.check_format(workdir, cfg, "load")
   abstract = _abstract_state(cfg, model, task.info)
   with metrics_lib.quiet_library_logs():
     state, meta, path = _restore(workdir, cfg, task, abstract, step, checkpoint)

@@ -9,10 +9,16 @@ writes; the file is never rewritten):
    "host": its hostname, "processes", "devices": {"count", "platform", "kind"},
    "mesh": {axis: size}, "versions": {"python", "fastpos", "jax", "jaxlib", "flax", "optax",
    "orbax-checkpoint", "grain", "numpy", "ml-collections"}, "source": {"commit", "dirty"} or
-   null}
+   null, "model_format": ``MODEL_FORMAT``}
 
 ``source`` is the git commit of the checkout fastpos was imported from and whether tracked
 files differ from it (null where fastpos is not in a git checkout or git is not installed).
+
+``model_format`` says which function a config and its parameters compute. It goes up when a
+change of fastpos makes the same config and parameters compute another function; each step's
+``FORMAT_CHANGES`` entry names the configs it changes. ``check_format`` refuses to resume,
+evaluate or load a run whose checkpoints were trained under an older format that such a
+change touches (a run with checkpoints but no launch record is format 1: it predates it).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 
+from fastpos import positional
 from fastpos.train import config_record
+from fastpos.train.errors import RunError
 
 LAUNCHES_NAME = "launches.jsonl"
 # The distributions a result depends on (as pip names them).
@@ -44,7 +52,19 @@ DISTRIBUTIONS = (
     "numpy",
     "ml-collections",
 )
+# The current model format, and for each step up to it what changed and which configs
+# (``model`` ConfigDicts) compute another function because of it.
+MODEL_FORMAT = 2
+FORMAT_CHANGES: dict[int, tuple[str, Callable[[Any], bool]]] = {
+    2: (
+        "under model.scan_layers SPE draws each layer's noise as the unrolled layer does "
+        "(before, the scanned layers drew theirs otherwise)",
+        lambda model: bool(model.get("scan_layers", False))
+        and "spe" in positional.parse_names(model.positional),
+    ),
+}
 _GIT_SECONDS = 10  # a hung git (a network file system) must not hold the run
+_CHECKPOINT_DIRS = ("checkpoints", "best")  # fastpos.train.checkpoint.Checkpoints' folders
 
 
 def versions() -> dict[str, str | None]:
@@ -98,6 +118,7 @@ def entry(first_step: int, resumed_from: str | None, mesh_shape: Mapping[str, in
       "mesh": {str(k): int(v) for k, v in mesh_shape.items()},
       "versions": versions(),
       "source": source(),
+      "model_format": MODEL_FORMAT,
   }
 
 
@@ -122,3 +143,30 @@ def read(workdir: str | os.PathLike) -> list[dict]:
   if not path.is_file():
     return []
   return [json.loads(s) for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
+
+
+def trained_format(workdir: str | os.PathLike) -> int:
+  """The oldest model format the run's launches trained under: 1 where the record is missing
+  or begins with a resume (the run started before fastpos kept it)."""
+  lines = read(workdir)
+  formats = [int(e.get("model_format", 1)) for e in lines]
+  if not lines or lines[0].get("first_step", 1) > 1:
+    formats.append(1)
+  return min(formats)
+
+
+def check_format(workdir: str | os.PathLike, cfg, doing: str) -> None:
+  """Raises RunError when the run in ``workdir`` trained its checkpoints under an older model
+  format whose later changes touch ``cfg`` (its parameters would compute another function
+  here). ``doing``: what was asked ("resume", "evaluate", "load"), for the message."""
+  if not any((Path(workdir) / d).is_dir() for d in _CHECKPOINT_DIRS):
+    return  # nothing trained here yet
+  old = trained_format(workdir)
+  changed = [what for n, (what, hits) in FORMAT_CHANGES.items() if n > old and hits(cfg.model)]
+  if changed:
+    raise RunError(
+        f"cannot {doing} the run in {workdir}: it was trained by an older fastpos (model "
+        f"format {old}; this one is {MODEL_FORMAT}) and since then {'; '.join(changed)}, so "
+        "its checkpoints would compute another function here. Use the fastpos version that "
+        "trained it, or train the run again."
+    )

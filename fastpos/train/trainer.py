@@ -114,11 +114,10 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
   log_file = contextlib.ExitStack()
   try:
     # A resume of another config is refused before anything is restored or written.
-    changes = (
-        config_record.check_resume(run.workdir, run.cfg, allow=allow_config_change)
-        if ckpts.latest_step() is not None
-        else []
-    )
+    changes = []
+    if ckpts.latest_step() is not None:
+      launches.check_format(run.workdir, run.cfg, "resume")
+      changes = config_record.check_resume(run.workdir, run.cfg, allow=allow_config_change)
     start = resume_lib.start(run, ckpts, train_src)
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
@@ -316,6 +315,7 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
   run.task.source(split)  # missing data stops here
   if run.workdir.exists() and not run.workdir.is_dir():
     raise RunError(f"--workdir={run.workdir} is a file, not a workdir written by train.py.")
+  launches.check_format(run.workdir, run.cfg, "evaluate")
   found, which = _restore_for_evaluation(run, workdir, checkpoint)
   state, _ = state_lib.from_checkpoint_tree(found.state)
   with run.precision():
