@@ -107,11 +107,13 @@ def _causal_errors(kernel, schemes, attn_chunk=4, **kw) -> tuple[float, float]:
 
 # (kernel, schemes, attn_chunk, more config): sikf's stabiliser is the first real key's; with
 # chunk_size=3 each chunk of 8 runs in pieces of 3 (neither divides); without output hooks
-# the first pass is skipped. Every other kernel the chunked layer takes runs with `-m slow`.
+# the first pass is skipped (one device). Every other kernel the chunked layer takes runs
+# with `-m slow`.
 CAUSAL_CASES = [
     pytest.param("elu1", ("fastrpb",), 4, {}, id="elu1-fastrpb"),
     pytest.param("sikf", ("fastrpb",), 8, dict(chunk_size=3), id="sikf-fastrpb-pieces"),
-    pytest.param("sikf", (), 4, {}, id="sikf-no_hooks"),
+    # Also run by test_a_late_huge_key_changes_no_earlier_output (float32).
+    pytest.param("sikf", (), 4, {}, id="sikf-no_hooks", marks=pytest.mark.slow),
 ] + [
     pytest.param(k, ("fastrpb",), 4, {}, id=f"{k}-fastrpb", marks=pytest.mark.slow)
     for k in ("relu", "dpfp", "nprf", "prf")
@@ -155,13 +157,14 @@ def test_chunked_causal_layer_sees_no_future():
 
 
 def test_a_late_huge_key_changes_no_earlier_output():
-  """sikf, float32: one key at position 20 made 80 above the first key's features (exp(80)
-  still fits float32) changes no output before it; every output stays finite and equal to the
-  whole layer's. A stabiliser over all keys would push the earlier features under the guard."""
+  """sikf, float32, no output hooks (one pass): one key at position 20 made 80 above the
+  first key's features (exp(80) still fits float32) changes no output before it; every
+  output stays finite and equal to the whole layer's. A stabiliser over all keys would push
+  the earlier features under the guard."""
   x, mask = _causal_inputs(jnp.float32)
   mask = jnp.ones_like(mask)
-  chunked = _layer("sikf", ("fastrpb",), chunk=4, causal=True).clone(dtype=jnp.float32)
-  whole = _layer("sikf", ("fastrpb",), causal=True).clone(dtype=jnp.float32)
+  chunked = _layer("sikf", (), chunk=4, causal=True).clone(dtype=jnp.float32)
+  whole = _layer("sikf", (), causal=True).clone(dtype=jnp.float32)
   params = chunked.init(jax.random.key(0), x, mask=mask)
   w = params["params"]["key"]["kernel"]  # [16, heads, head_dim]: input 0 reads key (0, 0) only
   params["params"]["key"]["kernel"] = w.at[0].set(0.0).at[0, 0, 0].set(1.0)
@@ -245,19 +248,23 @@ def test_chunked_model_equals_the_whole_model(attn_chunk, layout):
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
 
-def run_split() -> dict:
-  """In the subprocess (4 devices): the chunked model under a mesh with seq=4 against the
-  whole-sequence model on one device: [out rel err, worst grad rel err]."""
+def run_split(kind: str) -> dict:
+  """In the subprocess (4 devices): the chunked model (a ``kind`` task: "classify" or a
+  causal "lm") under a mesh with seq=4 against the whole-sequence model on one device:
+  [out rel err, worst grad rel err]."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from fastpos.train.sharding import tree_shardings
 
   mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
-  task = TaskInfo("classify", V, 3, 28)
-  whole = build_model(_cfg(pooling="cls"), task)
-  chunked = build_model(_cfg(pooling="cls", attn_chunk=3, mlp_chunk=3), task)
+  layout = dict(pooling="cls") if kind == "classify" else {}
+  task = TaskInfo(kind, V, 3 if kind == "classify" else 0, 28)
+  whole = build_model(_cfg(**layout), task)
+  chunked = build_model(_cfg(**layout, attn_chunk=3, mlp_chunk=3), task)
   batch = _batch(28)
+  if kind == "lm":  # row 0 left-padded: its first real key (sikf's stabiliser) on device 1
+    batch = {k: a.at[0, :9].set(0) for k, a in batch.items()}
   params = jax.tree.map(
       lambda a: a.astype(jnp.float64), whole.init(jax.random.key(0), batch)["params"]
   )
@@ -271,12 +278,12 @@ def run_split() -> dict:
 
 
 _SCRIPT = """
-import json
+import json, sys
 import jax
 jax.config.update("jax_enable_x64", True)
 from tests.models import test_chunked_attention as t
 assert jax.device_count() == 4, jax.devices()
-print("RESULT" + json.dumps(t.run_split()))
+print("RESULT" + json.dumps(t.run_split(sys.argv[1])))
 """
 
 
@@ -285,7 +292,17 @@ def test_chunks_of_a_split_sequence_equal_the_whole_model():
   """Each of 4 devices chunks its own block (CLS pooling: 29 positions, padded to 4 x 8, in
   chunks of 3, the token-wise part in the same loop); the key sums and sikf's stabiliser
   span the devices; dropout masks are the unsplit, unchunked ones."""
-  out_err, grad_err = run_on_devices(_SCRIPT, timeout=1200)["split"]
+  out_err, grad_err = run_on_devices(_SCRIPT, "classify", timeout=1200)["split"]
+  assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
+
+
+@pytest.mark.slow  # the default run has a causal layer case in test_context_parallel.py
+def test_chunks_of_a_split_causal_sequence_equal_the_whole_model():
+  """A causal LM over 4 devices (28 positions, 7 per device, in chunks of 3, the token-wise
+  part in the same loop): each block starts from the key sums of the blocks before it, sikf's
+  stabiliser is the first real key's though it sits on device 1, causal FastRPB's ring
+  product adds its terms; against the unsplit, unchunked model."""
+  out_err, grad_err = run_on_devices(_SCRIPT, "lm", timeout=1200)["split"]
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
 
