@@ -1,31 +1,44 @@
 """The attention layer's token-wise part over chunks of the sequence (``model.attn_chunk``).
 
-A bidirectional linear-attention layer is token-wise except for two sums over the keys:
-``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)``. ``attend`` computes the layer in two
-passes over chunks of C tokens, each a ``lax.scan`` whose body is rematerialised:
+A linear-attention layer is token-wise except for two sums over the keys:
+``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)`` (causal: over the keys j <= i).
+``attend`` computes the layer in two passes over chunks of C tokens, each a ``lax.scan``
+whose body is rematerialised:
 
 1. keys and values of the chunk (projections, masks, phi(k)) -> S and z accumulated; v kept
    (the ``output`` hooks, e.g. FastRPB's ``W V``, mix values over the whole sequence);
 2. the ``output`` hooks' terms on the whole ``v``, then queries of the chunk (projection, phi(q))
    against S and z, plus the terms, through the output projection.
 
+Causal layers carry the state instead: pass 2 starts each device block from the sums of the
+blocks before it (an exclusive prefix of pass 1's block totals, summed forward: nothing is
+undone by subtraction), and each chunk's queries read the state of the chunks before
+them plus, within the chunk, ``tril(phi(q) phi(k)^T)`` in pieces of the op's causal chunk
+(``model.chunk_size``, else 32), before the chunk's keys join the state. On one device
+without output hooks pass 1 is skipped (no block comes before).
+
 The backward pass holds one chunk's projections and features at a time instead of the whole
 sequence's (about ten width-D arrays per token in the train step of the LRA Text model),
-and keeps the inputs, v, the terms and the small states. The same function as the unchunked
-layer: the same parameters, masks and key stabiliser (sikf's max over all real keys, found by
-a forward-only pass over the chunks), summed in another order (round-off only).
+and keeps the inputs, v, the terms and the small states (causal: the state entering each
+chunk). The same function as the unchunked layer: the same parameters, masks and key
+stabiliser (sikf's max over all real keys, or the first real key's when causal, found by
+a forward-only pass over the chunks), summed in another order (round-off only). One bound
+that differs: the unchunked causal layer on one device keeps the exponential kernels' keys
+(sikf, prf) relative to a running maximum (``fastpos.ops.attention`` ``key_log_scale``);
+chunked, as split over devices unchunked, a sikf key whose features exceed the first real
+key's by more than ~88 (float32) overflows (a NaN loss, not a wrong output). prf's exponent
+is bounded by its projection.
 
 With the sequence split over the mesh axis ``seq`` (P devices, the global view of
 ``fastpos.models.context_parallel``) every device chunks its own block: the scans run over
-chunk index k holding ``[b, P, C, .]``, and the states are summed over P after the first pass
-(one all-reduce).
+chunk index k holding ``[b, P, C, .]``; the states are summed over P after the first pass
+(one all-reduce), or for causal layers taken as the prefix over the blocks before each.
 
-What is built (``problem`` says why not otherwise): linear kernels whose key features act on
-each key alone, and sikf; bidirectional 1D layers whose schemes act at the ``output`` hook
-only (FastRPB; ``embed`` schemes run in the model's Tower). Not built: causal layers (their
-prefix state would have to cross the chunks and devices in order), 2D grids, feature maps
-whose key stabiliser spans the sequence other than sikf's (favor, orf), schemes at the
-``features``, ``logits`` or ``kv`` hooks, packed batches.
+What is built (``problem`` says why not otherwise): causal and bidirectional 1D layers with
+linear kernels whose key features act on each key alone (elu1, relu, dpfp, prf, trf, nprf),
+and sikf; schemes at the ``output`` hook only (FastRPB; ``embed`` schemes run in the model's
+Tower). Not built: 2D grids, feature maps whose key stabiliser spans the keys other than
+sikf's (favor, orf), schemes at the ``features``, ``logits`` or ``kv`` hooks, packed batches.
 """
 
 from __future__ import annotations
