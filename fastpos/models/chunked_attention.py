@@ -228,23 +228,13 @@ def attend(
     y = layer.output(num, den, ts)
     return y if tail is None else tail(starts + index * chunk + offsets, xc, y)
 
-  steps = jnp.arange(xs[0].shape[0], dtype=jnp.int32)
   if cfg.causal:
     init = init if parts == 1 else tuple(_before(t) for t in totals)
-    inner = min(cfg.chunk_size or attn_ops.CAUSAL_PLAIN_CHUNK, chunk)
-    body = _causal_step(layer, finish, inner)
-    _, y = jax.lax.scan(body, init, (steps,) + xs + extra)
+    body = _causal_step(layer, finish, min(cfg.chunk_size or attn_ops.CAUSAL_PLAIN_CHUNK, chunk))
   else:
-    kv, ks = (jnp.sum(t, axis=1) for t in totals)  # over the devices' blocks
-
-    @jax.checkpoint
-    def outputs(index, xc, m, *ts):
-      fq = layer.query_features(xc, m)
-      num = jnp.einsum("bpchm,bhmd->bpchd", fq, kv)
-      den = jnp.einsum("bpchm,bhm->bpch", fq, ks)
-      return finish(index, xc, num, den, ts)
-
-    _, y = jax.lax.scan(lambda c, a: (c, outputs(*a)), None, (steps,) + xs + extra)
+    init, body = None, _query_step(layer, finish, *(jnp.sum(t, axis=1) for t in totals))
+  steps = jnp.arange(xs[0].shape[0], dtype=jnp.int32)
+  _, y = jax.lax.scan(body, init, (steps,) + xs + extra)
   return _merge(y, n)
 
 
@@ -264,6 +254,21 @@ def _first_pass(layer, xs, init):
     return (kv, carry[1] + jnp.sum(fk, axis=2)), v
 
   return jax.lax.scan(sums, init, xs)
+
+
+def _query_step(layer, finish, kv, ks):
+  """The bidirectional pass's body ``(None, (index, x, mask, *terms)) -> (None, y)``: one
+  chunk's queries against the key sums of the whole sequence (``kv [b, h, m, d]``,
+  ``ks [b, h, m]``), rematerialised."""
+
+  @jax.checkpoint
+  def outputs(index, xc, m, *ts):
+    fq = layer.query_features(xc, m)
+    num = jnp.einsum("bpchm,bhmd->bpchd", fq, kv)
+    den = jnp.einsum("bpchm,bhm->bpch", fq, ks)
+    return finish(index, xc, num, den, ts)
+
+  return lambda carry, inputs: (carry, outputs(*inputs))
 
 
 def _before(total):
