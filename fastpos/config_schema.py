@@ -230,7 +230,7 @@ FIELDS: dict[str, Field] = {
     # by chunk and rematerialised, with the key sums carried between two passes (causal: the
     # prefix state from chunk to chunk); 0: the whole sequence at once. Changes memory and
     # time, not the function (round-off only); for causal and bidirectional 1D linear layers
-    # with output-hook schemes, not favor / orf (fastpos.models.chunked_attention).
+    # with output-hook schemes (fastpos.models.chunked_attention).
     "model.attn_chunk": _int(0, 0, trajectory=False),
     # Batches and duration. Durations are in optimizer steps.
     "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts

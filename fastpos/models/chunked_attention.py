@@ -21,13 +21,13 @@ The backward pass holds one chunk's projections and features at a time instead o
 sequence's (about ten width-D arrays per token in the train step of the LRA Text model),
 and keeps the inputs, v, the terms and the small states (causal: the state entering each
 chunk). The same function as the unchunked layer: the same parameters, masks and key
-stabiliser (sikf's max over all real keys, or the first real key's when causal, found by
-a forward-only pass over the chunks), summed in another order (round-off only). One bound
-that differs: the unchunked causal layer on one device keeps the exponential kernels' keys
-(sikf, prf) relative to a running maximum (``fastpos.ops.attention`` ``key_log_scale``);
-chunked, as split over devices unchunked, a sikf key whose features exceed the first real
-key's by more than ~88 (float32) overflows (a NaN loss, not a wrong output). prf's exponent
-is bounded by its projection.
+stabiliser (sikf's, favor's and orf's max over all real keys, or the first real key's when
+causal, found by a forward-only pass over the chunks), summed in another order (round-off
+only). One bound differs: on one device the unchunked causal layer keeps the exponential
+maps' keys (sikf, favor, orf, prf) relative to a running maximum (``fastpos.ops.attention``
+``key_log_scale``); chunked, as unchunked over a split sequence, a key whose exponent
+exceeds the first real key's by more than ~88 (float32) overflows (a NaN loss, not a wrong
+output). prf has no stabiliser; its exponent is bounded by its projection.
 
 With the sequence split over the mesh axis ``seq`` (P devices, the global view of
 ``fastpos.models.context_parallel``) every device chunks its own block: the scans run over
@@ -35,15 +35,16 @@ chunk index k holding ``[b, P, C, .]``; the states are summed over P after the f
 (one all-reduce), or for causal layers taken as the prefix over the blocks before each.
 
 What is built (``problem`` says why not otherwise): causal and bidirectional 1D layers with
-linear kernels whose key features act on each key alone (elu1, relu, dpfp, prf, trf, nprf),
-and sikf; schemes at the ``output`` hook only (FastRPB; ``embed`` schemes run in the model's
-Tower). Not built: 2D grids, feature maps whose key stabiliser spans the keys other than
-sikf's (favor, orf), schemes at the ``features``, ``logits`` or ``kv`` hooks, packed batches.
+linear kernels whose key features act on each key alone (elu1, relu, dpfp, prf, trf, nprf) or
+share one stabilising max (sikf, favor, orf); schemes at the ``output`` hook only (FastRPB;
+``embed`` schemes run in the model's Tower). Not built: 2D grids, schemes at the
+``features``, ``logits`` or ``kv`` hooks, packed batches.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -75,11 +76,11 @@ def problem(kernel, scheme_classes, *, two_d: bool) -> str | None:
     return "kernel 'softmax' materialises the N x N scores (chunking is for linear kernels)"
   if two_d:
     return "2D grids are not built by chunks (set model.use_grid=False for a raster sequence)"
-  if kernel.name != "sikf" and not set(kernel.map.reads) <= _PER_TOKEN_READS:
+  if not kernel.stabilised and not set(kernel.map.reads) <= _PER_TOKEN_READS:
     return (
-        f"kernel {kernel.name!r} stabilises its key features by a max over the keys (the "
-        "first real key's when causal), which is built by chunks for sikf only (and for maps "
-        "acting on each key alone)"
+        f"kernel {kernel.name!r} reads other keys in its key features, which is built by "
+        "chunks for the maps acting on each key alone and for a stabilising max shared by "
+        "the keys (sikf, favor, orf)"
     )
   for cls in scheme_classes:
     other = [hk for hk in cls.hooks if hk not in CHUNKED_HOOKS]
@@ -158,14 +159,24 @@ class _Layer:
     v = self.value(xc)
     return jnp.where(m[..., None, None], v, jnp.zeros((), v.dtype))
 
-  def key_features(self, xc, m):  # [b, P, C, h, m], padded keys zero
+  def exponent(self, xc, m):  # a stabilised map's exponent z of the keys, [b, P, C, h, m]
     k = self.prepared(self.key(xc), m)
+    z = self.kernel.map.exp_form.exponent(_flat(k), self.projection)
+    return z.reshape(k.shape[:3] + z.shape[2:])
+
+  def key_features(self, xc, m):  # [b, P, C, h, m], padded keys zero
     if self.stab is None:
+      k = self.prepared(self.key(xc), m)
       fk = self.kernel.phi(_flat(k), projection=self.projection, is_query=False).reshape(
           k.shape[:3] + (self.cfg.num_heads, -1)
       )
-    else:
-      fk = jnp.exp(k - self.stab[:, None, None, :, None])
+    else:  # the map's own formula, exp(z - c) (/ sqrt(m)) (+ eps), with c from all chunks
+      form = self.kernel.map.exp_form
+      fk = jnp.exp(self.exponent(xc, m) - self.stab[:, None, None, :, None])
+      if form.normalised:
+        fk = fk / math.sqrt(fk.shape[-1])
+      if form.eps:
+        fk = fk + form.eps
     return jnp.where(m[..., None, None], fk.astype(self.state), jnp.zeros((), self.state))
 
   def query_features(self, xc, m):  # [b, P, C, h, m]
@@ -209,7 +220,7 @@ def attend(
   layer = _Layer(cfg, params, dtype=dtype, projection=projection, width=width)
   real = jnp.ones((b, n), bool) if mask is None else mask
   xs = (_split(x, parts, chunk), _split(real, parts, chunk))  # padding: mask False
-  if cfg.kernel.name == "sikf":
+  if cfg.kernel.stabilised:  # sikf, favor, orf: one max shared by the keys
     layer.stab = _key_stabiliser(xs, layer, causal=cfg.causal)
   m_dim = cfg.kernel.feature_dim(cfg.head_dim)
   init = (
@@ -327,16 +338,15 @@ def _causal_chunk(fq, fk, v, carry, inner: int):
 
 
 def _key_stabiliser(xs, layer, *, causal: bool):
-  """sikf's key stabiliser ``[b, h]`` as ``fastpos.ops.features.sikf`` takes it: the max over
-  the real keys and their features, or with ``causal`` the first real key's max over its
-  features (first in the sequence: over the chunks, then the devices' blocks in order); 0
-  where a row has no real key. A forward-only pass over the chunks (a constant for autodiff,
-  as there)."""
+  """The key stabiliser ``[b, h]`` of sikf, favor and orf as ``fastpos.ops.features`` takes it
+  (``_stabilizer``) on their exponent: the max over the real keys and their features, or with
+  ``causal`` the first real key's max over its features (first in the sequence: over the
+  chunks, then the devices' blocks in order); 0 where a row has no real key. A forward-only
+  pass over the chunks (a constant for autodiff, as there)."""
 
   def top(carry, xs_c):
     xc, m = xs_c
-    k = layer.prepared(layer.key(xc), m)
-    k = jnp.max(jnp.where(m[..., None, None], k, -jnp.inf), axis=4)  # [b, P, C, h]
+    k = jnp.max(jnp.where(m[..., None, None], layer.exponent(xc, m), -jnp.inf), axis=4)
     if not causal:
       return carry, jnp.max(k, axis=2)  # [b, P, h]
     found, first = carry  # [b, P]: a real key seen; [b, P, h]: the first one's max
