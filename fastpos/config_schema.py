@@ -227,9 +227,10 @@ FIELDS: dict[str, Field] = {
     # time, not the function (dropout masks included); not with norm="batch".
     "model.mlp_chunk": _int(0, 0, trajectory=False),
     # Tokens per chunk of each attention layer (projections, feature maps, outputs), run chunk
-    # by chunk and rematerialised, with the key sums carried between two passes; 0: the whole
-    # sequence at once. Changes memory and time, not the function (round-off only); for
-    # bidirectional linear layers with output-hook schemes (fastpos.models.chunked_attention).
+    # by chunk and rematerialised, with the key sums carried between two passes (causal: the
+    # prefix state from chunk to chunk); 0: the whole sequence at once. Changes memory and
+    # time, not the function (round-off only); for causal and bidirectional 1D linear layers
+    # with output-hook schemes (fastpos.models.chunked_attention).
     "model.attn_chunk": _int(0, 0, trajectory=False),
     # Batches and duration. Durations are in optimizer steps.
     "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts

@@ -102,7 +102,6 @@ class AttentionConfig:
       why = chunked.problem(
           self.kernel,
           [p.cls for p in self.positional],
-          causal=self.causal,
           two_d=self.grid is not None,
       )
       if why is not None:
@@ -365,7 +364,7 @@ class Attention(nn.Module):
         cfg=self.cfg,
         params=self.variables["params"],
         dtype=self.dtype,
-        terms=terms,
+        terms=terms if hooks.output else None,
         projection=w,
         chunk=self.cfg.attn_chunk,
         parts=cp.seq_size(),

@@ -1,6 +1,7 @@
-"""``attn_chunk`` runs a bidirectional linear-attention layer by chunks of the sequence
-(``fastpos.models.chunked_attention``): the same function as the whole-sequence layer, outputs
-and gradients held to 1e-9 (float64), padding ignored; layers it cannot run are refused."""
+"""``attn_chunk`` runs a linear-attention layer, bidirectional or causal, by chunks of the
+sequence (``fastpos.models.chunked_attention``): the same function as the whole-sequence layer,
+outputs and gradients held to 1e-9 (float64), padding ignored, no output reading a later
+token; layers it cannot run are refused."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ def _loss(layer, mask):
   return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
 
 
-# sikf: its key stabiliser spans the chunks; ELU+1 (no stabiliser) runs with `-m slow`.
-@pytest.mark.parametrize("kernel", ["sikf", pytest.param("elu1", marks=pytest.mark.slow)])
+# sikf: its key stabiliser spans the chunks; ELU+1 (no stabiliser), favor and orf (the
+# stabiliser of a random map, plus eps) run with `-m slow`.
+SLOW_BIDIRECTIONAL = [pytest.param(k, marks=pytest.mark.slow) for k in ("elu1", "favor", "orf")]
+
+
+@pytest.mark.parametrize("kernel", ["sikf"] + SLOW_BIDIRECTIONAL)
 def test_chunked_layer_equals_the_whole_layer(kernel):
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.key(1), (2, N, 16), jnp.float64)
@@ -64,6 +69,122 @@ def test_chunked_layer_equals_the_whole_layer(kernel):
     noisy = jnp.where(mask[..., None], x, 50.0 * jnp.cos(x))
     y2 = chunked.apply(params, noisy, mask=mask)
     assert rel_err(jnp.where(mask[..., None], y2, 0), jnp.where(mask[..., None], y1, 0)) < 1e-12
+
+
+def _random_params(layer, x, mask):
+  """The layer's parameters plus noise (FastRPB starts at zero): every part of it counts."""
+  params = layer.init(jax.random.key(0), x, mask=mask)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(5), len(leaves))
+  return tree.unflatten(
+      [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
+  )
+
+
+def _causal_inputs(dtype=jnp.float64):
+  """x ``[3, N, 16]`` and a mask: a full row, a right-padded and a left-padded one (its first
+  real key, the one sikf's causal stabiliser takes, at position 5)."""
+  x = jax.random.normal(jax.random.key(1), (3, N, 16), dtype)
+  pos = jnp.arange(N)[None]
+  return x, (pos < jnp.array([[N], [19], [N]])) & (pos >= jnp.array([[0], [0], [5]]))
+
+
+def _causal_errors(kernel, schemes, attn_chunk=4, **kw) -> tuple[float, float]:
+  """Causal layer by chunks against the whole layer, float64: (output error on real tokens,
+  worst gradient error over parameters and x); padding checked not to reach real tokens."""
+  with jax.enable_x64(True):
+    x, mask = _causal_inputs()
+    whole = _layer(kernel, schemes, causal=True, **kw)
+    chunked = _layer(kernel, schemes, chunk=attn_chunk, causal=True, **kw)
+    params = _random_params(whole, x, mask)
+    (_, y0), g0 = _loss(whole, mask)(params, x)
+    (_, y1), g1 = _loss(chunked, mask)(params, x)
+    real = mask[..., None]
+    noisy = jnp.where(real, x, 50.0 * jnp.cos(x))
+    (_, y2), _ = _loss(chunked, mask)(params, noisy)
+    assert rel_err(jnp.where(real, y2, 0), jnp.where(real, y1, 0)) < 1e-12
+    grads = zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True)
+    return rel_err(jnp.where(real, y1, 0), jnp.where(real, y0, 0)), max(
+        rel_err(a, b) for a, b in grads
+    )
+
+
+# (kernel, schemes, attn_chunk, more config): sikf's stabiliser is the first real key's; with
+# chunk_size=3 each chunk of 8 runs in pieces of 3 (neither divides); without output hooks
+# the first pass is skipped (one device). Every other kernel the chunked layer takes runs
+# with `-m slow`.
+CAUSAL_CASES = [
+    pytest.param("elu1", ("fastrpb",), 4, {}, id="elu1-fastrpb"),
+    pytest.param("sikf", ("fastrpb",), 8, dict(chunk_size=3), id="sikf-fastrpb-pieces"),
+    # Also run by test_a_late_huge_key_changes_no_earlier_output (float32).
+    pytest.param("sikf", (), 4, {}, id="sikf-no_hooks", marks=pytest.mark.slow),
+    # favor's eps weighs each key relative to the stabiliser: a max over all keys would move
+    # the outputs by ~1e-4 here.
+    pytest.param("favor", (), 4, {}, id="favor-no_hooks"),
+] + [
+    pytest.param(k, ("fastrpb",), 4, {}, id=f"{k}-fastrpb", marks=pytest.mark.slow)
+    for k in ("relu", "dpfp", "nprf", "prf", "orf")
+]
+
+
+@pytest.mark.parametrize("kernel, schemes, attn_chunk, kw", CAUSAL_CASES)
+def test_causal_chunked_layer_equals_the_whole_layer(kernel, schemes, attn_chunk, kw):
+  out_err, grad_err = _causal_errors(kernel, schemes, attn_chunk, **kw)
+  assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
+
+
+@pytest.mark.slow
+def test_causal_chunked_trf_equals_the_whole_layer_to_its_conditioning():
+  """trf's features change sign, so its denominators come near 0 and round-off grows (1e-7
+  on these inputs): the chunked layer is held to the whole layer's own spread under another
+  order of summation (its chunk_size), not to 1e-9."""
+  out_err, grad_err = _causal_errors("trf", ("fastrpb",))
+  with jax.enable_x64(True):
+    x, mask = _causal_inputs()
+    whole = _layer("trf", ("fastrpb",), causal=True)
+    params = _random_params(whole, x, mask)
+    _, g0 = _loss(whole, mask)(params, x)
+    _, g1 = _loss(_layer("trf", ("fastrpb",), causal=True, chunk_size=3), mask)(params, x)
+  spread = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
+  assert out_err < 1e-9 and grad_err < 10 * spread + 1e-9, (out_err, grad_err, spread)
+
+
+def test_chunked_causal_layer_sees_no_future():
+  """d y_i / d x_j == 0 exactly for j > i (sikf with causal FastRPB, chunks of 4 in pieces
+  of 3), and not for j <= i."""
+  with jax.enable_x64(True):
+    x, mask = _causal_inputs()
+    layer = _layer("sikf", ("fastrpb",), chunk=4, causal=True, chunk_size=3)
+    params = _random_params(layer, x, mask)
+    jac = jax.jit(jax.jacrev(lambda a: layer.apply(params, a[None], mask=mask[:1])[0]))(x[0])
+  seen = jnp.max(jnp.abs(jac), axis=(1, 3))  # [N outputs, N inputs]
+  later = jnp.triu(jnp.ones((N, N), bool), k=1)
+  assert float(jnp.max(jnp.where(later, seen, 0))) == 0.0
+  assert bool(jnp.all(jnp.where(later, 1, seen) > 0))
+
+
+def test_a_late_huge_key_changes_no_earlier_output():
+  """sikf, float32, no output hooks (one pass): one key at position 20 made 80 above the
+  first key's features (exp(80) still fits float32) changes no output before it; every
+  output stays finite and equal to the whole layer's. A stabiliser over all keys would push
+  the earlier features under the guard."""
+  x, mask = _causal_inputs(jnp.float32)
+  mask = jnp.ones_like(mask)
+  chunked = _layer("sikf", (), chunk=4, causal=True).clone(dtype=jnp.float32)
+  whole = _layer("sikf", (), causal=True).clone(dtype=jnp.float32)
+  params = chunked.init(jax.random.key(0), x, mask=mask)
+  w = params["params"]["key"]["kernel"]  # [16, heads, head_dim]: input 0 reads key (0, 0) only
+  params["params"]["key"]["kernel"] = w.at[0].set(0.0).at[0, 0, 0].set(1.0)
+  keys = jnp.einsum("bnd,dhe->bnhe", x, params["params"]["key"]["kernel"])
+  keys = keys + params["params"]["key"]["bias"][None, None]
+  lift = keys[:, 0, 0].max(-1) + 80.0 - keys[:, 20, 0, 0]  # key (0, 0) of token 20 to +80
+  huge = x.at[:, 20, 0].add(lift)
+  run = jax.jit(lambda m, a: m.apply(params, a, mask=mask), static_argnums=0)
+  y, y_huge, y_whole = run(chunked, x), run(chunked, huge), run(whole, huge)
+  assert bool(jnp.all(jnp.isfinite(y_huge)))
+  assert rel_err(y_huge[:, :20], y[:, :20]) < 1e-6
+  assert rel_err(y_huge[:, 20:], y[:, 20:]) > 1e-2  # the key does count where it is seen
+  assert rel_err(y_huge, y_whole) < 1e-4
 
 
 def _cfg(**kw):
@@ -111,16 +232,22 @@ CASES = [
     pytest.param(4, dict(num_layers=1), id="fused-one_layer"),
     pytest.param(4, SCAN, id="fused-scan_block", marks=pytest.mark.slow),
     pytest.param(8, SCAN, id="apart-scan_block", marks=pytest.mark.slow),
+    # A causal LM (causal FastRPB), the token-wise part inside the causal pass.
+    pytest.param(4, dict(num_layers=1, task="lm"), id="lm-fused-one_layer"),
+    pytest.param(8, dict(SCAN, task="lm"), id="lm-apart-scan_block", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("attn_chunk, layout", CASES)
 def test_chunked_model_equals_the_whole_model(attn_chunk, layout):
-  """The LRA Text cell's layout (CLS pooling: N + 1 positions) with the token-wise part
-  chunked too (mlp_chunk=4): train-mode outputs and gradients, dropout on."""
+  """The LRA Text cell's layout (CLS pooling: N + 1 positions), or a causal LM, with the
+  token-wise part chunked too (mlp_chunk=4): train-mode outputs and gradients, dropout on."""
   with jax.enable_x64(True):
-    task = TaskInfo("classify", V, 3, N)
-    layout = dict(pooling="cls", mlp_chunk=4, **layout)
+    layout = dict(layout)
+    if layout.pop("task", "classify") == "lm":
+      task, layout = TaskInfo("lm", V, 0, N), dict(mlp_chunk=4, **layout)
+    else:
+      task, layout = TaskInfo("classify", V, 3, N), dict(pooling="cls", mlp_chunk=4, **layout)
     whole = build_model(_cfg(**layout), task)
     chunked = build_model(_cfg(**layout, attn_chunk=attn_chunk), task)
     params = whole.init(jax.random.key(0), _batch())["params"]
@@ -128,19 +255,23 @@ def test_chunked_model_equals_the_whole_model(attn_chunk, layout):
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
 
-def run_split() -> dict:
-  """In the subprocess (4 devices): the chunked model under a mesh with seq=4 against the
-  whole-sequence model on one device: [out rel err, worst grad rel err]."""
+def run_split(kind: str) -> dict:
+  """In the subprocess (4 devices): the chunked model (a ``kind`` task: "classify" or a
+  causal "lm") under a mesh with seq=4 against the whole-sequence model on one device:
+  [out rel err, worst grad rel err]."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from fastpos.train.sharding import tree_shardings
 
   mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "seq"))
-  task = TaskInfo("classify", V, 3, 28)
-  whole = build_model(_cfg(pooling="cls"), task)
-  chunked = build_model(_cfg(pooling="cls", attn_chunk=3, mlp_chunk=3), task)
+  layout = dict(pooling="cls") if kind == "classify" else {}
+  task = TaskInfo(kind, V, 3 if kind == "classify" else 0, 28)
+  whole = build_model(_cfg(**layout), task)
+  chunked = build_model(_cfg(**layout, attn_chunk=3, mlp_chunk=3), task)
   batch = _batch(28)
+  if kind == "lm":  # row 0 left-padded: its first real key (sikf's stabiliser) on device 1
+    batch = {k: a.at[0, :9].set(0) for k, a in batch.items()}
   params = jax.tree.map(
       lambda a: a.astype(jnp.float64), whole.init(jax.random.key(0), batch)["params"]
   )
@@ -154,12 +285,12 @@ def run_split() -> dict:
 
 
 _SCRIPT = """
-import json
+import json, sys
 import jax
 jax.config.update("jax_enable_x64", True)
 from tests.models import test_chunked_attention as t
 assert jax.device_count() == 4, jax.devices()
-print("RESULT" + json.dumps(t.run_split()))
+print("RESULT" + json.dumps(t.run_split(sys.argv[1])))
 """
 
 
@@ -168,16 +299,24 @@ def test_chunks_of_a_split_sequence_equal_the_whole_model():
   """Each of 4 devices chunks its own block (CLS pooling: 29 positions, padded to 4 x 8, in
   chunks of 3, the token-wise part in the same loop); the key sums and sikf's stabiliser
   span the devices; dropout masks are the unsplit, unchunked ones."""
-  out_err, grad_err = run_on_devices(_SCRIPT, timeout=1200)["split"]
+  out_err, grad_err = run_on_devices(_SCRIPT, "classify", timeout=1200)["split"]
+  assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
+
+
+@pytest.mark.slow  # the default run has a causal layer case in test_context_parallel.py
+def test_chunks_of_a_split_causal_sequence_equal_the_whole_model():
+  """A causal LM over 4 devices (28 positions, 7 per device, in chunks of 3, the token-wise
+  part in the same loop): each block starts from the key sums of the blocks before it, sikf's
+  stabiliser is the first real key's though it sits on device 1, causal FastRPB's ring
+  product adds its terms; against the unsplit, unchunked model."""
+  out_err, grad_err = run_on_devices(_SCRIPT, "lm", timeout=1200)["split"]
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
 
 @pytest.mark.parametrize(
     "kernel, schemes, kw, needle",
     [
-        ("sikf", ("fastrpb",), dict(causal=True), "causal layers are not built by chunks"),
         ("softmax", (), {}, "kernel 'softmax' materialises"),
-        ("favor", (), {}, "kernel 'favor' stabilises its key features over the whole sequence"),
         ("elu1", ("rope",), {}, "scheme 'rope' acts at the 'features' hook"),
         ("elu1", ("fastrpb",), dict(grid=(4, 4)), "2D grids are not built by chunks"),
     ],

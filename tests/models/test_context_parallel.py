@@ -60,6 +60,8 @@ DEFAULT_LAYER_CASES = [
     _layer_case("trf", "lrpe", False),
     _layer_case("nprf", "rope", True),
     _layer_case("orf", "rope", False),
+    # The causal layer by chunks (model.attn_chunk=3) under the mesh, the whole layer unsplit.
+    ("layer_sikf_fastrpb_causal_chunked", "layer_chunked", "sikf", "fastrpb", True, "mean"),
 ]
 # Model cases: (name, "model", kernel, positional, causal, pooling); mean pooling in a
 # classifier is in the training run.
@@ -213,12 +215,16 @@ def _build_case(what, kernel, pos, causal, pooling):
   n = 16
   task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
   batch = _batch(2, n, pad=3)
-  if what == "layer":
-    model = Attention(attention_config(c, task), dtype=jnp.float64)
+  if what.startswith("layer"):
+    model = chunked = Attention(attention_config(c, task), dtype=jnp.float64)
+    if what == "layer_chunked":  # by chunks of 3 of each device's 4 positions
+      c.attn_chunk = 3
+      chunked = Attention(attention_config(c, task), dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
     return (
         lambda key, b: model.init(key, b["x"], mask=b["mask"]),
-        lambda v, b: model.apply(v, b["x"], mask=b["mask"]),
+        # Under the mesh (traced there) the chunked layer; unsplit, the whole one.
+        lambda v, b: (chunked if cp.seq_size() > 1 else model).apply(v, b["x"], mask=b["mask"]),
         {"x": x, "mask": batch["mask"]},
     )
   model = build_model(c, task)

@@ -117,7 +117,7 @@ def test_scanned_model_equals_the_unrolled_model(kind, kernel, scheme, grads):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["prf", "trf", "nprf"])  # the kernels attn_chunk can run
+@pytest.mark.parametrize("kernel", ["prf", "trf", "nprf", "favor", "orf"])  # every random map
 def test_scanned_chunked_and_reference_paths_draw_the_unrolled_projections(kernel):
   """The layer by chunks (``attn_chunk``) and the dense reference draw their projections
   through the same call: scanned, they equal the unrolled model too."""
