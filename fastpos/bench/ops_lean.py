@@ -637,15 +637,23 @@ def measure_rpe_time(lengths, log, rounds: int, extra=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Goals, report, main
 # ---------------------------------------------------------------------------------------------
+# The causal ratio in the other quiet runs of the same code (``CAUSAL_PREVIOUS_RECORD``), by N:
+# the goal holds only where every quiet run meets it (the spread between runs is ~0.1).
+# Clear it when the causal path changes.
+OTHER_QUIET_CAUSAL = {4096: (0.82, 0.75), 8192: (0.81, 0.79), 16384: (0.85, 0.88)}
+
+
 def _causal_goal(goal, n, ratio, blocks=None, by_cpu=None):
   notes = [] if not blocks else ["blocks: " + ", ".join(f"{x:.2f}" for x in blocks)]
   notes += [] if by_cpu is None else [f"by CPU time {by_cpu:.2f}x"]
+  others = OTHER_QUIET_CAUSAL.get(int(n), ())
+  notes += [f"other quiet runs: {', '.join(f'{x:.2f}x' for x in others)}"] if others else []
   spread = f" ({'; '.join(notes)})" if notes else ""
   goal(
       f"causal linear attention fwd+bwd at most {CAUSAL_GOAL}x the Performer per-token scan's "
-      f"time (1.2x ahead) at N={n}",
+      f"time (1.2x ahead) at N={n}, in every quiet run",
       f"{ratio:.2f}x the scan's time{spread}",
-      ratio <= CAUSAL_GOAL,
+      max((ratio, *others)) <= CAUSAL_GOAL,
   )
 
 
@@ -860,8 +868,10 @@ CAUSAL_PREVIOUS_RECORD = (
     "causal 0.52x / 0.56x / 0.71x the scan's time at N = 4K / 8K / 16K, (before) 0.90x / "
     "0.92x / 0.91x. Under load the per-token scan suffers most. On a quiet machine "
     "(2026-11-26 07:48 UTC, load 1.2): causal 0.82x / 0.81x / 0.85x, (before) 0.96x / 0.80x / "
-    "0.86x; the 16K goal failed in that run and passes in this one, so at 16K the lead is "
-    "about the goal's 1.2x, not clearly above it."
+    "0.86x; and again after this section's run (2026-11-26 10:30 UTC, load 0.1, printed, not "
+    "recorded): causal 0.75x / 0.79x / 0.88x, (before) 0.83x / 0.89x / 0.93x. The 16K goal "
+    "passes in one of the three quiet runs: at 16K the lead is about the goal's 1.2x (1.13-1.30x), "
+    "not reliably above it."
 )
 
 

@@ -34,3 +34,13 @@ def test_the_two_layer_rows_compute_the_same_layer():
   np.testing.assert_allclose(outs[1], outs[0], rtol=1e-12, atol=0)
   for a, b in zip(got[0], got[1]):
     np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-13)
+
+
+def test_the_causal_goal_holds_only_where_every_quiet_run_meets_it():
+  results = []
+  record = lambda text, value, ok: results.append((value, ok))
+  ops_lean._causal_goal(record, 16384, 0.77)  # the other quiet runs there: 0.85x, 0.88x
+  ops_lean._causal_goal(record, 4096, 0.69)
+  ops_lean._causal_goal(record, 2048, 0.80)  # no other run recorded at this length
+  assert [ok for _, ok in results] == [False, True, True]
+  assert "other quiet runs: 0.85x, 0.88x" in results[0][0]
