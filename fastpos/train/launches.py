@@ -12,7 +12,8 @@ writes; the file is never rewritten):
    null, "model_format": ``MODEL_FORMAT``}
 
 ``source`` is the git commit of the checkout fastpos was imported from and whether tracked
-files differ from it (null where fastpos is not in a git checkout or git is not installed).
+files differ from it (null where fastpos is not imported from a checkout of its own, or git
+is not installed).
 
 ``model_format`` says which function a config and its parameters compute. It goes up when a
 change of fastpos makes the same config and parameters compute another function; each step's
@@ -78,10 +79,12 @@ def versions() -> dict[str, str | None]:
   return out
 
 
-def source(package_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
-  """``{"commit", "dirty"}`` of the git checkout holding ``package_dir`` (default: fastpos's
-  own folder), or None where it is in none, git is missing or does not answer in time."""
-  where = Path(package_dir or Path(__file__).resolve().parents[1])
+def source(root: str | os.PathLike | None = None) -> dict[str, Any] | None:
+  """``{"commit", "dirty"}`` of the git checkout whose top folder is ``root`` (default: the
+  folder holding the fastpos package), or None where ``root`` is no checkout's top (fastpos
+  installed into site-packages, even inside another project's checkout), git is missing or
+  does not answer in time."""
+  where = Path(root or Path(__file__).resolve().parents[2]).resolve()
 
   def git(*args) -> str:
     return subprocess.run(
@@ -93,6 +96,8 @@ def source(package_dir: str | os.PathLike | None = None) -> dict[str, Any] | Non
     ).stdout.strip()
 
   try:
+    if Path(git("rev-parse", "--show-toplevel")).resolve() != where:
+      return None  # another project's checkout holds this folder
     commit = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
   except (OSError, subprocess.SubprocessError):

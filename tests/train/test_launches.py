@@ -63,6 +63,10 @@ def test_source_is_the_checkouts_commit_and_whether_tracked_files_differ(tmp_pat
   assert launches.source(tmp_path) == {"commit": commit, "dirty": False}
   (tmp_path / "a.py").write_text("x = 2\n")
   assert launches.source(tmp_path) == {"commit": commit, "dirty": True}
+  # A folder inside the checkout is not its top: fastpos installed into a virtualenv that
+  # lies in another project's checkout records no commit of that project.
+  (tmp_path / "venv" / "site-packages").mkdir(parents=True)
+  assert launches.source(tmp_path / "venv" / "site-packages") is None
 
 
 def _model(**fields) -> ml_collections.ConfigDict:
