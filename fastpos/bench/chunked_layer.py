@@ -16,10 +16,7 @@ most half the whole layer's, its time at most 1.25x. Writes ``<out>/chunked_laye
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -128,8 +125,7 @@ def markdown(record: dict) -> str:
   lines = [
       "# One attention layer by chunks (`model.attn_chunk`) against the whole layer",
       "",
-      f"`{run['command']}` on {run['machine']}, {run['date']}, load average at start "
-      f"{run['load_average']}. float32, batch 1, width {WIDTH}, {HEADS} heads, N = "
+      f"{report.provenance(run)}. float32, batch 1, width {WIDTH}, {HEADS} heads, N = "
       f"{record['length']}, chunk {record['chunk']}; fwd+bwd: the output and the grads of the "
       "parameters and the input. Temp: `memory_analysis().temp_size_in_bytes` of the compiled "
       "fwd+bwd. Time: medians of interleaved runs in one group; the ratio is the chunked "
@@ -170,14 +166,7 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     return 2
-  load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-  run = {
-      "command": "python -m fastpos.bench.chunked_layer "
-      + " ".join(sys.argv[1:] if argv is None else argv),
-      "machine": f"{platform.machine()}, {jax.default_backend()}",
-      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-      "load_average": load,
-  }
+  run = report.run_record("fastpos.bench.chunked_layer", argv)
   rows = measure(args.length, args.chunk, args.rounds, lambda s: print(s, flush=True))
   record = {"run": run, "length": args.length, "chunk": args.chunk, "rows": rows}
   record["goals"] = goals(rows, args.length)

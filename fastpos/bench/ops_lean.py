@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -711,13 +710,6 @@ def goals(linear, memory, timing, causal=None) -> list[dict]:
   return out
 
 
-def _provenance(run: dict) -> str:
-  return (
-      f"`{run['command']}` on {run['machine']}, {run['date']}, load average at start "
-      f"{run['load_average']}"
-  )
-
-
 def markdown(result) -> str:
   lines = [
       "# Linear attention at matmul speed, kernelized RPE as lean as the Toeplitz product",
@@ -735,7 +727,7 @@ def markdown(result) -> str:
       "",
       "## Kernelized RPE: backward temporary memory against the Toeplitz product",
       "",
-      _provenance(result["runs"]["rpe_memory"]) + ".",
+      report.provenance(result["runs"]["rpe_memory"]) + ".",
       "",
       "Compiled `jax.grad` of kernelized RPE (FFT path; B=1, 8 heads, m=32, d=64) "
       "against `toeplitz_matmul` over `[1, 8, N, 64]` (the channels of v), "
@@ -755,7 +747,7 @@ def markdown(result) -> str:
       "",
       "## Kernelized RPE fwd+bwd against dense softmax with a bias",
       "",
-      _provenance(result["runs"]["rpe_time"]) + ".",
+      report.provenance(result["runs"]["rpe_time"]) + ".",
       "",
       '"auto": the path the op picks by shape (on CPU dense up to N = '
       f'{attention._RPE_DENSE_UP_TO}, FFT above); "fft" and "dense" force one '
@@ -788,7 +780,7 @@ def _linear_markdown(result) -> list[str]:
       "",
       "## Linear attention fwd+bwd against the matmul peak",
       "",
-      _provenance(run) + f"; {run.get('repeats', 1)} blocks of {run.get('rounds', '?')} "
+      report.provenance(run) + f"; {run.get('repeats', 1)} blocks of {run.get('rounds', '?')} "
       "interleaved rounds per length, the median over blocks (each block's % of peak in "
       "brackets).",
       "",
@@ -882,7 +874,7 @@ def _causal_markdown(result) -> list[str]:
       "",
       "## Causal linear attention against the Performer scan",
       "",
-      _provenance(result["runs"]["causal"]) + f"; {result['runs']['causal'].get('repeats')} "
+      report.provenance(result["runs"]["causal"]) + f"; {result['runs']['causal'].get('repeats')} "
       f"blocks of {result['runs']['causal'].get('rounds')} interleaved rounds per length.",
       "",
       "fwd+bwd (the output and the grads of phi_q, phi_k, v), same inputs and shapes as the "
@@ -963,14 +955,7 @@ def main(argv=None) -> int:
     )
     return 2
   log = lambda text: print(text, flush=True)
-  run = {
-      "command": "python -m fastpos.bench.ops_lean "
-      + " ".join(sys.argv[1:] if argv is None else argv),
-      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-      f"{jax.devices()[0].platform}",
-      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-      "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-  }
+  run = report.run_record("fastpos.bench.ops_lean", argv)
   skipped = [k for k, ls in zip(SECTIONS, lengths) if not ls]
   json_path = os.path.join(args.out, f"{args.name}.json") if args.out else ""
   result, runs = _kept_sections(json_path, skipped)

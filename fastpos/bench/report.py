@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import sys
+import time
+
+import jax
 
 
 def write(out_dir: str | None, name: str, table: str, record: dict) -> None:
@@ -27,3 +32,23 @@ def goals_table(goals: list[dict]) -> list[str]:
   return lines + [
       f"| {g['goal']} | {g['measured']} | {'PASS' if g['pass'] else 'FAIL'} |" for g in goals
   ]
+
+
+def run_record(module: str, argv: list[str] | None) -> dict:
+  """What a benchmark run ran as: its command (``python -m <module>`` and ``argv``, else this
+  process's arguments), the machine, the date and the load average at its start."""
+  return {
+      "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+      f"{jax.devices()[0].platform}",
+      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+      "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+  }
+
+
+def provenance(run: dict) -> str:
+  """``run_record``'s record as the sentence a table's section opens with."""
+  return (
+      f"`{run['command']}` on {run['machine']}, {run['date']}, load average at start "
+      f"{run['load_average']}"
+  )
