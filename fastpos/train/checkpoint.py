@@ -53,6 +53,9 @@ from fastpos.train.digest import DigestMismatch
 from fastpos.train.errors import RunError
 from fastpos.train.workdir import os_error_reason
 
+# The workdir's checkpoint folders: every save, and the best on validation.
+LATEST_DIR, BEST_DIR = "checkpoints", "best"
+
 
 class CheckpointLoadError(RunError):
   """No checkpoint of a workdir loads; the message lists each one and why."""
@@ -283,7 +286,7 @@ class Checkpoints:
       read_only: bool = False,
   ):
     workdir = Path(workdir).absolute()
-    self.latest_dir, self.best_dir = workdir / "checkpoints", workdir / "best"
+    self.latest_dir, self.best_dir = workdir / LATEST_DIR, workdir / BEST_DIR
     self.cfg = cfg
     self.read_only = read_only
     self.writable = False

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from fastpos import positional
-from fastpos.train import config_record
+from fastpos.train import checkpoint, config_record
 from fastpos.train.errors import RunError
 
 LAUNCHES_NAME = "launches.jsonl"
@@ -65,7 +65,6 @@ FORMAT_CHANGES: dict[int, tuple[str, Callable[[Any], bool]]] = {
     ),
 }
 _GIT_SECONDS = 10  # a hung git (a network file system) must not hold the run
-_CHECKPOINT_DIRS = ("checkpoints", "best")  # fastpos.train.checkpoint.Checkpoints' folders
 
 
 def versions() -> dict[str, str | None]:
@@ -164,7 +163,7 @@ def check_format(workdir: str | os.PathLike, cfg, doing: str) -> None:
   """Raises RunError when the run in ``workdir`` trained its checkpoints under an older model
   format whose later changes touch ``cfg`` (its parameters would compute another function
   here). ``doing``: what was asked ("resume", "evaluate", "load"), for the message."""
-  if not any((Path(workdir) / d).is_dir() for d in _CHECKPOINT_DIRS):
+  if not any((Path(workdir) / d).is_dir() for d in (checkpoint.LATEST_DIR, checkpoint.BEST_DIR)):
     return  # nothing trained here yet
   old = trained_format(workdir)
   changed = [what for n, (what, hits) in FORMAT_CHANGES.items() if n > old and hits(cfg.model)]
