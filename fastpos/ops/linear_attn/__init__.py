@@ -1,0 +1,1 @@
+"""Linear attention kernels: dense, recurrent, chunked and fused (Pallas) paths."""
