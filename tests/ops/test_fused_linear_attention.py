@@ -129,29 +129,52 @@ def test_chunk_sizes_agree():
     assert rel_err(num, outs[0][0]) < 1e-12 and rel_err(den, outs[0][1]) < 1e-12
 
 
+@pytest.mark.parametrize("n, chunk, m, d", [(37, 16, 5, 4), (64, 32, 16, 32)])
+def test_bidirectional_values_and_gradients_match_dense_float64(n, chunk, m, d):
+  q, k, v = inputs(n, m=m, d=d, seed=8)
+
+  def full(q, k, v):  # every query sees every key
+    a = jnp.einsum("bhim,bhjm->bhij", q, k)
+    return jnp.einsum("bhij,bhjd->bhid", a, v), jnp.sum(a, axis=-1)
+
+  got = values_and_grads(lambda *a: fused.bidirectional(*a, chunk=chunk), q, k, v)
+  want = values_and_grads(full, q, k, v)
+  for a, e in zip(got[0] + got[1], want[0] + want[1]):
+    assert rel_err(a, e) < 1e-9
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+  got = values_and_grads(lambda *a: fused.bidirectional(*a, chunk=chunk), *f32)
+  assert got[0][0].dtype == jnp.float32
+  for a, e in zip(got[0] + got[1], want[0] + want[1]):
+    assert rel_err(a, e) < 1e-4
+
+
+BAD_INPUT = [
+    (dict(phi_q=jnp.zeros((2, 3, 8))), r"phi_q must be rank 4.*\(2, 3, 8\)"),
+    (dict(phi_k=jnp.zeros((2, 3, 8, 6))), r"phi_q \(2, 3, 8, 5\) and phi_k \(2, 3, 8, 6\)"),
+    (dict(v=jnp.zeros((2, 3, 9, 4))), r"v \(2, 3, 9, 4\) must share"),
+    (dict(v=jnp.zeros((2, 3, 8, 129))), r"d=129 must lie in \[1, 128\]"),
+    (dict(v=jnp.zeros((2, 3, 8, 4), jnp.int32)), r"v must be floating.*int32"),
+    (dict(chunk=48), r"chunk must be a power of two >= 16; got 48"),
+    (dict(chunk=8), r"got 8"),
+    (dict(log_decay=jnp.zeros((2,))), r"log_decay must be \[heads\]=\(3,\).*\(2,\)"),
+    (dict(log_decay=jnp.asarray([0.0, 0.1, -1.0])), r"maximum is 0.1"),
+    (dict(interpret=False), r"interpret=False.*cpu"),
+]
+
+
 @pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(phi_q=jnp.zeros((2, 3, 8))), r"phi_q must be rank 4.*\(2, 3, 8\)"),
-        (dict(phi_k=jnp.zeros((2, 3, 8, 6))), r"phi_q \(2, 3, 8, 5\) and phi_k \(2, 3, 8, 6\)"),
-        (dict(v=jnp.zeros((2, 3, 9, 4))), r"v \(2, 3, 9, 4\) must share"),
-        (dict(v=jnp.zeros((2, 3, 8, 129))), r"d=129 must lie in \[1, 128\]"),
-        (dict(v=jnp.zeros((2, 3, 8, 4), jnp.int32)), r"v must be floating.*int32"),
-        (dict(chunk=48), r"chunk must be a power of two >= 16; got 48"),
-        (dict(chunk=8), r"got 8"),
-        (dict(log_decay=jnp.zeros((2,))), r"log_decay must be \[heads\]=\(3,\).*\(2,\)"),
-        (dict(log_decay=jnp.asarray([0.0, 0.1, -1.0])), r"maximum is 0.1"),
-        (dict(interpret=False), r"interpret=False.*cpu"),
-    ],
+    "op, change, match",
+    [(fused.causal, c, m) for c, m in BAD_INPUT]
+    + [(fused.bidirectional, c, m) for c, m in BAD_INPUT if "log_decay" not in c],
 )
-def test_bad_input_raises_naming_the_value(change, match):
+def test_bad_input_raises_naming_the_value(op, change, match):
   args = dict(
       phi_q=jnp.zeros((2, 3, 8, 5)), phi_k=jnp.zeros((2, 3, 8, 5)), v=jnp.zeros((2, 3, 8, 4))
   )
   args.update(change)
   q, k, v = args.pop("phi_q"), args.pop("phi_k"), args.pop("v")
   with pytest.raises(ValueError, match=match):
-    fused.causal(q, k, v, **args)
+    op(q, k, v, **args)
 
 
 def test_supports_names_what_is_not_built():
@@ -166,14 +189,17 @@ def test_supports_names_what_is_not_built():
 @pytest.mark.parametrize(
     "platform, call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")]
 )
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_forward_and_backward_lower_for_accelerators(platform, call, dtype):
+@pytest.mark.parametrize(
+    "kind, dtype",
+    [("causal", jnp.float32), ("causal", jnp.bfloat16), ("bidirectional", jnp.float32)],
+)
+def test_forward_and_backward_lower_for_accelerators(platform, call, kind, dtype):
   """Lowering only (this CPU has neither): the Pallas kernels become Triton / Mosaic calls.
   Without float64, as on the accelerators (Mosaic rejects the int64 loop indices x64 makes)."""
   q = jax.ShapeDtypeStruct((2, 2, 100, 32), dtype)
   v = jax.ShapeDtypeStruct((2, 2, 100, 64), dtype)
-  lr = jnp.asarray([-0.1, 0.0], jnp.float32)
-  f = lambda q, k, v: fused._causal(q, k, v, 64, lr, False, platform)
+  lr = jnp.asarray([-0.1, 0.0], jnp.float32) if kind == "causal" else None
+  f = lambda q, k, v: fused._apply(q, k, v, lr, kind, 64, False, platform)
   loss = lambda q, k, v: sum(jnp.sum(x) for x in f(q, k, v))
   for fn, kernels in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 2)):
     with jax.enable_x64(False):

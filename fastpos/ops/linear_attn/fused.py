@@ -1,4 +1,4 @@
-"""Causal linear attention as one fused Pallas kernel per (batch, head), forward and backward.
+"""Linear attention as fused Pallas kernels, one program per (batch, head), forward and backward.
 
 ``causal(phi_q, phi_k, v)`` returns the unnormalised numerator and denominator
 
@@ -6,6 +6,8 @@
   den_i = sum_{j <= i} (phi_q_i . phi_k_j) r^(i-j)          ``[b, h, n]``
 
 (r = 1 without ``log_decay``), before any eps guard or division: the caller normalises.
+``bidirectional(phi_q, phi_k, v)`` returns the same sums over every j (no decay, no mask), by a
+kernel of the same layout: one pass sums the state over the chunks, a second applies it.
 
 Layout (as flash-linear-attention's chunk kernel): the grid runs one program per (batch, head);
 each program walks the sequence chunk by chunk in a ``lax.fori_loop`` carrying the state
@@ -219,6 +221,62 @@ def _bwd_kernel(*refs, chunk: int, num_chunks: int, decay: bool):
   )
 
 
+def _bi_fwd_kernel(q_ref, k_ref, v_ref, num_ref, den_ref, *, chunk: int, num_chunks: int, decay):
+  del decay  # bidirectional: none
+  acc = num_ref.dtype
+  m, d = q_ref.shape[-1], v_ref.shape[-1]
+
+  def rows(i):
+    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+
+  def total(i, carry):  # S = sum_j phi_k_j v_j^T, z = sum_j phi_k_j over the whole sequence
+    return _advance(*carry, k_ref[rows(i), :], v_ref[rows(i), :], None, acc)
+
+  zeros = (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
+  s, z = lax.fori_loop(0, num_chunks, total, zeros)
+
+  def out(i, carry):
+    q = q_ref[rows(i), :]
+    num_ref[rows(i), :] = _mm(q, s, (1, 0), acc)
+    den_ref[rows(i), :] = jnp.sum(q.astype(acc) * z, axis=1, keepdims=True)
+    return carry
+
+  lax.fori_loop(0, num_chunks, out, 0)
+
+
+def _bi_bwd_kernel(*refs, chunk: int, num_chunks: int, decay):
+  del decay
+  q_ref, k_ref, v_ref, dnum_ref, dden_ref, dq_ref, dk_ref, dv_ref = refs
+  acc = dnum_ref.dtype
+  m, d = q_ref.shape[-1], v_ref.shape[-1]
+
+  def rows(i):
+    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+
+  def totals(i, carry):  # the states S, z and their cotangents dS = sum_i phi_q_i dnum_i^T, dz
+    s, z, ds, dz = carry
+    s, z = _advance(s, z, k_ref[rows(i), :], v_ref[rows(i), :], None, acc)
+    q, dden = q_ref[rows(i), :], dden_ref[rows(i), :]
+    ds, dz = _advance(ds, dz, q, dnum_ref[rows(i), :], None, acc, weights=dden)
+    return s, z, ds, dz
+
+  zeros = (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
+  s, z, ds, dz = lax.fori_loop(0, num_chunks, totals, zeros + zeros)
+
+  def out(i, carry):
+    r = rows(i)
+    dq = _mm(dnum_ref[r, :], s, (1, 1), acc) + dden_ref[r, :] * z
+    dq_ref[r, :] = dq.astype(dq_ref.dtype)
+    dk_ref[r, :] = (_mm(v_ref[r, :], ds, (1, 1), acc) + dz).astype(dk_ref.dtype)
+    dv_ref[r, :] = _mm(k_ref[r, :], ds, (1, 0), acc).astype(dv_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, num_chunks, out, 0)
+
+
+_KERNELS = {"causal": (_fwd_kernel, _bwd_kernel), "bidirectional": (_bi_fwd_kernel, _bi_bwd_kernel)}
+
+
 def _compiler_params(platform: str):
   if platform == "tpu":
     return pltpu.CompilerParams(dimension_semantics=("parallel",))
@@ -246,29 +304,29 @@ def _call(kernel, inputs, outs, lr, *, chunk, interpret, platform):
   )(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(q, k, v, lr, chunk, interpret, platform):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(q, k, v, lr, kind, chunk, interpret, platform):
   """Padded, flattened: q, k ``[bh, n, m]``, v ``[bh, n, d]``, lr ``[bh, 1, 1]`` or None ->
   num ``[bh, n, d]``, den ``[bh, n, 1]`` (accumulation dtype)."""
-  return _fused_fwd(q, k, v, lr, chunk, interpret, platform)[0]
+  return _fused_fwd(q, k, v, lr, kind, chunk, interpret, platform)[0]
 
 
-def _fused_fwd(q, k, v, lr, chunk, interpret, platform):
+def _fused_fwd(q, k, v, lr, kind, chunk, interpret, platform):
   acc = _acc_dtype(q, k, v)
   bh, n, _ = q.shape
   outs = [jax.ShapeDtypeStruct((bh, n, v.shape[-1]), acc), jax.ShapeDtypeStruct((bh, n, 1), acc)]
   num, den = _call(
-      _fwd_kernel, [q, k, v], outs, lr, chunk=chunk, interpret=interpret, platform=platform
+      _KERNELS[kind][0], [q, k, v], outs, lr, chunk=chunk, interpret=interpret, platform=platform
   )
   return (num, den), (q, k, v, lr)
 
 
-def _fused_bwd(chunk, interpret, platform, res, ct):
+def _fused_bwd(kind, chunk, interpret, platform, res, ct):
   q, k, v, lr = res
   dnum, dden = ct
   outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
   dq, dk, dv = _call(
-      _bwd_kernel,
+      _KERNELS[kind][1],
       [q, k, v, dnum, dden],
       outs,
       lr,
@@ -297,6 +355,18 @@ def causal(phi_q, phi_k, v, *, chunk: int = 64, log_decay=None, interpret: bool 
     num ``[b, h, n, d]`` and den ``[b, h, n]``, float32 (float64 for float64 inputs):
     ``num_i = sum_{j<=i} (phi_q_i . phi_k_j) r^(i-j) v_j`` and the same sum without ``v_j``.
   """
+  return _entry("causal", phi_q, phi_k, v, chunk, log_decay, interpret)
+
+
+def bidirectional(phi_q, phi_k, v, *, chunk: int = 64, interpret: bool | None = None):
+  """Bidirectional linear attention, unnormalised, by a fused Pallas kernel: one pass over the
+  chunks sums ``S = phi_k^T v`` ``[m, d]`` and ``z = sum_j phi_k_j``, a second writes
+  ``num = phi_q S`` ``[b, h, n, d]`` and ``den = phi_q z`` ``[b, h, n]`` (float32; float64 for
+  float64 inputs). Arguments as ``causal``'s (no decay: it is causal only)."""
+  return _entry("bidirectional", phi_q, phi_k, v, chunk, None, interpret)
+
+
+def _entry(kind, phi_q, phi_k, v, chunk, log_decay, interpret):
   _check(phi_q, phi_k, v, chunk, log_decay)
   backend = jax.default_backend()
   if interpret is False and backend == "cpu":
@@ -304,21 +374,14 @@ def causal(phi_q, phi_k, v, *, chunk: int = 64, log_decay=None, interpret: bool 
         "interpret=False compiles the kernel for a GPU (Triton) or TPU (Mosaic); the backend "
         "is cpu: pass interpret=True or None."
     )
-  return _causal(
-      phi_q,
-      phi_k,
-      v,
-      chunk,
-      log_decay,
-      backend == "cpu" if interpret is None else interpret,
-      backend,
-  )
+  interpret = backend == "cpu" if interpret is None else interpret
+  return _apply(phi_q, phi_k, v, log_decay, kind, chunk, interpret, backend)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 5, 6))
-def _causal(phi_q, phi_k, v, chunk, log_decay, interpret: bool, platform: str):
-  """``causal`` after its checks, for a given platform ("cpu", "cuda", "tpu"): the tests lower
-  it for a platform this machine does not have."""
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _apply(phi_q, phi_k, v, log_decay, kind: str, chunk: int, interpret: bool, platform: str):
+  """``causal`` or ``bidirectional`` (``kind``) after the checks, for a given platform ("cpu",
+  "gpu", "cuda", "tpu"): the tests lower it for a platform this machine does not have."""
   b, h, n, m = phi_k.shape
   d = v.shape[-1]
   acc = _acc_dtype(phi_q, phi_k, v)
@@ -333,7 +396,8 @@ def _causal(phi_q, phi_k, v, chunk, log_decay, interpret: bool, platform: str):
     lr = lax.stop_gradient(jnp.asarray(log_decay, acc))
     lr = jnp.broadcast_to(lr[None, :], (b, h)).reshape(b * h, 1, 1)
   mb, db = _next_block(m), _next_block(d)
-  num, den = _fused(flat(phi_q, mb), flat(phi_k, mb), flat(v, db), lr, chunk, interpret, platform)
+  q, k, vals = flat(phi_q, mb), flat(phi_k, mb), flat(v, db)
+  num, den = _fused(q, k, vals, lr, kind, chunk, interpret, platform)
   num = num.reshape(b, h, n + pad_n, db)[:, :, :n, :d]
   den = den.reshape(b, h, n + pad_n)[:, :, :n]
   return num, den
