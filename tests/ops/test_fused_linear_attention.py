@@ -52,20 +52,30 @@ def values_and_grads(f, q, k, v, seed=1):
   return (num, den), pullback(ct)
 
 
+def run_layout(layout, chunk, lr):
+  """causal in the GPU layout ("loop": fused.causal on this CPU) or the TPU layout ("grid"),
+  both in interpret mode."""
+  if layout == "loop":
+    return lambda *a: fused.causal(*a, chunk=chunk, log_decay=lr)
+  return lambda *a: fused._apply(*a, lr, "causal", chunk, True, "tpu")
+
+
 @pytest.mark.parametrize(
-    "n, chunk, m, d, decay",
+    "layout, n, chunk, m, d, decay",
     [
-        (37, 16, 5, 4, False),  # n not a multiple of chunk, m and d padded to 16
-        (37, 16, 5, 4, True),
-        (64, 32, 16, 32, True),  # no padding at all
-        (50, 64, 8, 20, True),  # one partial chunk
-        (80, 16, 3, 7, False),  # five chunks
+        ("loop", 37, 16, 5, 4, False),  # n not a multiple of chunk, m and d padded to 16
+        ("loop", 37, 16, 5, 4, True),
+        ("loop", 64, 32, 16, 32, True),  # no padding at all
+        pytest.param("loop", 50, 64, 8, 20, True, marks=pytest.mark.slow),  # one partial chunk
+        pytest.param("loop", 80, 16, 3, 7, False, marks=pytest.mark.slow),  # five chunks
+        ("grid", 37, 16, 5, 4, True),
+        pytest.param("grid", 80, 16, 3, 7, False, marks=pytest.mark.slow),
     ],
 )
-def test_values_and_gradients_match_dense_float64(n, chunk, m, d, decay):
+def test_values_and_gradients_match_dense_float64(layout, n, chunk, m, d, decay):
   q, k, v = inputs(n, m=m, d=d)
   lr = jnp.asarray(DECAY) if decay else None
-  got = values_and_grads(lambda *a: fused.causal(*a, chunk=chunk, log_decay=lr), q, k, v)
+  got = values_and_grads(run_layout(layout, chunk, lr), q, k, v)
   want = values_and_grads(lambda *a: dense(*a, lr), q, k, v)
   assert got[0][0].dtype == jnp.float64 and got[0][1].shape == (2, 3, n)
   for name, a, e in zip(("num", "den"), got[0], want[0]):
@@ -121,15 +131,18 @@ def test_no_output_depends_on_a_future_input():
       assert np.any(g[: i + 1] != 0.0), name
 
 
-def test_chunk_sizes_agree():
+def test_chunk_sizes_and_layouts_agree():
   q, k, v = inputs(100, seed=5)
   lr = jnp.asarray(DECAY)
-  outs = [fused.causal(q, k, v, chunk=c, log_decay=lr) for c in (16, 32, 128)]
+  outs = [run_layout("loop", c, lr)(q, k, v) for c in (16, 32, 128)]
+  outs.append(run_layout("grid", 32, lr)(q, k, v))
   for num, den in outs[1:]:
     assert rel_err(num, outs[0][0]) < 1e-12 and rel_err(den, outs[0][1]) < 1e-12
 
 
-@pytest.mark.parametrize("n, chunk, m, d", [(37, 16, 5, 4), (64, 32, 16, 32)])
+@pytest.mark.parametrize(
+    "n, chunk, m, d", [(37, 16, 5, 4), pytest.param(64, 32, 16, 32, marks=pytest.mark.slow)]
+)
 def test_bidirectional_values_and_gradients_match_dense_float64(n, chunk, m, d):
   q, k, v = inputs(n, m=m, d=d, seed=8)
 
@@ -201,7 +214,8 @@ def test_forward_and_backward_lower_for_accelerators(platform, call, kind, dtype
   lr = jnp.asarray([-0.1, 0.0], jnp.float32) if kind == "causal" else None
   f = lambda q, k, v: fused._apply(q, k, v, lr, kind, 64, False, platform)
   loss = lambda q, k, v: sum(jnp.sum(x) for x in f(q, k, v))
-  for fn, kernels in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 2)):
+  backward = 2 if kind == "causal" else 1  # causal: d phi_q, then d phi_k and dv
+  for fn, kernels in ((f, 1), (jax.grad(loss, argnums=(0, 1, 2)), 1 + backward)):
     with jax.enable_x64(False):
       text = jax.jit(fn).trace(q, q, v).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(f"@{call}(") == kernels

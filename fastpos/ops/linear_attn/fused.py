@@ -1,4 +1,4 @@
-"""Linear attention as fused Pallas kernels, one program per (batch, head), forward and backward.
+"""Linear attention as fused Pallas kernels per (batch, head), forward and backward.
 
 ``causal(phi_q, phi_k, v)`` returns the unnormalised numerator and denominator
 
@@ -6,40 +6,45 @@
   den_i = sum_{j <= i} (phi_q_i . phi_k_j) r^(i-j)          ``[b, h, n]``
 
 (r = 1 without ``log_decay``), before any eps guard or division: the caller normalises.
-``bidirectional(phi_q, phi_k, v)`` returns the same sums over every j (no decay, no mask), by a
-kernel of the same layout: one pass sums the state over the chunks, a second applies it.
+``bidirectional(phi_q, phi_k, v)`` returns the same sums over every j (no decay, no mask): one
+loop over the chunks sums the state, a second applies it.
 
-Layout (as flash-linear-attention's chunk kernel): the grid runs one program per (batch, head);
-each program walks the sequence chunk by chunk in a ``lax.fori_loop`` carrying the state
-``S = sum_j phi_k_j v_j^T`` ``[m, d]`` and ``z = sum_j phi_k_j`` ``[1, m]`` in registers (GPU)
-or VMEM (TPU). Per chunk of ``c`` tokens: the masked ``(Q K^T) V`` product inside the chunk plus
-``Q S`` for the earlier chunks, then ``S += K^T V``. States and accumulation are float32 (float64
-for float64 inputs); bf16 inputs enter the ``Q K^T`` and ``K^T V`` matmuls as bf16 with float32
-accumulation (bf16 products are exact in float32). Float32 matmuls run at full precision
-(``Precision.HIGHEST``: IEEE on GPU, not TF32), so float32 results hold 1e-4 against float64.
+Causal layout (as flash-linear-attention's chunk kernel): the sequence is walked chunk by chunk
+carrying the state ``S = sum_j phi_k_j v_j^T`` ``[m, d]`` and ``z = sum_j phi_k_j`` ``[1, m]``.
+Per chunk of ``c`` tokens (``_fwd_step``): the masked ``(Q K^T) V`` product inside the chunk
+plus ``Q S`` for the earlier chunks, then ``S += K^T V``. Two layouts run the same step
+functions: on GPU (Triton) and in interpret mode, one program per (batch, head) loops over the
+chunks (``lax.fori_loop``) with the state in registers (``_loop_kernel``); on TPU (Mosaic) the
+grid is (batch x head, chunk), the chunk axis sequential ("arbitrary"), each program one chunk,
+and the state in VMEM scratch between programs (``_grid_kernel``), so VMEM holds a chunk, not
+the sequence. States and accumulation are float32 (float64 for float64 inputs); bf16 inputs
+enter the ``Q K^T`` and ``K^T V`` matmuls as bf16 with float32 accumulation (bf16 products are
+exact in float32). Float32 matmuls run at full precision (``Precision.HIGHEST``: IEEE on GPU,
+not TF32), so float32 results hold 1e-4 against float64.
 
 Decay: key j weighs ``r^(i-j)`` for query i, split per chunk as ``r^(i - start)`` (query side)
 times ``r^(start - j)`` (the carried state, decayed by ``r^c`` per chunk), so every exponent is
 <= 0 and nothing overflows. ``log_decay`` is a constant of the model (a config value in fastpos):
 no gradient flows to it.
 
-Backward (``jax.custom_vjp``, also a Pallas kernel, one program per (batch, head)): a forward
-pass over the chunks recomputes ``S`` and ``z`` and writes ``d phi_q``; a reverse pass carries
-``dS = sum_{i later} phi_q_i dnum_i^T`` and ``dz`` and writes ``d phi_k`` and ``dv``. No prefix
-state is ever rebuilt by subtraction (that drifts in float32); the residuals are the inputs only.
+Backward (``jax.custom_vjp``, Pallas kernels in the same layouts): a forward pass over the chunks
+recomputes ``S`` and ``z`` and writes ``d phi_q`` (``_dq_step``); a reverse pass carries
+``dS = sum_{i later} phi_q_i dnum_i^T`` and ``dz`` and writes ``d phi_k`` and ``dv``
+(``_dkv_step``). No prefix state is ever rebuilt by subtraction (that drifts in float32); the
+residuals are the inputs only.
 
 Padding: n is zero-padded to a multiple of ``chunk`` (zero keys add nothing; padded queries are
 cut off), and m, d to the next power of two >= 16 (Triton's block and matmul minimum; zero
 features and value columns are exact). m and d up to 128 (one full block each).
 
 Platforms: ``interpret=None`` runs Pallas interpret mode when ``jax.default_backend()`` is
-``"cpu"`` (how the tests run it) and compiles otherwise, through Triton on GPU and Mosaic on TPU.
-On a CPU-only jaxlib both lowerings can be produced (``jax.jit(f).trace(...).lower(
-lowering_platforms=("cuda",))``, and ``"tpu"``), and the tests check that forward and backward
-lower; what a GPU / TPU must still confirm: that Triton / Mosaic compile the lowered kernels,
-their values against the interpret-mode results, and their speed. On TPU each program holds its
-(batch, head)'s whole sequence in VMEM (n (2m + 2d) words, double-buffered), which bounds n; a
-grid over chunks with a VMEM-scratch state would lift that bound.
+``"cpu"`` (how the tests run both layouts) and compiles otherwise. On a CPU-only jaxlib both
+lowerings can be produced (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``, and
+``"tpu"``), and the tests check that forward and backward lower. What a GPU / TPU must still
+confirm: that Triton / Mosaic compile the lowered kernels (Mosaic's own layout passes run only
+on a TPU), their values against the interpret-mode results, and their speed. The bidirectional
+kernel has the loop layout on every platform: on TPU a program holds its (batch, head)'s whole
+sequence in VMEM, which bounds n there.
 
 Not built in (``supports`` names them): segment ids, per-key log scales, separate denominator
 features, kernelized RPE. Separate denominator features can be served by calling ``causal``
@@ -149,90 +154,106 @@ def _advance(s, z, k, v, step, acc, weights=None):
   return s + _mm(k, v, (0, 0), acc), z
 
 
-def _fwd_kernel(*refs, chunk: int, num_chunks: int, decay: bool):
+def _zeros(m: int, d: int, acc):
+  return jnp.zeros((m, d), acc), jnp.zeros((1, m), acc)
+
+
+def _rows(i, chunk: int):
+  return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+
+
+# One chunk of each causal pass: (the chunk's input blocks, the carried state, the weights) ->
+# (the chunk's output blocks, the state leaving the chunk). Both layouts (``_loop_kernel``,
+# ``_grid_kernel``) run these, so the two share every line of the arithmetic.
+
+
+def _fwd_step(q, k, v, s, z, *, w, acc):
+  """num ``[c, d]``, den ``[c, 1]``; the state ``S [m, d]``, ``z [1, m]`` moves forward."""
+  intra, q_w, k_w, step = w
+  a = _mm(q, k, (1, 1), acc) * intra  # [c, c]
+  if step is not None:
+    q, k = q * q_w, k * k_w
+  num = _mm(q, s, (1, 0), acc) + _mm(a, v, (1, 0), acc)
+  den = jnp.sum(q.astype(acc) * z, axis=1, keepdims=True) + jnp.sum(a, axis=1, keepdims=True)
+  return (num, den), _advance(s, z, k, v, step, acc)
+
+
+def _dq_step(k, v, dnum, dden, s, z, *, w, acc):
+  """d phi_q ``[c, m]``, recomputing the forward state ``S``, ``z`` (moving forward)."""
+  intra, q_w, k_w, step = w
+  da = (_mm(dnum, v, (1, 1), acc) + dden) * intra  # [c, c]
+  dq = _mm(dnum, s, (1, 1), acc) + dden * z  # [c, m]
+  if step is not None:
+    dq = dq * q_w
+  dq = dq + _mm(da, k, (1, 0), acc)
+  return (dq,), _advance(s, z, k if step is None else k * k_w, v, step, acc)
+
+
+def _dkv_step(q, k, v, dnum, dden, ds, dz, *, w, acc):
+  """d phi_k ``[c, m]`` and dv ``[c, d]``; carries (moving backward) the cotangents ``dS``,
+  ``dz`` of the state leaving the chunk and returns those of the state entering it."""
+  intra, q_w, k_w, step = w
+  a = _mm(q, k, (1, 1), acc) * intra
+  da = (_mm(dnum, v, (1, 1), acc) + dden) * intra
+  dk = _mm(da, q, (0, 0), acc)
+  dk_state = _mm(v, ds, (1, 1), acc) + dz  # [c, m]
+  if step is not None:
+    q, k, dk_state = q * q_w, k * k_w, dk_state * k_w
+  dv = _mm(a, dnum, (0, 0), acc) + _mm(k, ds, (1, 0), acc)
+  # The state entering the chunk reaches the next one decayed by r^c, and this chunk's queries.
+  return (dk + dk_state, dv), _advance(ds, dz, q, dnum, step, acc, weights=dden)
+
+
+def _split_refs(refs, decay: bool, n_in: int):
   lr_ref, refs = (refs[0], refs[1:]) if decay else (None, refs)
-  q_ref, k_ref, v_ref, num_ref, den_ref = refs
-  acc = num_ref.dtype
-  intra, q_w, k_w, step = _weights(lr_ref, chunk, acc)
+  return lr_ref, refs[:n_in], refs[n_in:]
+
+
+def _loop_kernel(*refs, step, n_in, state, acc, chunk, num_chunks, decay, reverse):
+  """GPU layout: a program sees its (batch, head)'s whole sequence and loops over the chunks,
+  the state in registers."""
+  lr_ref, in_refs, out_refs = _split_refs(refs, decay, n_in)
+  w = _weights(lr_ref, chunk, acc)
 
   def body(i, carry):
-    s, z = carry  # [m, d], [1, m]
-    rows = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
-    q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
-    a = _mm(q, k, (1, 1), acc) * intra  # [c, c]
-    if decay:
-      q, k = q * q_w, k * k_w
-    num_ref[rows, :] = _mm(q, s, (1, 0), acc) + _mm(a, v, (1, 0), acc)
-    den_ref[rows, :] = jnp.sum(q * z, axis=1, keepdims=True) + jnp.sum(a, axis=1, keepdims=True)
-    return _advance(s, z, k, v, step, acc)
+    rows = _rows(num_chunks - 1 - i if reverse else i, chunk)
+    outs, carry = step(*(r[rows, :] for r in in_refs), *carry, w=w, acc=acc)
+    for r, o in zip(out_refs, outs):
+      r[rows, :] = o.astype(r.dtype)
+    return carry
 
-  m, d = q_ref.shape[-1], v_ref.shape[-1]
-  lax.fori_loop(
-      np.int32(0), np.int32(num_chunks), body, (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
-  )
+  lax.fori_loop(0, num_chunks, body, _zeros(*state, acc))
 
 
-def _bwd_kernel(*refs, chunk: int, num_chunks: int, decay: bool):
-  lr_ref, refs = (refs[0], refs[1:]) if decay else (None, refs)
-  q_ref, k_ref, v_ref, dnum_ref, dden_ref, dq_ref, dk_ref, dv_ref = refs
-  acc = dnum_ref.dtype
-  intra, q_w, k_w, step = _weights(lr_ref, chunk, acc)
-  m, d = q_ref.shape[-1], v_ref.shape[-1]
+def _grid_kernel(*refs, step, n_in, state, acc, chunk, num_chunks, decay, reverse):
+  """TPU layout: the grid's second axis walks the chunks in order ("arbitrary"), a program sees
+  one chunk, and the state lives in VMEM scratch between programs."""
+  del num_chunks, reverse  # in the grid and its index maps
+  lr_ref, in_refs, refs = _split_refs(refs, decay, n_in)
+  out_refs, (s_ref, z_ref) = refs[:-2], refs[-2:]
 
-  def load(i):
-    rows = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
-    return (
-        rows,
-        q_ref[rows, :],
-        k_ref[rows, :],
-        v_ref[rows, :],
-        dnum_ref[rows, :],
-        dden_ref[rows, :],
-    )
+  @pl.when(pl.program_id(1) == 0)
+  def _():
+    s_ref[...], z_ref[...] = _zeros(*state, acc)
 
-  def forward(i, carry):  # d phi_q, recomputing the state entering each chunk
-    s, z = carry
-    rows, _, k, v, dnum, dden = load(i)
-    da = (_mm(dnum, v, (1, 1), acc) + dden) * intra  # [c, c]
-    dq = _mm(dnum, s, (1, 1), acc) + dden * z  # [c, m]
-    if decay:
-      dq = dq * q_w
-    dq_ref[rows, :] = (dq + _mm(da, k, (1, 0), acc)).astype(dq_ref.dtype)
-    return _advance(s, z, k * k_w if decay else k, v, step, acc)
-
-  def reverse(i, carry):  # d phi_k and dv; carries dS, dz of the state leaving the chunk
-    ds, dz = carry  # [m, d], [1, m]
-    rows, q, k, v, dnum, dden = load(num_chunks - 1 - i)
-    a = _mm(q, k, (1, 1), acc) * intra
-    da = (_mm(dnum, v, (1, 1), acc) + dden) * intra
-    dk = _mm(v, ds, (1, 1), acc) + dz  # [c, m]
-    if decay:
-      q, k, dk = q * q_w, k * k_w, dk * k_w
-    dk_ref[rows, :] = (dk + _mm(da, q_ref[rows, :], (0, 0), acc)).astype(dk_ref.dtype)
-    dv_ref[rows, :] = (_mm(a, dnum, (0, 0), acc) + _mm(k, ds, (1, 0), acc)).astype(dv_ref.dtype)
-    # The state entering the chunk reaches the next one decayed by r^c, and this chunk's queries.
-    return _advance(ds, dz, q, dnum, step, acc, weights=dden)
-
-  lax.fori_loop(
-      np.int32(0), np.int32(num_chunks), forward, (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
-  )
-  lax.fori_loop(
-      np.int32(0), np.int32(num_chunks), reverse, (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
-  )
+  w = _weights(lr_ref, chunk, acc)
+  outs, (s, z) = step(*(r[...] for r in in_refs), s_ref[...], z_ref[...], w=w, acc=acc)
+  s_ref[...], z_ref[...] = s, z
+  for r, o in zip(out_refs, outs):
+    r[...] = o.astype(r.dtype)
 
 
-def _bi_fwd_kernel(q_ref, k_ref, v_ref, num_ref, den_ref, *, chunk: int, num_chunks: int, decay):
-  del decay  # bidirectional: none
+def _bi_fwd_kernel(q_ref, k_ref, v_ref, num_ref, den_ref, *, chunk: int, num_chunks: int):
+  """Bidirectional forward (whole-sequence layout): S, z summed over the chunks, then applied."""
   acc = num_ref.dtype
   m, d = q_ref.shape[-1], v_ref.shape[-1]
 
-  def rows(i):
-    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+  rows = functools.partial(_rows, chunk=chunk)
 
   def total(i, carry):  # S = sum_j phi_k_j v_j^T, z = sum_j phi_k_j over the whole sequence
     return _advance(*carry, k_ref[rows(i), :], v_ref[rows(i), :], None, acc)
 
-  zeros = (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
+  zeros = _zeros(m, d, acc)
   s, z = lax.fori_loop(0, num_chunks, total, zeros)
 
   def out(i, carry):
@@ -244,14 +265,14 @@ def _bi_fwd_kernel(q_ref, k_ref, v_ref, num_ref, den_ref, *, chunk: int, num_chu
   lax.fori_loop(0, num_chunks, out, 0)
 
 
-def _bi_bwd_kernel(*refs, chunk: int, num_chunks: int, decay):
-  del decay
+def _bi_bwd_kernel(*refs, chunk: int, num_chunks: int):
+  """Bidirectional backward: S, z and their cotangents dS, dz summed in one pass, applied in a
+  second."""
   q_ref, k_ref, v_ref, dnum_ref, dden_ref, dq_ref, dk_ref, dv_ref = refs
   acc = dnum_ref.dtype
   m, d = q_ref.shape[-1], v_ref.shape[-1]
 
-  def rows(i):
-    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+  rows = functools.partial(_rows, chunk=chunk)
 
   def totals(i, carry):  # the states S, z and their cotangents dS = sum_i phi_q_i dnum_i^T, dz
     s, z, ds, dz = carry
@@ -260,7 +281,7 @@ def _bi_bwd_kernel(*refs, chunk: int, num_chunks: int, decay):
     ds, dz = _advance(ds, dz, q, dnum_ref[rows(i), :], None, acc, weights=dden)
     return s, z, ds, dz
 
-  zeros = (jnp.zeros((m, d), acc), jnp.zeros((1, m), acc))
+  zeros = _zeros(m, d, acc)
   s, z, ds, dz = lax.fori_loop(0, num_chunks, totals, zeros + zeros)
 
   def out(i, carry):
@@ -274,33 +295,63 @@ def _bi_bwd_kernel(*refs, chunk: int, num_chunks: int, decay):
   lax.fori_loop(0, num_chunks, out, 0)
 
 
-_KERNELS = {"causal": (_fwd_kernel, _bwd_kernel), "bidirectional": (_bi_fwd_kernel, _bi_bwd_kernel)}
-
-
-def _compiler_params(platform: str):
-  if platform == "tpu":
-    return pltpu.CompilerParams(dimension_semantics=("parallel",))
-  if platform in ("cuda", "rocm", "gpu"):
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
-  return None
-
-
-def _call(kernel, inputs, outs, lr, *, chunk, interpret, platform):
+def _whole(kernel, args, outs, *, interpret: bool, platform: str, name: str):
   """One program per row of the flattened [b h] axis; each sees its row's whole sequence."""
-  bh, n = inputs[0].shape[:2]
-  decay = lr is not None
-  row = lambda i: (i, 0, 0)
-  spec = lambda a: pl.BlockSpec((None,) + tuple(a.shape[1:]), row)
-  args = ([lr] if decay else []) + list(inputs)
+  spec = lambda a: pl.BlockSpec((None,) + tuple(a.shape[1:]), lambda i: (i, 0, 0))
+  if interpret:
+    params = None
+  elif platform == "tpu":
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+  else:
+    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
   return pl.pallas_call(
-      functools.partial(kernel, chunk=chunk, num_chunks=n // chunk, decay=decay),
+      kernel,
       out_shape=outs,
-      grid=(bh,),
+      grid=(args[0].shape[0],),
       in_specs=[spec(a) for a in args],
       out_specs=[spec(o) for o in outs],
       interpret=interpret,
-      compiler_params=None if interpret else _compiler_params(platform),
-      name=kernel.__name__.strip("_"),
+      compiler_params=params,
+      name=name,
+  )(*args)
+
+
+def _chunked(step, inputs, outs, lr, *, state, reverse, chunk, interpret, platform):
+  """Runs ``step`` over the chunks of every (batch, head), forward or in ``reverse``, carrying
+  a state of shape ``state`` = (m, d): by ``_loop_kernel`` (GPU, interpret mode) or by
+  ``_grid_kernel`` (TPU). inputs ``[bh, n, .]`` (n a multiple of chunk), lr ``[bh, 1, 1]`` or
+  None; outs: the ``[bh, n, .]`` outputs' shapes and dtypes."""
+  bh, n = inputs[0].shape[:2]
+  g = n // chunk
+  decay = lr is not None
+  args = ([lr] if decay else []) + list(inputs)
+  acc = _acc_dtype(*inputs)
+  kw = dict(step=step, n_in=len(inputs), state=state, acc=acc, chunk=chunk, num_chunks=g)
+  kw.update(decay=decay, reverse=reverse)
+  name = step.__name__.strip("_")
+  if platform != "tpu":
+    return _whole(
+        functools.partial(_loop_kernel, **kw),
+        args,
+        outs,
+        interpret=interpret,
+        platform=platform,
+        name=name,
+    )
+  at = (lambda i, j: (i, g - 1 - j, 0)) if reverse else (lambda i, j: (i, j, 0))
+  spec = lambda a: pl.BlockSpec((None, chunk, a.shape[-1]), at)
+  lr_spec = [pl.BlockSpec((None, 1, 1), lambda i, j: (i, 0, 0))] if decay else []
+  params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+  return pl.pallas_call(
+      functools.partial(_grid_kernel, **kw),
+      out_shape=outs,
+      grid=(bh, g),
+      in_specs=lr_spec + [spec(a) for a in inputs],
+      out_specs=[spec(o) for o in outs],
+      scratch_shapes=[pltpu.VMEM(state, acc), pltpu.VMEM((1, state[0]), acc)],
+      interpret=interpret,
+      compiler_params=None if interpret else params,
+      name=name,
   )(*args)
 
 
@@ -313,27 +364,41 @@ def _fused(q, k, v, lr, kind, chunk, interpret, platform):
 
 def _fused_fwd(q, k, v, lr, kind, chunk, interpret, platform):
   acc = _acc_dtype(q, k, v)
-  bh, n, _ = q.shape
-  outs = [jax.ShapeDtypeStruct((bh, n, v.shape[-1]), acc), jax.ShapeDtypeStruct((bh, n, 1), acc)]
-  num, den = _call(
-      _KERNELS[kind][0], [q, k, v], outs, lr, chunk=chunk, interpret=interpret, platform=platform
-  )
+  (bh, n, m), d = q.shape, v.shape[-1]
+  outs = [jax.ShapeDtypeStruct((bh, n, d), acc), jax.ShapeDtypeStruct((bh, n, 1), acc)]
+  if kind == "bidirectional":
+    kernel = functools.partial(_bi_fwd_kernel, chunk=chunk, num_chunks=n // chunk)
+    num, den = _whole(kernel, [q, k, v], outs, interpret=interpret, platform=platform, name=kind)
+  else:
+    run = functools.partial(
+        _chunked, state=(m, d), chunk=chunk, interpret=interpret, platform=platform
+    )
+    num, den = run(_fwd_step, [q, k, v], outs, lr, reverse=False)
   return (num, den), (q, k, v, lr)
 
 
 def _fused_bwd(kind, chunk, interpret, platform, res, ct):
   q, k, v, lr = res
   dnum, dden = ct
-  outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
-  dq, dk, dv = _call(
-      _KERNELS[kind][1],
-      [q, k, v, dnum, dden],
-      outs,
-      lr,
-      chunk=chunk,
-      interpret=interpret,
-      platform=platform,
-  )
+  (_, n, m), d = q.shape, v.shape[-1]
+  like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  if kind == "bidirectional":
+    kernel = functools.partial(_bi_bwd_kernel, chunk=chunk, num_chunks=n // chunk)
+    args = [q, k, v, dnum, dden]
+    dq, dk, dv = _whole(
+        kernel,
+        args,
+        [like(q), like(k), like(v)],
+        interpret=interpret,
+        platform=platform,
+        name=kind + "_bwd",
+    )
+  else:
+    run = functools.partial(
+        _chunked, state=(m, d), chunk=chunk, interpret=interpret, platform=platform
+    )
+    (dq,) = run(_dq_step, [k, v, dnum, dden], [like(q)], lr, reverse=False)
+    dk, dv = run(_dkv_step, [q, k, v, dnum, dden], [like(k), like(v)], lr, reverse=True)
   return dq, dk, dv, None if lr is None else jnp.zeros_like(lr)
 
 
