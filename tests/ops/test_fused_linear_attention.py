@@ -134,7 +134,7 @@ def test_no_output_depends_on_a_future_input():
 def test_chunk_sizes_and_layouts_agree():
   q, k, v = inputs(100, seed=5)
   lr = jnp.asarray(DECAY)
-  outs = [run_layout("loop", c, lr)(q, k, v) for c in (16, 32, 128)]
+  outs = [run_layout("loop", c, lr)(q, k, v) for c in (16, 128)]
   outs.append(run_layout("grid", 32, lr)(q, k, v))
   for num, den in outs[1:]:
     assert rel_err(num, outs[0][0]) < 1e-12 and rel_err(den, outs[0][1]) < 1e-12

@@ -42,7 +42,8 @@ Platforms: ``interpret=None`` runs Pallas interpret mode when ``jax.default_back
 lowerings can be produced (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``, and
 ``"tpu"``), and the tests check that forward and backward lower. What a GPU / TPU must still
 confirm: that Triton / Mosaic compile the lowered kernels (Mosaic's own layout passes run only
-on a TPU), their values against the interpret-mode results, and their speed. The bidirectional
+on a TPU; the transposed-operand matmuls ``K^T V`` and ``dA^T Q`` are the likeliest to need
+care there), their values against the interpret-mode results, and their speed. The bidirectional
 kernel has the loop layout on every platform: on TPU a program holds its (batch, head)'s whole
 sequence in VMEM, which bounds n there.
 
@@ -136,10 +137,10 @@ def _weights(lr_ref, chunk: int, acc):
   row = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
   col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
   if lr_ref is None:
-    return jnp.where(row >= col, 1.0, 0.0).astype(acc), None, None, None
+    return (row >= col).astype(acc), None, None, None
   g = lr_ref[...].astype(acc)  # [1, 1]
   dist = jnp.maximum(row - col, 0).astype(acc)
-  intra = jnp.where(row >= col, jnp.exp(g * dist), 0.0).astype(acc)
+  intra = jnp.where(row >= col, jnp.exp(g * dist), jnp.zeros((), acc))
   t = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(acc)
   return intra, jnp.exp(g * t), jnp.exp(g * (chunk - t)), jnp.exp(g * chunk)
 
