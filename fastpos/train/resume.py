@@ -12,6 +12,7 @@ process count, cannot carry the position over (RunError naming both values).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from absl import logging
 from fastpos.train import state as state_lib
 from fastpos.train.checkpoint import Checkpoints, Restored
 from fastpos.train.errors import RunError
+from fastpos.train.identity import Record
 from fastpos.train.run import Run
 from fastpos.train.state import TrainState
 
@@ -76,9 +78,14 @@ def batching(cfg: ml_collections.ConfigDict) -> list:
   return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 
-def start(run: Run, ckpts: Checkpoints, source) -> Start:
-  """The loop's start: restored from the newest checkpoint that loads, else from scratch."""
-  found = ckpts.restore_newest(run.checkpoint_abstract, expect=run.expect)
+def start(run: Run, ckpts: Checkpoints, source, record: Record | None = None) -> Start:
+  """The loop's start: restored from the newest checkpoint that loads, else from scratch.
+  ``record``: the workdir's run record; a checkpoint it does not account for (another run's,
+  or the record edited or cut short) stops the resume (``identity.Record.check``)."""
+  expect = run.expect
+  if record is not None:
+    expect = {**expect, "run": functools.partial(record.check, records=True)}
+  found = ckpts.restore_newest(run.checkpoint_abstract, expect=expect)
   if found is None:
     state, carry = run.init_state()
     batches = run.feed.train(source, 0)
