@@ -29,6 +29,8 @@ EDITS = {
 def _config(path: Path, cache: Path, level: str, steps: int):
   cfg = cli.load_config(f"{ROOT}/configs/text_lm.py:tiny,paths={path},level={level}", lock=False)
   cfg.task.update(cache_dir=str(cache), segment_length=16, include="*.txt")
+  if level == "word":
+    cfg.task.vocab_size = 12  # TEXT has 16 word types: ids depend on which 9 are kept
   cfg.schedule.name = "constant"  # more steps on resume change nothing else
   cfg.num_train_steps = steps
   cfg.log_every_steps = cfg.eval_every_steps = cfg.checkpoint_every_steps = 2
@@ -62,19 +64,21 @@ def test_changed_data_are_refused_then_accepted_and_recorded(trained, tmp_path, 
     line = str(info.value)
     assert "\n" not in line and line.startswith(f"the data of the run in {workdir} changed")
     assert f"{text} changed" in line and "--allow_config_change" in line
-    assert level == "byte" or edit == "reversed" or "the vocabulary differs" in line, line
+    if level == "word" and edit == "content":  # fox -> cow: another word at fox's id
+      assert "the vocabulary differs" in line, line
     assert not (workdir / config_record.CHANGES_NAME).exists()
     result = train_and_evaluate(cfg, workdir, allow_config_change=True)
     assert result["step"] == 4
     (entry,) = config_record.read_changes(workdir)
-    assert entry["changes"] == [] and entry["data"]["what"].startswith(f"{text} changed")
+    assert not any(c["affects_results"] for c in entry["changes"])  # num_train_steps only
+    assert entry["data"]["what"].startswith(f"{text} changed")
     fingerprint = entry["data"]["new"]
     assert fingerprint["files"][0][0] == str(text)
     meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
     assert meta["run"]["data"] == identity.data_digest(fingerprint)
     assert "data (" in config_record.describe([entry])
     train_and_evaluate(_config(text, cache, level, 6), workdir)  # the new data: no change
-    assert len(config_record.read_changes(workdir)) == 1
+    assert "data" not in config_record.read_changes(workdir)[-1]
   finally:
     text.write_text(TEXT)
 
