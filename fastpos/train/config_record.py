@@ -220,13 +220,13 @@ def describe(entries: Iterable[Mapping[str, Any]]) -> str:
   "config changed at step 3: seed 0 -> 1; ..." """
   parts = []
   for entry in entries:
-    shown = [
-        f"{c['field']} {shown(c.get('old', _MISSING))} -> " f"{shown(c.get('new', _MISSING))}"
+    items = [
+        f"{c['field']} {shown(c.get('old', _MISSING))} -> {shown(c.get('new', _MISSING))}"
         for c in entry["changes"]
         if c.get("affects_results")
     ]
     if entry.get("data", {}).get("what"):
-      shown.append(f"data ({entry['data'].get('what', 'changed')})")
-    if shown:
-      parts.append(f"at step {entry['step']}: {', '.join(shown)}")
+      items.append(f"data ({entry['data']['what']})")
+    if items:
+      parts.append(f"at step {entry['step']}: {', '.join(items)}")
   return f"config changed {'; '.join(parts)} ({CHANGES_NAME})" if parts else ""

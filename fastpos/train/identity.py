@@ -37,12 +37,12 @@ from typing import Any, Mapping
 from absl import logging
 
 from fastpos import config_schema
-from fastpos.train import config_record, digest
+from fastpos.train import config_record, digest, errors, launches
 from fastpos.train.errors import RunError
 
 RUN_NAME = "run.json"
-METRICS_NAME = "metrics.jsonl"
-LAUNCHES_NAME = "launches.jsonl"  # fastpos.train.launches writes it
+METRICS_NAME = "metrics.jsonl"  # fastpos.train.metrics writes it
+LAUNCHES_NAME = launches.LAUNCHES_NAME
 
 
 def trajectory(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,16 +259,8 @@ def read_record(workdir: str | os.PathLike) -> Record:
       trajectories=trajectories,
       data=data,
       changes=entries,
-      launches=_count_launches(workdir),
+      launches=len(launches.read(workdir)),
   )
-
-
-def _count_launches(workdir: Path) -> int:
-  path = workdir / LAUNCHES_NAME
-  if not path.is_file():
-    return 0
-  _check_jsonl(path)
-  return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
 def write_start(workdir: str | os.PathLike, fingerprint: Any) -> dict[str, Any]:
@@ -276,8 +268,6 @@ def write_start(workdir: str | os.PathLike, fingerprint: Any) -> dict[str, Any]:
   start = {"id": new_id(), "time": config_record.utc_now(), "data": fingerprint}
   path = Path(workdir) / RUN_NAME
   tmp = path.with_suffix(".json.tmp")
-  from fastpos.train import errors  # pylint: disable=import-outside-toplevel
-
   with errors.names_file(path):
     tmp.write_text(json.dumps(start, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)

@@ -140,7 +140,10 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
       data_change = identity_lib.check_data(record, fingerprint, allow=allow_config_change)
     else:
       _refuse_leftovers(run.workdir)
-    start = resume_lib.start(run, ckpts, train_src, record, data_change is not None)
+    # An accepted change of what the files hold (not of settings) may change the split's size.
+    start = resume_lib.start(
+        run, ckpts, train_src, record, bool(data_change and data_change["what"])
+    )
     model_format = _check_format(run, start)
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
