@@ -23,7 +23,9 @@ built and configs checked before data are loaded.
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
+import os
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
@@ -172,6 +174,15 @@ class Task(abc.ABC):
       raise ValueError(
           f"task {self.task_name!r}, split {split!r}: targets outside " f"[0, {info.num_classes})."
       )
+
+
+def file_digest(path: str | os.PathLike) -> str:
+  """SHA-256 (hex) of a file's bytes, read in 8 MB pieces (a task's data fingerprint)."""
+  sha = hashlib.sha256()
+  with open(path, "rb") as f:
+    while piece := f.read(1 << 23):
+      sha.update(piece)
+  return sha.hexdigest()
 
 
 def split_seed(seed: int, split: str) -> np.random.SeedSequence:

@@ -117,3 +117,19 @@ def test_the_fingerprint_holds_each_files_bytes_and_the_settings(tmp_path):
   again = _task(str(a), tmp_path)
   again.source("train")
   assert identity.data_differences(fp, again.fingerprint()) == f"{a} changed"
+
+
+def test_listops_fingerprints_the_release_files_it_trains_on(tmp_path):
+  root = tmp_path / "data"
+  shutil.copytree(ROOT / "tests" / "testdata" / "listops", root)
+  c = tasks.task_config("listops")
+  c.update(source="tsv", data_dir=str(root), max_length=64, min_length=1)
+  fp = tasks.make_task(c).fingerprint()
+  train = root / "lra_release" / "listops-1000" / "basic_train.tsv"
+  assert [p for p, _ in fp["files"]] == [str(train), str(train.with_name("basic_val.tsv"))]
+  train.write_text(train.read_text().replace("MAX", "MIN", 1))
+  again = tasks.make_task(c).fingerprint()
+  assert identity.data_differences(fp, again) == f"{train} changed"
+  # Generated: the generator's settings alone (a change of them is a config change).
+  generated = tasks.make_task(tasks.task_config("listops")).fingerprint()
+  assert "files" not in generated and generated["settings"]["seed"] == 0
