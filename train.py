@@ -6,7 +6,10 @@ Any config field can be overridden on the command line, e.g. ``--config.model.ke
 checkpoint in ``--workdir`` with the config it was started with: a resume that changes a field
 that changes the run's results (seeds, optimizer, schedule, task, model) is refused unless
 ``--allow_config_change`` is given, which records the change in ``config_changes.jsonl``
-(``config.json`` keeps the config the run started with). ``--print_config`` prints the config
+(``config.json`` keeps the config the run started with); so does a change of the task's data
+(``docs/robustness.md``). A workdir holding another run's records but no checkpoint is
+refused; ``--fresh`` moves whatever it holds to ``<workdir>/previous/<UTC time>/`` and starts
+anew. ``--print_config`` prints the config
 with the overrides applied (checked, as for a run) and exits (no ``--workdir`` needed, nothing
 is written); ``--list_configs`` prints every
 ``configs/*.py`` with its first docstring sentence and its arguments (``:name=value``).
@@ -53,6 +56,14 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "results (seeds, optimizer, schedule, task, model); each change is recorded in "
     "<workdir>/config_changes.jsonl. Without it such a resume is refused",
 )
+_FRESH = flags.DEFINE_bool(
+    "fresh",
+    False,
+    "start a new run in --workdir: what it holds (an earlier run's checkpoints, metrics, "
+    "best/, tensorboard/, config.json...) moves to <workdir>/previous/<UTC time>/ first, "
+    "nothing is deleted. Without it a workdir holding another run's records but no "
+    "checkpoint is refused",
+)
 _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_processes, ...
 
 
@@ -71,7 +82,9 @@ def main(argv: list[str]) -> int:
     return errors.EXIT_OK
   workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
-  result = train_and_evaluate(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+  result = train_and_evaluate(
+      cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value, fresh=_FRESH.value
+  )
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
     return errors.EXIT_PREEMPTED
   return errors.EXIT_OK  # the trainer's last line summarised the run

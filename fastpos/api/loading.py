@@ -2,7 +2,8 @@
 
 The checkpoint is restored through ``fastpos.train.checkpoint`` (the trainer's own reader):
 its digests are checked (a checkpoint whose arrays or metadata differ from what was saved is
-refused, naming the arrays), and it must belong to the workdir's config (model and task). The
+refused, naming the arrays), and it must belong to the workdir's config (model and task) and
+run (``fastpos.train.identity``: a checkpoint of another run is refused). The
 arrays come back replicated over this process's devices, whatever the device count of the run
 that saved them.
 """
@@ -23,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fastpos import tasks
 from fastpos.models import build_model
-from fastpos.train import cli, launches
+from fastpos.train import cli, identity, launches
 from fastpos.train import config as config_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import state as state_lib
@@ -31,7 +32,7 @@ from fastpos.train import workdir as workdir_lib
 from fastpos.train.checkpoint import (
     CheckpointLoadError,
     Checkpoints,
-    check_compatible,
+    check_expected,
     config_meta,
 )
 from fastpos.train.errors import RunError
@@ -113,10 +114,11 @@ def load(
   config_lib.validate(cfg)
   task = tasks.make_task(cfg.task)
   model = build_model(cfg.model, task.info)
-  launches.check_format(workdir, cfg, "load")
   abstract = _abstract_state(cfg, model, task.info)
   with metrics_lib.quiet_library_logs():
     state, meta, path = _restore(workdir, cfg, task, abstract, step, checkpoint)
+  trained = launches.checkpoint_format(workdir, meta)
+  launches.check_format(workdir, cfg, "load", trained=trained)
   state, _ = state_lib.from_checkpoint_tree(state)
   variables = {"params": state.params, **dict(state.collections)}
   return Loaded(model, state.params, cfg, task, variables, int(meta["step"]), str(path))
@@ -172,10 +174,10 @@ def _abstract_state(cfg, model: nn.Module, info) -> dict[str, Any]:
 def _restore(workdir: Path, cfg, task, abstract, step, which):
   ckpts = Checkpoints(workdir, cfg, read_only=True)
   try:
-    expect = config_meta(cfg, task.info)
-    check = lambda meta: check_compatible(meta, cfg, task.info, workdir / "checkpoints")
+    # A checkpoint of another run, or one the run's record does not account for, is refused.
+    expect = {**config_meta(cfg, task.info), "run": identity.read_record(workdir).check}
     if step is not None:
-      return _restore_step(ckpts, abstract, step, check)
+      return _restore_step(ckpts, abstract, step, expect)
     if ckpts.latest_step() is None and ckpts.best_step() is None:
       raise RunError(
           f"no checkpoint in {workdir} (checkpoints/ and best/ are empty or missing); train "
@@ -196,13 +198,14 @@ def _restore(workdir: Path, cfg, task, abstract, step, which):
     ckpts.close()
 
 
-def _restore_step(ckpts: Checkpoints, abstract, step: int, check):
+def _restore_step(ckpts: Checkpoints, abstract, step: int, expect):
   """The checkpoint at ``step`` (checkpoints/, else best/), verified; no fallback."""
   for which in CHECKPOINTS[::-1]:
     if step in ckpts.steps(which):
-      check(ckpts.read_meta(which, step))
+      path = (ckpts.latest_dir if which == "latest" else ckpts.best_dir) / str(step)
+      check_expected(ckpts.read_meta(which, step), expect, ckpts.latest_dir, path)
       state, meta = ckpts.restore(abstract, which=which, step=step)
-      return state, meta, (ckpts.latest_dir if which == "latest" else ckpts.best_dir) / str(step)
+      return state, meta, path
   have = sorted(set(ckpts.steps("latest")) | set(ckpts.steps("best")))
   raise RunError(
       f"no checkpoint at step {step} in {ckpts.latest_dir.parent}; its steps: "

@@ -23,7 +23,10 @@ built and configs checked before data are loaded.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar, Mapping
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
@@ -116,6 +119,20 @@ class Task(abc.ABC):
   def load_split(self, split: str) -> Mapping[str, np.ndarray]:
     """Reads or generates one split as arrays ``[n, ...]`` (see the module docstring)."""
 
+  def fingerprint(self) -> dict[str, Any]:
+    """What the task's examples are made from, as JSON values, for the run's record
+    (``fastpos.train.identity``): a resume whose fingerprint differs trains on other data.
+    Here, the task's config fields that change its examples (a generated task's generator
+    settings); a task that reads files adds what they hold (cheaply: after ``source``
+    has read them)."""
+    values = json.loads(json.dumps(self.cfg.to_dict(), default=str))
+    settings = {
+        k: v
+        for k, v in values.items()
+        if k != "name" and config_schema.is_trajectory(f"task.{k}", {"task": values})
+    }
+    return {"task": self.task_name, "settings": settings}
+
   def has_split(self, split: str) -> bool:
     """Whether the config gives ``split`` any examples (decided without reading data)."""
     return split in SPLITS
@@ -157,6 +174,15 @@ class Task(abc.ABC):
       raise ValueError(
           f"task {self.task_name!r}, split {split!r}: targets outside " f"[0, {info.num_classes})."
       )
+
+
+def file_digest(path: str | os.PathLike) -> str:
+  """SHA-256 (hex) of a file's bytes, read in 8 MB pieces (a task's data fingerprint)."""
+  sha = hashlib.sha256()
+  with open(path, "rb") as f:
+    while piece := f.read(1 << 23):
+      sha.update(piece)
+  return sha.hexdigest()
 
 
 def split_seed(seed: int, split: str) -> np.random.SeedSequence:

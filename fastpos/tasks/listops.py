@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import ml_collections
 import numpy as np
@@ -803,6 +803,16 @@ class ListOpsTask(base.Task):
     return TaskInfo(
         kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES, max_length=cfg.max_length
     )
+
+  def fingerprint(self) -> dict[str, Any]:
+    """The settings (the generator's, for ``source="generated"``) and, from the LRA release,
+    the SHA-256 of the train and validation files' bytes (what a training run reads)."""
+    out = super().fingerprint()
+    if self.cfg.source == "tsv":
+      folder = tsv_dir(self.cfg.data_dir or None)
+      files = [os.path.join(folder, TSV_FILES[s]) for s in ("train", "validation")]
+      out["files"] = [[p, base.file_digest(p)] for p in files]
+    return out
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     cfg = self.cfg

@@ -39,9 +39,10 @@ beside it.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import io
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import ml_collections
 import numpy as np
@@ -83,7 +84,8 @@ def _folder_files(folder: str, patterns: Sequence[str]) -> list[str]:
 
 def text_files(spec: str, include: str = "*.txt") -> list[str]:
   """The absolute paths of the files ``config.task.paths`` names (module docstring), in the
-  order read; a file named twice is read once."""
+  order read. A file reached twice (named twice, or named and inside a folder named) is an
+  error: its text would sit in two places, e.g. in train and in validation."""
   names = [p.strip() for p in str(spec).split(",") if p.strip()]
   if not names:
     raise ValueError(f"{TASK}: config.task.paths is empty; {_FIELD_HINT}.")
@@ -110,15 +112,35 @@ def text_files(spec: str, include: str = "*.txt") -> list[str]:
       raise FileNotFoundError(
           f"{TASK}: {path!r} (config.task.paths) does not exist; " f"{_FIELD_HINT}."
       )
-  return list(dict.fromkeys(files))
+  seen: dict[str, str] = {}
+  for path in files:
+    real = os.path.realpath(path)
+    if real in seen:
+      raise ValueError(
+          f"{TASK}: config.task.paths reaches {real!r} twice ({seen[real]!r} and {path!r}): "
+          "its text would be read twice, into train and validation alike; name each file once."
+      )
+    seen[real] = path
+  return files
 
 
-def read_text(files: Sequence[str]) -> bytes:
-  """The files' bytes as one text, a newline after each that lacks one; checks UTF-8."""
-  parts = []
+def read_text(files: Sequence[str], digests: list[str] | None = None) -> bytes:
+  """The files' bytes as one text, a newline after each that lacks one; checks UTF-8 and that
+  no two files hold the same bytes (their text would be in two splits). ``digests``: the
+  SHA-256 of each file's bytes is appended to it, in order."""
+  parts, by_digest = [], {}
   for path in files:
     with open(path, "rb") as f:
       data = f.read()
+    sha = hashlib.sha256(data).hexdigest()
+    if sha in by_digest:
+      raise ValueError(
+          f"{TASK}: {by_digest[sha]!r} and {path!r} (config.task.paths) hold the same text: "
+          "it would be read twice, into train and validation alike; leave one out."
+      )
+    by_digest[sha] = path
+    if digests is not None:
+      digests.append(sha)
     try:
       data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -310,6 +332,7 @@ class TextLmTask(base.Task):
     self._text: bytes | None = None
     self._bounds: dict[str, tuple[int, int]] | None = None
     self._corpus: TextCorpus | None = None
+    self._digests: list[str] = []  # SHA-256 of each file's bytes, as read
 
   def files(self) -> list[str]:
     """The files read, in order (``text_files``)."""
@@ -326,7 +349,8 @@ class TextLmTask(base.Task):
     0, or a text with too few lines) raises a ValueError naming the fraction to change."""
     split = _check_split(split)
     if self._text is None:
-      self._text = read_text(self.files())
+      self._digests = []
+      self._text = read_text(self.files(), self._digests)
       self._bounds = split_bounds(self._text, self.cfg.validation_fraction, self.cfg.test_fraction)
     start, end = self._bounds[split]
     if end - start == 0:
@@ -356,6 +380,20 @@ class TextLmTask(base.Task):
           (self.cfg.validation_fraction, self.cfg.test_fraction),
       )
     return self._corpus
+
+  def fingerprint(self) -> dict[str, Any]:
+    """The settings, the SHA-256 of each file's bytes (read once: the text is kept) and, at
+    word level, of the vocabulary (ids are positions in it)."""
+    if self._text is None:  # a cached word-level stream does not read the text
+      self.split_text("train")
+    out = {
+        **super().fingerprint(),
+        "files": [[p, d] for p, d in zip(self.files(), self._digests)],
+    }
+    if self.cfg.level == "word":
+      words = "\n".join(self.vocabulary()).encode("utf-8")
+      out["vocabulary"] = hashlib.sha256(words).hexdigest()
+    return out
 
   def vocabulary(self) -> list[str] | None:
     """Word level: the words by id (0 ``<pad>``, 1 ``<unk>``, 2 ``<eos>``); byte level: None."""

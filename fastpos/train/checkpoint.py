@@ -9,8 +9,9 @@
 Transformer-XL memory, or ``{}``); ``data`` the grain iterator position (a JSON file per
 process); ``meta`` a JSON record of the step, the training RNG key, the model and task config
 blocks (a resumed run must match them), the data position in examples, the current log
-window's training metrics (so a resumed run logs what an uninterrupted one would) and, in
-best/, the validation metrics; and ``meta["digests"]``, the digests of every array of the
+window's training metrics (so a resumed run logs what an uninterrupted one would), the run it
+belongs to (``meta["run"]``, ``fastpos.train.identity``: a restore refuses another run's) and,
+in best/, the validation metrics; and ``meta["digests"]``, the digests of every array of the
 state, of each process's data-iterator state and of the rest of ``meta``
 (``fastpos.train.digest``). Orbax saves into a temporary folder and renames it when complete.
 
@@ -83,9 +84,13 @@ def check_compatible(
   check_expected(meta, config_meta(cfg, info), where)
 
 
-def check_expected(meta: dict[str, Any], want: dict[str, Any], where: Path) -> None:
+def check_expected(
+    meta: dict[str, Any], want: dict[str, Any], where: Path, path: Path | None = None
+) -> None:
   """Stops (ValueError naming each differing field) when a checkpoint's ``meta`` belongs to
-  another model or task than ``want`` (a ``config_meta``)."""
+  another model or task than ``want`` (a ``config_meta``); then, when ``want`` has a "run"
+  entry (``identity.Record.check``), calls it with ``meta`` and the checkpoint's ``path``
+  (it raises RunError for a checkpoint of another run)."""
   for block in ("model", "task"):
     saved, now = meta["config"][block], want[block]
     if saved != now:
@@ -96,6 +101,8 @@ def check_expected(meta: dict[str, Any], want: dict[str, Any], where: Path) -> N
           f"{block} (config.{block} differs in {detail}). Use a new --workdir, or the config "
           f"that made it (its config.json)."
       )
+  if "run" in want:
+    want["run"](meta, path or where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +301,8 @@ class Checkpoints:
     # (path, whether its digests verified) of the checkpoint restore_newest returned.
     self.restored: tuple[Path, bool] | None = None
     self._arrays_digested = None  # ((step, id(state)), the state's array digests)
+    # What every checkpoint saved records of its run (``identity.stamp``; None: nothing).
+    self.identity: dict[str, Any] | None = None
     self._open_read_only()
 
   def _open_read_only(self) -> None:
@@ -452,7 +461,7 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       raise _Damaged() from e
     if expect is not None:
-      check_expected(meta, expect, self.latest_dir)
+      check_expected(meta, expect, self.latest_dir, path)
     state = self._restore_state(manager, path, step, abstract_state, meta)
     processes = saved_process_count(path / "data")
     own_data = processes == jax.process_count()
@@ -601,6 +610,8 @@ class Checkpoints:
   def _with_digests(self, step: int, state: Any, data_iter, meta: dict[str, Any]) -> dict[str, Any]:
     """``meta`` with the digest record of ``state``, ``data_iter`` and itself; the arrays'
     digests are computed once per state (the best and the latest checkpoint of a step)."""
+    if self.identity is not None:
+      meta = {**meta, "run": self.identity}
     key = (step, id(state))
     if self._arrays_digested is None or self._arrays_digested[0] != key:
       self._arrays_digested = (key, digest_lib.array_digests(state))

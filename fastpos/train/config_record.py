@@ -7,7 +7,9 @@ applied) is compared field by field (``compare``): a field that changes the run'
 (``train.py --allow_config_change``); the fields that do not (log cadence, data threads,
 device layout) change freely. Either way every change is appended to ``config_changes.jsonl``
 as one JSON line: {"time": ISO 8601 UTC, "step": the first step run with the new values,
-"checkpoint": the step resumed from, "changes": [{"field", "old", "new", "affects_results"}]}.
+"checkpoint": the step resumed from, "changes": [{"field", "old", "new", "affects_results"}]},
+and "data": {"old": digest, "new": fingerprint, "what"} when the task's data changed
+(``fastpos.train.identity``; refused as a field that changes results is, unless allowed).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Change:
   affects_results: bool
 
   def __str__(self) -> str:
-    return f"{self.field} {_shown(self.old)} -> {_shown(self.new)}"
+    return f"{self.field} {shown(self.old)} -> {shown(self.new)}"
 
   def to_json(self) -> dict[str, Any]:
     """The entry's form; a side where the field does not exist is left out."""
@@ -55,7 +57,8 @@ class Change:
 _MISSING = object()
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+  """A field's value as a change names it: JSON, or "(unset)" where the field is missing."""
   return _UNSET if value is _MISSING else json.dumps(value)
 
 
@@ -129,20 +132,29 @@ def apply_changes(values: dict[str, Any], entries: Iterable[Mapping[str, Any]]) 
   return values
 
 
-def effective_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
-  """The config the run in ``workdir`` last ran with: config.json and its recorded changes;
-  None when there is no config.json."""
+def read_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """The config the run in ``workdir`` started with (its config.json); None when there is
+  none. A damaged file raises RunError naming it."""
   path = Path(workdir) / CONFIG_NAME
   if not path.is_file():
     return None
   try:
     values = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(values, dict):
+      raise ValueError("not a config")
   except (ValueError, UnicodeDecodeError) as e:
     raise RunError(
         f"{path} is not a readable config.json ({e}); it is written by train.py: "
         "restore the run's own file or use another --workdir."
     ) from None
-  return apply_changes(values, read_changes(workdir))
+  return values
+
+
+def effective_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """The config the run in ``workdir`` last ran with: config.json and its recorded changes;
+  None when there is no config.json."""
+  values = read_config(workdir)
+  return None if values is None else apply_changes(values, read_changes(workdir))
 
 
 def check_resume(workdir: str | os.PathLike, cfg, *, allow: bool) -> list[Change]:
@@ -169,14 +181,22 @@ def check_resume(workdir: str | os.PathLike, cfg, *, allow: bool) -> list[Change
   return changes
 
 
-def record(workdir: str | os.PathLike, checkpoint_step: int, changes: list[Change]) -> dict:
-  """Appends one entry for ``changes`` (a resume from ``checkpoint_step``); returns it."""
+def record(
+    workdir: str | os.PathLike,
+    checkpoint_step: int,
+    changes: list[Change],
+    data: Mapping[str, Any] | None = None,
+) -> dict:
+  """Appends one entry for ``changes`` (a resume from ``checkpoint_step``) and, when the data
+  changed, ``data`` ({"old": digest, "new": fingerprint, "what": a few words}); returns it."""
   entry = {
       "time": utc_now(),
       "step": checkpoint_step + 1,
       "checkpoint": checkpoint_step,
       "changes": [c.to_json() for c in changes],
   }
+  if data is not None:
+    entry["data"] = dict(data)
   append_line(Path(workdir) / CHANGES_NAME, entry)
   return entry
 
@@ -200,11 +220,13 @@ def describe(entries: Iterable[Mapping[str, Any]]) -> str:
   "config changed at step 3: seed 0 -> 1; ..." """
   parts = []
   for entry in entries:
-    shown = [
-        f"{c['field']} {_shown(c.get('old', _MISSING))} -> " f"{_shown(c.get('new', _MISSING))}"
+    items = [
+        f"{c['field']} {shown(c.get('old', _MISSING))} -> {shown(c.get('new', _MISSING))}"
         for c in entry["changes"]
         if c.get("affects_results")
     ]
-    if shown:
-      parts.append(f"at step {entry['step']}: {', '.join(shown)}")
+    if entry.get("data", {}).get("what"):
+      items.append(f"data ({entry['data']['what']})")
+    if items:
+      parts.append(f"at step {entry['step']}: {', '.join(items)}")
   return f"config changed {'; '.join(parts)} ({CHANGES_NAME})" if parts else ""

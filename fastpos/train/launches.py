@@ -18,8 +18,10 @@ is not installed).
 ``model_format`` says which function a config and its parameters compute. It goes up when a
 change of fastpos makes the same config and parameters compute another function; each step's
 ``FORMAT_CHANGES`` entry names the configs it changes. ``check_format`` refuses to resume,
-evaluate or load a run whose checkpoints were trained under an older format that such a
-change touches (a run with checkpoints but no launch record is format 1: it predates it).
+evaluate or load a checkpoint trained under an older format that such a change touches. A
+checkpoint's verified metadata records its format (``checkpoint_format``); for one written
+before they did, the launches say it (a run with checkpoints but no launch record is format 1:
+it predates it).
 """
 
 from __future__ import annotations
@@ -142,11 +144,23 @@ def record(
 
 
 def read(workdir: str | os.PathLike) -> list[dict]:
-  """The launches recorded in ``workdir``, oldest first ([] before the first)."""
+  """The launches recorded in ``workdir``, oldest first ([] before the first); a line that is
+  not a record raises RunError naming it."""
   path = Path(workdir) / LAUNCHES_NAME
   if not path.is_file():
     return []
-  return [json.loads(s) for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
+  out = []
+  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      out.append(json.loads(line))
+    except ValueError as e:
+      raise RunError(
+          f"{path}:{number} is not a launch record ({e}); it is written by train.py: "
+          "restore the run's own file from a copy of the workdir."
+      ) from None
+  return out
 
 
 def trained_format(workdir: str | os.PathLike) -> int:
@@ -159,13 +173,27 @@ def trained_format(workdir: str | os.PathLike) -> int:
   return min(formats)
 
 
-def check_format(workdir: str | os.PathLike, cfg, doing: str) -> None:
+def checkpoint_format(workdir: str | os.PathLike, meta: Mapping[str, Any]) -> int:
+  """The oldest model format a checkpoint's parameters were trained under: what its verified
+  metadata records (``fastpos.train.identity``), else (a checkpoint written before they
+  recorded it) what the run's launches say (``trained_format``)."""
+  run = meta.get("run") or {}
+  if "model_format" in run:
+    return int(run["model_format"])
+  return trained_format(workdir)
+
+
+def check_format(workdir: str | os.PathLike, cfg, doing: str, trained: int | None = None) -> None:
   """Raises RunError when the run in ``workdir`` trained its checkpoints under an older model
   format whose later changes touch ``cfg`` (its parameters would compute another function
-  here). ``doing``: what was asked ("resume", "evaluate", "load"), for the message."""
-  if not any((Path(workdir) / d).is_dir() for d in (checkpoint.LATEST_DIR, checkpoint.BEST_DIR)):
-    return  # nothing trained here yet
-  old = trained_format(workdir)
+  here). ``doing``: what was asked ("resume", "evaluate", "load"), for the message.
+  ``trained``: the format of the checkpoint to use (``checkpoint_format``); None: what the
+  launches say."""
+  if trained is None:
+    if not any((Path(workdir) / d).is_dir() for d in (checkpoint.LATEST_DIR, checkpoint.BEST_DIR)):
+      return  # nothing trained here yet
+    trained = trained_format(workdir)
+  old = trained
   changed = [what for n, (what, hits) in FORMAT_CHANGES.items() if n > old and hits(cfg.model)]
   if changed:
     raise RunError(

@@ -12,6 +12,7 @@ process count, cannot carry the position over (RunError naming both values).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from absl import logging
 from fastpos.train import state as state_lib
 from fastpos.train.checkpoint import Checkpoints, Restored
 from fastpos.train.errors import RunError
+from fastpos.train.identity import Record
 from fastpos.train.run import Run
 from fastpos.train.state import TrainState
 
@@ -76,15 +78,23 @@ def batching(cfg: ml_collections.ConfigDict) -> list:
   return [*lengths, int(cfg.data.get("bucket_window", 1))] if lengths else []
 
 
-def start(run: Run, ckpts: Checkpoints, source) -> Start:
-  """The loop's start: restored from the newest checkpoint that loads, else from scratch."""
-  found = ckpts.restore_newest(run.checkpoint_abstract, expect=run.expect)
+def start(
+    run: Run, ckpts: Checkpoints, source, record: Record | None = None, data_changed: bool = False
+) -> Start:
+  """The loop's start: restored from the newest checkpoint that loads, else from scratch.
+  ``record``: the workdir's run record; a checkpoint it does not account for (another run's,
+  or the record edited or cut short) stops the resume (``identity.Record.check``).
+  ``data_changed``: the training data changed and the change was accepted (``resume_data``)."""
+  expect = run.expect
+  if record is not None:
+    expect = {**expect, "run": functools.partial(record.check, records=True)}
+  found = ckpts.restore_newest(run.checkpoint_abstract, expect=expect)
   if found is None:
     state, carry = run.init_state()
     batches = run.feed.train(source, 0)
     return Start(state, carry, run.train_rng, batches, DataPosition(), [], None, None, len(source))
   state, carry = state_lib.from_checkpoint_tree(found.state)
-  batches, position = resume_data(run, source, found)
+  batches, position = resume_data(run, source, found, data_changed)
   return Start(
       state=state,
       carry=carry,
@@ -114,12 +124,26 @@ def _best_value(run: Run, ckpts: Checkpoints) -> float | None:
   return None if meta is None else meta["metrics"][run.task.metric]
 
 
-def resume_data(run: Run, source, found: Restored) -> tuple[Any, DataPosition]:
-  """(training iterator, its DataPosition) continuing the run that saved ``found``."""
+def resume_data(
+    run: Run, source, found: Restored, data_changed: bool = False
+) -> tuple[Any, DataPosition]:
+  """(training iterator, its DataPosition) continuing the run that saved ``found``. A training
+  split of another size is refused, unless ``data_changed`` (an accepted change of the data):
+  then the new data are read from the example where the run stopped."""
   data, where = found.meta.get("data"), found.path
   if data is None:  # written before positions were kept in examples: batches of this size
     return _restored_iterator(run, source, found, 0), DataPosition()
   n, batch = len(source), run.cfg.batch_size
+  if data["num_examples"] != n and data_changed and not run.feed.fixed_layout:
+    logging.warning(
+        "the training data changed (accepted): %d examples, %d before; resuming at example "
+        "%d of the new data (step %d).",
+        n,
+        data["num_examples"],
+        data["examples"],
+        found.step,
+    )
+    return run.feed.train(source, data["examples"]), DataPosition(data["examples"], found.step)
   if data["num_examples"] != n:
     raise RunError(
         f"{where} was trained on a training split of {data['num_examples']} examples; it now "

@@ -18,6 +18,13 @@ is restored unless allowed, and its changes go to ``config_changes.jsonl``
 (``fastpos.train.launches``). Each step says when it is being compiled and how long that
 took.
 
+A run is one thing (``fastpos.train.identity``): run.json gives it an id and the fingerprint of
+its data at its first start; every checkpoint records the id, the config fields that change
+results and the data it was trained under, and a restore refuses a checkpoint of another run,
+or one the record (config.json edited by hand, a record file lost) does not account for. A
+start from scratch refuses a workdir holding another run's records unless ``fresh`` moves
+them to ``previous/<UTC time>/``; nothing the trainer writes is ever deleted.
+
 A run resumes from the newest checkpoint in the workdir that loads (a damaged one is reported
 and moved aside): parameters, optimizer state, the steps' carry, step, data position and RNG
 (``fastpos.train.resume``), so that the resumed run is bitwise the uninterrupted one on CPU,
@@ -49,6 +56,7 @@ from jax.experimental import multihost_utils
 
 from fastpos import tasks
 from fastpos.train import config_record, errors, launches
+from fastpos.train import identity as identity_lib
 from fastpos.train import loop as loop_lib
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import resume as resume_lib
@@ -70,6 +78,7 @@ def train_and_evaluate(
     *,
     model: nn.Module | None = None,
     allow_config_change: bool = False,
+    fresh: bool = False,
 ) -> dict[str, Any]:
   """Trains per ``config`` in ``workdir``, resuming from its newest checkpoint that loads.
 
@@ -81,7 +90,11 @@ def train_and_evaluate(
       (tests use this to inject a throwaway model).
     allow_config_change: a resume may change fields that change the run's results (seeds,
       optimizer, schedule, task, model); each change is recorded in ``config_changes.jsonl``
-      (``fastpos.train.config_record``). Without it such a resume is refused.
+      (``fastpos.train.config_record``). Without it such a resume is refused. A change of
+      the task's data (``Task.fingerprint``) is such a change.
+    fresh: start a new run: whatever the workdir holds (checkpoints and records of an
+      earlier run) moves to ``<workdir>/previous/<UTC time>/`` first. Without it, a workdir
+      holding another run's records but no checkpoint is refused (never overwritten).
 
   Returns:
     {"step", "train": last logged training metrics, "validation": last validation metrics,
@@ -100,30 +113,44 @@ def train_and_evaluate(
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
   """
   with metrics_lib.quiet_library_logs():
-    return _train_and_evaluate(config, workdir, model, allow_config_change)
+    return _train_and_evaluate(config, workdir, model, allow_config_change, fresh)
 
 
-def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> dict[str, Any]:
   run = run_lib.build_run(config, workdir, model)
   train_src = run.task.source("train")  # missing data stops here, before anything is made
   val_src = run.task.source("validation")
+  fingerprint = run.task.fingerprint()  # what the run reads (the files are read by now)
   workdir_lib.check_usable(run.workdir)
   lock = _take_lock(run.workdir)
-  ckpts = Checkpoints(run.workdir, run.cfg)
+  ckpts = None
   writer = None
   log_file = contextlib.ExitStack()
   try:
-    # A resume of another config is refused before anything is restored or written.
-    changes = []
+    if fresh:
+      _move_previous(run.workdir)
+    ckpts = Checkpoints(run.workdir, run.cfg)
+    # A resume of another config or other data, a checkpoint of another run, a lost record
+    # and the records of another run are refused before anything is restored or written.
+    changes, data_change, record = [], None, None
     if ckpts.latest_step() is not None:
-      launches.check_format(run.workdir, run.cfg, "resume")
+      record = identity_lib.read_record(run.workdir)
+      _require_config(run.workdir, ckpts)
       changes = config_record.check_resume(run.workdir, run.cfg, allow=allow_config_change)
-    start = resume_lib.start(run, ckpts, train_src)
+      data_change = identity_lib.check_data(record, fingerprint, allow=allow_config_change)
+    else:
+      _refuse_leftovers(run.workdir)
+    # An accepted change of what the files hold (not of settings) may change the split's size.
+    start = resume_lib.start(
+        run, ckpts, train_src, record, bool(data_change and data_change["what"])
+    )
+    model_format = _check_format(run, start)
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
     log_file.enter_context(_log_file(run.workdir / "train.log"))
-    history = _announce(run, start, changes, (len(train_src), len(val_src)))
-    writer = _open_writer(run, start, changes)
+    history = _announce(run, start, changes, (len(train_src), len(val_src)), data_change)
+    ckpts.identity = _identity(run, fingerprint, model_format)
+    writer = _open_writer(run, start, changes, data_change)
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = loop_lib.train_loop(run, ckpts, writer, start)
       ckpts.wait()  # a failed background save raises here
@@ -133,11 +160,12 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
   except OSError as e:  # metrics.jsonl, config.json, tensorboard: the file system said no
     where = getattr(e, "filename", None) or (
         f"{run.workdir} (metrics.jsonl, config.json, config_changes.jsonl, launches.jsonl, "
-        "tensorboard/, train.log)"
+        "run.json, tensorboard/, train.log)"
     )
     raise OSError(e.errno, e.strerror or str(e), where) from None  # one line: program.message
   finally:
-    ckpts.close()
+    if ckpts is not None:
+      ckpts.close()
     if writer is not None:
       writer.close()
     if jax.process_count() > 1:  # nobody leaves before the last save is complete everywhere
@@ -146,13 +174,70 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
     lock.release()
 
 
-def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]) -> list:
-  """Logs where the run starts and what it is; writes config.json (a run from scratch) or
-  records the resume's config changes. Returns the entries of the change record."""
+def _move_previous(workdir: Path) -> None:
+  """``--fresh``: moves what the workdir holds to ``previous/<UTC time>/`` (process 0)."""
+  if jax.process_index() == 0:
+    moved = workdir_lib.move_previous(workdir)
+    if moved is not None:
+      logging.warning(
+          "--fresh: moved the earlier run's files (%s) to %s; nothing was deleted.",
+          ", ".join(sorted(p.name for p in moved.iterdir())),
+          moved,
+      )
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("fastpos fresh start")
+
+
+def _refuse_leftovers(workdir: Path) -> None:
+  """A start from scratch in a workdir holding another run's records (and no checkpoint) would
+  overwrite them: refused, naming them and ``--fresh``."""
+  found = workdir_lib.leftover_records(workdir)
+  if found:
+    raise RunError(
+        f"{workdir} holds the records of another run ({', '.join(found)}) but no checkpoint to "
+        f"resume: starting a new run there would overwrite them. Pass --fresh to move them to "
+        f"{workdir / workdir_lib.PREVIOUS_DIR}/<time>/ and start anew, or use another --workdir."
+    )
+
+
+def _require_config(workdir: Path, ckpts: Checkpoints) -> None:
+  if not (workdir / config_record.CONFIG_NAME).is_file():
+    raise RunError(
+        f"{workdir / config_record.CONFIG_NAME} is missing, but {ckpts.latest_dir} holds "
+        "checkpoints of a run: restore it from a copy of the workdir, or start over with "
+        f"--fresh (everything moves to {workdir / workdir_lib.PREVIOUS_DIR}/<time>/)."
+    )
+
+
+def _check_format(run: Run, start: resume_lib.Start) -> int:
+  """The oldest model format the restored checkpoint was trained under (this fastpos's from
+  scratch), after refusing one whose later format changes touch the config."""
+  if start.restored is None:
+    return launches.MODEL_FORMAT
+  trained = launches.checkpoint_format(run.workdir, start.restored.meta)
+  launches.check_format(run.workdir, run.cfg, "resume", trained=trained)
+  return trained
+
+
+def _identity(run: Run, fingerprint, model_format: int) -> dict[str, Any]:
+  """What every checkpoint of this launch records of its run (``identity.stamp``), once
+  run.json and this launch's records are written."""
+  if jax.process_count() > 1:  # process 0 wrote them
+    multihost_utils.sync_global_devices("fastpos run record written")
+  record = identity_lib.read_record(run.workdir)
+  return identity_lib.stamp(
+      record.id, run.cfg, fingerprint, model_format, len(record.changes), record.launches
+  )
+
+
+def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int], data) -> list:
+  """Logs where the run starts and what it is; writes config.json and run.json (a run from
+  scratch) or records the resume's config and ``data`` changes. Returns the entries of the
+  change record."""
   restored = start.restored
   if restored is not None:
     logging.info("resumed from %s", restored.path)
-  history = _record_config(run, restored.step if restored is not None else None, changes)
+  history = _record_config(run, restored.step if restored is not None else None, changes, data)
   launches.record(
       run.workdir,
       int(jax.device_get(start.state.step)) + 1,
@@ -186,7 +271,7 @@ def _last_line(run: Run, result: dict[str, Any], sources, history: list) -> str:
   )
 
 
-def _open_writer(run: Run, start: resume_lib.Start, changes) -> metrics_lib.MetricWriter:
+def _open_writer(run: Run, start: resume_lib.Start, changes, data) -> metrics_lib.MetricWriter:
   """The metric writer from the start's step (later records dropped), the config logged to
   TensorBoard and, on a resume, its config changes."""
   step = int(jax.device_get(start.state.step))
@@ -196,32 +281,34 @@ def _open_writer(run: Run, start: resume_lib.Start, changes) -> metrics_lib.Metr
       run.cfg.to_json_best_effort(indent=2),
       [f"validation/{m}" for m in ("loss", run.task.metric)],
   )
-  if changes and start.restored is not None:  # the change's entry, in TensorBoard too
-    text = "\n".join(
-        f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes
-    )
+  if (changes or data is not None) and start.restored is not None:  # in TensorBoard too
+    lines = [f"{c}{'' if c.affects_results else ' (no effect on results)'}" for c in changes]
+    text = "\n".join(lines + ([f"data ({data['what']})"] if data and data["what"] else []))
     writer.text("config_changes", step + 1, text)
   return writer
 
 
-def _record_config(run: Run, resumed_step: int | None, changes) -> list:
-  """config.json for a run from scratch (a stale change record goes); a resume keeps it and
-  appends its changes to config_changes.jsonl (process 0 writes). Returns the record's entries
-  (the summary line's; [] on other processes)."""
+def _record_config(run: Run, resumed_step: int | None, changes, data) -> list:
+  """config.json and run.json for a run from scratch (its workdir holds no earlier record:
+  ``_refuse_leftovers``); a resume keeps them and appends its changes to config_changes.jsonl
+  (run.json is written once, by the first resume of a run started before runs had one).
+  Process 0 writes. Returns the record's entries (the summary line's; [] on other processes)."""
   if jax.process_index() != 0:
     return []
-  config_json = run.workdir / config_record.CONFIG_NAME
-  if resumed_step is None or not config_json.is_file():
-    (run.workdir / config_record.CHANGES_NAME).unlink(missing_ok=True)
-    _write_json(config_json, run.cfg.to_json_best_effort(indent=2))
+  if resumed_step is None:
+    _write_json(run.workdir / config_record.CONFIG_NAME, run.cfg.to_json_best_effort(indent=2))
+    identity_lib.write_start(run.workdir, run.task.fingerprint())
     return []
+  if identity_lib.read_start(run.workdir) is None:  # legacy: the run gets its identity now
+    identity_lib.write_start(run.workdir, run.task.fingerprint())
   history = config_record.read_changes(run.workdir)  # parsed by check_resume just before
-  if changes:
-    history.append(config_record.record(run.workdir, resumed_step, changes))
+  if changes or data is not None:
+    history.append(config_record.record(run.workdir, resumed_step, changes, data))
+    shown = [*map(str, changes), *([f"data ({data['what']})"] if data and data["what"] else [])]
     logging.warning(
         "resumed with a changed config (recorded in %s): %s",
         config_record.CHANGES_NAME,
-        "; ".join(map(str, changes)),
+        "; ".join(shown),
     )
   return history
 
@@ -315,8 +402,9 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
   run.task.source(split)  # missing data stops here
   if run.workdir.exists() and not run.workdir.is_dir():
     raise RunError(f"--workdir={run.workdir} is a file, not a workdir written by train.py.")
-  launches.check_format(run.workdir, run.cfg, "evaluate")
   found, which = _restore_for_evaluation(run, workdir, checkpoint)
+  trained = launches.checkpoint_format(run.workdir, found.meta)
+  launches.check_format(run.workdir, run.cfg, "evaluate", trained=trained)
   state, _ = state_lib.from_checkpoint_tree(found.state)
   with run.precision():
     out = run.evaluate_split(state, split)
@@ -350,7 +438,9 @@ def _restore_for_evaluation(run: Run, workdir, checkpoint: str):
           f"--config=... --workdir={workdir}"
       )
     try:
-      return ckpts.restore_newest(run.checkpoint_abstract, which, expect=run.expect), which
+      # A checkpoint of another run, or one the record does not account for, is refused.
+      expect = {**run.expect, "run": identity_lib.read_record(run.workdir).check}
+      return ckpts.restore_newest(run.checkpoint_abstract, which, expect=expect), which
     except CheckpointLoadError as e:
       if which == "best":
         raise CheckpointLoadError(

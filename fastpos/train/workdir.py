@@ -9,12 +9,17 @@ parent), so the answer is the file system's own (permission bits say nothing to 
 the holder dies. A lock whose flock is free is taken over with a warning, unless it names a
 live process on this host (a file system where flock does nothing).
 
+``leftover_records(path)`` names the records an earlier run left in a workdir (a start from
+scratch refuses them); ``move_previous(path)`` (``train.py --fresh``) moves everything in a
+workdir but its lock into ``<workdir>/previous/<UTC time>/``: nothing is ever deleted.
+
 ``os_error_reason(exc)`` finds the OS's reason (``No space left on device``) in an exception
 or its causes, tensorstore's ``[os_error_code='28']`` messages included.
 """
 
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
 import json
@@ -29,6 +34,18 @@ from absl import logging
 from fastpos.train.errors import RunError, WorkdirLockedError
 
 LOCK_NAME = "train.lock"
+PREVIOUS_DIR = "previous"
+# What a run writes in its workdir besides checkpoints/ (config_record, identity, launches,
+# metrics, checkpoint.BEST_DIR, tensorboard, the trainer's log).
+RECORD_NAMES = (
+    "config.json",
+    "config_changes.jsonl",
+    "run.json",
+    "launches.jsonl",
+    "metrics.jsonl",
+    "best",
+    "tensorboard",
+)
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
@@ -79,6 +96,37 @@ def check_usable(path: str | os.PathLike) -> None:
         f"({os.strerror(e.errno) if e.errno else e}); make it writable or use "
         "another --workdir."
     ) from None
+
+
+def leftover_records(path: str | os.PathLike) -> list[str]:
+  """The names of the records (``RECORD_NAMES``, ``results_*.json``) in ``path``."""
+  path = Path(path)
+  found = [n for n in RECORD_NAMES if os.path.lexists(path / n)]
+  return found + sorted(p.name for p in path.glob("results_*.json"))
+
+
+def move_previous(path: str | os.PathLike) -> Path | None:
+  """Moves everything in workdir ``path`` but its lock and ``previous/`` into
+  ``path/previous/<UTC time>/`` (renames, within the folder: nothing is copied or deleted);
+  returns that folder, or None when there was nothing to move."""
+  path = Path(path).absolute()
+  items = sorted(p for p in path.iterdir() if p.name not in (LOCK_NAME, PREVIOUS_DIR))
+  if not items:
+    return None
+  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+  target, n = path / PREVIOUS_DIR / now, 1
+  while target.exists():
+    target, n = path / PREVIOUS_DIR / f"{now}.{n}", n + 1
+  try:
+    target.mkdir(parents=True)
+    for item in items:
+      item.rename(target / item.name)
+  except OSError as e:
+    raise RunError(
+        f"--fresh: cannot move the records of {path} to {target} "
+        f"({os.strerror(e.errno) if e.errno else e}); move them by hand."
+    ) from None
+  return target
 
 
 def is_symlink_loop(path: str | os.PathLike) -> bool:

@@ -70,13 +70,15 @@ def test_files_are_listed_in_order_with_patterns(corpus, tmp_path):
       str(root / "b_sub" / "b.txt"),
       str(root / "c.md"),
   ]
-  # A file named directly is read whatever its name, in the order named, once.
-  spec = f"{root / 'c.md'},{root},{root / 'a.txt'}"
-  assert text_lm.text_files(spec) == [
+  # A file named directly is read whatever its name, in the order named.
+  assert text_lm.text_files(f"{root / 'c.md'},{root}") == [
       str(root / "c.md"),
       str(root / "a.txt"),
       str(root / "b_sub" / "b.txt"),
   ]
+  # Reached twice (named, and in a folder named): its text would be in two splits.
+  with pytest.raises(ValueError, match=r"reaches .*a.txt' twice"):
+    text_lm.text_files(f"{root / 'c.md'},{root},{root / 'a.txt'}")
 
 
 def test_split_is_contiguous_at_line_starts_and_deterministic(corpus, tmp_path):

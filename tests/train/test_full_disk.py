@@ -80,6 +80,7 @@ HINT = "free space there or use"
     "pattern, names",
     [
         ("config.json*", "config.json"),
+        ("run.json*", "run.json"),
         ("events.out.tfevents.*", "tensorboard"),
         ("train.log", "train.log"),
         ("metrics.jsonl", "metrics.jsonl"),
