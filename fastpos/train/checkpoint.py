@@ -77,13 +77,6 @@ def config_meta(cfg: ml_collections.ConfigDict, info: TaskInfo) -> dict[str, Any
   }
 
 
-def check_compatible(
-    meta: dict[str, Any], cfg: ml_collections.ConfigDict, info: TaskInfo, where: Path
-) -> None:
-  """Stops when a checkpoint (its ``meta``) belongs to a different model or task."""
-  check_expected(meta, config_meta(cfg, info), where)
-
-
 def check_expected(
     meta: dict[str, Any], want: dict[str, Any], where: Path, path: Path | None = None
 ) -> None:
