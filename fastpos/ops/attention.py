@@ -322,9 +322,9 @@ def linear_attention(
   scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the
   causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
   per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a
-  per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
-  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
-  (``_rpe_mix``).
+  per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one step's channels at a time
+  (on CPU one head's group of features, on GPU / TPU every head and feature within a stated
+  budget: ``_rpe_group``) and keeps only its inputs for the backward pass (``_rpe_mix``).
   """
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
@@ -640,9 +640,11 @@ def _mix(
     if split is not None:
       product, zeros = (lambda w, x: split.toeplitz(w, causal)(x)), split.varying
     elif grid is None:
-      product = functools.partial(_product_1d, causal=causal)
+      product = functools.partial(_product_1d, causal=causal, group_bytes=_rpe_fft_bytes())
     else:
-      product = functools.partial(_product_2d, grid=tuple(grid), causal=causal)
+      product = functools.partial(
+          _product_2d, grid=tuple(grid), causal=causal, group_bytes=_rpe_fft_bytes()
+      )
     dense = split is None and _rpe_dense_is_faster(phi_k.shape[1], phi_k.shape[-1], v.shape[-1])
   total = (lambda x: x) if split is None else split.psum
 
@@ -871,12 +873,12 @@ def _decay_table(log_decay, n: int, grid):
   return log_decay.reshape((-1,) + (1,) * dist.ndim) * dist[None]
 
 
-def _product_1d(w, x, *, causal):
-  return toeplitz.toeplitz_matmul(w, x, causal=causal)
+def _product_1d(w, x, *, causal, group_bytes=None):
+  return toeplitz.toeplitz_matmul(w, x, causal=causal, group_bytes=group_bytes)
 
 
-def _product_2d(w, x, *, grid, causal):
-  return toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal)
+def _product_2d(w, x, *, grid, causal, group_bytes=None):
+  return toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal, group_bytes=group_bytes)
 
 
 # Up to this length kernelized RPE runs densely (``_rpe_dense``): the [N, N] scores cost
@@ -910,78 +912,124 @@ def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
   return jnp.einsum("bhij,bjhd->bihd", a, v), jnp.transpose(jnp.sum(a, axis=-1), (0, 2, 1))
 
 
-# The FFT path mixes m*d + m channels per head (Luo et al. Eq. 11-13). All of them at once
-# hold the [batch, heads, N, m*d] outer products phi(k_j) v_j^T and their spectra: 1.3 GiB of
-# temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64). Instead the op loops over
-# (head, group of features) pairs of at most _RPE_GROUP_BYTES of channels, sliced from the
-# inputs' own [b, n, h, .] layout (one head's slice is contiguous after the gather: no layout
-# copies) and accumulated into outputs of that layout. The forward keeps nothing but the
-# inputs for the backward (a custom VJP), which rebuilds each group's channels.
+# The FFT path mixes m*d + m channels per head (Luo et al. Eq. 11-13): the outer products
+# phi(k_j) v_j^T and phi(k_j), ``[batch, heads, N, m (d + 1)]``. The op runs in steps, each
+# over some heads and a group of features per head (``_rpe_group``), the channels sliced
+# from the inputs' own [b, n, h, .] layout and the results accumulated into outputs of that
+# layout; the forward keeps nothing but the inputs for the backward (a custom VJP), which
+# rebuilds each step's channels. How big a step is depends on the backend:
+# * CPU: one head and at most _RPE_GROUP_BYTES of channels per step. XLA:CPU allocates an
+#   executable's temporaries afresh per call (a page fault per fresh page), and all channels
+#   at once hold 1.3 GiB of temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64); the
+#   groups keep them in cache and were as fast or faster, measured side by side
+#   (benchmarks/rpe_groups.md).
+# * GPU / TPU: every head and feature in one step (one batched FFT over all channels: a loop
+#   of small steps was launch-bound, 37-60x the Toeplitz product of the same channel count
+#   on an H200, benchmarks/gpu/summary.md), unless the channels exceed
+#   _RPE_GROUP_BYTES_ACCELERATOR; then as many whole heads as fit, or one head's features.
+#   A step's temporaries fwd+bwd are a few times its channels (their spectra and cotangents).
 _RPE_GROUP_BYTES = 2 * 2**20
+_RPE_GROUP_BYTES_ACCELERATOR = 2 * 2**30
 
 
-def _rpe_group(b: int, n: int, m: int, d: int, itemsize: int) -> int:
-  """The features per group: the largest divisor of m whose ``g (d + 1)`` channels of one head
-  fit ``_RPE_GROUP_BYTES`` (at least 1). A divisor, so groups are plain slices."""
-  fit = max(1, _RPE_GROUP_BYTES // (b * n * (d + 1) * itemsize))
-  return max(g for g in range(1, m + 1) if m % g == 0 and g <= fit)
+def _rpe_fft_bytes(backend: str | None = None) -> int | None:
+  """The spectrum bytes of one FFT group inside a step (``toeplitz_matmul(group_bytes=)``):
+  the Toeplitz module's CPU default on "cpu"; elsewhere room for a whole step's spectrum
+  (complex pairs of its channels at FFT length ~2N: about twice the channels' bytes), so
+  that a step is one batched transform."""
+  backend = jax.default_backend() if backend is None else backend
+  return None if backend == "cpu" else 4 * _RPE_GROUP_BYTES_ACCELERATOR
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+  return max(g for g in range(1, n + 1) if n % g == 0 and g <= max(1, at_most))
+
+
+def _rpe_group(
+    b: int, n: int, h: int, m: int, d: int, itemsize: int, backend: str | None = None
+) -> tuple[int, int]:
+  """(heads, features per head) of one step of the FFT path (``_rpe_mix``): its channels are
+  ``[b, heads, n, features (d + 1)]`` of ``itemsize`` bytes. On "cpu" one head and the largest
+  divisor of m whose channels fit ``_RPE_GROUP_BYTES``; on every other backend (``backend``
+  is ``jax.default_backend()`` at trace time when None) all ``(h, m)`` when they fit
+  ``_RPE_GROUP_BYTES_ACCELERATOR``, else the largest divisor of h whose whole heads fit, else
+  one head's largest fitting divisor of m. At least (1, 1); divisors, so steps are slices."""
+  backend = jax.default_backend() if backend is None else backend
+  one_channel = b * n * itemsize  # bytes of one channel of one head
+  if backend == "cpu":
+    return 1, _largest_divisor(m, _RPE_GROUP_BYTES // (one_channel * (d + 1)))
+  budget = _RPE_GROUP_BYTES_ACCELERATOR // one_channel  # channels in one step
+  if budget >= m * (d + 1):
+    return _largest_divisor(h, budget // (m * (d + 1))), m
+  return 1, _largest_divisor(m, budget // (d + 1))
 
 
 def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   """Luo et al. Eq. 11-13 by FFT: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m).
 
   ``phi_q, phi_k [b, n, h, m]``, ``v [b, n, h, d]``, ``rpe [h, ...]``; returns num
-  ``[b, n, h, d]``, den ``[b, n, h]``. ``product(w, x)`` maps channels ``x [b, 1, n, C]`` to
-  their relative (Toeplitz) product under one head's table ``w [1, ...]``; ``zeros``, when
+  ``[b, n, h, d]``, den ``[b, n, h]``. ``product(w, x)`` maps channels ``x [b, k, n, C]`` to
+  their relative (Toeplitz) product under k heads' tables ``w [k, ...]``; ``zeros``, when
   given, types the loops' zero carries (the context-parallel caller marks them varying over
   its device axis).
 
-  One loop step per (head, group of features) (``_rpe_group``). Backward, per step: the
-  channels ``X`` are rebuilt, and one ``jax.vjp`` of the product gives ``Y = T X`` (for the
-  gradient of phi_q), ``T^T G`` and the table's gradient, for the cotangent channels
-  ``G = phi_q (x) [g_num, g_den]``. Residuals: the inputs alone.
+  One step per (block of heads, group of features) (``_rpe_group``; one step in all on
+  accelerators where memory allows). Backward, per step: the channels ``X`` are rebuilt, and
+  one ``jax.vjp`` of the product gives ``Y = T X`` (for the gradient of phi_q), ``T^T G`` and
+  the table's gradient, for the cotangent channels ``G = phi_q (x) [g_num, g_den]``.
+  Residuals: the inputs alone.
   """
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
-  group = _rpe_group(b, n, m, d, jnp.dtype(v.dtype).itemsize)
+  heads, group = _rpe_group(b, n, h, m, d, jnp.dtype(v.dtype).itemsize)
   per_head = m // group
+  steps = (h // heads) * per_head
   mark = (lambda t: t) if zeros is None else zeros
   phi_q, phi_k, v = mark((phi_q, phi_k, v))  # den_features' ones column: same on every device
 
-  def head(a, hh, start=0, size=None):  # [b, n, h, e] -> [b, 1, n, size] (a reshape)
-    size = a.shape[-1] if size is None else size
-    a = jax.lax.dynamic_slice(a, (0, 0, hh, start), (b, n, 1, size))
-    return a.reshape(b, 1, n, size)
+  def start(s):  # the step's first head and first feature
+    return (s // per_head) * heads, (s % per_head) * group
 
-  def add(acc, hh, x):  # acc[:, :, hh] += x, x [b, 1, n, e] (or [b, 1, n])
-    x = x.reshape((b, n, 1) + x.shape[3:])
-    start = (0, 0, hh) + (0,) * (x.ndim - 3)
-    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, start, x.shape) + x, start)
+  def take(a, s, size=None):  # [b, n, h, e] -> [b, heads, n, size] (one head: a reshape)
+    hh, ff = start(s)
+    ff, size = (0, a.shape[-1]) if size is None else (ff, size)
+    a = jax.lax.dynamic_slice(a, (0, 0, hh, ff), (b, n, heads, size))
+    return a.reshape(b, 1, n, size) if heads == 1 else jnp.swapaxes(a, 1, 2)
+
+  def token_major(x):  # [b, heads, n, ...] -> [b, n, heads, ...]
+    return x.reshape((b, n, 1) + x.shape[3:]) if heads == 1 else jnp.swapaxes(x, 1, 2)
+
+  def add(acc, s, x):  # acc[:, :, heads of s] += x, x [b, heads, n, e] (or [b, heads, n])
+    x = token_major(x)
+    at = (0, 0, start(s)[0]) + (0,) * (x.ndim - 3)
+    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, at, x.shape) + x, at)
 
   def unpack(s, fq_all, fk_all, vals_all, table):
-    hh, gi = s // per_head, s % per_head
-    fq, fk = (head(a, hh, gi * group, group) for a in (fq_all, fk_all))
-    w = jax.lax.dynamic_index_in_dim(table, hh, axis=0)  # [1, ...]
-    return hh, fq, fk, head(vals_all, hh), w
+    fq, fk = (take(a, s, group) for a in (fq_all, fk_all))
+    w = jax.lax.dynamic_slice_in_dim(table, start(s)[0], heads, axis=0)  # [heads, ...]
+    return fq, fk, take(vals_all, s), w
 
-  def channels(fk, vals):  # [b, 1, n, g], [b, 1, n, d] -> [b, 1, n, g d + g]
-    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, 1, n, group * d)
+  def channels(fk, vals):  # [b, k, n, g], [b, k, n, d] -> [b, k, n, g d + g]
+    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, heads, n, group * d)
     return jnp.concatenate([kv, fk], axis=-1)
 
-  def split(y):  # [b, 1, n, g d + g] -> [b, 1, n, g, d], [b, 1, n, g]
-    return y[..., : group * d].reshape(b, 1, n, group, d), y[..., group * d :]
+  def split(y):  # [b, k, n, g d + g] -> [b, k, n, g, d], [b, k, n, g]
+    return y[..., : group * d].reshape(b, heads, n, group, d), y[..., group * d :]
+
+  def loop(body, init):  # one step: no loop (XLA folds the full-size slices and updates)
+    return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
 
   def forward(*args):
     def body(s, carry):
-      hh, fq, fk, vals, w = unpack(s, *args)
+      fq, fk, vals, w = unpack(s, *args)
       y_kv, y_k = split(product(w, channels(fk, vals)))
       return (
-          add(carry[0], hh, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
-          add(carry[1], hh, jnp.einsum("bhig,bhig->bhi", fq, y_k)),
+          add(carry[0], s, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
+          add(carry[1], s, jnp.einsum("bhig,bhig->bhi", fq, y_k)),
       )
 
     init = mark((jnp.zeros((b, n, h, d), v.dtype), jnp.zeros((b, n, h), v.dtype)))
-    return jax.lax.fori_loop(0, h * per_head, body, init)
+    return loop(body, init)
 
   @jax.custom_vjp
   def mix(*args):
@@ -993,10 +1041,13 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   def mix_bwd(res, ct):
     def body(s, carry):
       g_q, g_k, g_v, g_t = carry
-      hh, fq, fk, vals, w = unpack(s, *res)
-      g_num, g_den = head(ct[0], hh), head(ct[1][..., None], hh)[..., 0]
+      fq, fk, vals, w = unpack(s, *res)
+      g_num, g_den = take(ct[0], s), take(ct[1][..., None], s)[..., 0]
       cot = jnp.concatenate(
-          [(fq[..., :, None] * g_num[..., None, :]).reshape(b, 1, n, -1), fq * g_den[..., None]],
+          [
+              (fq[..., :, None] * g_num[..., None, :]).reshape(b, heads, n, -1),
+              fq * g_den[..., None],
+          ],
           axis=-1,
       )
       y, vjp = jax.vjp(product, w, channels(fk, vals))
@@ -1004,20 +1055,19 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
       (y_kv, y_k), (gx_kv, gx_k) = split(y), split(g_x)
       gq = jnp.einsum("bhid,bhigd->bhig", g_num, y_kv) + g_den[..., None] * y_k
       gk = jnp.einsum("bhigd,bhid->bhig", gx_kv, vals) + gx_k
-      put = lambda acc, x: jax.lax.dynamic_update_slice(
-          acc, x.reshape(b, n, 1, group), (0, 0, hh, (s % per_head) * group)
-      )
+      hh, ff = start(s)
+      put = lambda acc, x: jax.lax.dynamic_update_slice(acc, token_major(x), (0, 0, hh, ff))
       return (
           put(g_q, gq),
           put(g_k, gk),
-          add(g_v, hh, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
-          jax.lax.dynamic_update_index_in_dim(
-              g_t, jax.lax.dynamic_index_in_dim(g_t, hh, axis=0) + g_w, hh, axis=0
+          add(g_v, s, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
+          jax.lax.dynamic_update_slice_in_dim(
+              g_t, jax.lax.dynamic_slice_in_dim(g_t, hh, heads, axis=0) + g_w, hh, axis=0
           ),
       )
 
     init = tuple(jnp.zeros_like(a) for a in res)  # zeros_like keeps each input's device type
-    return jax.lax.fori_loop(0, h * per_head, body, init)
+    return loop(body, init)
 
   mix.defvjp(mix_fwd, mix_bwd)
   return mix(phi_q, phi_k, v, rpe)
