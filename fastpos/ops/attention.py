@@ -105,14 +105,66 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
   return bias, allowed
 
 
+# How softmax attention runs, per backend, when ``implementation="auto"``. Each entry names the
+# run that measured it:
+# * cpu: "einsum", the faster of the two side by side fwd+bwd on the 2-core CPU (batch 1, 8
+#   heads, d = 64, float32, N = 1K-4K: `python -m fastpos.bench.gpu --softmax-impls ...`,
+#   benchmarks/softmax_impls.md). ``jax.nn.dot_product_attention``'s XLA form vmaps over
+#   query groups and takes its softmax through layout copies that the plain formula avoids.
+# * every other backend: "jax", ``jax.nn.dot_product_attention``, which reaches cuDNN's fused
+#   kernel on GPUs for bf16 / fp16 inputs (not measured here).
+SOFTMAX_IMPLEMENTATIONS = ("auto", "einsum", "jax", "cudnn")
+_SOFTMAX_AUTO = {"cpu": "einsum"}
+
+
+def _softmax_implementation(implementation: str, dtype, backend: str | None = None) -> str:
+  """The implementation that runs: ``implementation`` itself, or for "auto" the backend's
+  entry of ``_SOFTMAX_AUTO`` ("jax" where it has none). float64 always runs "einsum"
+  (``jax.nn.dot_product_attention`` takes its softmax in float32)."""
+  if implementation not in SOFTMAX_IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {SOFTMAX_IMPLEMENTATIONS}; got {implementation!r}."
+    )
+  backend = jax.default_backend() if backend is None else backend
+  if implementation == "cudnn" and backend != "gpu":
+    raise ValueError(
+        f"implementation='cudnn' needs a GPU; JAX runs on {backend!r}. Use 'auto', 'einsum' or "
+        "'jax'."
+    )
+  if dtype == jnp.float64 and implementation != "cudnn":
+    return "einsum"
+  if implementation == "auto":
+    return _SOFTMAX_AUTO.get(backend, "jax")
+  return implementation
+
+
+def _softmax_einsum(q, k, v, bias, allowed, scale):
+  """``jax.nn.dot_product_attention``'s XLA computation written with two einsums: logits in
+  float32 at least, the softmax in float32 (float64 for float64), probabilities cast to v's
+  dtype, masked logits set to the dtype's lowest value (a row with no visible key averages
+  every value, as there)."""
+  wide = jnp.promote_types(q.dtype, jnp.float32)
+  logits = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=wide) * scale
+  if bias is not None:
+    logits = logits + bias.astype(wide)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, jnp.finfo(wide).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhij,bjhd->bihd", probs, v)
+
+
 def softmax_attention(
-    q, k, v, *, bias=None, mask=None, causal: bool = False, scale: float | None = None
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    mask=None,
+    causal: bool = False,
+    scale: float | None = None,
+    implementation: str = "auto",
 ):
   """Exact softmax attention ``softmax(q k^T * scale + bias) v`` (padded keys excluded).
-
-  Runs through ``jax.nn.dot_product_attention`` so that GPUs reach the fused (cuDNN) kernel
-  where dtype and shapes allow. That function always takes the softmax in float32, so float64
-  inputs go through the plain XLA formula instead (exactness tests run in float64).
 
   Args:
     q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
@@ -121,20 +173,35 @@ def softmax_attention(
     mask: ``[batch, Lk]`` bool, True for real keys (any other dtype or shape: ValueError).
     causal: key j visible to query i iff j <= M + i.
     scale: defaults to ``1/sqrt(dim)``.
+    implementation: which computation runs (the result is the same up to rounding):
+      "einsum" (two einsums and a softmax, ``_softmax_einsum``), "jax"
+      (``jax.nn.dot_product_attention``, which picks cuDNN's fused kernel on GPUs where dtype
+      and shapes allow), "cudnn" (that function forced onto cuDNN: GPU only, bf16 / fp16), or
+      "auto": per backend from ``_SOFTMAX_AUTO`` (measured: "einsum" on CPU; "jax"
+      elsewhere). float64 inputs always run "einsum" (the other takes its softmax in float32;
+      exactness tests run in float64). Any other value: ValueError.
+
+  Returns:
+    ``[batch, Lq, heads, dim]`` in the promoted dtype of q, k, v.
   """
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
   dtype = jnp.result_type(q, k, v)
-  if dtype != jnp.float64:
-    if bias is not None:
-      bias = bias.astype(dtype)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=allowed, scale=scale)
+  chosen = _softmax_implementation(implementation, dtype)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  if chosen == "einsum":
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    return _softmax_einsum(q, k, v, bias, allowed, scale)
   if bias is not None:
-    logits = logits + bias.astype(dtype)
-  if allowed is not None:
-    logits = jnp.where(allowed, logits, jnp.finfo(dtype).min)
-  return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(logits, axis=-1), v)
+    bias = bias.astype(dtype)
+  return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      bias=bias,
+      mask=allowed,
+      scale=scale,
+      implementation="cudnn" if chosen == "cudnn" else None,
+  )
 
 
 def softmax_attention_reference(
@@ -881,15 +948,19 @@ def _product_2d(w, x, *, grid, causal, group_bytes=None):
   return toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal, group_bytes=group_bytes)
 
 
-# Up to this length kernelized RPE runs densely (``_rpe_dense``): the [N, N] scores cost
-# N^2 (m + d) flops per head in large matmuls, against the FFT path's m (d + 1) FFTs of length
-# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured fwd+bwd on a
-# 2-core CPU (m = 32, d = 64, 8 heads): dense over FFT 0.34x at N = 512, 0.49x at 1024, 0.85x
-# at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
-# (benchmarks/ops_lean.md).
+# The dense-or-FFT switch of kernelized RPE, per backend: up to these lengths it runs densely
+# (``_rpe_dense``: the [N, N] scores cost N^2 (m + d) flops per head in large matmuls, against
+# the FFT path's m (d + 1) FFTs of length ~2N, six passes of them fwd+bwd, at a fraction of the
+# matmul rate; its memory is that of dense softmax with a bias). Each number names the run
+# that measured it (fwd+bwd, m = 32, d = 64, 8 heads, batch 1):
+# * CPU (and every backend but GPU): 2-core CPU, `python -m fastpos.bench.ops_lean` (dense over
+#   FFT 0.34x at N = 512, 0.49x at 1024, 0.85x at 2048, 1.30x at 4096; benchmarks/ops_lean.md).
+#   The CPU's FFT path has not changed since (the same compiled program).
+# * GPU: H200, `bash scripts/gpu_check.sh` (benchmarks/gpu/gpu.md, kRPE section): dense beat the
+#   FFT path at every N = 1K-16K (28.5 vs 68.8 ms at 16384), but that FFT path ran in serial
+#   steps; the check's "kRPE dense" and "kRPE FFT, one batch" rows re-measure the crossover
+#   against the one batched transform the GPU takes now.
 _RPE_DENSE_UP_TO = 2048
-# On GPU the dense path beat the FFT path at every length measured, N = 1K-16K (H200, m = 32,
-# d = 64, 8 heads, fwd+bwd; 28.5 vs 68.8 ms at 16384: benchmarks/gpu/gpu.md, kRPE section).
 _RPE_DENSE_UP_TO_GPU = 16384
 
 
