@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fastpos.ops import attention, toeplitz
-from tests.helpers import assert_causal_jacobian, rel_err
+from tests.helpers import assert_causal_jacobian, rel_err, run_on_devices
 
 HEADS, M, D = 3, 4, 5
 _GROUP, _FFT_BYTES = attention._rpe_group, attention._rpe_fft_bytes  # before any patching
@@ -160,3 +160,46 @@ def test_toeplitz_group_bytes_changes_only_the_schedule(causal, grid):
   assert rel_err(small[0], large[0]) < 1e-12
   for a, b in zip(small[1], large[1]):
     assert rel_err(a, b) < 1e-12
+
+
+_CONTEXT_PARALLEL = """
+import functools, json
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jax.sharding import Mesh, PartitionSpec as P
+from fastpos.ops import attention
+from fastpos.ops import context_parallel as cp
+group = functools.partial(attention._rpe_group, backend="gpu")
+seen = []
+attention._rpe_group = lambda *a: seen.append(group(*a)) or group(*a)
+attention._rpe_fft_bytes = functools.partial(attention._rpe_fft_bytes, backend="gpu")
+attention._rpe_dense_is_faster = lambda *a, **k: False
+rng = np.random.default_rng(0)
+b, n, h, m, d = 2, 16, 2, 3, 4
+q, k = rng.uniform(0.1, 1, (b, n, h, m)), rng.uniform(0.1, 1, (b, n, h, m))
+v, ct = rng.normal(size=(b, n, h, d)), rng.normal(size=(b, n, h, d))
+rpe = np.exp(0.3 * rng.normal(size=(h, 2 * n - 1)))
+mesh, s = Mesh(np.array(jax.devices()[:4]), ("seq",)), P(None, "seq")
+errs = {}
+for causal in (False, True):
+  full = lambda q, k, v, c: attention.linear_attention(q, k, v, rpe=c, causal=causal)
+  local = lambda q, k, v, c: cp.linear_attention(q, k, v, rpe=c, causal=causal, axis_name="seq")
+  split = jax.shard_map(local, mesh=mesh, in_specs=(s, s, s, P()), out_specs=s)
+  run = lambda fn: jax.jit(
+      jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))
+  )(q, k, v, rpe)
+  (a, ga), (r, gr) = run(split), run(full)
+  errs[str(causal)] = max(
+      float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip([a, *ga], [r, *gr])
+  )
+print("RESULT" + json.dumps({"errs": errs, "seen": sorted(set(seen))}))
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_one_batch_matches_unsplit():
+  """The context-parallel op (4 devices, a ring of block products) with the one-step policy:
+  output and gradients equal the unsplit op's, causal or not (float64)."""
+  got = run_on_devices(_CONTEXT_PARALLEL)
+  assert got["seen"] == [[2, 3]]  # both heads and all features in one step
+  assert max(got["errs"].values()) < 1e-9
