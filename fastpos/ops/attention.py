@@ -992,14 +992,16 @@ def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
 # rebuilds each step's channels. How big a step is depends on the backend:
 # * CPU: one head and at most _RPE_GROUP_BYTES of channels per step. XLA:CPU allocates an
 #   executable's temporaries afresh per call (a page fault per fresh page), and all channels
-#   at once hold 1.3 GiB of temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64); the
-#   groups keep them in cache and were as fast or faster, measured side by side
-#   (benchmarks/rpe_groups.md).
+#   at once hold 1.5 GiB of temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64; 18 MiB
+#   in steps); one batch took 1.25x / 1.28x the steps' time at N = 2048 / 4096 on the 2-core
+#   CPU, side by side (`python -m fastpos.bench.gpu --rpe-steps 2048,4096`,
+#   benchmarks/rpe_steps.md).
 # * GPU / TPU: every head and feature in one step (one batched FFT over all channels: a loop
 #   of small steps was launch-bound, 37-60x the Toeplitz product of the same channel count
 #   on an H200, benchmarks/gpu/summary.md), unless the channels exceed
 #   _RPE_GROUP_BYTES_ACCELERATOR; then as many whole heads as fit, or one head's features.
-#   A step's temporaries fwd+bwd are a few times its channels (their spectra and cotangents).
+#   A step's temporaries fwd+bwd are about 6-7x its channels (their spectra and cotangents;
+#   XLA:CPU's memory_analysis at N = 4096), so up to ~14 GiB at the budget.
 _RPE_GROUP_BYTES = 2 * 2**20
 _RPE_GROUP_BYTES_ACCELERATOR = 2 * 2**30
 
