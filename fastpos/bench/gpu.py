@@ -13,10 +13,13 @@ Four parts, each in its own try block (one failing loses none of the others), ea
   train_step  steps/s and tokens/s of that model's train step at the paper setting, as it is
               and as configs/lra_text_fastrpb.py runs it (block remat, scanned, mlp_chunk
               2048), beside the softmax Transformer (``fastpos.bench.models.train_case``);
-  rpe         kernelized RPE against dense softmax with a bias, the Toeplitz product of FastRPB
-              and bidirectional linear attention, fwd+bwd at N = 1K-16K
+  rpe         kernelized RPE (the path the op picks, the FFT path, the dense path, and the FFT
+              path stepped both ways: one batched transform and the CPU's serial steps,
+              ``attention._rpe_group``) against dense softmax with a bias, the Toeplitz product
+              of FastRPB and bidirectional linear attention, fwd+bwd at N = 2K-16K
               (``fastpos.bench.ops_lean.measure_rpe_time``), and kernelized RPE's backward
-              temporary memory against the Toeplitz product (``measure_rpe_memory``);
+              temporary memory, both ways, against the Toeplitz product
+              (``measure_rpe_memory``);
   linear      bidirectional and causal linear attention fwd+bwd GFLOP/s against the matmul
               peak measured in the same group (``ops_lean.measure_linear``) at N = 4K-16K,
               batch 1 and 8; the peak both at JAX's default precision and at ``HIGHEST`` (true
@@ -27,13 +30,21 @@ parts run first, the memory part last. A global ``--budget-s`` and per-part caps
 between its lengths (what is left is marked skipped). ``--smoke``: tiny sizes, for a check on
 the CPU. Exit 0 when every part ran and every goal passed, 1 otherwise, 2 for a bad flag (one
 line).
+
+``--rpe-steps N1,N2,..`` measures only kernelized RPE's FFT path stepped both ways, side by
+side (``measure_rpe_steps``), and writes ``<out>/rpe_steps.md`` and ``.json``: the check that a
+change of the step policy leaves no backend slower. ``--softmax-impls N1,N2,..`` measures only
+``softmax_attention``'s implementations side by side (``measure_softmax_impls``) and writes
+``<out>/softmax_impls.md`` and ``.json``: what ``implementation="auto"`` picks per backend.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -49,12 +60,13 @@ from fastpos.bench import memory as bench_memory
 from fastpos.bench import models as bench_models
 from fastpos.bench import ops as bench_ops
 from fastpos.bench import ops_lean, report
+from fastpos.ops import attention
 
 PARTS = ("memory", "train_step", "rpe", "linear")
 # The timed parts run first: compiles that the memory part leaves running past its deadline
 # (they cannot be stopped) then disturb no timing.
 RUN_ORDER = ("train_step", "rpe", "linear", "memory")
-CAPS_S = {"memory": 240.0, "train_step": 120.0, "rpe": 100.0, "linear": 70.0}
+CAPS_S = {"memory": 240.0, "train_step": 120.0, "rpe": 150.0, "linear": 70.0}
 COMMITTED = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "benchmarks",
@@ -83,7 +95,7 @@ FULL = Sizes(
     memory_length=16384,
     paper=(32, 4000),
     mlp_chunk=2048,
-    rpe_lengths=(1024, 2048, 4096, 8192, 16384),
+    rpe_lengths=(2048, 4096, 8192, 16384),
     rpe_memory_lengths=(4096, 16384, 65536),
     linear_lengths=(4096, 8192, 16384),
     linear_batches=(1, 8),
@@ -292,9 +304,46 @@ def run_train_step(sizes: Sizes, log, smoke: bool) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Part 3: kernelized RPE against softmax + bias and the Toeplitz product
 # ---------------------------------------------------------------------------------------------
+# The FFT path's two step policies (``attention._rpe_group``), by the backend whose policy they
+# are: every head and feature in one batched transform (GPU / TPU), or one head's group of
+# features per step of a serial loop (CPU).
+RPE_STEPS = {"one batch": "gpu", "CPU steps": "cpu"}
+RPE_SLOWER_AT_MOST = 0.25  # kRPE's time over softmax + bias's at the longest N (16K)
+
+
+@contextlib.contextmanager
+def rpe_steps(backend: str):
+  """While active (around tracing), kernelized RPE's FFT path steps as on ``backend``,
+  whatever the device."""
+  saved = attention._rpe_group, attention._rpe_fft_bytes
+  attention._rpe_group = functools.partial(saved[0], backend=backend)
+  attention._rpe_fft_bytes = functools.partial(saved[1], backend=backend)
+  try:
+    yield
+  finally:
+    attention._rpe_group, attention._rpe_fft_bytes = saved
+
+
+def _steps_cases(n: int) -> list[bm.Case]:
+  """The FFT path fwd+bwd under each step policy (``RPE_STEPS``), on the rows' inputs."""
+  out = []
+  for label, backend in RPE_STEPS.items():
+    fft = ops_lean._krpe("fft")
+
+    def fn(*args, fft=fft, backend=backend):
+      with rpe_steps(backend):
+        return fft(*args)
+
+    out.append(
+        bm.Case(f"kRPE FFT, {label}", ops_lean._fwd_bwd(fn, (0, 1, 2, 3)), ops_lean._rpe_inputs(n))
+    )
+  return out
+
+
 def _peer_cases(n: int) -> list[bm.Case]:
   """FastRPB's Toeplitz product over ``[1, 8, N, 64]`` and bidirectional ELU+1 linear
-  attention (m = 64), fwd+bwd, built by ``fastpos.bench.ops``."""
+  attention (m = 64), fwd+bwd, built by ``fastpos.bench.ops``; and the FFT path under each
+  step policy."""
   out = []
   for key, build in (
       ("toeplitz (FastRPB product)", bench_ops._toeplitz_1d(False)),
@@ -303,7 +352,14 @@ def _peer_cases(n: int) -> list[bm.Case]:
     fn, make, argnums = build(n, jnp.float32)
     g, make_ct = bench_ops.with_backward(fn, make, argnums)
     out.append(bm.Case(key, g, make_ct))
-  return out
+  return out + _steps_cases(n)
+
+
+def step_channel_mib(n: int, backend: str) -> float:
+  """MiB of the channels of one step of the FFT path at the rows' shape, float32."""
+  b, h, m, d = ops_lean.BATCH, ops_lean.HEADS, ops_lean.RPE_FEATURES, ops_lean.DIM
+  heads, group = attention._rpe_group(b, n, h, m, d, 4, backend)
+  return b * heads * n * group * (d + 1) * 4 / 2**20
 
 
 def run_rpe(sizes: Sizes, deadline: Deadline, log) -> dict:
@@ -318,28 +374,209 @@ def run_rpe(sizes: Sizes, deadline: Deadline, log) -> dict:
       errors[f"time {n}"] = _one_line(e)
       log(f"  N={n}: FAILED {errors[f'time {n}']}")
   for n in sizes.rpe_memory_lengths:
-    if deadline.left() <= 0:
-      errors[f"memory {n}"] = "skipped: time budget"
-      continue
-    try:
-      memory |= ops_lean.measure_rpe_memory([n], log)
-    except Exception as e:
-      errors[f"memory {n}"] = _one_line(e)
-  return {"time": timing, "memory": memory, "errors": errors}
+    for label, backend in RPE_STEPS.items():
+      if deadline.left() <= 0:
+        errors[f"memory {n}, {label}"] = "skipped: time budget"
+        continue
+      try:
+        with rpe_steps(backend):
+          got = ops_lean.measure_rpe_memory([n], log)[n]
+        for k, r in got.items():
+          r["step_channel_mib"] = step_channel_mib(n, backend)
+          memory.setdefault(n, {})[f"{k}, {label}"] = r
+      except Exception as e:
+        errors[f"memory {n}, {label}"] = _one_line(e)
+  backend = jax.default_backend()
+  limit = attention._RPE_DENSE_UP_TO_GPU if backend == "gpu" else attention._RPE_DENSE_UP_TO
+  return {
+      "time": timing,
+      "memory": memory,
+      "errors": errors,
+      "dense_limit": {"backend": backend, "dense_up_to": limit},
+  }
+
+
+def measure_rpe_steps(lengths, rounds: int, log) -> dict:
+  """fwd+bwd ms of the FFT path under each step policy, one interleaved group per length
+  (``rounds`` timed runs of each, medians), with the ratio to the CPU steps."""
+  out = {}
+  for n in lengths:
+    got = bm.measure_group(_steps_cases(n), min_time_s=0.0, min_runs=rounds, max_runs=rounds)
+    base = got["kRPE FFT, CPU steps"].time_s
+    out[n] = {
+        k: {
+            "ms": 1e3 * r.time_s,
+            "vs_cpu_steps": r.time_s / base,
+            "times_ms": [1e3 * t for t in r.times_s],
+        }
+        for k, r in got.items()
+    }
+    log(
+        f"N={n}: "
+        + ", ".join(f"{k} {r['ms']:.0f} ms ({r['vs_cpu_steps']:.2f}x)" for k, r in out[n].items())
+    )
+  return out
+
+
+def rpe_steps_markdown(run: dict, rows: dict) -> str:
+  lines = [
+      "# Kernelized RPE's FFT path: one batched transform against serial steps",
+      "",
+      report.provenance(run) + ".",
+      "",
+      f"fwd+bwd of `linear_attention(rpe=...)` forced onto its FFT path, batch {ops_lean.BATCH},"
+      f" {ops_lean.HEADS} heads, m = {ops_lean.RPE_FEATURES}, d = {ops_lean.DIM}, float32; "
+      "each N one group of interleaved runs (medians). 'CPU steps': one head's group of "
+      "features per step of a serial loop (the CPU's policy); 'one batch': every head and "
+      "feature in one step (the GPU / TPU policy), both forced whatever the device "
+      "(`fastpos.bench.gpu.rpe_steps`).",
+      "",
+      "| N | row | ms | time / CPU steps | runs (ms) |",
+      "|---:|---|---:|---:|---|",
+  ]
+  for n, row in sorted(rows.items()):
+    for k, r in row.items():
+      runs = ", ".join(f"{t:.0f}" for t in r["times_ms"])
+      lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r['vs_cpu_steps']:.2f}x | {runs} |")
+  return "\n".join(lines)
+
+
+SOFTMAX_SETTINGS = {"plain": {}, "causal + bias": {"causal": True, "bias": True}}
+
+
+def _softmax_case(n: int, impl: str, setting: str) -> bm.Case:
+  opts = SOFTMAX_SETTINGS[setting]
+  h, d = ops_lean.HEADS, ops_lean.DIM
+
+  def fn(q, k, v, b):
+    bias = b if opts.get("bias") else None
+    return attention.softmax_attention(
+        q, k, v, bias=bias, causal=opts.get("causal", False), implementation=impl
+    )
+
+  make = lambda: tuple(bm.pseudo_normal(i, (1, n, h, d)) for i in range(3)) + (
+      bm.pseudo_normal(3, (h, n, n), scale=0.1),
+  )
+  g, make_ct = bench_ops.with_backward(fn, make, (0, 1, 2, 3) if opts.get("bias") else (0, 1, 2))
+  return bm.Case(f"{setting}, {impl}", g, make_ct)
+
+
+def measure_softmax_impls(lengths, rounds: int, log, impls=("einsum", "jax")) -> dict:
+  """fwd+bwd ms of ``softmax_attention`` under each implementation (batch 1, 8 heads, d = 64,
+  float32), plain and causal with a bias, one interleaved group per length (``rounds`` timed
+  runs of each, medians), with the ratio to the first implementation of the same setting."""
+  out = {}
+  for n in lengths:
+    cases = [_softmax_case(n, i, s) for s in SOFTMAX_SETTINGS for i in impls]
+    got = bm.measure_group(cases, min_time_s=0.0, min_runs=rounds, max_runs=rounds)
+    row = {}
+    for s in SOFTMAX_SETTINGS:
+      base = got[f"{s}, {impls[0]}"].time_s
+      for i in impls:
+        r = got[f"{s}, {i}"]
+        row[f"{s}, {i}"] = {
+            "ms": 1e3 * r.time_s,
+            f"vs_{impls[0]}": r.time_s / base,
+            "times_ms": [1e3 * t for t in r.times_s],
+        }
+    out[n] = row
+    log(f"N={n}: " + ", ".join(f"{k} {r['ms']:.0f} ms" for k, r in row.items()))
+  return out
+
+
+def softmax_impls_markdown(run: dict, rows: dict, impls=("einsum", "jax")) -> str:
+  lines = [
+      "# softmax_attention: its implementations side by side",
+      "",
+      report.provenance(run) + ".",
+      "",
+      f"fwd+bwd (grad of every input, the bias included) of `softmax_attention(implementation="
+      f"...)`, batch 1, {ops_lean.HEADS} heads, d = {ops_lean.DIM}, float32; plain, and causal "
+      "with a [heads, N, N] bias; each N one group of interleaved runs (medians). 'einsum': two "
+      "einsums and a softmax; 'jax': `jax.nn.dot_product_attention` (XLA here; cuDNN on GPUs "
+      f'for bf16 / fp16). `implementation="auto"` on {jax.default_backend()} runs '
+      f"\"{attention._softmax_implementation('auto', jnp.float32)}\".",
+      "",
+      f"| N | row | ms | time / {impls[0]} | runs (ms) |",
+      "|---:|---|---:|---:|---|",
+  ]
+  for n, row in sorted(rows.items()):
+    for k, r in row.items():
+      runs = ", ".join(f"{t:.0f}" for t in r["times_ms"])
+      lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r[f'vs_{impls[0]}']:.2f}x | {runs} |")
+  return "\n".join(lines)
 
 
 def rpe_goals(part: dict) -> list[dict]:
-  out = ops_lean.goals({}, part["memory"], part["time"])
-  cross = [n for n, row in _by_int(part["time"]) if row["kRPE auto"]["vs_softmax"] <= 1.0]
-  if part["time"]:
-    out.append(
-        _goal(
-            "kernelized RPE fwd+bwd crossover with dense softmax + bias at N <= 2048",
-            f"first N where kRPE <= softmax: {cross[0] if cross else 'none measured'}",
-            bool(cross) and cross[0] <= 2048,
-        )
-    )
+  out = []
+  rows = _by_int(part["time"])
+  for key, what in (("kRPE auto", "as the op picks it"), ("kRPE fft", "FFT path")):
+    ratios = [(n, row[key]["vs_softmax"]) for n, row in rows if n >= 2048 and key in row]
+    if ratios:
+      out.append(
+          _goal(
+              f"kernelized RPE ({what}) fwd+bwd no slower than softmax + bias at every N >= 2K",
+              ", ".join(f"{n}: {r:.2f}x" for n, r in ratios),
+              all(r <= 1.0 for _, r in ratios),
+          )
+      )
+    last = [r for n, r in ratios if n == 16384]
+    if last:
+      out.append(
+          _goal(
+              f"kernelized RPE ({what}) fwd+bwd at most {RPE_SLOWER_AT_MOST}x softmax + bias's "
+              "time at N = 16K",
+              f"{last[0]:.2f}x",
+              last[0] <= RPE_SLOWER_AT_MOST,
+          )
+      )
+  for n, row in _by_int(part["memory"]):
+    # Records from before the one-batch rows name no policy: their rows ran in steps.
+    lean = {k: r for k, r in row.items() if not k.endswith("one batch")}
+    if lean:
+      out.append(
+          _goal(
+              f"kernelized RPE (in steps) backward temp memory within 2x of the Toeplitz "
+              f"product at N={n}",
+              ", ".join(f"{k} {r['ratio']:.2f}x" for k, r in lean.items()),
+              max(r["ratio"] for r in lean.values()) <= 2.0,
+          )
+      )
+    batch = {k: r for k, r in row.items() if k.endswith("one batch") and "step_channel_mib" in r}
+    if batch:
+      worst = max(r["krpe_mib"] / r["step_channel_mib"] for r in batch.values())
+      out.append(
+          _goal(
+              f"kernelized RPE (one batch) backward temp memory within 8x one step's channels "
+              f"at N={n}",
+              ", ".join(
+                  f"{k} {r['krpe_mib'] / r['step_channel_mib']:.1f}x of "
+                  f"{r['step_channel_mib']:.0f} MiB"
+                  for k, r in batch.items()
+              ),
+              worst <= 8.0,
+          )
+      )
   return out
+
+
+def dense_limit_text(part: dict) -> str:
+  """Where the dense path beat the FFT path among the measured N, beside the dense limit the
+  op used on the run's backend (``attention._rpe_dense_is_faster``), where recorded."""
+  rows = _by_int(part["time"])
+  dense = [
+      n
+      for n, row in rows
+      if {"kRPE dense", "kRPE fft"} <= set(row) and row["kRPE dense"]["ms"] <= row["kRPE fft"]["ms"]
+  ]
+  text = f"Dense beat the FFT path at N = {', '.join(map(str, dense)) or 'none measured'}"
+  limit = part.get("dense_limit")
+  if limit:
+    text += (
+        f"; the op's dense limit on {limit['backend']}: N <= {limit['dense_up_to']} "
+        "(`attention._RPE_DENSE_UP_TO`, `_RPE_DENSE_UP_TO_GPU`)"
+    )
+  return text + "."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,11 +751,14 @@ def _rpe_md(part: dict) -> list[str]:
   lines = ["| N | row | fwd+bwd ms | time / softmax + bias |", "|---:|---|---:|---:|"]
   for n, row in _by_int(part["time"]):
     lines += [f"| {n} | {k} | {r['ms']:.2f} | {r['vs_softmax']:.2f}x |" for k, r in row.items()]
-  lines += ["", "| N | variant | kRPE temp MiB | Toeplitz temp MiB | ratio |"]
-  lines += ["|---:|---|---:|---:|---:|"]
+  if part["time"]:
+    lines += ["", dense_limit_text(part)]
+  lines += ["", "| N | variant | kRPE temp MiB | Toeplitz temp MiB | ratio | step channels MiB |"]
+  lines += ["|---:|---|---:|---:|---:|---:|"]
   for n, row in _by_int(part["memory"]):
     lines += [
-        f"| {n} | {k} | {r['krpe_mib']:.1f} | {r['toeplitz_mib']:.1f} | {r['ratio']:.2f}x |"
+        f"| {n} | {k} | {r['krpe_mib']:.1f} | {r['toeplitz_mib']:.1f} | {r['ratio']:.2f}x | "
+        + (f"{r['step_channel_mib']:.1f} |" if "step_channel_mib" in r else "- |")
         for k, r in row.items()
     ]
   return lines
@@ -564,8 +804,11 @@ NOTES = {
     "high-water mark; '<=' where the row did not raise it (a bound only).",
     "rpe": "Batch 1, 8 heads, head dim 64, kernelized RPE with m = 32 (ELU+1 features), one "
     "interleaved group per N (`fastpos.bench.ops_lean`); 'auto' is the path the op picks by "
-    "shape, 'fft' and 'dense' are forced. Memory: compiled backward temp bytes against "
-    "`toeplitz_matmul` over [1, 8, N, 64].",
+    "shape, 'fft' and 'dense' are forced; 'FFT, one batch' and 'FFT, CPU steps' force the FFT "
+    "path's step policy too (every head and feature in one batched transform, the GPU / TPU "
+    "policy; one head's group of features per serial step, the CPU's). Memory: compiled "
+    "backward temp bytes of the FFT path under each policy against `toeplitz_matmul` over "
+    "[1, 8, N, 64], and the channels of one step.",
     "linear": "m = 64, head dim 64, 8 heads; flops 12 N m (d + 1) per batch and head "
     "(`fastpos.bench.ops_lean`); the peak is one square `jnp.dot`, measured in each N's "
     "group at the default precision.",
@@ -657,6 +900,18 @@ def parse_args(argv):
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
   p.add_argument("--budget-s", type=float, default=420.0, help="whole run; 0: no limit")
   p.add_argument("--smoke", action="store_true", help="tiny sizes: a check that every part runs")
+  p.add_argument(
+      "--rpe-steps",
+      metavar="N1,N2,..",
+      help="measure only kernelized RPE's FFT path under both step policies at these lengths "
+      "(writes <out>/rpe_steps.md and .json)",
+  )
+  p.add_argument(
+      "--softmax-impls",
+      metavar="N1,N2,..",
+      help="measure only softmax_attention's implementations at these lengths (writes "
+      "<out>/softmax_impls.md and .json)",
+  )
   args = p.parse_args(argv)
   if not args.out and not args.render:
     p.error("give --out (or --render GPU_JSON)")
@@ -667,6 +922,18 @@ def parse_args(argv):
   if args.smoke and args.out and os.path.realpath(args.out) == os.path.realpath(COMMITTED):
     p.error(f"--smoke numbers do not go into {COMMITTED}; give another --out")
   args.parts = parts
+  for flag in ("rpe_steps", "softmax_impls"):
+    given = getattr(args, flag)
+    if given is None:
+      continue
+    try:
+      lengths = [int(x) for x in given.split(",") if x]
+    except ValueError:
+      lengths = []
+    if not lengths or min(lengths) < 1 or not args.out:
+      name = "--" + flag.replace("_", "-")
+      p.error(f"{name} needs comma-separated positive int lengths and --out; got {given!r}")
+    setattr(args, flag, lengths)
   return args
 
 
@@ -693,6 +960,20 @@ def main(argv=None) -> int:
   sizes = SMOKE if args.smoke else FULL
   budget = Deadline(args.budget_s)
   log = lambda s: print(s, flush=True)
+  if args.rpe_steps:
+    run = report.run_record("fastpos.bench.gpu", argv)
+    rows = measure_rpe_steps(args.rpe_steps, sizes.rounds, log)
+    table = rpe_steps_markdown(run, rows)
+    report.write(args.out, "rpe_steps", table, {"run": run, "rows": rows})
+    print(table, flush=True)
+    return 0
+  if args.softmax_impls:
+    run = report.run_record("fastpos.bench.gpu", argv)
+    rows = measure_softmax_impls(args.softmax_impls, sizes.rounds, log)
+    table = softmax_impls_markdown(run, rows)
+    report.write(args.out, "softmax_impls", table, {"run": run, "rows": rows})
+    print(table, flush=True)
+    return 0
   start = time.monotonic()
   result = {
       "command": "python -m fastpos.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv),

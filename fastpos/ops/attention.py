@@ -105,14 +105,67 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
   return bias, allowed
 
 
+# How softmax attention runs, per backend, when ``implementation="auto"``. Each entry names the
+# run that measured it:
+# * cpu: "einsum", the faster of the two side by side fwd+bwd on the 2-core CPU (batch 1, 8
+#   heads, d = 64, float32; `python -m fastpos.bench.gpu --softmax-impls 1024,2048,4096`,
+#   benchmarks/softmax_impls.md): "jax" took 1.05-1.08x its time plain, 0.96-1.05x causal
+#   with a bias (medians of 5 interleaved runs at load 20, whose spread is larger: a small
+#   lead, not a large one).
+# * every other backend: "jax", ``jax.nn.dot_product_attention``, which reaches cuDNN's fused
+#   kernel on GPUs for bf16 / fp16 inputs (not measured here).
+SOFTMAX_IMPLEMENTATIONS = ("auto", "einsum", "jax", "cudnn")
+_SOFTMAX_AUTO = {"cpu": "einsum"}
+
+
+def _softmax_implementation(implementation: str, dtype, backend: str | None = None) -> str:
+  """The implementation that runs: ``implementation`` itself, or for "auto" the backend's
+  entry of ``_SOFTMAX_AUTO`` ("jax" where it has none). float64 always runs "einsum"
+  (``jax.nn.dot_product_attention`` takes its softmax in float32)."""
+  if implementation not in SOFTMAX_IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {SOFTMAX_IMPLEMENTATIONS}; got {implementation!r}."
+    )
+  backend = jax.default_backend() if backend is None else backend
+  if implementation == "cudnn" and backend != "gpu":
+    raise ValueError(
+        f"implementation='cudnn' needs a GPU; JAX runs on {backend!r}. Use 'auto', 'einsum' or "
+        "'jax'."
+    )
+  if dtype == jnp.float64 and implementation != "cudnn":
+    return "einsum"
+  if implementation == "auto":
+    return _SOFTMAX_AUTO.get(backend, "jax")
+  return implementation
+
+
+def _softmax_einsum(q, k, v, bias, allowed, scale):
+  """``jax.nn.dot_product_attention``'s XLA computation written with two einsums: logits in
+  float32 at least, the softmax in float32 (float64 for float64), probabilities cast to v's
+  dtype, masked logits set to the dtype's lowest value (a row with no visible key averages
+  every value, as there)."""
+  wide = jnp.promote_types(q.dtype, jnp.float32)
+  logits = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=wide) * scale
+  if bias is not None:
+    logits = logits + bias.astype(wide)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, jnp.finfo(wide).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhij,bjhd->bihd", probs, v)
+
+
 def softmax_attention(
-    q, k, v, *, bias=None, mask=None, causal: bool = False, scale: float | None = None
+    q,
+    k,
+    v,
+    *,
+    bias=None,
+    mask=None,
+    causal: bool = False,
+    scale: float | None = None,
+    implementation: str = "auto",
 ):
   """Exact softmax attention ``softmax(q k^T * scale + bias) v`` (padded keys excluded).
-
-  Runs through ``jax.nn.dot_product_attention`` so that GPUs reach the fused (cuDNN) kernel
-  where dtype and shapes allow. That function always takes the softmax in float32, so float64
-  inputs go through the plain XLA formula instead (exactness tests run in float64).
 
   Args:
     q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
@@ -121,20 +174,35 @@ def softmax_attention(
     mask: ``[batch, Lk]`` bool, True for real keys (any other dtype or shape: ValueError).
     causal: key j visible to query i iff j <= M + i.
     scale: defaults to ``1/sqrt(dim)``.
+    implementation: which computation runs (the result is the same up to rounding):
+      "einsum" (two einsums and a softmax, ``_softmax_einsum``), "jax"
+      (``jax.nn.dot_product_attention``, which picks cuDNN's fused kernel on GPUs where dtype
+      and shapes allow), "cudnn" (that function forced onto cuDNN: GPU only, bf16 / fp16), or
+      "auto": per backend from ``_SOFTMAX_AUTO`` (measured: "einsum" on CPU; "jax"
+      elsewhere). float64 inputs always run "einsum" (the other takes its softmax in float32;
+      exactness tests run in float64). Any other value: ValueError.
+
+  Returns:
+    ``[batch, Lq, heads, dim]`` in the promoted dtype of q, k, v.
   """
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
   dtype = jnp.result_type(q, k, v)
-  if dtype != jnp.float64:
-    if bias is not None:
-      bias = bias.astype(dtype)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=allowed, scale=scale)
+  chosen = _softmax_implementation(implementation, dtype)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+  if chosen == "einsum":
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    return _softmax_einsum(q, k, v, bias, allowed, scale)
   if bias is not None:
-    logits = logits + bias.astype(dtype)
-  if allowed is not None:
-    logits = jnp.where(allowed, logits, jnp.finfo(dtype).min)
-  return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(logits, axis=-1), v)
+    bias = bias.astype(dtype)
+  return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      bias=bias,
+      mask=allowed,
+      scale=scale,
+      implementation="cudnn" if chosen == "cudnn" else None,
+  )
 
 
 def softmax_attention_reference(
@@ -322,9 +390,9 @@ def linear_attention(
   scans token-major chunks with a written-out backward (``_causal_scan``). Memory of the
   causal path: one carried state ``[batch, heads, m, d]`` in the forward pass and the
   per-chunk states ``[N/chunk, batch, heads, m, d]`` kept for the backward pass, never a
-  per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one (head, group of features)'
-  ``[N, group*(d+1)]`` channels at a time and keeps only its inputs for the backward pass
-  (``_rpe_mix``).
+  per-token ``[N, m, d]`` cumulative sum; the FFT rpe path holds one step's channels at a time
+  (on CPU one head's group of features, on GPU / TPU every head and feature within a stated
+  budget: ``_rpe_group``) and keeps only its inputs for the backward pass (``_rpe_mix``).
   """
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
@@ -640,9 +708,11 @@ def _mix(
     if split is not None:
       product, zeros = (lambda w, x: split.toeplitz(w, causal)(x)), split.varying
     elif grid is None:
-      product = functools.partial(_product_1d, causal=causal)
+      product = functools.partial(_product_1d, causal=causal, group_bytes=_rpe_fft_bytes())
     else:
-      product = functools.partial(_product_2d, grid=tuple(grid), causal=causal)
+      product = functools.partial(
+          _product_2d, grid=tuple(grid), causal=causal, group_bytes=_rpe_fft_bytes()
+      )
     dense = split is None and _rpe_dense_is_faster(phi_k.shape[1], phi_k.shape[-1], v.shape[-1])
   total = (lambda x: x) if split is None else split.psum
 
@@ -871,23 +941,27 @@ def _decay_table(log_decay, n: int, grid):
   return log_decay.reshape((-1,) + (1,) * dist.ndim) * dist[None]
 
 
-def _product_1d(w, x, *, causal):
-  return toeplitz.toeplitz_matmul(w, x, causal=causal)
+def _product_1d(w, x, *, causal, group_bytes=None):
+  return toeplitz.toeplitz_matmul(w, x, causal=causal, group_bytes=group_bytes)
 
 
-def _product_2d(w, x, *, grid, causal):
-  return toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal)
+def _product_2d(w, x, *, grid, causal, group_bytes=None):
+  return toeplitz.toeplitz_matmul_2d(w, x, grid, causal=causal, group_bytes=group_bytes)
 
 
-# Up to this length kernelized RPE runs densely (``_rpe_dense``): the [N, N] scores cost
-# N^2 (m + d) flops per head in large matmuls, against the FFT path's m (d + 1) FFTs of length
-# ~2N, six passes of them fwd+bwd, at a fraction of the matmul rate. Measured fwd+bwd on a
-# 2-core CPU (m = 32, d = 64, 8 heads): dense over FFT 0.34x at N = 512, 0.49x at 1024, 0.85x
-# at 2048, 1.30x at 4096; its memory is that of dense softmax with a bias
-# (benchmarks/ops_lean.md).
+# The dense-or-FFT switch of kernelized RPE, per backend: up to these lengths it runs densely
+# (``_rpe_dense``: the [N, N] scores cost N^2 (m + d) flops per head in large matmuls, against
+# the FFT path's m (d + 1) FFTs of length ~2N, six passes of them fwd+bwd, at a fraction of the
+# matmul rate; its memory is that of dense softmax with a bias). Each number names the run
+# that measured it (fwd+bwd, m = 32, d = 64, 8 heads, batch 1):
+# * CPU (and every backend but GPU): 2-core CPU, `python -m fastpos.bench.ops_lean` (dense over
+#   FFT 0.34x at N = 512, 0.49x at 1024, 0.85x at 2048, 1.30x at 4096; benchmarks/ops_lean.md).
+#   The CPU's FFT path has not changed since (the same compiled program).
+# * GPU: H200, `bash scripts/gpu_check.sh` (benchmarks/gpu/gpu.md, kRPE section): dense beat the
+#   FFT path at every N = 1K-16K (28.5 vs 68.8 ms at 16384), but that FFT path ran in serial
+#   steps; the check's "kRPE dense" and "kRPE FFT, one batch" rows re-measure the crossover
+#   against the one batched transform the GPU takes now.
 _RPE_DENSE_UP_TO = 2048
-# On GPU the dense path beat the FFT path at every length measured, N = 1K-16K (H200, m = 32,
-# d = 64, 8 heads, fwd+bwd; 28.5 vs 68.8 ms at 16384: benchmarks/gpu/gpu.md, kRPE section).
 _RPE_DENSE_UP_TO_GPU = 16384
 
 
@@ -910,78 +984,126 @@ def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
   return jnp.einsum("bhij,bjhd->bihd", a, v), jnp.transpose(jnp.sum(a, axis=-1), (0, 2, 1))
 
 
-# The FFT path mixes m*d + m channels per head (Luo et al. Eq. 11-13). All of them at once
-# hold the [batch, heads, N, m*d] outer products phi(k_j) v_j^T and their spectra: 1.3 GiB of
-# temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64). Instead the op loops over
-# (head, group of features) pairs of at most _RPE_GROUP_BYTES of channels, sliced from the
-# inputs' own [b, n, h, .] layout (one head's slice is contiguous after the gather: no layout
-# copies) and accumulated into outputs of that layout. The forward keeps nothing but the
-# inputs for the backward (a custom VJP), which rebuilds each group's channels.
+# The FFT path mixes m*d + m channels per head (Luo et al. Eq. 11-13): the outer products
+# phi(k_j) v_j^T and phi(k_j), ``[batch, heads, N, m (d + 1)]``. The op runs in steps, each
+# over some heads and a group of features per head (``_rpe_group``), the channels sliced
+# from the inputs' own [b, n, h, .] layout and the results accumulated into outputs of that
+# layout; the forward keeps nothing but the inputs for the backward (a custom VJP), which
+# rebuilds each step's channels. How big a step is depends on the backend:
+# * CPU: one head and at most _RPE_GROUP_BYTES of channels per step. XLA:CPU allocates an
+#   executable's temporaries afresh per call (a page fault per fresh page), and all channels
+#   at once hold 1.5 GiB of temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64; 18 MiB
+#   in steps); one batch took 1.25x / 1.28x the steps' time at N = 2048 / 4096 on the 2-core
+#   CPU, side by side (`python -m fastpos.bench.gpu --rpe-steps 2048,4096`,
+#   benchmarks/rpe_steps.md).
+# * GPU / TPU: every head and feature in one step (one batched FFT over all channels: a loop
+#   of small steps was launch-bound, 37-60x the Toeplitz product of the same channel count
+#   on an H200, benchmarks/gpu/summary.md), unless the channels exceed
+#   _RPE_GROUP_BYTES_ACCELERATOR; then as many whole heads as fit, or one head's features.
+#   A step's temporaries fwd+bwd are about 6-7x its channels (their spectra and cotangents;
+#   XLA:CPU's memory_analysis at N = 4096), so up to ~14 GiB at the budget.
 _RPE_GROUP_BYTES = 2 * 2**20
+_RPE_GROUP_BYTES_ACCELERATOR = 2 * 2**30
 
 
-def _rpe_group(b: int, n: int, m: int, d: int, itemsize: int) -> int:
-  """The features per group: the largest divisor of m whose ``g (d + 1)`` channels of one head
-  fit ``_RPE_GROUP_BYTES`` (at least 1). A divisor, so groups are plain slices."""
-  fit = max(1, _RPE_GROUP_BYTES // (b * n * (d + 1) * itemsize))
-  return max(g for g in range(1, m + 1) if m % g == 0 and g <= fit)
+def _rpe_fft_bytes(backend: str | None = None) -> int | None:
+  """The spectrum bytes of one FFT group inside a step (``toeplitz_matmul(group_bytes=)``):
+  the Toeplitz module's CPU default on "cpu"; elsewhere room for a whole step's spectrum
+  (complex pairs of its channels at FFT length ~2N: about twice the channels' bytes), so
+  that a step is one batched transform."""
+  backend = jax.default_backend() if backend is None else backend
+  return None if backend == "cpu" else 4 * _RPE_GROUP_BYTES_ACCELERATOR
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+  return max(g for g in range(1, n + 1) if n % g == 0 and g <= max(1, at_most))
+
+
+def _rpe_group(
+    b: int, n: int, h: int, m: int, d: int, itemsize: int, backend: str | None = None
+) -> tuple[int, int]:
+  """(heads, features per head) of one step of the FFT path (``_rpe_mix``): its channels are
+  ``[b, heads, n, features (d + 1)]`` of ``itemsize`` bytes. On "cpu" one head and the largest
+  divisor of m whose channels fit ``_RPE_GROUP_BYTES``; on every other backend (``backend``
+  is ``jax.default_backend()`` at trace time when None) all ``(h, m)`` when they fit
+  ``_RPE_GROUP_BYTES_ACCELERATOR``, else the largest divisor of h whose whole heads fit, else
+  one head's largest fitting divisor of m. At least (1, 1); divisors, so steps are slices."""
+  backend = jax.default_backend() if backend is None else backend
+  one_channel = b * n * itemsize  # bytes of one channel of one head
+  if backend == "cpu":
+    return 1, _largest_divisor(m, _RPE_GROUP_BYTES // (one_channel * (d + 1)))
+  budget = _RPE_GROUP_BYTES_ACCELERATOR // one_channel  # channels in one step
+  if budget >= m * (d + 1):
+    return _largest_divisor(h, budget // (m * (d + 1))), m
+  return 1, _largest_divisor(m, budget // (d + 1))
 
 
 def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   """Luo et al. Eq. 11-13 by FFT: Toeplitz-mix vec(phi_k v^T) (m*d channels) and phi_k (m).
 
   ``phi_q, phi_k [b, n, h, m]``, ``v [b, n, h, d]``, ``rpe [h, ...]``; returns num
-  ``[b, n, h, d]``, den ``[b, n, h]``. ``product(w, x)`` maps channels ``x [b, 1, n, C]`` to
-  their relative (Toeplitz) product under one head's table ``w [1, ...]``; ``zeros``, when
+  ``[b, n, h, d]``, den ``[b, n, h]``. ``product(w, x)`` maps channels ``x [b, k, n, C]`` to
+  their relative (Toeplitz) product under k heads' tables ``w [k, ...]``; ``zeros``, when
   given, types the loops' zero carries (the context-parallel caller marks them varying over
   its device axis).
 
-  One loop step per (head, group of features) (``_rpe_group``). Backward, per step: the
-  channels ``X`` are rebuilt, and one ``jax.vjp`` of the product gives ``Y = T X`` (for the
-  gradient of phi_q), ``T^T G`` and the table's gradient, for the cotangent channels
-  ``G = phi_q (x) [g_num, g_den]``. Residuals: the inputs alone.
+  One step per (block of heads, group of features) (``_rpe_group``; one step in all on
+  accelerators where memory allows). Backward, per step: the channels ``X`` are rebuilt, and
+  one ``jax.vjp`` of the product gives ``Y = T X`` (for the gradient of phi_q), ``T^T G`` and
+  the table's gradient, for the cotangent channels ``G = phi_q (x) [g_num, g_den]``.
+  Residuals: the inputs alone.
   """
   b, n, h, m = phi_k.shape
   d = v.shape[-1]
-  group = _rpe_group(b, n, m, d, jnp.dtype(v.dtype).itemsize)
+  heads, group = _rpe_group(b, n, h, m, d, jnp.dtype(v.dtype).itemsize)
   per_head = m // group
+  steps = (h // heads) * per_head
   mark = (lambda t: t) if zeros is None else zeros
   phi_q, phi_k, v = mark((phi_q, phi_k, v))  # den_features' ones column: same on every device
 
-  def head(a, hh, start=0, size=None):  # [b, n, h, e] -> [b, 1, n, size] (a reshape)
-    size = a.shape[-1] if size is None else size
-    a = jax.lax.dynamic_slice(a, (0, 0, hh, start), (b, n, 1, size))
-    return a.reshape(b, 1, n, size)
+  def start(s):  # the step's first head and first feature
+    return (s // per_head) * heads, (s % per_head) * group
 
-  def add(acc, hh, x):  # acc[:, :, hh] += x, x [b, 1, n, e] (or [b, 1, n])
-    x = x.reshape((b, n, 1) + x.shape[3:])
-    start = (0, 0, hh) + (0,) * (x.ndim - 3)
-    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, start, x.shape) + x, start)
+  def take(a, s, size=None):  # [b, n, h, e] -> [b, heads, n, size] (one head: a reshape)
+    hh, ff = start(s)
+    ff, size = (0, a.shape[-1]) if size is None else (ff, size)
+    a = jax.lax.dynamic_slice(a, (0, 0, hh, ff), (b, n, heads, size))
+    return a.reshape(b, 1, n, size) if heads == 1 else jnp.swapaxes(a, 1, 2)
+
+  def token_major(x):  # [b, heads, n, ...] -> [b, n, heads, ...]
+    return x.reshape((b, n, 1) + x.shape[3:]) if heads == 1 else jnp.swapaxes(x, 1, 2)
+
+  def add(acc, s, x):  # acc[:, :, heads of s] += x, x [b, heads, n, e] (or [b, heads, n])
+    x = token_major(x)
+    at = (0, 0, start(s)[0]) + (0,) * (x.ndim - 3)
+    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, at, x.shape) + x, at)
 
   def unpack(s, fq_all, fk_all, vals_all, table):
-    hh, gi = s // per_head, s % per_head
-    fq, fk = (head(a, hh, gi * group, group) for a in (fq_all, fk_all))
-    w = jax.lax.dynamic_index_in_dim(table, hh, axis=0)  # [1, ...]
-    return hh, fq, fk, head(vals_all, hh), w
+    fq, fk = (take(a, s, group) for a in (fq_all, fk_all))
+    w = jax.lax.dynamic_slice_in_dim(table, start(s)[0], heads, axis=0)  # [heads, ...]
+    return fq, fk, take(vals_all, s), w
 
-  def channels(fk, vals):  # [b, 1, n, g], [b, 1, n, d] -> [b, 1, n, g d + g]
-    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, 1, n, group * d)
+  def channels(fk, vals):  # [b, k, n, g], [b, k, n, d] -> [b, k, n, g d + g]
+    kv = (fk[..., :, None] * vals[..., None, :]).reshape(b, heads, n, group * d)
     return jnp.concatenate([kv, fk], axis=-1)
 
-  def split(y):  # [b, 1, n, g d + g] -> [b, 1, n, g, d], [b, 1, n, g]
-    return y[..., : group * d].reshape(b, 1, n, group, d), y[..., group * d :]
+  def split(y):  # [b, k, n, g d + g] -> [b, k, n, g, d], [b, k, n, g]
+    return y[..., : group * d].reshape(b, heads, n, group, d), y[..., group * d :]
+
+  def loop(body, init):  # one step: no loop (XLA folds the full-size slices and updates)
+    return body(0, init) if steps == 1 else jax.lax.fori_loop(0, steps, body, init)
 
   def forward(*args):
     def body(s, carry):
-      hh, fq, fk, vals, w = unpack(s, *args)
+      fq, fk, vals, w = unpack(s, *args)
       y_kv, y_k = split(product(w, channels(fk, vals)))
       return (
-          add(carry[0], hh, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
-          add(carry[1], hh, jnp.einsum("bhig,bhig->bhi", fq, y_k)),
+          add(carry[0], s, jnp.einsum("bhig,bhigd->bhid", fq, y_kv)),
+          add(carry[1], s, jnp.einsum("bhig,bhig->bhi", fq, y_k)),
       )
 
     init = mark((jnp.zeros((b, n, h, d), v.dtype), jnp.zeros((b, n, h), v.dtype)))
-    return jax.lax.fori_loop(0, h * per_head, body, init)
+    return loop(body, init)
 
   @jax.custom_vjp
   def mix(*args):
@@ -993,10 +1115,13 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   def mix_bwd(res, ct):
     def body(s, carry):
       g_q, g_k, g_v, g_t = carry
-      hh, fq, fk, vals, w = unpack(s, *res)
-      g_num, g_den = head(ct[0], hh), head(ct[1][..., None], hh)[..., 0]
+      fq, fk, vals, w = unpack(s, *res)
+      g_num, g_den = take(ct[0], s), take(ct[1][..., None], s)[..., 0]
       cot = jnp.concatenate(
-          [(fq[..., :, None] * g_num[..., None, :]).reshape(b, 1, n, -1), fq * g_den[..., None]],
+          [
+              (fq[..., :, None] * g_num[..., None, :]).reshape(b, heads, n, -1),
+              fq * g_den[..., None],
+          ],
           axis=-1,
       )
       y, vjp = jax.vjp(product, w, channels(fk, vals))
@@ -1004,20 +1129,19 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
       (y_kv, y_k), (gx_kv, gx_k) = split(y), split(g_x)
       gq = jnp.einsum("bhid,bhigd->bhig", g_num, y_kv) + g_den[..., None] * y_k
       gk = jnp.einsum("bhigd,bhid->bhig", gx_kv, vals) + gx_k
-      put = lambda acc, x: jax.lax.dynamic_update_slice(
-          acc, x.reshape(b, n, 1, group), (0, 0, hh, (s % per_head) * group)
-      )
+      hh, ff = start(s)
+      put = lambda acc, x: jax.lax.dynamic_update_slice(acc, token_major(x), (0, 0, hh, ff))
       return (
           put(g_q, gq),
           put(g_k, gk),
-          add(g_v, hh, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
-          jax.lax.dynamic_update_index_in_dim(
-              g_t, jax.lax.dynamic_index_in_dim(g_t, hh, axis=0) + g_w, hh, axis=0
+          add(g_v, s, jnp.einsum("bhig,bhigd->bhid", fk, gx_kv)),
+          jax.lax.dynamic_update_slice_in_dim(
+              g_t, jax.lax.dynamic_slice_in_dim(g_t, hh, heads, axis=0) + g_w, hh, axis=0
           ),
       )
 
     init = tuple(jnp.zeros_like(a) for a in res)  # zeros_like keeps each input's device type
-    return jax.lax.fori_loop(0, h * per_head, body, init)
+    return loop(body, init)
 
   mix.defvjp(mix_fwd, mix_bwd)
   return mix(phi_q, phi_k, v, rpe)

@@ -109,7 +109,9 @@ def _circular_kernel(w, n: int, fft_len: int, axis: int, causal: bool):
 # ---------------------------------------------------------------------------------------------
 # 1D
 # ---------------------------------------------------------------------------------------------
-def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
+def toeplitz_matmul(
+    w, x, *, causal: bool = False, remat: bool = True, group_bytes: int | None = None
+):
   """Toeplitz product ``out[i] = sum_j w[j - i + N - 1] x[j]`` by FFT (FastRPB Eq. 12).
 
   Args:
@@ -119,6 +121,9 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
     causal: keep only ``j <= i`` (lower-triangular W).
     remat: recompute each group's FFTs in the backward pass instead of keeping them (see
       ``_map_over_batch``); False when the caller already rematerialises around this call.
+    group_bytes: the spectrum bytes of one group of the batch (``_map_over_batch``); None:
+      ``_GROUP_BYTES``, measured on CPU. A caller on an accelerator passes more (one group:
+      one batched transform instead of a serial loop).
 
   Returns:
     ``[broadcast(...), N, C]`` in the promoted dtype of ``w`` and ``x``. Cost O(N log N) per
@@ -149,12 +154,17 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
     z = jnp.fft.ifft(jnp.fft.fft(z, n=fft_len, axis=-1) * kf[:, None, :], axis=-1)
     return _unpack_pairs(jnp.swapaxes(z[..., :n], -1, -2), xb.shape[-1])
 
-  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * fft_len, remat)
+  item = -(-x.shape[-1] // 2) * fft_len
+  y = _map_over_batch(product, kernel_f, x, batch, item, remat, group_bytes)
   if causal:
     y = _refine_causal_head(
         y,
         lambda k: toeplitz_matmul(
-            w[..., n - k : n + k - 1], x[..., :k, :], causal=True, remat=remat
+            w[..., n - k : n + k - 1],
+            x[..., :k, :],
+            causal=True,
+            remat=remat,
+            group_bytes=group_bytes,
         ),
         n // _REFINE_FACTOR,
     )
@@ -177,17 +187,21 @@ def toeplitz_matmul(w, x, *, causal: bool = False, remat: bool = True):
 _GROUP_BYTES = 4 * 2**20
 
 
-def _map_over_batch(product, kernel_f, x, batch: tuple, item_elems: int, remat: bool):
+def _map_over_batch(
+    product, kernel_f, x, batch: tuple, item_elems: int, remat: bool, group_bytes=None
+):
   """``product(kf [G, ...], x [G, N, C]) -> [G, N, C]`` over the flattened ``batch``.
 
   ``kernel_f`` ``[wb..., ...]`` and ``x`` ``[xb..., N, C]`` have leading dims of rank
   ``len(batch)`` that broadcast to ``batch``; ``item_elems`` is the number of complex
-  elements of one batch entry's spectrum (sets the group size). Returns ``[batch..., N, C]``.
+  elements of one batch entry's spectrum, which with ``group_bytes`` (None:
+  ``_GROUP_BYTES``) sets the group size. Returns ``[batch..., N, C]``.
   """
   tail = kernel_f.shape[len(batch) :]
   size = int(np.prod(batch, dtype=np.int64))
   itemsize = jnp.dtype(kernel_f.dtype).itemsize
-  group = int(max(1, min(size, _GROUP_BYTES // max(item_elems * itemsize, 1))))
+  group_bytes = _GROUP_BYTES if group_bytes is None else group_bytes
+  group = int(max(1, min(size, group_bytes // max(item_elems * itemsize, 1))))
   steps = -(-size // group)
   group = -(-size // steps)
   # Which table each batch entry uses (static): tables are gathered per group, not broadcast.
@@ -302,7 +316,15 @@ def raster_causal_mask_2d(grid: Sequence[int]):
   return (dr < 0) | ((dr == 0) & (dc <= 0))
 
 
-def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False, remat: bool = True):
+def toeplitz_matmul_2d(
+    w,
+    x,
+    grid: Sequence[int],
+    *,
+    causal: bool = False,
+    remat: bool = True,
+    group_bytes: int | None = None,
+):
   """2D relative product ``out[(r,c)] = sum_{r',c'} w[r'-r+H-1, c'-c+W-1] x[(r',c')]``.
 
   Args:
@@ -312,7 +334,7 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False, remat
     grid: ``(H, W)``; square or not.
     causal: raster order: pixel ``(r, c)`` sees ``(r', c')`` iff ``r'*W + c' <= r*W + c``.
       Implemented by zeroing the offsets that point forward (``raster_causal_mask_2d``).
-    remat: as in ``toeplitz_matmul``.
+    remat, group_bytes: as in ``toeplitz_matmul``.
 
   Returns:
     ``[broadcast(...), H*W, C]``, by a 2D FFT of size >= (2H-1, 2W-1): O(N log N).
@@ -348,17 +370,25 @@ def toeplitz_matmul_2d(w, x, grid: Sequence[int], *, causal: bool = False, remat
     z = z[..., :h, :wd].reshape(z.shape[:-2] + (h * wd,))
     return _unpack_pairs(jnp.swapaxes(z, -1, -2), xb.shape[-1])
 
-  y = _map_over_batch(product, kernel_f, x, batch, -(-x.shape[-1] // 2) * lh * lw, remat)
+  item = -(-x.shape[-1] // 2) * lh * lw
+  y = _map_over_batch(product, kernel_f, x, batch, item, remat, group_bytes)
   if causal:
     # Raster order: the first rows depend only on themselves (see _REFINE_FACTOR). With fewer
     # than _REFINE_FACTOR rows, the first row alone is a 1D causal product along the columns.
     hk = h // _REFINE_FACTOR
     if hk >= 1:
       head = lambda k: toeplitz_matmul_2d(
-          w[..., h - hk : h + hk - 1, :], x[..., :k, :], (hk, wd), causal=True
+          w[..., h - hk : h + hk - 1, :],
+          x[..., :k, :],
+          (hk, wd),
+          causal=True,
+          remat=remat,
+          group_bytes=group_bytes,
       )
     else:
-      head = lambda k: toeplitz_matmul(w[..., h - 1, :], x[..., :k, :], causal=True)
+      head = lambda k: toeplitz_matmul(
+          w[..., h - 1, :], x[..., :k, :], causal=True, remat=remat, group_bytes=group_bytes
+      )
     y = _refine_causal_head(y, head, max(hk, 1) * wd)
   return y.astype(out_dtype)
 

@@ -127,3 +127,49 @@ def test_render_rewrites_the_table_from_the_json(tmp_path):
   assert (tmp_path / "gpu.md").read_text() == written
   assert written.index("| 2048 | kRPE auto") < written.index("| 16384 | kRPE auto")
   assert gpu.load(str(tmp_path / "gpu.json"))["goals"] == result["goals"]
+
+
+def _rpe_row(auto, fft):
+  return {
+      "kRPE auto": {"ms": auto, "vs_softmax": auto},
+      "kRPE fft": {"ms": fft, "vs_softmax": fft},
+      "kRPE dense": {"ms": 0.5, "vs_softmax": 0.5},
+      "softmax + bias": {"ms": 1.0, "vs_softmax": 1.0},
+  }
+
+
+def test_rpe_goals_hold_every_n_from_2k_and_a_quarter_at_16k():
+  part = {"time": {1024: _rpe_row(3.0, 3.0), 2048: _rpe_row(0.9, 1.1)}, "memory": {}}
+  part["time"][16384] = _rpe_row(0.3, 0.2)
+  got = {g["goal"]: g for g in gpu.rpe_goals(part)}
+  every = [g for k, g in got.items() if "every N >= 2K" in k]
+  quarter = [g for k, g in got.items() if "at N = 16K" in k]
+  assert [g["pass"] for g in every] == [True, False]  # auto; the FFT path is 1.1x at 2K
+  assert [g["pass"] for g in quarter] == [False, True]  # auto 0.30x; FFT 0.20x
+  assert "1024" not in every[0]["measured"]  # below 2K: not a goal
+  assert gpu.dense_limit_text(part) == "Dense beat the FFT path at N = 1024, 2048."  # not 16K
+
+
+def test_rpe_memory_goals_by_step_policy():
+  lean = {"krpe_mib": 3.0, "toeplitz_mib": 2.0, "ratio": 1.5, "step_channel_mib": 1.0}
+  batch = {"krpe_mib": 900.0, "toeplitz_mib": 2.0, "ratio": 450.0, "step_channel_mib": 100.0}
+  part = {"time": {}, "memory": {4096: {"causal, CPU steps": lean, "causal, one batch": batch}}}
+  steps, one = gpu.rpe_goals(part)
+  assert steps["pass"] and "1.50x" in steps["measured"]
+  assert not one["pass"] and "9.0x" in one["measured"]  # 900 MiB over 100 MiB of channels
+
+
+def test_rpe_steps_forces_the_policy_and_restores_it():
+  real = gpu.attention._rpe_group
+  with gpu.rpe_steps("gpu"):
+    assert gpu.attention._rpe_group(1, 4096, 8, 32, 64, 4) == (8, 32)
+  assert gpu.attention._rpe_group is real
+
+
+@pytest.mark.parametrize("flag", ("--rpe-steps", "--softmax-impls"))
+def test_measure_only_flags_refuse_bad_lengths(tmp_path, capsys, flag):
+  with pytest.raises(SystemExit) as e:
+    gpu.main(["--out", str(tmp_path), flag, "2048,x"])
+  assert e.value.code == 2
+  assert flag in capsys.readouterr().err
+  assert not os.listdir(tmp_path)
