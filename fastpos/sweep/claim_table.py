@@ -121,34 +121,29 @@ def render(
   for b in blocks:
     pairs = parse_compare(compare, baseline, b["cols"])
     records = compare_block(b, pairs, better=better, seed_key=seed_key)
-    metric = b["metric"]
-    unit = f"{split} {metric}" + (" (%)" if metric in PERCENT_METRICS else "")
-    side = "higher" if b["higher_is_better"] else "lower"
-    out.append(f"### {b['title']}: {unit}, {side} is better\n")
-    out.append(
-        f"| {row_name} | variant | {unit}: mean [95% CI] | vs | difference [95% CI] | verdict |"
-    )
-    out.append("|---|---|---|---|---|---|")
-    for r in records:
-      cell = cell_text(
-          r["runs"],
-          b["expected"],
-          metric,
-          100.0 if metric in PERCENT_METRICS else 1.0,
-          digits,
-          False,
-          "ci",
-      )
-      diff = ""
-      if r["difference"] is not None:
-        d = r["difference"]
-        diff = f"{format_interval(d, digits)} (n={d.n})"
-      out.append(
-          f"| {r['row']} | {r['col']} | {cell} | {r['vs'] or ''} | {diff} | {r['verdict']} |"
-      )
-    out.append(
-        "\nmean [95% t-interval] over seeds; difference: variant minus vs, paired by seed "
-        "(the seeds both have), its 95% t-interval; holds / does not hold: the interval "
-        "excludes 0 on the better / the worse side; inconclusive: it holds 0 (or n < 2).\n"
-    )
+    out.append(markdown_block(b, records, row_name=row_name, digits=digits, split=split))
+  return "\n".join(out)
+
+
+def markdown_block(b: dict, records: list[dict], *, row_name: str, digits: int, split: str) -> str:
+  """One block's table (``records`` from ``compare_block``) and its note."""
+  metric = b["metric"]
+  scale = 100.0 if metric in PERCENT_METRICS else 1.0
+  unit = f"{split} {metric}" + (" (%)" if scale == 100.0 else "")
+  side = "higher" if b["higher_is_better"] else "lower"
+  out = [
+      f"### {b['title']}: {unit}, {side} is better\n",
+      f"| {row_name} | variant | {unit}: mean [95% CI] | vs | difference [95% CI] | verdict |",
+      "|---|---|---|---|---|---|",
+  ]
+  for r in records:
+    cell = cell_text(r["runs"], b["expected"], metric, scale, digits, False, "ci")
+    d = r["difference"]
+    diff = f"{format_interval(d, digits)} (n={d.n})" if d is not None else ""
+    out.append(f"| {r['row']} | {r['col']} | {cell} | {r['vs'] or ''} | {diff} | {r['verdict']} |")
+  out.append(
+      "\nmean [95% t-interval] over seeds; difference: variant minus vs, paired by seed "
+      "(the seeds both have), its 95% t-interval; holds / does not hold: the interval "
+      "excludes 0 on the better / the worse side; inconclusive: it holds 0 (or n < 2).\n"
+  )
   return "\n".join(out)
