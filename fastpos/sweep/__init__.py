@@ -3,8 +3,10 @@
 ``plan`` parses the grid and resolves each combination's config as train.py does, and says
 which runs are finished; ``manifest`` keeps ``sweep.json``; ``runner`` runs train.py and
 eval.py per combination (one after another, or several at a time: one per GPU, or CPU jobs);
-``report`` prints the plan and the summary; ``stats`` gives the tables' means, t-intervals and
-paired differences; ``cli`` is ``scripts/sweep.py``'s command line:
+``report`` prints the plan and the summary; ``cli`` is ``scripts/sweep.py``'s command line.
+``tables`` is scripts/make_tables.py (the papers' layout), ``claim_table`` its claim layout
+(paired differences and verdicts), ``stats`` their means, t-intervals and paired differences,
+and ``claims`` the papers' claims as sweeps (scripts/claims.sh, docs/claims.md). Sweeps:
 
   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep \\
       arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
