@@ -60,6 +60,7 @@ def tiny_run(tmp_path_factory):
       f"--results={results}",
       "--tiny",
       "--claims=fastrpb,txl_memory",
+      "--mode=parallel",
   ]
   proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
