@@ -1,9 +1,12 @@
 """Sweeps: a grid of config overrides, every combination trained, then scored on the test split.
 
 ``plan`` parses the grid and resolves each combination's config as train.py does, and says
-which runs are finished; ``manifest`` keeps ``sweep.json``; ``runner`` runs train.py and eval.py
-per combination (sequentially or one per GPU); ``report`` prints the plan and the summary;
-``cli`` is ``scripts/sweep.py``'s command line:
+which runs are finished; ``manifest`` keeps ``sweep.json``; ``runner`` runs train.py and
+eval.py per combination (one after another, or several at a time: one per GPU, or CPU jobs);
+``report`` prints the plan and the summary; ``cli`` is ``scripts/sweep.py``'s command line.
+``tables`` is scripts/make_tables.py (the papers' layout), ``claim_table`` its claim layout
+(paired differences and verdicts), ``stats`` their means, t-intervals and paired differences,
+and ``claims`` the papers' claims as sweeps (scripts/claims.sh, docs/claims.md). Sweeps:
 
   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep \\
       arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
@@ -55,6 +58,9 @@ the same command to continue.
 
 Modes:
   sequential  (default) one run after another in this process's environment;
+  parallel    ``--jobs`` runs at a time (default 2) on this machine's CPUs, each with XLA
+              limited to its share of the cores (``XLA_FLAGS``: ``intra_op_parallelism_threads``
+              = cores // jobs, no multi-threaded Eigen), so that the runs do not oversubscribe;
   gpus        one run per GPU in parallel, each with CUDA_VISIBLE_DEVICES set to its GPU
               (the GPUs: ``--gpus=0,1``, else CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L``;
               with none found the sweep stops with a message before running anything);
@@ -70,6 +76,10 @@ In the sequential and gpus modes the runs share a JAX persistent compilation cac
 (``--compilation_cache``, by default ``SWEEP_DIR/jax_cache``): runs that differ only in their
 seed compile their steps once. Printed commands set nothing (export JAX_COMPILATION_CACHE_DIR
 for the jobs to share one).
+
+Progress: after each run one line ``[progress] 5/12 cells done, 7 to run: about 9.5 min left,
+mean 81 s per cell``, the time left from the mean wall time of the runs finished in this
+invocation (divided among the runs at a time).
 
 SIGTERM (a preempted job) and SIGINT (Ctrl-C) are passed on to the running trainings, which
 save a checkpoint and stop; their runs are recorded as interrupted and the next invocation

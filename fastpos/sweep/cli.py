@@ -18,14 +18,18 @@ from fastpos.sweep.plan import config_flag, finished, parse_grid, split_config_s
 from fastpos.sweep.runner import (
     LOG,
     NoGpuError,
+    Progress,
     Runner,
+    Slot,
     check_checkout,
+    cpu_slots,
     discover_gpus,
-    run_on_gpus,
+    gpu_slots,
+    run_parallel,
     run_sequential,
 )
 
-MODES = ("sequential", "gpus", "print")
+MODES = ("sequential", "parallel", "gpus", "print")
 DESCRIPTION = (
     "Runs a grid of config overrides: every combination trains, then is scored on "
     "the test split."
@@ -46,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--sweep_dir", required=True, type=Path, help="one workdir per run goes here")
   p.add_argument("--mode", default="sequential", choices=MODES)
   p.add_argument("--gpus", default=None, help="--mode=gpus: GPU ids, e.g. 0,1")
+  p.add_argument(
+      "--jobs",
+      type=int,
+      default=2,
+      help="--mode=parallel: runs at a time on this machine's CPUs, each limited to its "
+      "share of the cores",
+  )
   p.add_argument("--dry_run", action="store_true", help="show the plan; run and write nothing")
   p.add_argument("--python", default=sys.executable, help="interpreter for train.py / eval.py")
   p.add_argument(
@@ -81,7 +92,7 @@ class _Sweep(NamedTuple):
   config_path: Path
   arg: str | None
   runs: dict  # run name -> (overrides, resolved config)
-  gpus: list[str]
+  slots: list[Slot]  # parallel and gpus modes: where the runs go
   no_gpu: str  # why a dry run in gpus mode found no GPU ("" otherwise)
   manifest: Manifest
 
@@ -93,21 +104,23 @@ def _prepare(args: argparse.Namespace, child_env: dict[str, str]) -> _Sweep:
   config_path, arg = split_config_spec(args.config)
   grid = parse_grid(args.grid)
   runs = validate(config_path, arg, grid)
-  gpus, no_gpu = [], ""
+  slots, no_gpu = [], ""
   if args.mode == "gpus":
     try:
-      gpus = discover_gpus(args.gpus, child_env)
+      slots = gpu_slots(discover_gpus(args.gpus, child_env))
     except NoGpuError as e:
       if not args.dry_run:
         raise
       no_gpu = e.why  # a dry run shows the plan all the same
+  elif args.mode == "parallel":
+    slots = cpu_slots(args.jobs, child_env)
   manifest = Manifest(
       args.sweep_dir,
       config_flag(config_path, arg)[len("--config=") :],
       grid,
       write=not args.dry_run,
   )
-  return _Sweep(config_path, arg, runs, gpus, no_gpu, manifest)
+  return _Sweep(config_path, arg, runs, slots, no_gpu, manifest)
 
 
 def _record_runs(args: argparse.Namespace, sweep: _Sweep, runner: Runner) -> list[str]:
@@ -140,10 +153,12 @@ def _execute(args: argparse.Namespace, sweep: _Sweep, runner: Runner, todo: list
   signal.signal(signal.SIGTERM, lambda *_: runner.terminate())
   signal.signal(signal.SIGINT, lambda *_: runner.terminate())
   t0 = time.time()
+  jobs = max(1, min(len(sweep.slots), len(todo))) if sweep.slots else 1
+  runner.progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo), len(todo), jobs)
   if args.mode == "sequential":
     statuses = run_sequential(runner, sweep.runs, todo)
   else:
-    statuses = run_on_gpus(runner, sweep.runs, todo, sweep.gpus)
+    statuses = run_parallel(runner, sweep.runs, todo, sweep.slots)
   return report.summarize(len(sweep.runs), todo, statuses, sweep.manifest, args.sweep_dir, t0)
 
 
@@ -159,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
   runner = Runner(args, sweep.config_path, sweep.arg, sweep.manifest, child_env)
   todo = _record_runs(args, sweep, runner)
   if args.mode == "print" or args.dry_run:
-    report.print_plan(todo, sweep.manifest, args.sweep_dir, sweep.gpus, args.dry_run)
+    report.print_plan(todo, sweep.manifest, args.sweep_dir, sweep.slots, args.dry_run)
   try:
     sweep.manifest.save()
   except OSError as e:
@@ -173,6 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     report.print_commands(todo, sweep.manifest)
     return 0
   if args.dry_run:
-    report.print_dry_run(len(sweep.runs), todo, sweep.gpus, sweep.no_gpu)
+    report.print_dry_run(len(sweep.runs), todo, sweep.slots, sweep.no_gpu)
     return 0
   return _execute(args, sweep, runner, todo)

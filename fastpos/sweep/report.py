@@ -10,16 +10,16 @@ from pathlib import Path
 
 from fastpos.sweep.manifest import Manifest
 from fastpos.sweep.plan import latest_checkpoint_step
-from fastpos.sweep.runner import NEEDS_FIX, REPO, RESUMABLE, gpu_plan, last_error_line
+from fastpos.sweep.runner import NEEDS_FIX, REPO, RESUMABLE, Slot, last_error_line, slot_plan
 from fastpos.train import errors
 
 
 def print_plan(
-    todo: list[str], manifest: Manifest, sweep_dir: Path, gpus: list[str], dry_run: bool
+    todo: list[str], manifest: Manifest, sweep_dir: Path, slots: list[Slot], dry_run: bool
 ) -> None:
   """One line per unfinished run on stderr: run or resume (from which step, and why), and in
-  gpus mode where it starts."""
-  where = gpu_plan(todo, gpus) if gpus else {}
+  the parallel and gpus modes where it starts."""
+  where = slot_plan(todo, slots) if slots else {}
   for name in todo:
     step = latest_checkpoint_step(sweep_dir / name)
     why = manifest.data["runs"][name]["message"]
@@ -35,11 +35,13 @@ def print_commands(todo: list[str], manifest: Manifest) -> None:
     print(f"cd {shlex.quote(str(REPO))} && {train} && {ev}")
 
 
-def print_dry_run(num_runs: int, todo: list[str], gpus: list[str], no_gpu: str) -> None:
-  """The last lines of a dry run: how many runs are finished and to run, and on which GPUs."""
+def print_dry_run(num_runs: int, todo: list[str], slots: list[Slot], no_gpu: str) -> None:
+  """The last lines of a dry run: how many runs are finished and to run, and on which GPUs
+  or how many at a time."""
+  gpus = [s.gpu for s in slots if s.gpu is not None]
+  where = f" on GPUs {','.join(gpus)}" if gpus else (f", {len(slots)} at a time" if slots else "")
   print(
-      f"sweep: {num_runs} runs, {num_runs - len(todo)} finished, {len(todo)} to run"
-      + (f" on GPUs {','.join(gpus)}" if gpus else ""),
+      f"sweep: {num_runs} runs, {num_runs - len(todo)} finished, {len(todo)} to run{where}",
       file=sys.stderr,
   )
   if no_gpu:

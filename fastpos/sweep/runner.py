@@ -1,9 +1,13 @@
 """Running a sweep: train.py then eval.py per combination, in this process's environment one
-after another or one per GPU in parallel; a child's exit code becomes the run's status."""
+after another, or several at a time on slots (one per GPU, or CPU jobs that split the host's
+cores); a child's exit code becomes the run's status, and each finished run prints the
+progress of the whole grid."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import queue
 import re
 import shlex
@@ -12,6 +16,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from fastpos.sweep.manifest import Manifest, now
 from fastpos.sweep.plan import config_argv, latest_checkpoint_step
@@ -72,6 +77,7 @@ class Runner:
     self.children: set[subprocess.Popen] = set()
     self.children_lock = threading.Lock()
     self.print_lock = threading.Lock()
+    self.progress: Progress | None = None  # set by the caller to print one line per run
 
   def commands(self, workdir: Path, overrides: dict[str, str]) -> list[list[str]]:
     flags = config_argv(self.config_path, self.arg, overrides)
@@ -105,13 +111,23 @@ class Runner:
         self.children.discard(p)
 
   def run(
-      self, name: str, overrides: dict[str, str], resolved: dict, gpu: str | None = None
+      self, name: str, overrides: dict[str, str], resolved: dict, slot: Slot | None = None
   ) -> str:
-    """Runs one combination; returns its final status (done / interrupted / a status of
-    ``EXIT_STATUS`` / failed). A file that cannot be written (disk full, permissions) fails
-    the run with one line, never a traceback from a worker thread."""
+    """Runs one combination (on ``slot``: its environment added); returns its final status
+    (done / interrupted / a status of ``EXIT_STATUS`` / failed). A file that cannot be
+    written (disk full, permissions) fails the run with one line, never a traceback from a
+    worker thread."""
+    start = time.time()
+    status = self._run_or_fail(name, overrides, resolved, slot)
+    if self.progress is not None:
+      self.say(self.progress.line(status, time.time() - start))
+    return status
+
+  def _run_or_fail(
+      self, name: str, overrides: dict[str, str], resolved: dict, slot: Slot | None
+  ) -> str:
     try:
-      return self._run(name, overrides, resolved, gpu)
+      return self._run(name, overrides, resolved, slot)
     except OSError as e:
       message = f"cannot write {e.filename or self.args.sweep_dir / name}: {e.strerror or e}"
       self.say(f"[failed] {name}: {message}")
@@ -121,16 +137,15 @@ class Runner:
         pass
       return "failed"
 
-  def _run(self, name: str, overrides: dict[str, str], resolved: dict, gpu: str | None) -> str:
+  def _run(self, name: str, overrides: dict[str, str], resolved: dict, slot: Slot | None) -> str:
     workdir = self.args.sweep_dir / name
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / LOG
-    env = dict(self.env)
-    if gpu is not None:
-      env["CUDA_VISIBLE_DEVICES"] = gpu
+    env = {**self.env, **(slot.env if slot else {})}
+    gpu = slot.gpu if slot else None
     start = time.time()
     self.manifest.set(name, status="running", started=now(), gpu=gpu, returncode=None, message="")
-    where = f" on GPU {gpu}" if gpu is not None else ""
+    where = f" on {slot.label}" if slot else ""
     self.say(f"[run] {name}{where} (log: {log_path})")
     with open(log_path, "a", encoding="utf-8") as log:
       status, rc, message = self._stages(workdir, overrides, resolved, log, env)
@@ -231,13 +246,95 @@ def discover_gpus(flag: str | None, env: dict[str, str]) -> list[str]:
   return gpus
 
 
-def gpu_plan(todo: list[str], gpus: list[str]) -> dict[str, str]:
-  """Where each run of a gpus-mode sweep starts: the first ``len(gpus)`` runs on one GPU each,
-  the rest queued for whichever GPU frees first."""
+class Slot(NamedTuple):
+  """Where a run of a parallel sweep goes: ``label`` for the messages ("GPU 3", "CPU job 1"),
+  the variables added to its environment, and its GPU id (recorded in the manifest) or None."""
+
+  label: str
+  env: dict[str, str]
+  gpu: str | None = None
+
+
+def gpu_slots(gpus: list[str]) -> list[Slot]:
+  """One slot per GPU id: the run sees only that GPU (``CUDA_VISIBLE_DEVICES``)."""
+  return [Slot(f"GPU {g}", {"CUDA_VISIBLE_DEVICES": g}, g) for g in gpus]
+
+
+def host_cpus() -> int:
+  """The CPUs this process may run on (its affinity mask, else the machine's count)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+# XLA:CPU's thread pools: the Eigen pool of one op and the pool running independent ops.
+_XLA_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={n}"
+
+
+def cpu_slots(jobs: int, env: dict[str, str], cpus: int | None = None) -> list[Slot]:
+  """``jobs`` slots that split the host's ``cpus`` between them: each run's XLA limited to
+  ``max(1, cpus // jobs)`` threads (``XLA_FLAGS``, added to the flags ``env`` already
+  has), so that ``jobs`` runs at a time do not oversubscribe the cores."""
+  if jobs < 1:
+    raise ValueError(f"--jobs={jobs}: give at least 1 run at a time.")
+  threads = max(1, (cpus or host_cpus()) // jobs)
+  flags = f"{env.get('XLA_FLAGS', '')} {_XLA_THREAD_FLAGS.format(n=threads)}".strip()
+  return [
+      Slot(
+          f"CPU job {i + 1} of {jobs} ({threads} thread{'s' * (threads > 1)})", {"XLA_FLAGS": flags}
+      )
+      for i in range(jobs)
+  ]
+
+
+def slot_plan(todo: list[str], slots: list[Slot]) -> dict[str, str]:
+  """Where each run of a parallel sweep starts: the first ``len(slots)`` runs on one slot
+  each, the rest queued for whichever slot frees first."""
+  kind = "GPU" if slots and slots[0].gpu is not None else "job"
   return {
-      name: (f"on GPU {gpus[i]}" if i < len(gpus) else "queued for the next free GPU")
+      name: (f"on {slots[i].label}" if i < len(slots) else f"queued for the next free {kind}")
       for i, name in enumerate(todo)
   }
+
+
+class Progress:
+  """The grid's progress after each run: cells done of all, and the time left estimated
+  from the mean wall time of the runs finished in this invocation (``jobs`` at a time)."""
+
+  def __init__(self, total: int, done_before: int, to_run: int, jobs: int):
+    self.total, self.done, self.left, self.jobs = total, done_before, to_run, jobs
+    self.walls: list[float] = []
+    self.lock = threading.Lock()
+
+  def line(self, status: str, wall: float) -> str:
+    """Counts one ended run (``status``, ``wall`` seconds) and says where the grid stands."""
+    with self.lock:
+      self.left -= 1
+      if status == "done":
+        self.done += 1
+        self.walls.append(wall)
+      mean = sum(self.walls) / len(self.walls) if self.walls else None
+      if not self.left:
+        eta = "none left to run"
+      elif mean is None:
+        eta = "time left unknown (no run finished yet)"
+      else:
+        eta = f"about {format_duration(math.ceil(self.left / self.jobs) * mean)} left"
+      mean_text = f", mean {format_duration(mean)} per cell" if mean is not None else ""
+      return (
+          f"[progress] {self.done}/{self.total} cells done, {self.left} to run: "
+          f"{eta}{mean_text}"
+      )
+
+
+def format_duration(seconds: float) -> str:
+  """``42 s``, ``7.5 min``, ``2.3 h``."""
+  if seconds < 90:
+    return f"{seconds:.0f} s"
+  if seconds < 5400:
+    return f"{seconds / 60:.1f} min"
+  return f"{seconds / 3600:.1f} h"
 
 
 def run_sequential(runner: Runner, runs: dict, todo: list[str]) -> dict[str, str]:
@@ -251,24 +348,24 @@ def run_sequential(runner: Runner, runs: dict, todo: list[str]) -> dict[str, str
   return statuses
 
 
-def run_on_gpus(runner: Runner, runs: dict, todo: list[str], gpus: list[str]) -> dict[str, str]:
-  """Runs ``todo`` one per GPU in parallel, each GPU taking the next run as it frees, until
-  done or stopped; {run name: final status}."""
+def run_parallel(runner: Runner, runs: dict, todo: list[str], slots: list[Slot]) -> dict[str, str]:
+  """Runs ``todo`` one per slot in parallel, each slot taking the next run as it frees,
+  until done or stopped; {run name: final status}."""
   statuses: dict[str, str] = {}
   work: queue.Queue[str] = queue.Queue()
   for name in todo:
     work.put(name)
 
-  def worker(gpu: str) -> None:
+  def worker(slot: Slot) -> None:
     while not runner.stop.is_set():
       try:
         name = work.get_nowait()
       except queue.Empty:
         return
       overrides, resolved = runs[name]
-      statuses[name] = runner.run(name, overrides, resolved, gpu=gpu)
+      statuses[name] = runner.run(name, overrides, resolved, slot)
 
-  threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in gpus]
+  threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in slots]
   for t in threads:
     t.start()
   for t in threads:

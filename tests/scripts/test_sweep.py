@@ -27,7 +27,7 @@ import make_tables  # noqa: E402
 import plot_positional  # noqa: E402
 from fastpos.ops import toeplitz  # noqa: E402
 from fastpos.sweep import cli as sweep_cli  # noqa: E402
-from fastpos.sweep import plan, runner  # noqa: E402
+from fastpos.sweep import plan, runner, stats  # noqa: E402
 from tests.helpers import FAST_COMPILE_FLAGS  # noqa: E402
 
 CONFIG = "configs/listops_generated.py:tiny"
@@ -232,6 +232,59 @@ def test_make_tables_markdown_from_fixture_results(fixture_sweep, tmp_path, caps
   assert "### FastRPB Table 1 (Text): test accuracy (%)" in out
   assert "| Linear, SIKF | 50.00 (n=1) | 61.64 |" in out
   assert " 0.00" not in out  # missing runs never read as zero
+
+
+def test_make_tables_claim_layout_pairs_seeds_and_gives_verdicts(fixture_sweep, capsys):
+  assert make_tables.main([str(fixture_sweep), "--compare=FastRPB>None"]) == 0
+  out = capsys.readouterr().out
+  assert "### FastRPB Table 1 (ListOps): test accuracy (%), higher is better" in out
+  # None: 30, 34, 35 -> 33 ± t(0.975, 2) 4.3027 * 2.6458 / sqrt(3); FastRPB: 40, 44, 42.
+  assert "| Linear, ELU + 1 | None | 33.00 [26.43, 39.57] (n=3) |  |  |  |" in out
+  # Paired by seed: 10, 10, 7 -> 9 ± 4.3027 * sqrt(3) / sqrt(3) = [4.70, 13.30]: holds.
+  assert (
+      "| Linear, ELU + 1 | FastRPB | 42.00 [37.03, 46.97] (n=3) | None | 9.00 [4.70, 13.30] "
+      "(n=3) | holds |" in out
+  )
+  # SIKF + FastRPB has no run: no pair, no verdict but "missing".
+  assert "| Linear, SIKF | FastRPB | missing | None |  | missing |" in out
+  # The other way round the same interval says the claim does not hold.
+  assert make_tables.main([str(fixture_sweep), "--compare=None>FastRPB"]) == 0
+  assert "| FastRPB | -9.00 [-13.30, -4.70] (n=3) | does not hold |" in capsys.readouterr().out
+  # --stat=ci in the paper's layout; a column no block has is one line, exit 2.
+  assert make_tables.main([str(fixture_sweep), "--stat=ci"]) == 0
+  assert "| 33.00 [26.43, 39.57] (n=3) |" in capsys.readouterr().out
+  assert make_tables.main([str(fixture_sweep), "--compare=FastRPB>Nope"]) == 2
+  err = capsys.readouterr().err
+  assert "'Nope'" in err and "its columns: None, FastRPB" in err
+
+
+@pytest.mark.parametrize(
+    "df, quantile",  # Student-t 0.975 quantiles (printed tables, 6 digits)
+    [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (9, 2.262157), (29, 2.045230)],
+)
+def test_t_quantile_matches_table_values(df, quantile):
+  assert abs(stats.t_quantile(0.975, df) - quantile) < 1e-5
+  assert abs(stats.t_quantile(0.025, df) + quantile) < 1e-5
+  assert abs(stats.t_cdf(quantile, df) - 0.975) < 1e-6
+
+
+def test_mean_interval_paired_difference_and_verdict_by_hand():
+  iv = stats.mean_interval([0.36, 0.38, 0.40])  # s = 0.02, half = 4.302653 * 0.02 / sqrt(3)
+  assert iv.n == 3 and abs(iv.mean - 0.38) < 1e-12
+  assert abs(iv.hi - iv.mean - 4.302653 * 0.02 / 3**0.5) < 1e-7
+  assert stats.mean_interval([2.0]) == stats.Interval(2.0, None, None, 1)
+  # Seeds 0..2 of both, seed 3 only in the claim (not paired): differences 0.03, 0.02, 0.03.
+  d = stats.paired_difference({0: 0.40, 1: 0.41, 2: 0.43, 3: 0.9}, {0: 0.37, 1: 0.39, 2: 0.40})
+  assert d.n == 3 and abs(d.mean - 0.08 / 3) < 1e-12
+  assert abs(d.lo - (0.08 / 3 - 4.302653 * 0.0057735 / 3**0.5)) < 1e-6
+  assert stats.verdict(d, higher_is_better=True) == stats.HOLDS
+  assert stats.verdict(d, higher_is_better=False) == stats.DOES_NOT_HOLD
+  assert stats.verdict(stats.Interval(0.1, -0.2, 0.4, 3), higher_is_better=True) == "inconclusive"
+  assert stats.verdict(stats.Interval(0.1, None, None, 1), higher_is_better=True) == "inconclusive"
+  with pytest.raises(ValueError, match="no seed in common"):
+    stats.paired_difference({0: 1.0}, {1: 1.0})
+  with pytest.raises(ValueError, match="not finite"):
+    stats.mean_interval([1.0, float("nan")])
 
 
 def test_make_tables_without_labels_uses_kernel_and_positional(tmp_path, capsys):
@@ -642,6 +695,15 @@ if code == 0 and script == "train.py":
   os.makedirs(os.path.join(workdir, "checkpoints", str(config["num_train_steps"])))
 if code == 0 and script == "eval.py":
   open(os.path.join(workdir, "results_test.json"), "w").write('{{"accuracy": 0.5}}')
+if script == "train.py" and os.environ.get("FAKE_RENDEZVOUS"):  # waits for a second run
+  import time
+  meet = os.environ["FAKE_RENDEZVOUS"]
+  open(os.path.join(meet, os.path.basename(workdir)), "w").write(os.environ.get("XLA_FLAGS", ""))
+  deadline = time.time() + 60
+  while len(os.listdir(meet)) < 2 and time.time() < deadline:
+    time.sleep(0.05)
+  if len(os.listdir(meet)) < 2:
+    sys.exit(1)  # ran alone
 if code == 99:  # a long training: waits for SIGTERM, then "saves" and exits as preempted
   import signal, time
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
@@ -729,3 +791,50 @@ def test_ctrl_c_stops_the_runs_and_says_how_to_resume(tmp_path, fake_python):
   assert "NOT STARTED seed=0: re-run the same command to run it." in out
   runs = json.loads((d / "sweep.json").read_text())["runs"]
   assert runs["seed=99"]["status"] == "interrupted" and runs["seed=99"]["returncode"] == 75
+
+
+def test_parallel_mode_runs_two_at_a_time_with_a_share_of_the_cores(tmp_path, fake_python):
+  d, meet = tmp_path / "sweep", tmp_path / "meet"
+  meet.mkdir()
+  env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+  env.update(FAKE_RENDEZVOUS=str(meet), XLA_FLAGS="--xla_dump_to=/nowhere")
+  argv = [
+      sys.executable,
+      str(ROOT / "scripts" / "sweep.py"),
+      f"--config={CONFIG}",
+      f"--sweep_dir={d}",
+      f"--python={fake_python}",
+      "--mode=parallel",
+      "--jobs=2",
+      "seed=0",
+      "num_train_steps=2,3",
+  ]
+  # Each stand-in training waits until the other has started: only runs at the same time
+  # both finish.
+  proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "2 done, 0 failed" in proc.stdout
+  threads = max(1, runner.host_cpus() // 2)
+  for name in ("seed=0__num_train_steps=2", "seed=0__num_train_steps=3"):
+    flags = (meet / name).read_text()  # the user's flags kept, the thread limits added
+    assert flags == (
+        "--xla_dump_to=/nowhere --xla_cpu_multi_thread_eigen=false "
+        f"intra_op_parallelism_threads={threads}"
+    )
+  progress = [l for l in proc.stdout.splitlines() if l.startswith("[progress]")]
+  assert len(progress) == 2
+  assert progress[0].startswith("[progress] 1/2 cells done, 1 to run: about ")
+  assert progress[1].startswith("[progress] 2/2 cells done, 0 to run: none left to run, mean ")
+  # A re-run skips both; the dry run says how many at a time.
+  for f in meet.iterdir():
+    f.unlink()
+  proc = subprocess.run(
+      argv + ["--dry_run"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+  )
+  assert proc.returncode == 0 and "2 finished, 0 to run, 2 at a time" in proc.stderr, proc.stderr
+  # A bad --jobs stops before anything runs.
+  proc = subprocess.run(
+      argv[:-2] + ["--jobs=0", "seed=5"], cwd=ROOT, capture_output=True, text=True, env=env
+  )
+  assert proc.returncode == 2 and "--jobs=0: give at least 1" in proc.stderr
+  assert not (d / "seed=5").exists()

@@ -1,0 +1,427 @@
+"""The papers' central claims as sweeps, one command: ``scripts/claims.sh OUT_DIR``.
+
+Each claim (``CLAIMS``) is one or more sweeps of a config over variants and seeds, and the
+pairs of columns whose paired difference decides it (``"FastRPB>None"``: FastRPB is claimed
+better than None). The command runs every sweep into ``OUT_DIR/<claim>/<sweep>`` (one run
+after another, or ``--mode=parallel --jobs=2``), then writes ``RESULTS/<claim>.md`` (each cell's
+mean with its 95% t-interval, the paired differences and verdicts: ``fastpos.sweep
+.claim_table``), ``RESULTS/<claim>.png`` (each variant's mean and interval, and the
+validation curves of the first seed) and ``RESULTS/README.md`` (the verdicts, the compute
+spent, the machine and the command). Re-running the same command continues: finished runs
+are skipped, interrupted ones resume from their checkpoints (``fastpos.sweep``). Ctrl-C stops
+the runs cleanly; the tables are written from what is finished.
+
+``--tiny`` is the smoke mode: each claim's smallest grid (1-2 variants of its ``:tiny``
+config), 2 seeds, 2 training steps per run; its README says it measured nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from fastpos.sweep import claim_table, cli, tables
+from fastpos.sweep.runner import REPO, format_duration, host_cpus
+from fastpos.train import errors
+
+
+class SweepSpec(NamedTuple):
+  """One sweep of a claim: ``config`` (``configs/x.py``), its full ``grid`` (seeds apart) and
+  the ``tiny`` grid of the smoke mode (None: not in the smoke mode)."""
+
+  name: str
+  config: str
+  grid: tuple[str, ...]
+  tiny: tuple[str, ...] | None
+
+
+class Claim(NamedTuple):
+  """A paper's claim: its statement, its sweeps and ``compare`` (``"CLAIM>BASELINE"`` column
+  labels, as ``make_tables.py --compare``)."""
+
+  name: str
+  statement: str
+  sweeps: tuple[SweepSpec, ...]
+  compare: tuple[str, ...]
+
+
+_LRPE = ("Type1", "Type2", "Type3")
+CLAIMS: tuple[Claim, ...] = (
+    Claim(
+        "fastrpb",
+        "FastRPB (Zubkov et al.): adding FastRPB to linear attention (ELU+1, SIKF, Performer's "
+        "FAVOR+) improves accuracy.",
+        (
+            SweepSpec(
+                "listops",
+                "configs/listops_generated.py",
+                ("arg.kernel=elu1,sikf,favor", "arg.pos=none,fastrpb"),
+                ("arg.kernel=elu1", "arg.pos=none,fastrpb"),
+            ),
+            # 2D FastRPB on Pathfinder-32: runs once configs/pathfinder_generated.py exists.
+            SweepSpec(
+                "pathfinder",
+                "configs/pathfinder_generated.py",
+                ("arg.kernel=elu1,sikf,favor", "arg.pos=none,fastrpb"),
+                None,
+            ),
+        ),
+        ("FastRPB>None",),
+    ),
+    Claim(
+        "kernelized_rpe",
+        "Kernelized RPE (Luo et al. 2021): NPRF attention with kernelized RPE has a lower "
+        "perplexity than NPRF alone and than softmax attention.",
+        (
+            SweepSpec(
+                "text_lm",
+                "configs/claim_text_lm.py",
+                ("arg.model=softmax,nprf,nprf_rpe",),
+                ("arg.model=nprf,nprf_rpe",),
+            ),
+        ),
+        (
+            "NPRF-Transformer w/ RPE>NPRF-Transformer",
+            "NPRF-Transformer w/ RPE>Vanilla Transformer",
+        ),
+    ),
+    Claim(
+        "lrpe",
+        "LRPE (Qin et al. 2023): linear attention (ELU+1) with LRPE types 1-3 beats no "
+        "positional encoding and RoPE.",
+        (
+            SweepSpec(
+                "listops",
+                "configs/claim_listops.py",
+                ("arg.model=base,rope,lrpe1,lrpe2,lrpe3",),
+                ("arg.model=base,lrpe1",),
+            ),
+            SweepSpec(
+                "text_lm",
+                "configs/claim_text_lm.py",
+                ("arg.model=base,rope,lrpe1,lrpe2,lrpe3",),
+                None,
+            ),
+        ),
+        tuple(f"{t}>Base" for t in _LRPE) + tuple(f"{t}>RoPE" for t in _LRPE),
+    ),
+    Claim(
+        "permuteformer",
+        "PermuteFormer (Chen 2021): PermuteFormer beats Performer and comes close to (or "
+        "beats) the softmax Transformer.",
+        (
+            SweepSpec(
+                "listops",
+                "configs/claim_listops.py",
+                ("arg.model=transformer,performer,permuteformer",),
+                ("arg.model=performer,permuteformer",),
+            ),
+            SweepSpec(
+                "text_lm",
+                "configs/claim_text_lm.py",
+                ("arg.model=transformer,performer,permuteformer",),
+                None,
+            ),
+        ),
+        ("PermuteFormer>Performer", "PermuteFormer>Transformer"),
+    ),
+    Claim(
+        "txl_memory",
+        "Transformer-XL (Dai et al. 2019): the segment memory lowers perplexity, the more so "
+        "the shorter the context.",
+        (
+            SweepSpec(
+                "text_lm",
+                "configs/claim_text_lm.py",
+                ("arg.model=txl", "arg.context=16,32,64", "arg.memory=false,true"),
+                ("arg.model=txl", "arg.context=16", "arg.memory=false,true"),
+            ),
+        ),
+        ("Transformer-XL rel. + memory>Transformer-XL rel.",),
+    ),
+)
+BY_NAME = {c.name: c for c in CLAIMS}
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = cli._OneLineParser(  # pylint: disable=protected-access  (one parser style for both)
+      description="Runs the papers' claims (fastpos.sweep.claims), then their tables, "
+      "figures and README."
+  )
+  p.add_argument("out_dir", type=Path, help="the sweeps' workdirs go here (OUT_DIR/<claim>/)")
+  p.add_argument(
+      "--results",
+      type=Path,
+      default=REPO / "results" / "claims",
+      help="tables, figures and README (default: the checkout's results/claims)",
+  )
+  p.add_argument("--claims", default=",".join(BY_NAME), help="comma-separated claim names")
+  p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per cell")
+  # Sequential by default: two runs at a time were slower on the shared 2-core machine this
+  # was written on (docs/claims.md, "Budget").
+  p.add_argument("--mode", default="sequential", choices=("sequential", "parallel"))
+  p.add_argument("--jobs", type=int, default=2, help="--mode=parallel: runs at a time")
+  p.add_argument("--tiny", action="store_true", help="smoke mode (module docstring)")
+  p.add_argument("--tables_only", action="store_true", help="run nothing; tables from the runs")
+  return p
+
+
+def sweep_argv(args: argparse.Namespace, claim: Claim, spec: SweepSpec) -> list[str] | None:
+  """``scripts/sweep.py``'s arguments for one sweep of a claim; None when the mode skips it
+  (no tiny grid) or its config file is absent."""
+  grid = spec.tiny if args.tiny else spec.grid
+  if grid is None or not (REPO / spec.config).is_file():
+    return None
+  seeds = 2 if args.tiny else args.seeds
+  extra = ["num_train_steps=2"] if args.tiny else []
+  mode = [f"--mode={args.mode}"] + ([f"--jobs={args.jobs}"] if args.mode == "parallel" else [])
+  return [
+      f"--config={REPO / spec.config}" + (":tiny" if args.tiny else ""),
+      f"--sweep_dir={args.out_dir / claim.name / spec.name}",
+      *mode,
+      *grid,
+      *extra,
+      f"seed={','.join(map(str, range(seeds)))}",
+  ]
+
+
+def run_sweeps(args: argparse.Namespace, claims: list[Claim]) -> int:
+  """Runs every sweep; returns the first non-zero exit code that stops the pipeline (an
+  interruption: ``EXIT_PREEMPTED``), else 1 when a run needs a fix, else 0."""
+  worst = 0
+  for claim in claims:
+    for spec in claim.sweeps:
+      argv = sweep_argv(args, claim, spec)
+      if argv is None:
+        why = "not in the smoke mode" if args.tiny else f"{spec.config} does not exist yet"
+        print(f"claims: {claim.name}/{spec.name}: skipped ({why})", flush=True)
+        continue
+      print(f"claims: {claim.name}/{spec.name}: scripts/sweep.py {shlex.join(argv)}", flush=True)
+      code = cli.main(argv)
+      if code == errors.EXIT_PREEMPTED:
+        return code  # interrupted: the same command continues
+      if code == errors.EXIT_BAD_INPUT:
+        raise ValueError(f"{claim.name}/{spec.name}: the sweep refused its arguments (above).")
+      worst = max(worst, code)
+  return worst
+
+
+def claim_blocks(args: argparse.Namespace, claim: Claim) -> list[dict]:
+  """The claim's blocks (``fastpos.sweep.tables``), each with its ``records``
+  (``claim_table.compare_block``: the pairs whose two columns the block has)."""
+  runs: list[dict] = []
+  for spec in claim.sweeps:
+    d = args.out_dir / claim.name / spec.name
+    if (d / "sweep.json").exists():
+      runs += tables.read_sweep(d, "test")[1]
+  if not runs:
+    return []
+  blocks = tables.build_blocks(runs, tables.ROW, tables.COL, "seed")
+  for b in blocks:
+    b["metric"] = tables.block_metric(b, None)
+    cols = {str(c) for c in b["cols"]}
+    compare = [p for p in claim.compare if all(x in cols for x in p.split(">"))]
+    pairs = claim_table.parse_compare(compare, None, b["cols"])
+    b["records"] = claim_table.compare_block(b, pairs, better=None, seed_key="seed")
+  return blocks
+
+
+def claim_markdown(claim: Claim, blocks: list[dict], command: str) -> str:
+  """``RESULTS/<claim>.md``: the statement, the command and a table per block."""
+  head = [f"# Claim: {claim.name}", "", claim.statement, "", f"Command: `{command}`", ""]
+  if not blocks:
+    return "\n".join(head + ["Not yet run: no run of this claim has a workdir.", ""])
+  body = [
+      claim_table.markdown_block(b, b["records"], row_name="setting", digits=2, split="test")
+      for b in blocks
+  ]
+  return "\n".join(head + body)
+
+
+def plot_claim(claim: Claim, blocks: list[dict], out: Path) -> bool:
+  """``out``: a panel per block, each variant's mean and 95% interval per row (x: the rows,
+  e.g. context lengths); False when no run has results."""
+  import matplotlib  # pylint: disable=import-outside-toplevel  (figures only)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  from fastpos.plots import distinct_colors  # pylint: disable=import-outside-toplevel
+
+  blocks = [b for b in blocks if any(r["cell"] for r in b["records"])]
+  if not blocks:
+    return False
+  fig, axes = plt.subplots(1, len(blocks), figsize=(5.2 * len(blocks), 3.8), squeeze=False)
+  for ax, b in zip(axes[0], blocks):
+    cols = list(b["cols"])
+    colors = dict(zip(cols, distinct_colors(len(cols))))
+    width = 0.8 / len(cols)
+    for j, c in enumerate(cols):
+      xs, ys, errs = [], [], [[], []]
+      for i, rv in enumerate(b["rows"]):
+        cell = next((r["cell"] for r in b["records"] if r["row"] == rv and r["col"] == c), None)
+        if cell is None:
+          continue
+        xs.append(i - 0.4 + width * (j + 0.5))
+        ys.append(cell.mean)
+        errs[0].append(cell.mean - (cell.lo if cell.lo is not None else cell.mean))
+        errs[1].append((cell.hi if cell.hi is not None else cell.mean) - cell.mean)
+      ax.errorbar(xs, ys, yerr=errs, fmt="o", capsize=3, color=colors[c], label=str(c))
+    ax.set_xticks(range(len(b["rows"])), [str(r) for r in b["rows"]])
+    scale = " (%)" if b["metric"] in tables.PERCENT_METRICS else ""
+    ax.set_ylabel(f"test {b['metric']}{scale}: mean, 95% interval")
+    ax.set_title(b["title"], fontsize="medium")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize="small")
+  fig.suptitle(f"Claim: {claim.name}")
+  fig.tight_layout()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def plot_curves(args: argparse.Namespace, claim: Claim, out: Path) -> bool:
+  """``out``: the validation curves of every variant's first seed (scripts/plot_curves.py);
+  False when no such run has metrics."""
+  workdirs = sorted(
+      p.parent
+      for spec in claim.sweeps
+      for p in (args.out_dir / claim.name / spec.name).glob("*seed=0/metrics.jsonl")
+  )
+  if not workdirs:
+    return False
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "scripts" / "plot_curves.py"), *map(str, workdirs)]
+      + [f"--out={out}", f"--title=Claim {claim.name}: seed 0 of each variant"],
+      capture_output=True,
+      text=True,
+      check=False,
+  )
+  if proc.returncode:
+    print(f"claims: {claim.name}: no curves ({proc.stderr.strip()})", file=sys.stderr)
+  return proc.returncode == 0
+
+
+def compute_spent(args: argparse.Namespace, claims: list[Claim]) -> tuple[float, int, int]:
+  """(seconds of run wall time, runs done, runs recorded) over the claims' manifests."""
+  wall, done, total = 0.0, 0, 0
+  for claim in claims:
+    for spec in claim.sweeps:
+      path = args.out_dir / claim.name / spec.name / "sweep.json"
+      if path.exists():
+        for rec in json.loads(path.read_text())["runs"].values():
+          total += 1
+          done += rec.get("status") == "done"
+          wall += rec.get("wall_s") or 0.0
+  return wall, done, total
+
+
+def readme(args: argparse.Namespace, claims: list[Claim], verdicts: dict, command: str) -> str:
+  """``RESULTS/README.md``: what ran (or "not yet run"), where, for how long, and the
+  verdicts."""
+  wall, done, total = compute_spent(args, claims)
+  lines = ["# The papers' claims, measured", "", f"Command: `{command}`", ""]
+  if args.tiny:
+    lines += [
+        "**Smoke mode (--tiny): 2 training steps per run, 2 seeds. These numbers measure "
+        "nothing; they show that the pipeline runs.**",
+        "",
+    ]
+  if not done:
+    lines += ["Status: not yet run (no run has finished).", ""]
+  else:
+    lines += [
+        f"Status: {done} of {total} runs finished"
+        + (" (re-run the command to continue)." if done < total else "."),
+        "",
+        f"Compute: {format_duration(wall)} of run wall time (train + eval, summed over the "
+        "runs" + (f"; {args.jobs} at a time)." if args.mode == "parallel" else ")."),
+        "",
+        f"Machine: {host_cpus()} CPU cores ({_cpu()}), "
+        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}.",
+        "",
+    ]
+  lines += ["| claim | comparison | setting | verdict |", "|---|---|---|---|"]
+  for claim in claims:
+    rows = verdicts.get(claim.name) or [("", "", "not yet run")]
+    for comparison, setting, verdict in rows:
+      lines.append(f"| [{claim.name}]({claim.name}.md) | {comparison} | {setting} | {verdict} |")
+  lines += [
+      "",
+      "Each claim's table gives every cell's mean with its 95% t-interval over seeds and the "
+      "paired difference (the same seeds) against its baseline; docs/claims.md explains the "
+      "verdicts and how to resume.",
+      "",
+  ]
+  return "\n".join(lines)
+
+
+def _cpu() -> str:
+  from fastpos.plots import cpu_name  # pylint: disable=import-outside-toplevel
+
+  return cpu_name()
+
+
+def write_results(args: argparse.Namespace, command: str) -> None:
+  """The tables, figures and README of every claim (from what ``args.out_dir`` holds; "not
+  yet run" for a claim without runs) into ``args.results``."""
+  args.results.mkdir(parents=True, exist_ok=True)
+  verdicts: dict[str, list[tuple[str, str, str]]] = {}
+  for claim in CLAIMS:
+    blocks = claim_blocks(args, claim)
+    (args.results / f"{claim.name}.md").write_text(claim_markdown(claim, blocks, command))
+    plot_claim(claim, blocks, args.results / f"{claim.name}.png")
+    plot_curves(args, claim, args.results / f"{claim.name}_curves.png")
+    verdicts[claim.name] = [
+        (f"{r['col']} > {r['vs']}", f"{b['title']}: {r['row']}", r["verdict"])
+        for b in blocks
+        for r in b["records"]
+        if r["vs"] is not None
+    ]
+  (args.results / "README.md").write_text(readme(args, list(CLAIMS), verdicts, command))
+  print(f"claims: tables, figures and README in {args.results}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  args = _parser().parse_args(argv)
+  args.out_dir = args.out_dir.expanduser().absolute()
+  args.results = args.results.expanduser().absolute()
+  names = [n.strip() for n in args.claims.split(",") if n.strip()]
+  unknown = [n for n in names if n not in BY_NAME]
+  if unknown or not names:
+    print(
+        f"claims: unknown claim {', '.join(unknown) or '(none given)'}; valid: "
+        f"{', '.join(BY_NAME)}.",
+        file=sys.stderr,
+    )
+    return errors.EXIT_BAD_INPUT
+  if args.seeds < 2 or args.jobs < 1:
+    print(f"claims: --seeds={args.seeds} (>= 2) / --jobs={args.jobs} (>= 1).", file=sys.stderr)
+    return errors.EXIT_BAD_INPUT
+  claims = [BY_NAME[n] for n in names]
+  # The command that runs the claims (a --tables_only call reports that command's runs).
+  command = shlex.join(["scripts/claims.sh", *(a for a in argv if a != "--tables_only")])
+  code = 0
+  if not args.tables_only:
+    try:
+      code = run_sweeps(args, claims)
+    except ValueError as e:
+      print(f"claims: {e}", file=sys.stderr)
+      return errors.EXIT_BAD_INPUT
+  write_results(args, command)
+  if code == errors.EXIT_PREEMPTED:
+    print("claims: interrupted; re-run the same command to continue.", file=sys.stderr)
+  return code
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The papers' central claims, measured: every claim's sweeps (3 seeds, two runs at a time on
+# the CPUs), then results/claims/<claim>.md tables with 95% intervals, paired differences and
+# verdicts, figures, and results/claims/README.md (fastpos/sweep/claims.py; docs/claims.md).
+#
+#   scripts/claims.sh OUT_DIR [--claims=fastrpb,lrpe,...] [--seeds=3] [--jobs=2]
+#       [--mode=parallel|sequential] [--results=results/claims] [--tiny] [--tables_only]
+#
+# Re-running the same command continues where it stopped (finished runs are skipped,
+# interrupted ones resume from their checkpoints). The interpreter: $PYTHON, else the
+# repository's .venv, else python3.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+  python=python3
+  if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; fi
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+exec "$python" -m fastpos.sweep.claims "$@"
