@@ -293,8 +293,8 @@ def linear_attention(
       numerator's features negative, e.g. rotations: the denominator keeps the plain positive
       features). Same masks, causality, rpe and decay.
     chunk_size: chunk length of the causal path without rpe; None picks it: 32
-      (``CAUSAL_PLAIN_CHUNK``) without decay, segments, key scales or den_features, else from
-      the shape (``causal_chunk_size``).
+      (``CAUSAL_PLAIN_CHUNK``) in the recurrent mode without decay, segments, key scales or
+      den_features, else from the shape (``causal_chunk_size``).
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
     key_log_scale: optional ``[batch, N, heads]``: the keys' features are
@@ -315,6 +315,25 @@ def linear_attention(
       projections emit head-major tensors saves the op's layout copies (bidirectional: none
       are left; other paths move to token-major views, which XLA cancels against their own
       transposes).
+    mode: the algorithm of the causal path without rpe (``fastpos.ops.linear_attn``), checked
+      before any compute (another value: ValueError naming the choices):
+
+      * ``"recurrent"``: a serial ``lax.scan`` over chunks (``linear_attn.recurrent``): one
+        carried state ``[b, h, m, d]``, N / chunk steps in a row; the plain cell runs
+        token-major chunks of ``CAUSAL_PLAIN_CHUNK`` with a written-out backward.
+      * ``"chunk"``: chunkwise-parallel (``linear_attn.chunk``): every chunk's products at once,
+        the chunk states' exclusive prefix by an associative scan (decay, segment resets and
+        the running-maximum key stabiliser combined so every exponent stays <= 0). No serial
+        loop (its compiled fwd+bwd has no while loop longer than 16 trips at N = 16K); holds
+        every chunk's state ``[N / chunk, b, h, m, d]`` at once.
+      * ``"fused"``: ``linear_attn.fused.causal``, one kernel for the causal product, where it
+        is built; a cell it does not run (its ``supports``) and bidirectional attention raise
+        ValueError naming the reason and the modes that run it.
+      * ``"auto"``: the backend's entry of ``linear_attn.auto.TABLE`` (measured by
+        ``python -m fastpos.bench.modes``).
+
+      All modes compute the same function (to rounding). Bidirectional attention, rpe and the
+      dense reference take the same path in every mode but "fused".
 
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe: up to N
   = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
