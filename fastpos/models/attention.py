@@ -183,6 +183,11 @@ def _check_sizes(cfg: AttentionConfig) -> None:
         f"AttentionConfig: mode must be one of "
         f"{', '.join(repr(m) for m in linear_attn_common.MODES)}; got {cfg.mode!r}."
     )
+  if cfg.mode == "fused" and not cfg.causal:
+    raise ValueError(
+        "AttentionConfig: mode='fused' is built for causal linear attention only; a "
+        "bidirectional layer runs with mode='auto', 'chunk' or 'recurrent' (the same path)."
+    )
   grid = cfg.grid
   if grid is not None and (
       not isinstance(grid, tuple) or len(grid) != 2 or not all(_is_int(g, 1) for g in grid)

@@ -56,6 +56,8 @@ def test_layer_refuses_a_bad_mode_naming_the_choices():
       ValueError, match=r"mode must be one of 'auto', 'chunk', 'recurrent', 'fused'; got 'fast'"
   ):
     fastpos.attention_config(16, 2, kernel="elu1", causal=True, mode="fast")
+  with pytest.raises(ValueError, match="mode='fused' is built for causal"):
+    fastpos.attention_config(16, 2, kernel="elu1", causal=False, mode="fused")
 
 
 def test_model_config_attention_mode_reaches_the_layer():
