@@ -232,6 +232,11 @@ FIELDS: dict[str, Field] = {
     # time, not the function (round-off only); for causal and bidirectional 1D linear layers
     # with output-hook schemes (fastpos.models.chunked_attention).
     "model.attn_chunk": _int(0, 0, trajectory=False),
+    # The algorithm of causal linear attention (fastpos.ops.linear_attn): "chunk"
+    # (chunkwise-parallel), "recurrent" (a serial scan over chunks), "fused" (one kernel,
+    # where built) or "auto" (per backend, fastpos.ops.linear_attn.auto). The same function to
+    # rounding; changes time and memory only.
+    "model.attention_mode": _str("auto", ("auto", "chunk", "recurrent", "fused"), trajectory=False),
     # Batches and duration. Durations are in optimizer steps.
     "batch_size": _int(32, 1),  # global batch per optimizer step, over all devices and hosts
     # Global evaluation batch; 0 means batch_size (an LM's evaluation streams follow it).

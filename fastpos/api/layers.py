@@ -68,6 +68,7 @@ def attention_config(
     head_dim: int | None = None,
     grid: tuple[int, int] | None = None,
     chunk_size: int | None = None,
+    mode: str = "auto",
     options: Mapping[str, Mapping[str, Any]] | None = None,
     num_features: int | None = None,
     nu: int | None = None,
@@ -89,6 +90,11 @@ def attention_config(
     head_dim: d per head; default ``embed_dim // num_heads``.
     grid: ``(H, W)`` for 2D inputs (images in raster order, N = H * W); None for 1D.
     chunk_size: causal linear attention's chunk; None picks it from the shape.
+    mode: causal linear attention's algorithm (``fastpos.ops.linear_attn``): ``"chunk"``
+      (chunkwise-parallel: no serial loop, every chunk's state held at once), ``"recurrent"``
+      (a serial scan over chunks: one carried state), ``"fused"`` (one kernel, where built) or
+      ``"auto"`` (the backend's measured choice). The same function to rounding; another
+      value raises ValueError naming these.
     options: ``{scheme: {option: value}}``, the same as the scheme keywords below.
     num_features, nu, eps, redraw, seed: the kernel's options (None: its default); one the
       kernel does not read raises (``python -m fastpos.positional.compatibility --options``
@@ -132,6 +138,7 @@ def attention_config(
       grid=None if grid is None else tuple(grid),
       causal=causal,
       chunk_size=chunk_size,
+      mode=mode,
   )
 
 

@@ -83,6 +83,7 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
       causal=task.kind == "lm",
       chunk_size=chunk_size or None,
       attn_chunk=cfg.get("attn_chunk", 0),
+      mode=cfg.get("attention_mode", "auto"),
   )
 
 

@@ -42,6 +42,7 @@ from fastpos.models import hooks as hooks_lib
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import segments, toeplitz
+from fastpos.ops.linear_attn import common as linear_attn_common
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility, path_keys
 
@@ -87,6 +88,9 @@ class AttentionConfig:
   causal: bool = False
   chunk_size: int | None = None  # None: chosen by shape (ops.attention.causal_chunk_size)
   attn_chunk: int = 0  # > 0: the layer by chunks of this many tokens (models.chunked_attention)
+  # Causal linear attention's algorithm (``fastpos.ops.linear_attn``): "auto", "chunk",
+  # "recurrent" or "fused"; bidirectional and softmax layers take no other path for it.
+  mode: str = "auto"
 
   def __post_init__(self):
     _check_sizes(self)
@@ -174,6 +178,16 @@ def _check_sizes(cfg: AttentionConfig) -> None:
     )
   if not isinstance(cfg.causal, bool):
     raise ValueError(f"AttentionConfig: causal must be True or False; got {cfg.causal!r}.")
+  if cfg.mode not in linear_attn_common.MODES:
+    raise ValueError(
+        f"AttentionConfig: mode must be one of "
+        f"{', '.join(repr(m) for m in linear_attn_common.MODES)}; got {cfg.mode!r}."
+    )
+  if cfg.mode == "fused" and not cfg.causal:
+    raise ValueError(
+        "AttentionConfig: mode='fused' is built for causal linear attention only; a "
+        "bidirectional layer runs with mode='auto', 'chunk' or 'recurrent' (the same path)."
+    )
   grid = cfg.grid
   if grid is not None and (
       not isinstance(grid, tuple) or len(grid) != 2 or not all(_is_int(g, 1) for g in grid)
@@ -522,6 +536,7 @@ class FullPath:
           chunk_size=cfg.chunk_size,
           key_log_scale=keys.log_scale,
           key_eps=keys.eps,
+          mode=cfg.mode,
           **packed,
       )
     rpe = None if mix.log_table is None else jnp.exp(mix.log_table.astype(dtype))
@@ -536,8 +551,11 @@ class FullPath:
     )
     if self.reference:
       return attn_ops.linear_attention_reference(fq, fk, self.v, **kw, **packed)
-    fn = cp.linear_attention if self.split else attn_ops.linear_attention
-    return fn(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw, **packed)
+    if self.split:  # the sequence split over devices has its own causal path
+      return cp.linear_attention(fq, fk, self.v, chunk_size=cfg.chunk_size, **kw, **packed)
+    return attn_ops.linear_attention(
+        fq, fk, self.v, chunk_size=cfg.chunk_size, mode=cfg.mode, **kw, **packed
+    )
 
 
 def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:

@@ -30,6 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.ops import toeplitz
+from fastpos.ops.linear_attn import dispatch
+from fastpos.ops.linear_attn.common import _guard  # noqa: F401  (re-exported)
+from fastpos.ops.linear_attn.recurrent import (  # noqa: F401  (re-exported)
+    CAUSAL_PLAIN_CHUNK,
+    _causal_chunked,
+    _causal_plain,
+    _causal_running_max,
+    _causal_scan,
+    _chunk_ids,
+    _running_max_segments,
+    _segment_step,
+)
 from fastpos.ops.masks import check_mask
 
 # Denominators smaller than this in magnitude are clamped to +-DEFAULT_EPS (see _guard).
@@ -68,14 +80,6 @@ def _check_qkv(q, k, v, names=("q", "k", "v"), *, same_length: bool = True) -> t
 
 def _state_dtype(*arrays):
   return jnp.float64 if jnp.result_type(*arrays) == jnp.float64 else jnp.float32
-
-
-def _guard(den, eps: float):
-  """Keeps denominators away from zero: |den| < eps becomes +-eps (sign kept, +eps at 0).
-
-  Positive feature maps give den > 0 and the clamp only acts on all-padding rows; maps that
-  can be negative (trf) need the sign-preserving form."""
-  return jnp.where(jnp.abs(den) < eps, jnp.where(den < 0, -eps, eps), den)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +338,7 @@ def linear_attention(
     key_eps: float = 0.0,
     segment_ids=None,
     head_major: bool = False,
+    mode: str = "auto",
 ):
   """Kernelized attention (FastRPB Eq. 3; with ``rpe``, Luo et al. Eq. 10-13).
 
@@ -356,8 +361,8 @@ def linear_attention(
       numerator's features negative, e.g. rotations: the denominator keeps the plain positive
       features). Same masks, causality, rpe and decay.
     chunk_size: chunk length of the causal path without rpe; None picks it: 32
-      (``CAUSAL_PLAIN_CHUNK``) without decay, segments, key scales or den_features, else from
-      the shape (``causal_chunk_size``).
+      (``CAUSAL_PLAIN_CHUNK``) in the recurrent mode without decay, segments, key scales or
+      den_features, else from the shape (``causal_chunk_size``).
     eps: denominator guard (``_guard``), applied to the denominator after the contraction
       with ``phi_q``.
     key_log_scale: optional ``[batch, N, heads]``: the keys' features are
@@ -378,6 +383,25 @@ def linear_attention(
       projections emit head-major tensors saves the op's layout copies (bidirectional: none
       are left; other paths move to token-major views, which XLA cancels against their own
       transposes).
+    mode: the algorithm of the causal path without rpe (``fastpos.ops.linear_attn``), checked
+      before any compute (another value: ValueError naming the choices):
+
+      * ``"recurrent"``: a serial ``lax.scan`` over chunks (``linear_attn.recurrent``): one
+        carried state ``[b, h, m, d]``, N / chunk steps in a row; the plain cell runs
+        token-major chunks of ``CAUSAL_PLAIN_CHUNK`` with a written-out backward.
+      * ``"chunk"``: chunkwise-parallel (``linear_attn.chunk``): every chunk's products at once,
+        the chunk states' exclusive prefix by an associative scan (decay, segment resets and
+        the running-maximum key stabiliser combined so every exponent stays <= 0). No serial
+        loop (its compiled fwd+bwd has no while loop longer than 16 trips at N = 16K); holds
+        every chunk's state ``[N / chunk, b, h, m, d]`` at once.
+      * ``"fused"``: ``linear_attn.fused.causal``, one kernel for the causal product, where it
+        is built; a cell it does not run (its ``supports``) and bidirectional attention raise
+        ValueError naming the reason and the modes that run it.
+      * ``"auto"``: the backend's entry of ``linear_attn.auto.TABLE`` (measured by
+        ``python -m fastpos.bench.modes``).
+
+      All modes compute the same function (to rounding). Bidirectional attention, rpe and the
+      dense reference take the same path in every mode but "fused".
 
   Cost: O(N m d) without rpe (causal: plus O(N * chunk * (m + d)) inside chunks). With rpe: up to N
   = ``_RPE_DENSE_UP_TO`` (2048; on GPU ``_RPE_DENSE_UP_TO_GPU``, 16384) the ``[N, N]`` weights are
@@ -394,6 +418,14 @@ def linear_attention(
   (on CPU one head's group of features, on GPU / TPU every head and feature within a stated
   budget: ``_rpe_group``) and keeps only its inputs for the backward pass (``_rpe_mix``).
   """
+  algo = dispatch.resolve(
+      mode,
+      causal=causal,
+      segments=segment_ids is not None,
+      key_scales=key_log_scale is not None,
+      den_features=den_features is not None,
+      rpe=rpe is not None,
+  )
   plain = rpe is None and den_features is None and key_log_scale is None and segment_ids is None
   if head_major and plain and not causal:
     return _bidirectional_head_major(phi_q, phi_k, v, mask, eps)
@@ -413,6 +445,7 @@ def linear_attention(
         key_log_scale=swap(key_log_scale),
         key_eps=key_eps,
         segment_ids=segment_ids,
+        mode=algo,
     )
     return jnp.swapaxes(out, 1, 2)
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
@@ -437,6 +470,7 @@ def linear_attention(
         eps=eps,
         key_log_scale=key_log_scale,
         key_eps=key_eps,
+        mode=algo,
     )
   if key_log_scale is not None:
     return _scaled_keys(
@@ -452,6 +486,7 @@ def linear_attention(
         den_features=den_features,
         chunk_size=chunk_size,
         eps=eps,
+        mode=algo,
     )
   return _mix(
       phi_q,
@@ -466,6 +501,7 @@ def linear_attention(
       chunk_size=chunk_size,
       eps=eps,
       length=n,
+      mode=algo,
   )
 
 
@@ -509,8 +545,10 @@ def _scaled_keys(
     chunk_size,
     eps,
     segment_ids=None,
+    mode: str = "recurrent",
 ):
-  """``linear_attention`` with keys ``phi_k * exp(log_scale) + key_eps`` (see there)."""
+  """``linear_attention`` with keys ``phi_k * exp(log_scale) + key_eps`` (see there); causal
+  by the resolved ``mode`` ("chunk" or "recurrent", ``dispatch.running_max``)."""
   b, n, h = phi_q.shape[:3]
   if jnp.shape(log_scale) != (b, n, h):
     raise ValueError(
@@ -537,7 +575,7 @@ def _scaled_keys(
     )
     if chunk < 1:
       raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
-    num, den, ref = _causal_running_max(q, k, vals, s, k_eps, chunk, segment_ids)
+    num, den, ref = dispatch.running_max(q, k, vals, s, k_eps, chunk, segment_ids, mode=mode)
   else:
     ref = jax.lax.stop_gradient(jnp.maximum(jnp.max(s, axis=2, keepdims=True), 0.0))
     w = jnp.exp(s - ref)  # [b, h, n], every exponent <= 0
@@ -549,120 +587,6 @@ def _scaled_keys(
     den = den + e * jnp.sum(k_eps, axis=2, keepdims=True)
   out = num / _scaled_guard(den, eps, ref)[..., None]
   return _head_major(out).astype(v.dtype)
-
-
-def _causal_running_max(q, k, v, s, k_eps, chunk: int, segment_ids=None):
-  """Causal linear attention with keys ``k_j exp(s_j) + k_eps_j``, head-major (``q, k
-  [b, h, n, m]``, ``v [b, h, n, d]``, ``s, k_eps [b, h, n]``; s = -inf for padded keys).
-
-  Query i weighs key j <= i by ``exp(s_j - R_i)`` with ``R_i = max(0, s_1..s_i)``, the running
-  maximum (and the eps part by ``exp(-R_i)``): every exponent is <= 0. The carry holds the
-  state relative to the reference at the chunk's start and is rescaled by
-  ``exp(R_old - R_new) <= 1`` when the reference grows; inside a chunk the reference of each
-  query is the cumulative maximum up to it (``lax.cummax``), so a later key changes nothing
-  before it. The references are constants for autodiff (they cancel).
-
-  With ``segment_ids`` ``[b, n]`` (contiguous segments) everything restarts at a segment start,
-  the reference too: ``R_i`` is the running maximum over the keys of i's own segment, so a
-  large key of one segment never shrinks the weights of the next (``_running_max_segments``)."""
-  b, h, n, m = k.shape
-  d = v.shape[-1]
-  dtype = q.dtype
-  g = -(-n // chunk)
-  pad = g * chunk - n
-
-  def split(a, fill=0.0):  # [b, h, n, ...] -> [g, b, h, chunk, ...]
-    widths = ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 3)
-    a = jnp.pad(a, widths, constant_values=fill)
-    return jnp.moveaxis(a.reshape((b, h, g, chunk) + a.shape[3:]), 2, 0)
-
-  mask = toeplitz.causal_mask(chunk)
-  tri = mask.astype(dtype)
-
-  def body(carry, xs):
-    kv, ks, ev, es, ref = carry[:5]  # [b,h,m,d], [b,h,m], [b,h,d], [b,h], [b,h]
-    q_c, k_c, v_c, s_c, e_c = xs[:5]
-    if segment_ids is None:
-      r = jax.lax.stop_gradient(jnp.maximum(ref[..., None], jax.lax.cummax(s_c, axis=2)))
-      seen, sees, mine = mask, None, None
-    else:
-      r, seen, sees, mine, new_seg = _running_max_segments(carry[5], xs[5], s_c, ref, mask)
-    # The future's exponents can be large: masked before exp, so no inf meets a zero gradient.
-    w = jnp.exp(jnp.where(seen, s_c[..., None, :] - r[..., :, None], -jnp.inf))
-    scores = jnp.einsum("bhim,bhjm->bhij", q_c, k_c) * w
-    # [b, h, chunk]: the carry's scale for each query (0 for a query outside its segment).
-    lift = ref[..., None] - r
-    old = jnp.exp(lift) if sees is None else jnp.where(sees, jnp.exp(jnp.minimum(lift, 0)), 0)
-    eps_w = jnp.exp(-r) * jnp.sum(q_c, axis=-1)  # the eps part's scale times q . 1
-    if sees is None:
-      e_in = jnp.einsum("ij,bhj->bhi", tri, e_c)  # sum of eps over keys j <= i in the chunk
-      e_v = jnp.einsum("ij,bhj,bhjd->bhid", tri, e_c, v_c)
-      ev_in, es_in = ev[:, :, None], es[..., None]
-    else:  # the same over the visible keys of i's segment; the carry's only if i reads it
-      e_seen = jnp.where(seen, e_c[..., None, :], 0)  # [b, h, chunk, chunk]
-      e_in, e_v = jnp.sum(e_seen, axis=-1), jnp.einsum("bhij,bhjd->bhid", e_seen, v_c)
-      ev_in = jnp.where(sees[..., None], ev[:, :, None], 0)
-      es_in = jnp.where(sees, es[..., None], 0)
-    num = (
-        old[..., None] * jnp.einsum("bhim,bhmd->bhid", q_c, kv)
-        + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
-        + eps_w[..., None] * (ev_in + e_v)
-    )
-    den = (
-        old * jnp.einsum("bhim,bhm->bhi", q_c, ks)
-        + jnp.sum(scores, axis=-1)
-        + eps_w * (es_in + e_in)
-    )
-    new = r[..., -1]
-    if mine is None:
-      k_w = k_c * jnp.exp(s_c - new[..., None])[..., None]
-      shrink = jnp.exp(ref - new)
-      e_w = e_c
-    else:  # only the chunk's last segment travels on; the old carry only if it is that one
-      k_w = k_c * jnp.exp(jnp.where(mine, s_c - new[..., None], -jnp.inf))[..., None]
-      keep = (carry[5] == new_seg)[:, None]
-      shrink = jnp.where(keep, jnp.exp(jnp.minimum(ref - new, 0)), 0)
-      ev, es = ev * keep[..., None], es * keep
-      e_w = jnp.where(mine, e_c, 0)
-    kv = kv * shrink[..., None, None] + jnp.einsum("bhjm,bhjd->bhmd", k_w, v_c)
-    ks = ks * shrink[..., None] + jnp.sum(k_w, axis=2)
-    ev = ev + jnp.einsum("bhj,bhjd->bhd", e_w, v_c)
-    es = es + jnp.sum(e_w, axis=-1)
-    tail = () if segment_ids is None else (new_seg,)
-    return (kv, ks, ev, es, new) + tail, (num, den, r)
-
-  init = (
-      jnp.zeros((b, h, m, d), dtype),
-      jnp.zeros((b, h, m), dtype),
-      jnp.zeros((b, h, d), dtype),
-      jnp.zeros((b, h), dtype),
-      jnp.zeros((b, h), dtype),
-  )
-  xs = (split(q), split(k), split(v), split(s, -jnp.inf), split(k_eps))
-  if segment_ids is not None:
-    init = init + (jnp.full((b,), -1, jnp.int32),)
-    xs = xs + (_chunk_ids(segment_ids, g, chunk),)
-  _, (num, den, ref) = jax.lax.scan(jax.checkpoint(body), init, xs)
-  num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
-  den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
-  ref = jnp.moveaxis(ref, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
-  return num, den, ref
-
-
-def _running_max_segments(seg, ids, s_c, ref, mask):
-  """The segment reset of ``_causal_running_max`` in one chunk: ``seg [b]`` the carry's
-  segment, ``ids [b, chunk]``, ``s_c [b, h, chunk]``, ``ref [b, h]`` the carry's reference.
-  Returns ``r [b, h, chunk]`` (each query's reference: max(0, its segment's keys so far)),
-  ``seen [b, 1, chunk, chunk]`` (j <= i in i's segment), ``sees [b, 1, chunk]`` (the query
-  reads the carry), ``mine [b, 1, chunk]`` (the key is in the chunk's last segment) and that
-  segment."""
-  seen = mask[None, None] & (ids[:, :, None] == ids[:, None, :])[:, None]
-  sees = (ids == seg[:, None])[:, None]
-  inside = jnp.max(jnp.where(seen, s_c[..., None, :], -jnp.inf), axis=-1)  # [b, h, chunk]
-  base = jnp.where(sees, ref[..., None], 0.0)
-  r = jax.lax.stop_gradient(jnp.maximum(base, jnp.maximum(inside, 0.0)))
-  last = ids[:, -1]
-  return r, seen, sees, (ids == last[:, None])[:, None], last
 
 
 def _scaled_guard(den, eps: float, ref):
@@ -687,12 +611,15 @@ def _mix(
     eps,
     length,
     split=None,
+    mode: str = "recurrent",
 ):
   """The body of ``linear_attention`` after its checks, shared with its context-parallel form.
 
   ``length`` is the whole sequence's (the rpe table's) length. ``split`` is None on one
   device, or the device-axis operations of ``fastpos.ops.context_parallel`` (``toeplitz``,
   ``varying``, ``causal``, ``psum``) when the inputs are this device's block of the sequence.
+  ``mode``: the resolved causal algorithm ("recurrent", "chunk" or "fused";
+  ``dispatch.resolve``); unused with ``split`` or ``rpe``.
   """
   if chunk_size is not None and chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size}.")
@@ -731,7 +658,7 @@ def _mix(
       if split is not None:
         num, den = split.causal(fq, fk, vals, chunk, log_decay)
       else:
-        num, den = _causal_chunked(fq, fk, vals, chunk, log_decay)
+        num, den = dispatch.causal(fq, fk, vals, chunk, log_decay, mode=mode)
     else:
       kv = total(jnp.einsum("bhjm,bhjd->bhmd", fk, vals))
       k_sum = total(jnp.sum(fk, axis=2))  # [b, h, m]
@@ -739,7 +666,16 @@ def _mix(
       den = jnp.einsum("bhim,bhm->bhi", fq, k_sum)
     return _head_major(num), jnp.transpose(den, (0, 2, 1))
 
-  if causal and rpe is None and decay is None and den_features is None and split is None:
+  # The plain causal cell: the serial scan's token-major form with a written-out backward; the
+  # other modes take the general path below (``contract``), head-major.
+  if (
+      mode == "recurrent"
+      and causal
+      and rpe is None
+      and decay is None
+      and den_features is None
+      and split is None
+  ):
     fk = _apply_key_mask(phi_k, mask, dtype)
     chunk = CAUSAL_PLAIN_CHUNK if chunk_size is None else chunk_size
     return _causal_plain(phi_q.astype(dtype), fk, v.astype(dtype), chunk, eps).astype(out_dtype)
@@ -818,110 +754,6 @@ def _folded_bwd(eps: float, res, g):
 
 
 _folded.defvjp(_folded_fwd, _folded_bwd)
-
-
-# The chunk of the plain causal path (``_causal_plain``) when none is given: fwd+bwd on a
-# shared 2-core CPU (m = d = 64, 8 heads; chunks side by side in one run per N, not recorded)
-# took 0.53x / 0.85x / 0.74x the Performer scan's time at chunk 32 / 16 / 64 (N = 4K), 0.59x /
-# 1.05x at 32 / 64 (8K). The op at 32 is recorded in benchmarks/ops_lean.md.
-CAUSAL_PLAIN_CHUNK = 32
-
-
-def _causal_plain(phi_q, phi_k, v, chunk: int, eps: float):
-  """Causal linear attention without rpe, decay, segments or separate denominator features,
-  normalised and guarded: ``phi_q, phi_k [b, n, h, m]``, ``v [b, n, h, d]`` (token-major, as
-  the layers pass them; padded keys already zeroed) -> ``[b, n, h, d]``.
-
-  The sequence is zero-padded to ``g`` chunks and viewed chunk-major ``[g, b, chunk, h, .]``
-  (a reshape, and for batch 1 no copy at all); ``_causal_scan`` runs over the chunks, its
-  backward written out (``_causal_scan_bwd``)."""
-  b, n, h, _ = phi_k.shape
-  chunk = min(chunk, n)
-  g = -(-n // chunk)
-
-  def split(a):  # [b, n, h, e] -> [g, b, chunk, h, e]
-    a = jnp.pad(a, ((0, 0), (0, g * chunk - n), (0, 0), (0, 0)))
-    return jnp.swapaxes(a.reshape((b, g, chunk) + a.shape[2:]), 0, 1)
-
-  out = _causal_scan(split(phi_q), split(phi_k), split(v), eps)
-  return jnp.swapaxes(out, 0, 1).reshape((b, g * chunk) + out.shape[3:])[:, :n]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _causal_scan(q, k, v, eps: float):
-  """The chunked causal scan, chunk-major token-major: ``q, k [g, b, c, h, m]``,
-  ``v [g, b, c, h, d]`` -> ``[g, b, c, h, d]``, normalised and guarded (``_guard``).
-
-  Chunk t's queries read the carried state ``S = sum over earlier chunks of k^T v``
-  ``[b, h, m, d]`` and ``s = sum of k`` ``[b, h, m]``, plus their own chunk's keys through the
-  masked scores ``A = tril(q k^T)`` ``[b, h, c, c]``: ``num = q S + A v``,
-  ``den = q s + A 1``, ``out = num / den``. Each chunk's products are small enough to stay in
-  cache, and the body's layout copies stay inside it. The forward emits the states entering
-  each chunk (residuals ``[g, b, h, m, d]``: N m d / c numbers, no recomputation); the
-  backward (``_causal_scan_bwd``) is a reverse scan of nine such products per chunk."""
-  return _causal_scan_fwd(q, k, v, eps)[0]
-
-
-def _causal_scan_fwd(q, k, v, eps: float):
-  mask = toeplitz.causal_mask(q.shape[2])
-
-  def body(carry, xs):
-    s_kv, s_k = carry  # [b, h, m, d], [b, h, m]
-    q_c, k_c, v_c = xs  # [b, c, h, .]
-    a = jnp.where(mask, jnp.einsum("bihm,bjhm->bhij", q_c, k_c), jnp.zeros((), q.dtype))
-    num = jnp.einsum("bihm,bhmd->bihd", q_c, s_kv) + jnp.einsum("bhij,bjhd->bihd", a, v_c)
-    den = jnp.einsum("bihm,bhm->bih", q_c, s_k) + jnp.swapaxes(jnp.sum(a, axis=-1), 1, 2)
-    kept = jnp.abs(den) >= eps  # where the guard passes the denominator through
-    den = _guard(den, eps)
-    s_kv_next = s_kv + jnp.einsum("bjhm,bjhd->bhmd", k_c, v_c)
-    ys = (num / den[..., None], den, kept, s_kv, s_k)
-    return (s_kv_next, s_k + jnp.sum(k_c, axis=1)), ys
-
-  b, _, h, m = q.shape[1:]
-  init = (jnp.zeros((b, h, m, v.shape[-1]), q.dtype), jnp.zeros((b, h, m), q.dtype))
-  _, (out, den, kept, s_kv, s_k) = jax.lax.scan(body, init, (q, k, v))
-  return out, (q, k, v, out, den, kept, s_kv, s_k)
-
-
-def _causal_scan_bwd(eps: float, res, g):
-  """Chunks in reverse, carrying ``R = sum over later chunks of q^T g_num`` ``[b, h, m, d]``
-  and ``r = q^T g_den`` ``[b, h, m]``. With ``g_num = g / den``, ``g_den = -(g . out) / den``
-  (0 where the guard clamped) and ``B = tril(g_num v^T + g_den 1^T)``:
-  ``g_q = g_num S^T + g_den s^T + B k``, ``g_k = B^T q + v R^T + r``,
-  ``g_v = A^T g_num + k R``. No state is rebuilt by subtraction."""
-  del eps
-  mask = toeplitz.causal_mask(res[0].shape[2])
-  zero = jnp.zeros((), g.dtype)
-
-  def body(carry, xs):
-    r_kv, r_k = carry
-    q_c, k_c, v_c, out_c, den_c, kept_c, s_kv, s_k, g_c = xs
-    g_num = g_c / den_c[..., None]
-    g_den = jnp.where(kept_c, -jnp.sum(g_c * out_c, axis=-1), zero) / den_c  # [b, c, h]
-    a = jnp.where(mask, jnp.einsum("bihm,bjhm->bhij", q_c, k_c), zero)
-    bb = jnp.einsum("bihd,bjhd->bhij", g_num, v_c) + jnp.swapaxes(g_den, 1, 2)[..., None]
-    bb = jnp.where(mask, bb, zero)
-    g_q = (
-        jnp.einsum("bihd,bhmd->bihm", g_num, s_kv)
-        + g_den[..., None] * s_k[:, None]
-        + jnp.einsum("bhij,bjhm->bihm", bb, k_c)
-    )
-    g_k = (
-        jnp.einsum("bhij,bihm->bjhm", bb, q_c)
-        + jnp.einsum("bjhd,bhmd->bjhm", v_c, r_kv)
-        + r_k[:, None]
-    )
-    g_v = jnp.einsum("bhij,bihd->bjhd", a, g_num) + jnp.einsum("bjhm,bhmd->bjhd", k_c, r_kv)
-    r_kv = r_kv + jnp.einsum("bihm,bihd->bhmd", q_c, g_num)
-    return (r_kv, r_k + jnp.einsum("bihm,bih->bhm", q_c, g_den)), (g_q, g_k, g_v)
-
-  s_kv, s_k = res[-2:]
-  init = (jnp.zeros_like(s_kv[0]), jnp.zeros_like(s_k[0]))
-  _, grads = jax.lax.scan(body, init, res + (g,), reverse=True)
-  return grads
-
-
-_causal_scan.defvjp(_causal_scan_fwd, _causal_scan_bwd)
 
 
 def _head_major(a):
@@ -1147,113 +979,6 @@ def _rpe_mix(phi_q, phi_k, v, rpe, product, zeros=None):
   return mix(phi_q, phi_k, v, rpe)
 
 
-def _causal_chunked(phi_q, phi_k, v, chunk: int, log_decay=None, init=None, segment_ids=None):
-  """Causal linear attention by chunks: exact inside a chunk, carried state between chunks.
-
-  Head-major in and out: ``phi_q, phi_k [b, h, n, m]``, ``v [b, h, n, d]`` -> num
-  ``[b, h, n, d]``, den ``[b, h, n]``. The sequence is zero-padded to ``g`` chunks (zero keys
-  add nothing), moved chunk-major ``[g, b, h, chunk, .]`` once, and scanned chunk by chunk
-  (``lax.scan``). The carry entering chunk g is the sum over earlier chunks of ``phi_k^T v``
-  ``[b, h, m, d]`` and of ``phi_k`` ``[b, h, m]``; inside a chunk the scores
-  ``phi_q phi_k^T`` ``[b, h, chunk, chunk]`` are masked to j <= i. Every product in the body
-  is a batched matmul over contiguous ``[chunk, .]`` slabs, and the body is rematerialised in
-  the backward pass (``jax.checkpoint``): the residuals are the carries, never a per-token
-  ``[n, m, d]`` cumulative sum. (Measured on a 2-core CPU, the serial scan beat the fully
-  parallel chunk form, all chunks' products batched plus a scan of states: the states
-  ``[g, m, d]`` then travel through memory four times.)
-
-  With ``log_decay`` (``[heads]``, g = log r <= 0) key j weighs r^(i-j) for query i, split as
-  r^(i - start) (query side, inside its chunk) times r^(start - j) (the carried state, decayed
-  by r^chunk per chunk): every exponent is <= 0, so nothing overflows. ``init``: the carry
-  entering the first chunk (keys before the sequence, weighted r^(-j) for a key at j < 0),
-  ``([b, h, m, d], [b, h, m])``; zeros when None.
-
-  With ``segment_ids`` (``[b, n]`` int, contiguous segments; not with ``init``) the state
-  resets at each segment start (``_segment_step``): inside a chunk the causal products are
-  also masked to one segment; a query reads the carry only when its segment is the carry's
-  (the segment of the previous chunk's last token); the carry leaving a chunk holds the keys
-  of the chunk's last segment only (plus the old carry when that segment began earlier).
-  """
-  b, h, n, m = phi_k.shape
-  d = v.shape[-1]
-  dtype = phi_q.dtype
-  g = -(-n // chunk)
-  pad = g * chunk - n
-
-  def split(a):  # [b, h, n, e] -> [g, b, h, chunk, e]
-    a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    return jnp.moveaxis(a.reshape(b, h, g, chunk, a.shape[-1]), 2, 0)
-
-  mask = toeplitz.causal_mask(chunk)
-  if log_decay is not None:
-    t = jnp.arange(chunk, dtype=dtype)
-    dist = jnp.maximum(t[:, None] - t[None, :], 0)
-    intra = jnp.where(
-        mask[None], jnp.exp(log_decay[:, None, None] * dist[None]), jnp.zeros((), dtype)
-    )[
-        None
-    ]  # [1, h, chunk, chunk]
-    # Keys weighted by r^(chunk - t) toward the end of their chunk; queries by r^t.
-    k_w = jnp.exp(log_decay[:, None] * (chunk - t)[None, :])[None, :, :, None]
-    q_w = jnp.exp(log_decay[:, None] * t[None, :])[None, :, :, None]
-    step = jnp.exp(log_decay * chunk)[None, :, None]  # r^chunk per chunk, [1, h, 1]
-
-  def body(carry, xs):
-    kv, ks = carry[:2]  # [b, h, m, d], [b, h, m]
-    q_c, k_c, v_c = xs[:3]  # [b, h, chunk, .]
-    scores = jnp.einsum("bhim,bhjm->bhij", q_c, k_c)
-    if log_decay is None:
-      scores = jnp.where(mask, scores, jnp.zeros((), dtype))
-      q_in, k_in = q_c, k_c
-    else:
-      scores = scores * intra
-      q_in, k_in = q_c * q_w, k_c * k_w
-      kv, ks = kv * step[..., None], ks * step
-    seg = () if segment_ids is None else (carry[2], xs[3])
-    if seg:
-      scores, q_in, k_in, kv, ks, new_seg = _segment_step(*seg, scores, q_in, k_in, kv, ks)
-    num = jnp.einsum("bhim,bhmd->bhid", q_in, carry[0]) + jnp.einsum("bhij,bhjd->bhid", scores, v_c)
-    den = jnp.einsum("bhim,bhm->bhi", q_in, carry[1]) + jnp.sum(scores, axis=-1)
-    kv = kv + jnp.einsum("bhjm,bhjd->bhmd", k_in, v_c)
-    ks = ks + jnp.sum(k_in, axis=2)
-    return (kv, ks) + ((new_seg,) if seg else ()), (num, den)
-
-  if segment_ids is not None and init is not None:
-    raise ValueError("_causal_chunked: segment_ids are not built with an init carry.")
-  if init is None:
-    init = (jnp.zeros((b, h, m, d), dtype), jnp.zeros((b, h, m), dtype))
-  xs = (split(phi_q), split(phi_k), split(v))
-  if segment_ids is not None:
-    init = init + (jnp.full((b,), -1, jnp.int32),)  # the carry's segment: none yet
-    xs = xs + (_chunk_ids(segment_ids, g, chunk),)
-  _, (num, den) = jax.lax.scan(jax.checkpoint(body), init, xs)
-  num = jnp.moveaxis(num, 0, 2).reshape(b, h, g * chunk, d)[:, :, :n]
-  den = jnp.moveaxis(den, 0, 2).reshape(b, h, g * chunk)[:, :, :n]
-  return num, den
-
-
-def _chunk_ids(segment_ids, g: int, chunk: int):
-  """``[b, n]`` segment ids -> ``[g, b, chunk]`` int32, the chunk padding as segment -1."""
-  b, n = segment_ids.shape
-  ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, g * chunk - n)), constant_values=-1)
-  return jnp.moveaxis(ids.reshape(b, g, chunk), 1, 0)
-
-
-def _segment_step(seg, ids, scores, q_in, k_in, kv, ks):
-  """One chunk of the segment reset (``_causal_chunked``): ``seg [b]`` the carry's segment,
-  ``ids [b, chunk]``. Returns the scores masked to one segment, the queries that read the
-  carry (others zeroed), the keys of the chunk's last segment (others zeroed), the carry kept
-  only when that segment began before the chunk, and the new carry's segment."""
-  zero = jnp.zeros((), scores.dtype)
-  last = ids[:, -1]  # [b]: the segment the carry leaving this chunk belongs to
-  same = (ids[:, :, None] == ids[:, None, :])[:, None]  # [b, 1, chunk, chunk]
-  scores = jnp.where(same, scores, zero)
-  q_in = jnp.where((ids == seg[:, None])[:, None, :, None], q_in, zero)
-  k_in = jnp.where((ids == last[:, None])[:, None, :, None], k_in, zero)
-  keep = (seg == last)[:, None, None]
-  return scores, q_in, k_in, jnp.where(keep[..., None], kv, zero), jnp.where(keep, ks, zero), last
-
-
 # ---------------------------------------------------------------------------------------------
 # Packed rows: linear attention inside segments
 # ---------------------------------------------------------------------------------------------
@@ -1283,6 +1008,7 @@ def segmented_linear_attention(
     key_log_scale=None,
     key_eps: float = 0.0,
     num_segments: int | None = None,
+    mode: str = "auto",
 ):
   """``linear_attention`` over a packed row: query i sees key j only when
   ``segment_ids[i] == segment_ids[j]`` (and j <= i when causal), so each segment's outputs
@@ -1298,8 +1024,17 @@ def segmented_linear_attention(
   [0, G)) by a one-hot ``[N, G]`` matmul (O(N G m d), for a few segments per row).
 
   Not built (ValueError): ``rpe`` (its FFT Toeplitz product spans the row) and a
-  bidirectional ``key_log_scale``.
+  bidirectional ``key_log_scale``. ``mode`` as in ``linear_attention`` (causal only; the
+  bidirectional scans are the serial ones whatever the mode).
   """
+  algo = dispatch.resolve(
+      mode,
+      causal=causal,
+      segments=True,
+      key_scales=key_log_scale is not None,
+      den_features=den_features is not None,
+      rpe=rpe is not None,
+  )
   b, n, h = _check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
   _check_segment_ids(segment_ids, b, n)
   mask = check_mask(mask, (b, n), against=f"phi_k of shape {phi_k.shape}")
@@ -1326,6 +1061,7 @@ def segmented_linear_attention(
         chunk_size=chunk_size,
         eps=eps,
         segment_ids=segment_ids,
+        mode=algo,
     )
   chunk = causal_chunk_size(phi_k.shape[-1], v.shape[-1]) if chunk_size is None else chunk_size
   if not _positive_int(chunk):
@@ -1339,7 +1075,7 @@ def segmented_linear_attention(
     fk = _apply_key_mask(fk, mask, dtype)
     fq, fk, vals = (_head_major(a.astype(dtype)) for a in (fq, fk, vals))
     if causal:
-      num, den = _causal_chunked(fq, fk, vals, chunk, log_decay, segment_ids=ids)
+      num, den = dispatch.causal(fq, fk, vals, chunk, log_decay, ids, mode=algo)
     elif num_segments is None:
       num, den = _segment_totals_by_scans(fq, fk, vals, ids, chunk)
     else:

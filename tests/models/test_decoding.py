@@ -65,9 +65,9 @@ def causal_cells():
   return cells
 
 
-def _model(kernel, scheme, opts, max_length=LENGTH):
+def _model(kernel, scheme, opts, max_length=LENGTH, mode="auto"):
   c = model_config()
-  c.kernel, c.positional = kernel, scheme
+  c.kernel, c.positional, c.attention_mode = kernel, scheme, mode
   c.num_layers = 1 if kernel in PREFIX_KERNELS else 2
   c.embed_dim, c.num_heads, c.mlp_dim = 16, 2, 32
   c.dropout_rate, c.dtype, c.max_length = 0.0, "float64", max_length
@@ -99,9 +99,10 @@ def _forward(model, params, toks, mask):
   return out[0] if isinstance(out, tuple) else out
 
 
-def decode_errors(kernel, scheme, opts):
-  """(error against the full causal forward, error padded row vs unpadded row or None)."""
-  model = _model(kernel, scheme, opts)
+def decode_errors(kernel, scheme, opts, mode="auto"):
+  """(error against the full causal forward, error padded row vs unpadded row or None); the
+  full forward's causal linear attention by ``mode``."""
+  model = _model(kernel, scheme, opts, mode=mode)
   toks, mask = _batch()
   params = _params(model, toks, mask)
   step = decoding.step_fn(model)
@@ -157,6 +158,27 @@ def test_decoding_matches_full_forward(kernel, scheme, opts):
   assert err < tol, (kernel, scheme, err)
   if shift is not None:
     assert shift < tol, (kernel, scheme, shift)
+
+
+# The full forward by each causal algorithm: plain (relu), decay (permuteformer), the running
+# maximum of the keys' scale (sikf), numerator and denominator features apart (rope).
+MODE_CELLS = [
+    ("relu", "absolute", {}),
+    ("elu1", "permuteformer", {"decay": 0.9}),
+    ("sikf", "absolute", {}),
+    ("elu1", "rope", {}),
+]
+
+
+@pytest.mark.parametrize("mode", ("chunk", "recurrent"))
+@pytest.mark.parametrize(
+    "kernel,scheme,opts", MODE_CELLS, ids=[f"{k}-{s}" for k, s, _ in MODE_CELLS]
+)
+def test_decoding_matches_full_forward_in_every_mode(kernel, scheme, opts, mode):
+  err, shift = decode_errors(kernel, scheme, opts, mode=mode)
+  assert err < TOL, (kernel, scheme, mode, err)
+  if shift is not None:
+    assert shift < TOL, (kernel, scheme, mode, shift)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from fastpos.ops import attention
+from fastpos.ops.linear_attn import recurrent
 from tests.helpers import assert_causal_jacobian, rel_err
 
 
@@ -76,23 +77,26 @@ def test_plain_causal_path_never_sees_the_future(argnum):
 
 
 def test_plain_causal_path_is_the_one_taken(monkeypatch):
-  """Without rpe, decay, segments or den_features the op runs ``_causal_scan``; with a decay
-  it does not (the general chunked path)."""
+  """Without rpe, decay, segments or den_features the recurrent mode runs ``_causal_scan``;
+  with a decay it does not (the general chunked path), nor does the chunk mode."""
   calls = []
-  real = attention._causal_scan
+  real = recurrent._causal_scan
 
   def counted(*args):
     calls.append(args[0].shape)
     return real(*args)
 
-  monkeypatch.setattr(attention, "_causal_scan", counted)
+  monkeypatch.setattr(recurrent, "_causal_scan", counted)
   pq, pk, v, _ = _inputs(70, b=1, heads=2)
-  trace = lambda **kw: jax.make_jaxpr(lambda *a: attention.linear_attention(*a, **kw))(pq, pk, v)
+  trace = lambda **kw: jax.make_jaxpr(
+      lambda *a: attention.linear_attention(*a, mode="recurrent", **kw)
+  )(pq, pk, v)
   trace(causal=True)
   chunk = attention.CAUSAL_PLAIN_CHUNK
   assert calls == [(-(-70 // chunk), 1, chunk, 2, 5)]
   trace(causal=True, decay=np.full((2,), -0.1))
   trace(causal=False)
+  jax.make_jaxpr(lambda *a: attention.linear_attention(*a, causal=True, mode="chunk"))(pq, pk, v)
   assert len(calls) == 1
 
 
