@@ -1,9 +1,14 @@
 """The GPU check: one short run that records, on the device JAX sees, what the CPU tables
 record on the 2-core box: ``python -m fastpos.bench.gpu --out DIR`` (``scripts/gpu_check.sh``).
 
-Four parts, each in its own try block (one failing loses none of the others), each written to
+Seven parts, each in its own try block (one failing loses none of the others), each written to
 ``<out>/gpu.md`` and ``<out>/gpu.json`` as soon as it ends:
 
+  modes, layer, lm_step
+              linear attention by algorithm (causal ``recurrent`` / ``chunk`` / ``fused``
+              against bidirectional, the bandwidth floor and causal softmax, float32 and
+              bf16, N = 1K-64K, batch 1 and 8), the causal ELU+1 + FastRPB layer against
+              cuDNN causal attention, and a decoder-LM train step (``fastpos.bench.gpu_modes``);
   memory      the LRA Text model's train step (``fastpos.bench.memory``: SIKF + absolute +
               FastRPB, 4 layers x 256), compiled only, for model.remat none / block x
               model.scan_layers off / on x model.mlp_chunk off / on: ``memory_analysis`` at the
@@ -55,18 +60,27 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from fastpos.bench import gpu_modes, ops_lean, report
 from fastpos.bench import measure as bm
 from fastpos.bench import memory as bench_memory
 from fastpos.bench import models as bench_models
 from fastpos.bench import ops as bench_ops
-from fastpos.bench import ops_lean, report
 from fastpos.ops import attention
 
-PARTS = ("memory", "train_step", "rpe", "linear")
-# The timed parts run first: compiles that the memory part leaves running past its deadline
-# (they cannot be stopped) then disturb no timing.
-RUN_ORDER = ("train_step", "rpe", "linear", "memory")
-CAPS_S = {"memory": 240.0, "train_step": 120.0, "rpe": 150.0, "linear": 70.0}
+PARTS = ("modes", "layer", "lm_step", "memory", "train_step", "rpe", "linear")
+# The goals' parts first (linear attention by mode, the causal layer, the LM step), then the
+# others; the timed parts before the memory part: compiles that the memory part leaves running
+# past its deadline (they cannot be stopped) then disturb no timing.
+RUN_ORDER = ("modes", "layer", "lm_step", "rpe", "linear", "train_step", "memory")
+CAPS_S = {
+    "modes": 140.0,
+    "layer": 40.0,
+    "lm_step": 60.0,
+    "rpe": 100.0,
+    "linear": 40.0,
+    "train_step": 40.0,
+    "memory": 60.0,
+}
 COMMITTED = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "benchmarks",
@@ -793,6 +807,16 @@ def _linear_md(part: dict) -> list[str]:
 
 
 NOTES = {
+    "modes": "Inputs [batch, N, 8, 64] token-major (features positive, as ELU+1 gives), m = d = "
+    "64; fwd+bwd of the op by `mode`, beside the bidirectional op, the copy of the bytes the "
+    "fwd+bwd must read and write (the bandwidth floor) and causal softmax attention "
+    "(`jax.nn.dot_product_attention`: cuDNN on a GPU in bf16, XLA otherwise); one interleaved "
+    "group per (dtype, batch, N); a mode that does not build a cell says why.",
+    "layer": "`fastpos.attention(512, 8, kernel='elu1', positional='fastrpb', causal=True)` "
+    "(mode auto) against the same projections around `jax.nn.dot_product_attention(is_causal="
+    "True)`, batch 1, bf16 activations.",
+    "lm_step": "`DecoderLM` (2 layers x 512, 8 heads, MLP 2048, vocab 257), one AdamW step on "
+    "one sequence of N tokens; float32 at the default matmul precision.",
     "memory": "SIKF + absolute + FastRPB, 4 layers x 256, 4 heads, MLP 1024, CLS pooling; "
     "`memory_analysis` of the compiled train step (temp + arguments + outputs - aliased; "
     "parameters and AdamW state donated). KB / token / layer: temporary bytes over tokens x "
@@ -815,6 +839,9 @@ NOTES = {
 }
 
 SECTIONS = {
+    "modes": ("Causal linear attention by mode, fwd+bwd (ms)", gpu_modes.modes_md),
+    "layer": ("The causal ELU+1 + FastRPB layer against causal softmax, bf16", gpu_modes.layer_md),
+    "lm_step": ("Decoder-LM train step: ELU+1 + FastRPB against softmax", gpu_modes.lm_md),
     "memory": ("Train-step memory: remat x scan_layers x mlp_chunk (compiled only)", _memory_md),
     "train_step": ("LRA Text train step at the paper setting", _train_md),
     "rpe": ("Kernelized RPE vs dense softmax + bias vs the Toeplitz product (fwd+bwd)", _rpe_md),
@@ -828,7 +855,8 @@ def markdown(result: dict) -> str:
       "# The GPU check",
       "",
       f"`{result['command']}` on {m['device']} ({m['host']}); python {m['python']}, jax "
-      f"{m['jax']} / jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}; float32; "
+      f"{m['jax']} / jaxlib {m['jaxlib']}, flax {m['flax']}, optax {m['optax']}; float32 "
+      "unless a row says bf16; "
       f"{result['date']}. Wall time {result.get('wall_s', 0):.0f} s.",
       "",
   ]
@@ -849,7 +877,14 @@ def markdown(result: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-GOALS = {"memory": memory_goals, "rpe": rpe_goals, "linear": linear_goals}
+GOALS = {
+    "modes": gpu_modes.modes_goals,
+    "layer": gpu_modes.layer_goals,
+    "lm_step": gpu_modes.lm_goals,
+    "memory": memory_goals,
+    "rpe": rpe_goals,
+    "linear": linear_goals,
+}
 
 
 def write(out: str, result: dict) -> None:
@@ -939,6 +974,13 @@ def parse_args(argv):
 
 def run_part(name: str, sizes: Sizes, budget: Deadline, smoke: bool, log) -> dict:
   deadline = Deadline(max(min(CAPS_S[name], budget.left()), 1.0))
+  mode_sizes = gpu_modes.SMOKE if smoke else gpu_modes.FULL
+  if name == "modes":
+    return gpu_modes.run_modes(mode_sizes, deadline, log)
+  if name == "layer":
+    return gpu_modes.run_layer(mode_sizes, deadline, log)
+  if name == "lm_step":
+    return gpu_modes.run_lm_step(mode_sizes, deadline, log, smoke)
   if name == "memory":
     return run_memory(sizes, deadline, log, smoke)
   if name == "train_step":
