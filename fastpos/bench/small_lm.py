@@ -221,20 +221,39 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=20, help="steps per case per round")
   p.add_argument("--rounds", type=int, default=7, help="timed rounds")
   p.add_argument("--out", default="", help="folder for small_lm.md / .json (default: none)")
+  p.add_argument(
+      "--eval-batches",
+      default="48,192",
+      help="comma-separated evaluation batch sizes timed beside the config's ('' for none)",
+  )
   p.add_argument("--smoke", action="store_true", help="the tiny text config, few steps")
   args = p.parse_args(argv)
   for name in ("steps", "rounds"):
     if getattr(args, name) < 1:
       p.error(f"--{name} must be >= 1; got {getattr(args, name)}.")
+  try:
+    args.eval_batches = [int(b) for b in args.eval_batches.split(",") if b.strip()]
+  except ValueError:
+    args.eval_batches = [0]
+  if any(b < 1 for b in args.eval_batches):
+    p.error(f"--eval-batches must be comma-separated integers >= 1; got {args.eval_batches!r}.")
   if args.smoke:
     args.steps, args.rounds = min(args.steps, 2), min(args.rounds, 1)
+    args.eval_batches = args.eval_batches[:1] and [3]
   return args
 
 
-def eval_case(run: run_lib.Run) -> Callable[[], object]:
-  """One exact evaluation of the validation split (``Run.evaluate_split``, every token)."""
+def eval_cases(run: run_lib.Run, batches: list[int]) -> dict[str, Callable[[], object]]:
+  """One exact evaluation of the validation split (``Run.evaluate_split``, every token) with
+  the config's evaluation batch ("evaluation") and with each of ``batches`` rows."""
   state, _ = run.init_state()
-  return lambda: run.evaluate_split(state, "validation")
+  cases = {"evaluation": lambda: run.evaluate_split(state, "validation")}
+  for rows in batches:
+    cfg = run.cfg.copy_and_resolve_references()
+    cfg.eval_batch_size = rows
+    other = run_lib.build_run(cfg, run.workdir, run.model)
+    cases[f"evaluation, batch {rows}"] = lambda r=other: r.evaluate_split(state, "validation")
+  return cases
 
 
 def summary(wall: dict, cpu: dict, cfg: ml_collections.ConfigDict) -> dict:
@@ -249,7 +268,7 @@ def summary(wall: dict, cpu: dict, cfg: ml_collections.ConfigDict) -> dict:
           "cpu_ratio": cmed[k] / cmed[PLAIN],
       }
       for k in med
-      if k not in ("loop", "evaluation")
+      if k != "loop" and not k.startswith("evaluation")
   }
   evals = -(-cfg.num_train_steps // cfg.eval_every_steps)
 
@@ -262,6 +281,16 @@ def summary(wall: dict, cpu: dict, cfg: ml_collections.ConfigDict) -> dict:
       "loop_over_step": med["loop"] / med["fastpos"],
       "loop_over_step_cpu": cmed["loop"] / cmed["fastpos"],
       "evaluation_s": med["evaluation"],
+      "evaluation_by_batch": {
+          k.split("batch ")[1]: {
+              "s": med[k],
+              "cpu_s": cmed[k],
+              "ratio": med[k] / med["evaluation"],
+              "cpu_ratio": cmed[k] / cmed["evaluation"],
+          }
+          for k in med
+          if k.startswith("evaluation, batch")
+      },
       "evaluation_cpu_s": cmed["evaluation"],
       "evaluation_in_train_steps": med["evaluation"] / med["loop"],
       "evaluations_per_run": evals,
@@ -305,6 +334,19 @@ def markdown(res: dict, run_info: dict, cfg: ml_collections.ConfigDict, args) ->
       f"{100 * s['evaluation_share']:.1f}% of the run's step and evaluation time (wall; "
       f"{100 * s['evaluation_share_cpu']:.1f}% CPU).",
   ]
+  by = s["evaluation_by_batch"]
+  if by:
+    lines += [
+        "",
+        "The same evaluation with other evaluation batches (each against the config's):",
+        "",
+        "| eval batch | s (wall) | vs config (wall) | s (CPU) | vs config (CPU) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {r['s']:.2f} | {r['ratio']:.2f}x | {r['cpu_s']:.2f} | {r['cpu_ratio']:.2f}x |"
+        for k, r in by.items()
+    ]
   return "\n".join(lines)
 
 
@@ -315,8 +357,8 @@ def main(argv=None) -> int:
     run = build("tiny" if args.smoke else "", workdir)
     cases = {k: make() for k, make in step_cases(run).items()}
     cases["loop"] = loop_case(run)
-    cases["evaluation"] = eval_case(run)
-    reps = {k: 1 if k == "evaluation" else args.steps for k in cases}
+    cases.update(eval_cases(run, args.eval_batches))
+    reps = {k: 1 if k.startswith("evaluation") else args.steps for k in cases}
     wall, cpu = time_rounds(cases, reps, args.rounds)
     eval_tokens = int(cases["evaluation"]()["num_examples"])
   res = {
