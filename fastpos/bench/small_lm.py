@@ -16,7 +16,8 @@
   training feed (grain), its device transfer and the step, the host never more than two steps
   ahead (as ``fastpos.train.loop``), against the same step on one fixed batch;
 - evaluation: one exact evaluation of the validation split (``Run.evaluate_split``) against
-  the train steps between two evaluations, as a share of a run's time.
+  the loop's steps, as a share of a run's step and evaluation time; and the same evaluation
+  with other evaluation batches (``--eval-batches``) against the config's.
 
 Each round runs every case for ``--steps`` steps; the table gives the medians over
 ``--rounds`` rounds and each case's ratio to the plain Flax GPT. On a shared machine only the
