@@ -39,6 +39,13 @@ from absl import logging as absl_logging  # noqa: F401  (defines the verbosity f
 
 from tests.helpers import FAST_COMPILE_FLAGS
 
+# Pallas's first interpret-mode call (the fused kernels' tests, mode="fused" anywhere) imports
+# Mosaic GPU, which sets os.environ["MOSAIC_GPU_CUDA_ROOT"]: likewise imported up front.
+try:
+  import jax.experimental.mosaic.gpu  # noqa: F401
+except ImportError:  # a jaxlib without Mosaic GPU: nothing to set
+  pass
+
 _ROOT = Path(__file__).resolve().parents[1]
 
 jax.config.update("jax_enable_x64", True)

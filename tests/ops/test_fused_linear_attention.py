@@ -10,14 +10,6 @@ import pytest
 from fastpos.ops.linear_attn import fused
 from tests.helpers import rel_err
 
-# Pallas's first interpret-mode call imports Mosaic GPU, which sets
-# os.environ["MOSAIC_GPU_CUDA_ROOT"]: import it here, before the state guard's first snapshot,
-# so that no test is blamed for it.
-try:
-  import jax.experimental.mosaic.gpu  # noqa: F401
-except ImportError:  # a jaxlib without Mosaic GPU: nothing to set
-  pass
-
 
 def dense(phi_q, phi_k, v, log_decay=None):
   """num [b, h, n, d] and den [b, h, n] from the masked weight matrix A_ij = (phi_q_i . phi_k_j)

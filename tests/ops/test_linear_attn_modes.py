@@ -20,6 +20,7 @@ from tests.helpers import assert_causal_jacobian, rel_err
 
 B, N, H, M, D = 2, 37, 2, 3, 4  # N = 37: no chunk size below divides it
 CHUNK = 8
+FUSED_CHUNK = 16  # the fused kernel's smallest chunk (Triton's smallest matmul side)
 
 
 MODES = ("chunk", "recurrent", "fused")  # "fused" runs where its module is merged
@@ -97,7 +98,7 @@ def test_mode_matches_dense_float64(mode, cell):
   x = _inputs(1)
   kw = CELLS[cell](x)
   fast = lambda pq, pk, v, s: attention.linear_attention(
-      pq, pk, v, causal=True, chunk_size=CHUNK, mode=mode, **kw
+      pq, pk, v, causal=True, chunk_size=FUSED_CHUNK if mode == "fused" else CHUNK, mode=mode, **kw
   )
   dense = lambda pq, pk, v, s: naive.linear_attention_reference(pq, pk, v, causal=True, **kw)
   _check(_value_and_grads(fast, x, kw), _value_and_grads(dense, x, kw))
