@@ -23,6 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fastpos import interrupts  # noqa: E402
+
+interrupts.install("generate.py")  # first: SIGINT / SIGTERM stop with one line at any instant
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -4,7 +4,8 @@
 workdir: ``RunError`` and the errors listed in ``user_exit_code``) prints one line,
 ``<prog>: <message>``, to stderr and exits with its code from ``fastpos.train.errors``; nothing
 is printed at shutdown after it (no traceback from background threads). Any other exception is
-a bug: its traceback is printed, exit 1.
+a bug: its traceback is printed, exit 1. SIGINT and SIGTERM are ``fastpos.interrupts``'s (one
+line, exit 130 / 75, at any instant); ``run`` installs it if the program has not already.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 
+from fastpos import interrupts
 from fastpos.train import distributed, errors
 
 
@@ -183,6 +185,7 @@ def run(
 ) -> None:
   """``app.run(main)`` with every user error as one line (module docstring); exits with
   ``main``'s return value. ``argv_hook`` may add default flags before they are parsed."""
+  interrupts.install(prog)
 
   def wrapped(argv: list[str]) -> int | None:
     _background_errors_in_one_line()
@@ -191,15 +194,8 @@ def run(
     py_logging.getLogger("jax._src.xla_bridge").setLevel(py_logging.WARNING)
     try:
       return main(argv)
-    except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
-      return fail(
-          prog,
-          errors.RunError(
-              "interrupted twice: stopped without saving this step; "
-              "the newest checkpoint is intact, run again to resume"
-          ),
-          errors.EXIT_INTERRUPTED,
-      )
+    except interrupts.Interrupted as e:  # a signal, honoured at a safe point
+      interrupts.stop(e)
     except Exception as e:  # pylint: disable=broad-except
       e = distributed.as_peer_lost(e)  # a collective broken by a lost process: its own code
       code = user_exit_code(e)
