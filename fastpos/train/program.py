@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 
 from fastpos import interrupts
-from fastpos.train import distributed, errors
+from fastpos.train import checkpoint, distributed, errors
 
 
 def user_exit_code(e: BaseException) -> int | None:
@@ -109,30 +109,8 @@ def _thread_hook(args) -> None:
     )
 
 
-def abandoned_orbax_read(obj) -> bool:
-  """Whether ``obj`` is one of orbax's read coroutines: when one array's read fails, orbax
-  raises that failure where the restore was asked for (reported there: the checkpoint does not
-  load) and abandons the sibling reads, which Python reports one by one when it collects them,
-  seconds later and from another thread."""
-  code = getattr(obj, "cr_code", None)
-  return (
-      code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename and "read" in (code.co_name)
-  )
-
-
-def _closed_loop_callback(unraisable) -> bool:
-  """Whether ``unraisable`` is tensorstore's callback into an asyncio loop that orbax already
-  closed (no object): it follows a read or write that failed, and that failure is raised
-  where the read or write was asked for."""
-  return (
-      unraisable.object is None
-      and isinstance(unraisable.exc_value, RuntimeError)
-      and "Event loop is closed" in str(unraisable.exc_value)
-  )
-
-
 def _unraisable_hook(unraisable) -> None:
-  if abandoned_orbax_read(unraisable.object) or _closed_loop_callback(unraisable):
+  if checkpoint.orbax_leftover(unraisable):
     logging.debug("after a failed checkpoint read: %s", _first_line(unraisable.exc_value))
     return
   # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
