@@ -112,11 +112,14 @@ def softmax_attention(
 
   Runs through ``jax.nn.dot_product_attention`` so that GPUs reach the fused (cuDNN) kernel
   where dtype and shapes allow. That function always takes the softmax in float32, so float64
-  inputs go through the plain XLA formula instead (exactness tests run in float64).
+  inputs go through the plain XLA formula instead (exactness tests run in float64), and so do
+  values whose dim differs from the queries' (it needs one dim for q, k and v; a features
+  scheme such as SPE gives q, k ``num_realizations`` dims).
 
   Args:
-    q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
-      first M = Lk - Lq keys are memory preceding the queries; usually Lk == Lq).
+    q: ``[batch, Lq, heads, dim]``; k: ``[batch, Lk, heads, dim]``; v: ``[batch, Lk, heads,
+      dim_v]``, with Lk >= Lq (the first M = Lk - Lq keys are memory preceding the queries;
+      usually Lk == Lq).
     bias: additive logits bias ``[heads, Lq, Lk]`` or ``[batch|1, heads|1, Lq, Lk]``.
     mask: ``[batch, Lk]`` bool, True for real keys (any other dtype or shape: ValueError).
     causal: key j visible to query i iff j <= M + i.
@@ -124,7 +127,7 @@ def softmax_attention(
   """
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
   dtype = jnp.result_type(q, k, v)
-  if dtype != jnp.float64:
+  if dtype != jnp.float64 and q.shape[-1] == v.shape[-1]:
     if bias is not None:
       bias = bias.astype(dtype)
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=allowed, scale=scale)
