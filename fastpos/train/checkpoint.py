@@ -570,6 +570,12 @@ class Checkpoints:
       meta = self._read_meta_checked(manager, step)
     except Exception as e:  # pylint: disable=broad-except
       raise _Damaged() from e
+    if int(meta["step"]) != step:  # its record (digest-checked) names another step
+      raise RunError(
+          f"{path} holds the checkpoint of step {meta['step']}, not {step}: the folder was "
+          f"renamed. Rename it back to {path.with_name(str(meta['step']))} (or move it out of "
+          f"{path.parent}) and run again."
+      )
     if expect is not None:
       check_expected(meta, expect, self.latest_dir)
     state = self._restore_state(manager, path, step, abstract_state, meta)

@@ -62,7 +62,7 @@ def _save(ckpts: Checkpoints, run, it, state, carry, step: int) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   """A run of the tiny config with keep_checkpoints=1 (nothing compiled: random states), and
-  a workdir holding checkpoints/2 and /4 (written with keep 2)."""
+  a workdir holding checkpoints/2, /4 and /6 (written with keep 3)."""
   root = tmp_path_factory.mktemp("readers")
   run = run_lib.build_run(tiny_config(keep_checkpoints=1), root / "run")
   src = run.task.source("train")
@@ -74,31 +74,43 @@ def setup(tmp_path_factory):
       else x,
       state,
   )
-  two = root / "two"
-  keep2 = run_lib.build_run(tiny_config(keep_checkpoints=2), two)
-  ckpts = Checkpoints(two, keep2.cfg)
+  three = root / "three"
+  keep3 = run_lib.build_run(tiny_config(keep_checkpoints=3), three)
+  ckpts = Checkpoints(three, keep3.cfg)
   ckpts.open_for_writing()
   it = run.feed.train(src, 0)
   try:
-    for step in (2, 4):
+    for step in (2, 4, 6):
       _save(ckpts, run, it, state, carry, step)
     ckpts.wait()
   finally:
     ckpts.close()
-  return {"run": run, "src": src, "state": state, "carry": carry, "two": two, "root": root}
+  return {"run": run, "src": src, "state": state, "carry": carry, "three": three}
 
 
-def _vanish_during_read(monkeypatch, step_dir: Path, replace_with: Path | None = None):
+def _copy(setup, tmp_path: Path, steps=(2, 4)) -> Path:
+  """A copy of the setup's workdir with only ``steps`` in checkpoints/ (the others moved to
+  ``<copy>/later/``)."""
+  workdir = tmp_path / "w"
+  shutil.copytree(setup["three"], workdir)
+  (workdir / "later").mkdir()
+  for step_dir in (workdir / "checkpoints").iterdir():
+    if int(step_dir.name) not in steps:
+      step_dir.rename(workdir / "later" / step_dir.name)
+  return workdir
+
+
+def _vanish_during_read(monkeypatch, step_dir: Path, newer: Path | None = None):
   """The first read of ``step_dir``'s state deletes the folder first (a trainer's rotation);
-  with ``replace_with``, a copy of it appears as that newer step."""
+  with ``newer``, that folder (a newer step) moves in beside it first."""
   restore = Checkpoints._restore_state
   done = []
 
   def restore_after_rotation(self, manager, path, step, abstract_state, meta):
     if Path(path) == step_dir and not done:
       done.append(step)
-      if replace_with is not None:
-        shutil.copytree(step_dir, replace_with)
+      if newer is not None:
+        newer.rename(step_dir.with_name(newer.name))
       shutil.rmtree(step_dir)
     return restore(self, manager, path, step, abstract_state, meta)
 
@@ -107,10 +119,9 @@ def _vanish_during_read(monkeypatch, step_dir: Path, replace_with: Path | None =
 
 
 def test_a_step_deleted_while_read_is_not_damaged(setup, tmp_path, monkeypatch, caplog):
-  workdir = tmp_path / "w"
-  shutil.copytree(setup["two"], workdir)
+  workdir = _copy(setup, tmp_path)
   latest = workdir / "checkpoints"
-  done = _vanish_during_read(monkeypatch, latest / "4", replace_with=latest / "6")
+  done = _vanish_during_read(monkeypatch, latest / "4", newer=workdir / "later" / "6")
   abstract = setup["run"].checkpoint_abstract
   with caplog.at_level(logging.WARNING):
     found = restore_checkpoint(workdir, abstract, which="latest")
@@ -121,8 +132,7 @@ def test_a_step_deleted_while_read_is_not_damaged(setup, tmp_path, monkeypatch, 
 
 
 def test_the_older_step_is_read_when_the_newest_vanishes(setup, tmp_path, monkeypatch, caplog):
-  workdir = tmp_path / "w"
-  shutil.copytree(setup["two"], workdir)
+  workdir = _copy(setup, tmp_path)
   _vanish_during_read(monkeypatch, workdir / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING):
     found = restore_checkpoint(workdir, setup["run"].checkpoint_abstract)
@@ -131,9 +141,7 @@ def test_the_older_step_is_read_when_the_newest_vanishes(setup, tmp_path, monkey
 
 
 def test_every_step_deleted_while_read_says_so(setup, tmp_path, monkeypatch):
-  workdir = tmp_path / "w"
-  shutil.copytree(setup["two"], workdir)
-  shutil.rmtree(workdir / "checkpoints" / "2")
+  workdir = _copy(setup, tmp_path, steps=(4,))
   _vanish_during_read(monkeypatch, workdir / "checkpoints" / "4")
   with pytest.raises(CheckpointLoadError, match="were deleted while being read") as e:
     restore_checkpoint(workdir, setup["run"].checkpoint_abstract)
@@ -191,8 +199,7 @@ def test_readers_beside_a_writer_that_keeps_one(setup, tmp_path, caplog):
 def test_load_of_a_damaged_workdir_is_one_exception_and_a_quiet_stderr(setup, tmp_path):
   """``fastpos.load`` in a program of its own, every checkpoint damaged: one CheckpointLoadError
   naming both, and stderr holds nothing (no orbax log, no abandoned read)."""
-  workdir = tmp_path / "w"
-  shutil.copytree(setup["two"], workdir)
+  workdir = _copy(setup, tmp_path)
   for step_dir in (workdir / "checkpoints").iterdir():
     # The array chunks (orbax's larger data files; the B-tree nodes are the small ones).
     for f in (f for f in (step_dir / "state").rglob("*") if f.parent.name == "d"):
@@ -230,8 +237,7 @@ def test_load_of_a_damaged_workdir_is_one_exception_and_a_quiet_stderr(setup, tm
 def test_the_listing_of_a_folder_that_cannot_be_listed_is_one_error(setup, tmp_path, monkeypatch):
   """Orbax's listing keeps failing (not a damaged step): one CheckpointLoadError naming the
   folder, after a few tries, never orbax's raw exception."""
-  workdir = tmp_path / "w"
-  shutil.copytree(setup["two"], workdir)
+  workdir = _copy(setup, tmp_path)
   calls = []
 
   def failing_manager(directory, **kw):
