@@ -7,19 +7,23 @@ the old source of segmentation faults and of swallowed Ctrl-Cs); the C-level han
 the signal's number to a pipe and a watcher thread acts on it, even while the main thread is
 inside a long native call (an XLA compile):
 
-* Outside a ``deferred`` stretch (imports, config and data checks, all of ``eval.py``) the
-  first signal stops the program at once: nothing is being written that a later run needs.
-* Inside one (``train_and_evaluate`` from the moment it holds the workdir) the first signal is
-  a request: the training loop saves the step it is on and stops, and the stretches before
-  and after the loop stop at their next ``check``; a second signal stops at once, without
-  saving.
+* Outside a ``deferred`` stretch (imports, config and data checks, the restore, all of
+  ``eval.py``) the first signal stops the program at once: nothing is being written that a
+  later run needs (``exit_hook``s run first: the trainer releases the workdir's lock).
+* Inside one (``train_and_evaluate`` from the moment it starts writing the workdir) the first
+  signal is a request: the training loop saves the step it is on and stops, and the stretches
+  before and after the loop stop at their next ``check``; a second signal stops at once,
+  without saving.
 
 Either way the program exits with ``EXIT_CODES`` (130 for SIGINT, as shells report a Ctrl-C;
-75 for SIGTERM, ``EX_TEMPFAIL``: preempted, run again later) and one line on stderr,
-``<prog>: stopped by SIGINT ...; the newest checkpoint is step N in <folder>`` (or ``no
-checkpoint yet``), read from the folder when the line is written (``describe_checkpoints``
-names it): a step folder exists there only once orbax has renamed it complete. A signal
-that arrives after the program's result was printed may leave the exit code 0.
+75 for SIGTERM, ``EX_TEMPFAIL``: preempted, run again later) and one line on stderr, e.g.
+``train.py: stopped at step 7 after saving it (SIGTERM); the newest checkpoint is step 7 in
+<folder>; run the same command again to continue.`` (or ``no checkpoint yet in <folder>``),
+read from the folder when the line is written (``describe_checkpoints`` names it; a step
+folder exists there only once orbax has renamed it complete), and no Python shutdown after
+it. A signal that arrives after the program's result was printed may leave the exit code 0;
+from the last exit hook on (the threads joined) signals are ignored. Before the interpreter
+runs the program's first line (about 0.1 s) the operating system's defaults apply.
 
 A library call (no ``install``) keeps Python's behaviour, except in the training loop, where
 ``stop_requests`` turns the first signal into a request as above and a second SIGINT raises
