@@ -6,18 +6,23 @@ apply on top. Scores the best checkpoint on validation (``--checkpoint=latest`` 
 one) and writes ``DIR/results_<split>.json``. Only this script reads test splits.
 
 Exit codes as ``train.py``'s: 0 done, 2 bad config, flag, data or workdir (one line on stderr),
-1 an unexpected error (a bug: its traceback is printed).
+130 / 75 stopped by SIGINT / SIGTERM (one line, at any instant), 1 an unexpected error (a bug:
+its traceback is printed).
 """
 
 from __future__ import annotations
 
-import json
-import os
+from fastpos import interrupts
 
-from absl import flags
+interrupts.install("eval.py")  # first: SIGINT / SIGTERM stop with one line at any instant
 
-from fastpos.train import cli, distributed, errors, evaluate, program
-from fastpos.train import workdir as workdir_lib
+import json  # noqa: E402
+import os  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from fastpos.train import cli, distributed, errors, evaluate, program  # noqa: E402
+from fastpos.train import workdir as workdir_lib  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "

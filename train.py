@@ -20,18 +20,32 @@ hosts").
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
-holds the workdir; 5 another process of the run died or froze; 75 preempted (SIGTERM /
-SIGINT: a checkpoint was saved, run the same command again to continue); 1 an unexpected error
-(a bug: its traceback is printed).
+holds the workdir; 5 another process of the run died or froze; 75 SIGTERM (preempted) and 130
+SIGINT (Ctrl-C), at any instant: the first one during training saves the step and stops, a
+second one stops at once; one line on stderr names the newest checkpoint (run the same command
+again to continue; ``fastpos.interrupts``); 1 an unexpected error (a bug: its traceback is
+printed).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from fastpos import interrupts
 
-from absl import flags
+interrupts.install("train.py")  # first: a signal during the imports below stops cleanly too
 
-from fastpos.train import cli, config_files, distributed, errors, program, train_and_evaluate
+from pathlib import Path  # noqa: E402
+
+from absl import flags  # noqa: E402
+
+from fastpos.train import (  # noqa: E402
+    checkpoint,
+    cli,
+    config_files,
+    distributed,
+    errors,
+    program,
+    train_and_evaluate,
+)
 
 _CONFIG = cli.define_config_flag(
     "experiment config: configs/<experiment>.py[:variant]; override any field "
@@ -81,12 +95,13 @@ def main(argv: list[str]) -> int:
     print(cfg, end="", flush=True)
     return errors.EXIT_OK
   workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
+  interrupts.describe_checkpoints(Path(workdir) / checkpoint.LATEST_DIR)  # in the stop line
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   result = train_and_evaluate(
       cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value, fresh=_FRESH.value
   )
   if result.get("stopped_early"):  # the trainer logged "preempted at step k ..."
-    return errors.EXIT_PREEMPTED
+    raise interrupts.Interrupted(result["signal"], f"at step {result['step']} after saving it")
   return errors.EXIT_OK  # the trainer's last line summarised the run
 
 

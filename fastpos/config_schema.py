@@ -245,11 +245,13 @@ FIELDS: dict[str, Field] = {
     "num_train_steps": _int(5000, 1, trajectory=_decays),
     # AdamW (decoupled weight decay), global-norm gradient clipping.
     "optimizer": _block(),
-    "optimizer.learning_rate": _float(1e-3, 0, low_open=True),  # peak, after the warmup
+    # Peak, after the warmup. The upper bounds here keep a typo (1e308 for 1e-3) from passing
+    # the finite check and overflowing the first update.
+    "optimizer.learning_rate": _float(1e-3, 0, 10, low_open=True),
     "optimizer.b1": _float(0.9, 0, 1, high_open=True),
     "optimizer.b2": _float(0.98, 0, 1, high_open=True),
-    "optimizer.eps": _float(1e-9, 0, low_open=True),
-    "optimizer.weight_decay": _float(0.01, 0),  # AdamW decay (multiplied by the learning rate)
+    "optimizer.eps": _float(1e-9, 0, 1, low_open=True),
+    "optimizer.weight_decay": _float(0.01, 0, 10),  # AdamW decay (times the learning rate)
     # Parameters whose path has a component matching one of these fnmatch patterns get no
     # weight decay (biases, norm scales, positional tables); 0-d / 1-d parameters never do.
     "optimizer.no_decay": _str(

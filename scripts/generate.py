@@ -23,6 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fastpos import interrupts  # noqa: E402
+
+interrupts.install("generate.py")  # first: SIGINT / SIGTERM stop with one line at any instant
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -114,7 +118,9 @@ def encode_prompt(text: str, vocab, vocab_size: int) -> np.ndarray:
 # The flags' valid values, declared as config fields are (fastpos.config_schema).
 FLAG_SCHEMA = {
     "num_tokens": config_schema.Field("int", low=1),
-    "temperature": config_schema.Field("float", low=0),  # 0 = greedy
+    "temperature": config_schema.Field(
+        "float", low=0, high=generation.MAX_TEMPERATURE
+    ),  # 0: greedy
     "top_k": config_schema.Field("int", low=0),  # 0 = no top-k cut
     "top_p": config_schema.Field("float", low=0, high=1, low_open=True),  # 1 = no nucleus cut
     "seed": config_schema.Field("int", low=0, high=2**32 - 1),

@@ -13,9 +13,9 @@
 #                          they are killed
 # Logs: process i writes stdout and stderr to DIR/process_<i>.log (default DIR: the command's
 # --workdir plus "/launch_logs", else ./launch_logs); process 0's log is also shown here.
-# Ctrl-C / SIGTERM is forwarded to every process (train.py saves a checkpoint and exits 75).
+# Ctrl-C / SIGTERM is forwarded to every process (train.py saves a checkpoint and exits 130 / 75).
 # When a process fails, the others are stopped and the launcher exits with the failed one's
-# code; otherwise with the processes' own code (0, or 75 after a forwarded signal). A process
+# code; otherwise with the processes' own code (0, or 130 / 75 after a forwarded signal). A process
 # that loses another one (it died or froze) exits 5 (fastpos.train.errors.EXIT_PEER_LOST).
 set -uo pipefail
 root="$(dirname "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)")"

@@ -17,13 +17,19 @@ import numpy as np
 
 from fastpos.models.transformer import DecoderLM
 
+# The largest temperature: far above it sampling is uniform over the ids 1..V-1 already.
+MAX_TEMPERATURE = 1e6
+
 
 def sample_logits(logits, key, *, temperature: float, top_k: int, top_p: float):
-  """One token id per row of ``logits [b, V]`` (id 0, padding, is never drawn)."""
-  logits = logits.astype(jnp.float32).at[:, 0].set(-jnp.inf)
+  """One token id per row of ``logits [b, V]`` (id 0, padding, is never drawn). A huge
+  temperature draws uniformly over the ids 1..V-1: the padding id is excluded after the
+  scaling (dividing by a temperature near the float32 maximum flushes the scale to 0, and
+  -inf * 0 would be NaN, which the draw would pick)."""
+  logits = logits.astype(jnp.float32)
   if temperature == 0:
-    return jnp.argmax(logits, axis=-1)
-  logits = logits / temperature
+    return jnp.argmax(logits.at[:, 0].set(-jnp.inf), axis=-1)
+  logits = (logits / temperature).at[:, 0].set(-jnp.inf)
   if top_k:
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -87,7 +93,7 @@ def _number(name: str, value, low: float, high: float | None, *, low_open=False,
 def check_sampling(num_tokens, temperature, top_k, top_p, vocab_size: int) -> None:
   """ValueError naming the first sampling setting out of its range."""
   _number("num_tokens", num_tokens, 1, None, kind=int)
-  _number("temperature", temperature, 0, None)
+  _number("temperature", temperature, 0, MAX_TEMPERATURE)
   _number("top_k", top_k, 0, vocab_size, kind=int)
   _number("top_p", top_p, 0, 1, low_open=True)
 
@@ -142,7 +148,7 @@ def generate(
       lengths are LEFT-padded with 0.
     num_tokens: N >= 1 tokens to sample (P + N <= the model's max_length).
     mask: bool ``[batch, P]``, True for real prompt tokens (default: ``prompt != 0``).
-    temperature: softmax temperature; 0 is greedy (argmax).
+    temperature: softmax temperature in [0, ``MAX_TEMPERATURE``]; 0 is greedy (argmax).
     top_k: sample among the k likeliest tokens (0: all).
     top_p: nucleus sampling: the smallest set of tokens whose probability reaches p (1: all).
     seed: the sampling seed (same seed, same tokens).

@@ -172,8 +172,9 @@ def softmax_attention(
   """Exact softmax attention ``softmax(q k^T * scale + bias) v`` (padded keys excluded).
 
   Args:
-    q: ``[batch, Lq, heads, dim]``; k, v: ``[batch, Lk, heads, dim]`` with Lk >= Lq (the
-      first M = Lk - Lq keys are memory preceding the queries; usually Lk == Lq).
+    q: ``[batch, Lq, heads, dim]``; k: ``[batch, Lk, heads, dim]``; v: ``[batch, Lk, heads,
+      dim_v]``, with Lk >= Lq (the first M = Lk - Lq keys are memory preceding the queries;
+      usually Lk == Lq).
     bias: additive logits bias ``[heads, Lq, Lk]`` or ``[batch|1, heads|1, Lq, Lk]``.
     mask: ``[batch, Lk]`` bool, True for real keys (any other dtype or shape: ValueError).
     causal: key j visible to query i iff j <= M + i.
@@ -184,7 +185,9 @@ def softmax_attention(
       and shapes allow), "cudnn" (that function forced onto cuDNN: GPU only, bf16 / fp16), or
       "auto": per backend from ``_SOFTMAX_AUTO`` (measured: "einsum" on CPU; "jax"
       elsewhere). float64 inputs always run "einsum" (the other takes its softmax in float32;
-      exactness tests run in float64). Any other value: ValueError.
+      exactness tests run in float64), and so does "auto" when v's dim differs from q's (a
+      features scheme such as SPE gives q, k ``num_realizations`` dims; the other two need one
+      dim, and refuse it). Any other value: ValueError.
 
   Returns:
     ``[batch, Lq, heads, dim]`` in the promoted dtype of q, k, v.
@@ -192,6 +195,15 @@ def softmax_attention(
   bias, allowed = _softmax_inputs(q, k, v, bias, mask, causal)
   dtype = jnp.result_type(q, k, v)
   chosen = _softmax_implementation(implementation, dtype)
+  if chosen != "einsum" and q.shape[-1] != v.shape[-1]:
+    # jax.nn.dot_product_attention needs one dim for q, k and v; a features scheme (SPE)
+    # gives q, k num_realizations dims.
+    if implementation != "auto":
+      raise ValueError(
+          f"implementation={implementation!r} needs q, k and v of one dim; got q "
+          f"{q.shape[-1]} and v {v.shape[-1]}. Use 'auto' or 'einsum'."
+      )
+    chosen = "einsum"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if chosen == "einsum":
     q, k, v = (a.astype(dtype) for a in (q, k, v))

@@ -31,6 +31,10 @@ EXIT_STATUS = {
         "preempted",
         "preempted after saving a checkpoint; re-run the sweep " "to resume it",
     ),
+    errors.EXIT_INTERRUPTED: (
+        "interrupted",
+        "stopped by SIGINT (Ctrl-C); re-run the sweep to resume it",
+    ),
     errors.EXIT_NONFINITE: (
         "nonfinite",
         "the loss became NaN / Inf; the last good checkpoint is "

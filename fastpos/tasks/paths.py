@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from typing import Callable, Iterator, Mapping
 
@@ -124,6 +125,24 @@ def not_a_folder(path: str | os.PathLike) -> str:
     if e.errno == errno.ELOOP:
       return f"{os.fspath(path)} is a symlink loop"
   return _blocked(path)
+
+
+_SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def special_file(path: str | os.PathLike) -> str:
+  """What ``path`` is when it exists but is neither a regular file nor a folder (a FIFO,
+  ``/dev/zero``: reading it blocks or never ends), e.g. "a character device"; "" otherwise."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return ""
+  return next((what for test, what in _SPECIAL_FILES if test(mode)), "")
 
 
 def require(

@@ -79,6 +79,8 @@ def _folder_files(folder: str, patterns: Sequence[str]) -> list[str]:
         for f in sorted(files)
         if not f.startswith(".") and any(fnmatch.fnmatch(f, p) for p in patterns)
     ]
+  for path in out:
+    _require_regular(path)
   return sorted(out, key=lambda p: os.path.relpath(p, folder).split(os.sep))
 
 
@@ -109,6 +111,7 @@ def text_files(spec: str, include: str = "*.txt") -> list[str]:
         )
       files.append(path)
     else:
+      _require_regular(path)
       raise FileNotFoundError(
           f"{TASK}: {path!r} (config.task.paths) does not exist; " f"{_FIELD_HINT}."
       )
@@ -122,6 +125,16 @@ def text_files(spec: str, include: str = "*.txt") -> list[str]:
       )
     seen[real] = path
   return files
+
+
+def _require_regular(path: str) -> None:
+  """ValueError when ``path`` is a FIFO, a device or a socket (reading it would block or
+  never end)."""
+  what = paths.special_file(path)
+  if what:
+    raise ValueError(
+        f"{TASK}: {path!r} (config.task.paths) is not a regular file ({what}); {_FIELD_HINT}."
+    )
 
 
 def read_text(files: Sequence[str], digests: list[str] | None = None) -> bytes:

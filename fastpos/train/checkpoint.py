@@ -37,8 +37,9 @@ import json
 import logging as std_logging
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import grain
 import jax
@@ -56,6 +57,11 @@ from fastpos.train.workdir import os_error_reason
 
 # The workdir's checkpoint folders: every save, and the best on validation.
 LATEST_DIR, BEST_DIR = "checkpoints", "best"
+# A reader beside a trainer that deletes old steps as it saves new ones: how often a restore
+# reads again when the folder changed under it, and how it lists a folder that changes.
+_REREADS = 20
+_LIST_ATTEMPTS = 10
+_RELIST_PAUSE_S = 0.05
 
 
 class CheckpointLoadError(RunError):
@@ -213,28 +219,58 @@ def _manager(
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
-@contextlib.contextmanager
-def quiet_closed_event_loop():
-  """Drops the "Event loop is closed" RuntimeError that tensorstore's callbacks report (as an
-  unraisable exception, with a traceback) after a failed read or write, and asyncio's logs of
-  abandoned reads; the failure itself is raised where it happened. Other unraisable
-  exceptions go to the previous hook."""
+def abandoned_orbax_read(obj) -> bool:
+  """Whether ``obj`` is one of orbax's read coroutines: when one array's read fails, orbax
+  raises that failure where the restore was asked for (reported there: the checkpoint does not
+  load) and abandons the sibling reads, which Python reports one by one when it collects them,
+  seconds later and from another thread."""
+  code = getattr(obj, "cr_code", None)
+  return (
+      code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename and "read" in (code.co_name)
+  )
+
+
+def closed_loop_callback(unraisable) -> bool:
+  """Whether ``unraisable`` is tensorstore's callback into an asyncio loop that orbax already
+  closed: it follows a read or write that failed, and that failure is raised where the read
+  or write was asked for."""
+  return isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+      unraisable.exc_value
+  )
+
+
+def orbax_leftover(unraisable) -> bool:
+  """Whether an unraisable exception is what a failed orbax read or write leaves behind."""
+  return abandoned_orbax_read(unraisable.object) or closed_loop_callback(unraisable)
+
+
+def _drop_orbax_leftovers() -> None:
+  """Wraps ``sys.unraisablehook`` (once; again if it was replaced since) in a hook that drops
+  orbax's leftovers (``orbax_leftover``) and passes everything else on. It stays: they come
+  seconds after the failed read, whose failure was raised (or reported) where it happened."""
   previous = sys.unraisablehook
+  if getattr(previous, "drops_orbax_leftovers", False):
+    return
 
   def hook(unraisable):
-    if not (
-        isinstance(unraisable.exc_value, RuntimeError)
-        and "Event loop is closed" in str(unraisable.exc_value)
-    ):
+    if not orbax_leftover(unraisable):
       previous(unraisable)
 
+  hook.drops_orbax_leftovers = True
   sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def quiet_closed_event_loop():
+  """Within: asyncio's logs of abandoned reads are dropped; and from the first entry on,
+  orbax's leftovers of a failed read or write (``_drop_orbax_leftovers``). The failure itself
+  is raised where it happened."""
+  _drop_orbax_leftovers()
   asyncio_logger = std_logging.getLogger("asyncio")
   asyncio_logger.addFilter(_drop_never_retrieved)
   try:
     yield
   finally:
-    sys.unraisablehook = previous
     asyncio_logger.removeFilter(_drop_never_retrieved)
 
 
@@ -242,6 +278,27 @@ def _drop_never_retrieved(record: std_logging.LogRecord) -> bool:
   # A failed read makes orbax abandon its sibling reads; asyncio then logs each one's error
   # with a traceback. The first error is raised (and reported) where the read was asked for.
   return "exception was never retrieved" not in str(record.msg)
+
+
+class _MissingMetadata(std_logging.Filter):
+  """Drops orbax's warnings about a step's metadata file that is missing or unreadable while
+  it lists a folder: a step being deleted beside the reader, or a damaged one, which the
+  restore reports itself."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(
+        ("Metadata file does not exist", "Failed to read Metadata file")
+    )
+
+
+@contextlib.contextmanager
+def _quiet_listing() -> Iterator[None]:
+  logger, quiet = logging.get_absl_logger(), _MissingMetadata()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
 
 
 def _unlistable_steps(directory: Path) -> list[tuple[Path, Exception]]:
@@ -316,13 +373,22 @@ class Checkpoints:
   def _listing_manager(self, directory: Path, items: tuple[str, ...]) -> ocp.CheckpointManager:
     """A read-only manager of ``directory``. Orbax reads every step's _CHECKPOINT_METADATA to
     list them and fails on one that is damaged: that step is reported as damaged (moved
-    aside unless read-only, where the listing cannot go on: CheckpointLoadError)."""
-    try:
-      return _manager(directory, keep=0, async_save=False, items=items, read_only=True)
-    except Exception:  # pylint: disable=broad-except
-      bad = _unlistable_steps(directory)
-      if not bad:
-        raise
+    aside unless read-only, where the listing cannot go on: CheckpointLoadError). A step
+    that a trainer deletes while orbax reads it (keep_checkpoints) only makes it list again."""
+    for attempt in range(_LIST_ATTEMPTS):
+      try:
+        with _quiet_listing():
+          return _manager(directory, keep=0, async_save=False, items=items, read_only=True)
+      except Exception as e:  # pylint: disable=broad-except
+        bad = _unlistable_steps(directory)
+        if bad:
+          break
+        if attempt == _LIST_ATTEMPTS - 1:
+          raise CheckpointLoadError(
+              f"cannot list the checkpoints in {directory} ({_reason(e)}); check the folder "
+              "(its permissions, a file system that is still mounted) and run again."
+          ) from None
+        time.sleep(_RELIST_PAUSE_S)
     if self.read_only:
       path, e = bad[0]
       raise CheckpointLoadError(
@@ -416,26 +482,50 @@ class Checkpoints:
 
     ``expect``: what the checkpoint must belong to (``config_meta`` of the run); a checkpoint
     of another model or task stops the restore (ValueError naming the differences), unlike a
-    damaged one, which is reported (``logging.warning``: path and reason) and skipped for the
-    next older one, and moved aside to ``<step>.corrupt`` unless read-only. Raises
-    CheckpointLoadError listing every checkpoint when none loads. The caller decides what to
-    do with what was found (e.g. whether the data position carries over).
+    damaged one, which is skipped for the next older one and reported (``logging.warning``:
+    path and reason; read-only: once an older one loaded), and moved aside to
+    ``<step>.corrupt`` unless read-only. Raises CheckpointLoadError listing every checkpoint
+    when none loads. The caller decides what to do with what was found (e.g. whether the data
+    position carries over).
+
+    Beside a trainer that saves and deletes steps as this reads (``keep_checkpoints``), a
+    step that fails while the folder changes is not damaged: the folder is listed again and
+    its newest step read (CheckpointLoadError, saying so, if it changed ``_REREADS`` times).
     """
     with quiet_closed_event_loop():
       return self._restore_newest(abstract_state, which, expect)
 
   def _restore_newest(self, abstract_state, which, expect) -> Restored | None:
-    failed = []
-    for step in self.steps(which):
+    failed, skipped, damaged, rereads = [], [], set(), 0
+    listing = self.steps(which)
+    while (step := next((s for s in listing if s not in damaged), None)) is not None:
       path = self._dir_of(which) / str(step)
       try:
         found = self._restore_step(abstract_state, which, step, expect)
       except _Damaged as e:
+        # A trainer beside this reader saves and deletes steps (keep_checkpoints): a step
+        # that failed while the folder changed is read again from its new listing, not
+        # called damaged.
+        now = self._relist(which)
+        if now != listing:
+          rereads += 1
+          if rereads > _REREADS:
+            raise CheckpointLoadError(self._changing_message(which, rereads)) from None
+          listing = now
+          continue
+        damaged.add(step)
         failed.append(self._damaged(path, e.__cause__))
+        skipped.append((path, e.__cause__))
+        if not self.read_only:  # moved aside: no longer in the folder's listing
+          listing = [s for s in listing if s != step]
         continue
       self.restored = (found.path, found.verified)
       if failed and not self.read_only:
         self._open_read_only()  # the moved steps are gone from the managers' lists
+      for bad, exc in skipped if self.read_only else []:  # (moves aside were logged)
+        logging.warning(
+            "checkpoint %s does not load (%s); loaded %s instead.", bad, _reason(exc), found.path
+        )
       return found
     if failed:
       listing = "; ".join(failed)
@@ -443,7 +533,36 @@ class Checkpoints:
           f"no checkpoint in {self._dir_of(which)} loads: {listing}. Restore them from a "
           f"copy, or move them away to start over (or use another --workdir)."
       )
+    if rereads:
+      raise CheckpointLoadError(
+          f"the checkpoints in {self._dir_of(which)} were deleted while being read; none is "
+          "left there."
+      )
     return None
+
+  def _relist(self, which: str) -> list[int]:
+    """The steps of ``which`` as its folder holds them now (newest first)."""
+    manager = self._manager_of(which)
+    if manager is None:
+      return []
+    for attempt in range(_LIST_ATTEMPTS):
+      try:
+        with _quiet_listing():
+          manager.reload()
+        break
+      except Exception:  # pylint: disable=broad-except
+        if attempt == _LIST_ATTEMPTS - 1:
+          raise
+        time.sleep(_RELIST_PAUSE_S)  # a step deleted while orbax read its metadata
+    return self.steps(which)
+
+  def _changing_message(self, which: str, rereads: int) -> str:
+    return (
+        f"the checkpoints in {self._dir_of(which)} changed {rereads} times while being read: "
+        "a trainer is saving there and deleting older ones (keep_checkpoints) faster than "
+        "one can be read. Read again, copy the workdir first, or train with a larger "
+        "keep_checkpoints."
+    )
 
   def _restore_step(self, abstract_state, which: str, step: int, expect) -> Restored:
     """One step's ``Restored``; _Damaged (its cause the reason) when it does not load or does
@@ -453,6 +572,12 @@ class Checkpoints:
       meta = self._read_meta_checked(manager, step)
     except Exception as e:  # pylint: disable=broad-except
       raise _Damaged() from e
+    if int(meta["step"]) != step:  # its record (digest-checked) names another step
+      raise RunError(
+          f"{path} holds the checkpoint of step {meta['step']}, not {step}: the folder was "
+          f"renamed. Rename it back to {path.with_name(str(meta['step']))} (or move it out of "
+          f"{path.parent}) and run again."
+      )
     if expect is not None:
       check_expected(meta, expect, self.latest_dir, path)
     state = self._restore_state(manager, path, step, abstract_state, meta)
@@ -565,9 +690,10 @@ class Checkpoints:
     return None, skipped
 
   def _damaged(self, path: Path, exc: BaseException) -> str:
+    """``path (reason)``; the folder is moved aside and the move logged, unless read-only
+    (``_restore_newest`` reports it then)."""
     reason = _reason(exc)
     if self.read_only:
-      logging.warning("checkpoint %s does not load (%s); trying the next older one.", path, reason)
       return f"{path} ({reason})"
     aside = path.with_name(f"{path.name}.corrupt")
     n = 1

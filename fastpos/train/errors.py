@@ -23,15 +23,17 @@ import sys
 import threading
 from typing import Iterator
 
+from fastpos.interrupts import EXIT_CODES
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # an unexpected error (a bug): the traceback is printed
 EXIT_BAD_INPUT = 2  # bad config, flag, data or workdir: fix the input and run again
 EXIT_NONFINITE = 3  # the loss became NaN / Inf: the last good checkpoint is intact
 EXIT_LOCKED = 4  # another trainer holds the workdir
 EXIT_PEER_LOST = 5  # another process of a multi-process run died or froze: restart them all
-EXIT_PREEMPTED = 75  # SIGTERM / SIGINT: a checkpoint was saved; restart to continue
-# (75 = EX_TEMPFAIL of sysexits.h: "try again later")
-EXIT_INTERRUPTED = 130  # a second Ctrl-C: stopped without saving (128 + SIGINT, as shells do)
+# Stopped by a signal (fastpos.interrupts): run the same command again to continue.
+EXIT_PREEMPTED = EXIT_CODES["SIGTERM"]  # 75 = EX_TEMPFAIL of sysexits.h: "try again later"
+EXIT_INTERRUPTED = EXIT_CODES["SIGINT"]  # 130 = 128 + SIGINT, as shells report a Ctrl-C
 
 
 class RunError(Exception):

@@ -144,23 +144,33 @@ def record(
 
 
 def read(workdir: str | os.PathLike) -> list[dict]:
-  """The launches recorded in ``workdir``, oldest first ([] before the first); a line that is
-  not a record raises RunError naming it."""
+  """The launches recorded in ``workdir``, oldest first ([] before the first). A line that is
+  not a JSON object (cut off by an interrupted write, or edited) raises RunError naming the
+  file, the line and the fix."""
   path = Path(workdir) / LAUNCHES_NAME
   if not path.is_file():
     return []
+  data = path.read_bytes()
   out = []
-  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-    if not line.strip():
+  for n, raw in enumerate(data.splitlines(), 1):
+    if not raw.strip():
       continue
     try:
-      out.append(json.loads(line))
-    except ValueError as e:
-      raise RunError(
-          f"{path}:{number} is not a launch record ({e}); it is written by train.py: "
-          "restore the run's own file from a copy of the workdir."
-      ) from None
+      line = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # not UTF-8, or not JSON
+      cut = " (cut off: its write was interrupted)" if n == data.count(b"\n") + 1 else ""
+      raise _bad_line(path, n, f"is not JSON{cut}: {getattr(e, 'msg', e)}") from None
+    if not isinstance(line, dict):
+      raise _bad_line(path, n, f"is a JSON {type(line).__name__}, not a launch record (an object)")
+    out.append(line)
   return out
+
+
+def _bad_line(path: Path, n: int, what: str) -> RunError:
+  return RunError(
+      f"{path}:{n} {what}. The file records the run's launches, one JSON object per line: "
+      "fix that line or delete it, then run again."
+  )
 
 
 def trained_format(workdir: str | os.PathLike) -> int:

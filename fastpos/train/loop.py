@@ -14,8 +14,6 @@ is finite and whose loss, on the batch it was just trained on, is finite
 from __future__ import annotations
 
 import dataclasses
-import signal
-import threading
 from typing import Any
 
 import jax
@@ -23,6 +21,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from fastpos import interrupts
 from fastpos.train import metrics as metrics_lib
 from fastpos.train import resume as resume_lib
 from fastpos.train import sharding as sharding_lib
@@ -32,48 +31,18 @@ from fastpos.train.errors import NonFiniteLossError
 from fastpos.train.run import Run
 
 
-class _StopOnSignal:
-  """Turns SIGTERM (preemption) and SIGINT (Ctrl-C) into a request to save and exit after the
-  current step; a second SIGINT aborts at once (KeyboardInterrupt)."""
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.requested: str | None = None  # the signal's name
-    self._previous = {}
-
-  def _handle(self, signum, frame):
-    del frame
-    if signum == signal.SIGINT and self.requested == "SIGINT":
-      raise KeyboardInterrupt
-    if self.requested is None:
-      self.requested = signal.Signals(signum).name
-      logging.warning(
-          "%s: saving after this step (Ctrl-C again to abort without saving).", self.requested
-      )
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for s in self.SIGNALS:
-        self._previous[s] = signal.signal(s, self._handle)
-    return self
-
-  def stop_now(self, step: int, every: int) -> bool:
-    """Whether to stop after ``step``. With several processes the hosts agree every ``every``
-    steps (one all-gather), so that all of them save the same step and exit together."""
-    if jax.process_count() == 1:
-      return self.requested is not None
-    if step % every:
-      return False
-    votes = multihost_utils.process_allgather(np.int32(self.requested is not None))
-    if np.any(votes) and self.requested is None:
-      self.requested = "SIGTERM"  # another host was signalled
-    return bool(np.any(votes))
-
-  def __exit__(self, *exc):
-    for s, previous in self._previous.items():
-      signal.signal(s, previous)
-    self._previous = {}
+def _stop_now(requests: interrupts.StopRequests, step: int, every: int) -> bool:
+  """Whether to stop after ``step`` (a SIGTERM / SIGINT asked: ``fastpos.interrupts``). With
+  several processes the hosts agree every ``every`` steps (one all-gather), so that all of
+  them save the same step and exit together."""
+  if jax.process_count() == 1:
+    return requests.requested is not None
+  if step % every:
+    return False
+  votes = multihost_utils.process_allgather(np.int32(requests.requested is not None))
+  if np.any(votes) and requests.requested is None:
+    requests.requested = "SIGTERM"  # another host was signalled
+  return bool(np.any(votes))
 
 
 @dataclasses.dataclass
@@ -124,12 +93,14 @@ def train_loop(
       last_good=step if start.restored is not None else None,
   )
   writer.start_timer(step)
-  with _StopOnSignal() as signals, run.precision():
+  stopped_by = None  # the signal that stopped the loop early
+  with interrupts.stop_requests() as signals, run.precision():
     while loop.step < run.cfg.num_train_steps:
       batch = _train_one(run, loop, writer)
-      stop = signals.stop_now(loop.step, run.cfg.log_every_steps)
+      stop = _stop_now(signals, loop.step, run.cfg.log_every_steps)
       _after_step(run, ckpts, writer, loop, batch, _due(run.cfg, loop.step, stop))
       if stop:
+        stopped_by = signals.requested
         logging.warning(
             "preempted at step %d (%s): saved %s/%d; restart to continue.",
             loop.step,
@@ -138,7 +109,7 @@ def train_loop(
             loop.step,
         )
         break
-  return _result(run, ckpts, writer, loop, signals.requested)
+  return _result(run, ckpts, writer, loop, stopped_by)
 
 
 def _train_one(run: Run, loop: _Loop, writer: metrics_lib.MetricWriter):

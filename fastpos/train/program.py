@@ -4,7 +4,8 @@
 workdir: ``RunError`` and the errors listed in ``user_exit_code``) prints one line,
 ``<prog>: <message>``, to stderr and exits with its code from ``fastpos.train.errors``; nothing
 is printed at shutdown after it (no traceback from background threads). Any other exception is
-a bug: its traceback is printed, exit 1.
+a bug: its traceback is printed, exit 1. SIGINT and SIGTERM are ``fastpos.interrupts``'s (one
+line, exit 130 / 75, at any instant); ``run`` installs it if the program has not already.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 
-from fastpos.train import distributed, errors
+from fastpos import interrupts
+from fastpos.train import checkpoint, distributed, errors
 
 
 def user_exit_code(e: BaseException) -> int | None:
@@ -107,30 +109,8 @@ def _thread_hook(args) -> None:
     )
 
 
-def abandoned_orbax_read(obj) -> bool:
-  """Whether ``obj`` is one of orbax's read coroutines: when one array's read fails, orbax
-  raises that failure where the restore was asked for (reported there: the checkpoint does not
-  load) and abandons the sibling reads, which Python reports one by one when it collects them,
-  seconds later and from another thread."""
-  code = getattr(obj, "cr_code", None)
-  return (
-      code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename and "read" in (code.co_name)
-  )
-
-
-def _closed_loop_callback(unraisable) -> bool:
-  """Whether ``unraisable`` is tensorstore's callback into an asyncio loop that orbax already
-  closed (no object): it follows a read or write that failed, and that failure is raised
-  where the read or write was asked for."""
-  return (
-      unraisable.object is None
-      and isinstance(unraisable.exc_value, RuntimeError)
-      and "Event loop is closed" in str(unraisable.exc_value)
-  )
-
-
 def _unraisable_hook(unraisable) -> None:
-  if abandoned_orbax_read(unraisable.object) or _closed_loop_callback(unraisable):
+  if checkpoint.orbax_leftover(unraisable):
     logging.debug("after a failed checkpoint read: %s", _first_line(unraisable.exc_value))
     return
   # Native threads (tensorstore's callbacks into asyncio) report here, with no object.
@@ -183,6 +163,7 @@ def run(
 ) -> None:
   """``app.run(main)`` with every user error as one line (module docstring); exits with
   ``main``'s return value. ``argv_hook`` may add default flags before they are parsed."""
+  interrupts.install(prog)
 
   def wrapped(argv: list[str]) -> int | None:
     _background_errors_in_one_line()
@@ -191,15 +172,8 @@ def run(
     py_logging.getLogger("jax._src.xla_bridge").setLevel(py_logging.WARNING)
     try:
       return main(argv)
-    except KeyboardInterrupt:  # a second Ctrl-C: the first one asked for a save
-      return fail(
-          prog,
-          errors.RunError(
-              "interrupted twice: stopped without saving this step; "
-              "the newest checkpoint is intact, run again to resume"
-          ),
-          errors.EXIT_INTERRUPTED,
-      )
+    except interrupts.Interrupted as e:  # a signal, honoured at a safe point
+      interrupts.stop(e)
     except Exception as e:  # pylint: disable=broad-except
       e = distributed.as_peer_lost(e)  # a collective broken by a lost process: its own code
       code = user_exit_code(e)

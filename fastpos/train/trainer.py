@@ -54,7 +54,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from fastpos import tasks
+from fastpos import interrupts, tasks
 from fastpos.train import config_record, errors, launches
 from fastpos.train import identity as identity_lib
 from fastpos.train import loop as loop_lib
@@ -123,6 +123,8 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
   fingerprint = run.task.fingerprint()  # what the run reads (the files are read by now)
   workdir_lib.check_usable(run.workdir)
   lock = _take_lock(run.workdir)
+  signals = contextlib.ExitStack()  # train.py's SIGINT / SIGTERM (fastpos.interrupts)
+  signals.enter_context(interrupts.exit_hook(lock.release))
   ckpts = None
   writer = None
   log_file = contextlib.ExitStack()
@@ -145,15 +147,21 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
         run, ckpts, train_src, record, bool(data_change and data_change["what"])
     )
     model_format = _check_format(run, start)
+    # Writing starts: from here a first signal stops at the next safe point (the next check,
+    # or the step being trained, saved).
+    signals.enter_context(interrupts.deferred("stopping at the next safe point"))
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
     log_file.enter_context(_log_file(run.workdir / "train.log"))
     history = _announce(run, start, changes, (len(train_src), len(val_src)), data_change)
     ckpts.identity = _identity(run, fingerprint, model_format)
     writer = _open_writer(run, start, changes, data_change)
+    interrupts.check("before training started")
     with quiet_closed_event_loop():  # after a failed save (a full disk)
       result = loop_lib.train_loop(run, ckpts, writer, start)
       ckpts.wait()  # a failed background save raises here
+    if not result["stopped_early"]:
+      interrupts.check(f"after step {result['step']}, the last")
     if not result["stopped_early"] and jax.process_index() == 0:
       logging.info("%s", _last_line(run, result, (train_src, val_src), history))
     return result
@@ -172,6 +180,7 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
     log_file.close()
     lock.release()
+    signals.close()
 
 
 def _move_previous(workdir: Path) -> None:

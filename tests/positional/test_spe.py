@@ -473,3 +473,29 @@ def test_lower_precision_inputs_use_the_same_draw(kind, dtypes):
     assert qh.dtype == dtype and kh.dtype == dtype
     for a, b in zip((qh, kh), ref):
       assert _note(f"{name} vs float64 ({kind})", rel_err(np.asarray(a, np.float64), b)) < tol
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_layer_with_more_realizations_than_head_dims(causal):
+  """A softmax layer with SPE gives q, k ``num_realizations`` dims and v ``head_dim``: the
+  layer computes (jax.nn.dot_product_attention needs one dim for all three, so the softmax
+  takes the plain formula) and equals its dense reference, with padded keys."""
+  import fastpos  # pylint: disable=import-outside-toplevel
+
+  layer = fastpos.attention(
+      16,
+      2,
+      kernel="softmax",
+      positional=("spe",),
+      causal=causal,
+      max_length=12,
+      spe={"num_realizations": 24},
+  )  # head_dim 8 != 24
+  x = jax.random.normal(jax.random.key(0), (2, 12, 16), jnp.float32)
+  mask = jnp.arange(12)[None, :] < jnp.array([[12], [9]])
+  variables = layer.init(jax.random.key(1), x, mask=mask)
+  fast = layer.apply(variables, x, mask=mask)
+  ref = layer.apply(variables, x, mask=mask, reference=True)
+  assert fast.shape == (2, 12, 16)
+  err = _note(f"softmax layer causal={causal}", rel_err(fast, ref))
+  assert err < 1e-4, err
