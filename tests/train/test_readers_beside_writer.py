@@ -231,7 +231,14 @@ def test_load_of_a_damaged_workdir_is_one_exception_and_a_quiet_stderr(setup, tm
   (line,) = proc.stdout.strip().splitlines()
   assert line.startswith("CAUGHT no checkpoint in ") and "/checkpoints/4 (" in line, line
   assert "/checkpoints/2 (" in line and "TensorStore details" not in line, line
-  assert proc.stderr.strip() == "", proc.stderr[-3000:]
+  # The fixture writes checkpoints as the trainer did before runs had an identity: the one
+  # notice per checkpoint that says so is the only line allowed.
+  noise = [
+      l
+      for l in proc.stderr.strip().splitlines()
+      if "was written by an earlier fastpos, without a run identity" not in l
+  ]
+  assert not noise, proc.stderr[-3000:]
 
 
 def test_the_listing_of_a_folder_that_cannot_be_listed_is_one_error(setup, tmp_path, monkeypatch):
