@@ -36,11 +36,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 
+import ml_collections
 import numpy as np
+from absl import logging
 from PIL import Image, ImageDraw
 
+from fastpos.tasks import base, pathfinder, paths
+from fastpos.tasks.info import TaskInfo
+
+TASK = "pathfinder_generated"
+# Bump when the generator's output for a given (settings, seed) changes: the cache key holds it.
+GENERATOR_VERSION = 1
+
+SPLITS = base.SPLITS
 RESOLUTIONS = (32, 64)
 # Difficulty -> the target snakes' number of paddles (LRA folder curv_baseline,
 # curv_contour_length_9, curv_contour_length_14).
@@ -611,7 +623,7 @@ def generate(
     *,
     resolution: int = 32,
     difficulty: str = "hard",
-    seed: int = 0,
+    seed: int | np.random.SeedSequence = 0,
     setting: Settings | None = None,
 ) -> dict[str, np.ndarray]:
   """``num_examples`` Pathfinder images: ``images`` uint8 ``[n, r, r]``, ``labels`` uint8
@@ -619,30 +631,112 @@ def generate(
 
   ``setting`` (``Settings``, e.g. ``dataclasses.replace(settings(32, "hard"),
   contour_length=9)``) overrides ``resolution`` / ``difficulty``. Images come in chunks of
-  ``CHUNK``, chunk k drawn from ``SeedSequence([seed, k])``: the same arguments give the same
-  arrays.
+  ``CHUNK``, chunk k drawn from the k-th child of ``SeedSequence(seed)``: the same arguments
+  give the same arrays.
   """
   if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)):
     raise ValueError(f"num_examples must be an integer >= 0, got {num_examples!r}.")
   if num_examples < 0:
     raise ValueError(f"num_examples must be an integer >= 0, got {num_examples!r}.")
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-    raise ValueError(f"seed must be an integer >= 0, got {seed!r}.")
+  if isinstance(seed, np.random.SeedSequence):
+    root = seed
+  elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"seed must be an integer >= 0 or a SeedSequence, got {seed!r}.")
+  else:
+    root = np.random.SeedSequence(int(seed))
   s = setting if setting is not None else settings(resolution, difficulty)
   t = _tables(s)
-  parts = []
-  for k, start in enumerate(range(0, num_examples, CHUNK)):
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), k]))
-    parts.append(_chunk(rng, s, t, min(CHUNK, num_examples - start)))
   r = s.resolution
-  if not parts:
-    return {
-        "images": np.zeros((0, r, r), np.uint8),
-        "labels": np.zeros(0, np.uint8),
-        "num_distractors": np.zeros(0, np.int16),
-    }
+  parts = [(np.zeros((0, r, r), np.uint8), np.zeros(0, np.uint8), np.zeros(0, np.int16))]
+  for k, start in enumerate(range(0, num_examples, CHUNK)):
+    child = np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, k))
+    parts.append(_chunk(np.random.default_rng(child), s, t, min(CHUNK, num_examples - start)))
   return {
       "images": np.concatenate([p[0] for p in parts]),
       "labels": np.concatenate([p[1] for p in parts]),
       "num_distractors": np.concatenate([p[2] for p in parts]),
   }
+
+
+# --------------------------------------------------------------------------- the task
+def _cache_path(cache_dir: str, key: dict) -> str:
+  name = (
+      f"{TASK}_v{key['version']}_{key['resolution']}_{key['difficulty']}_{key['split']}_"
+      f"n{key['num_examples']}_seed{key['seed']}.npz"
+  )
+  return os.path.join(cache_dir, name)
+
+
+def load_split(
+    split: str,
+    *,
+    num_examples: int,
+    resolution: int = 32,
+    difficulty: str = "hard",
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> dict[str, np.ndarray]:
+  """One generated split as ``pathfinder.examples`` gives it (``inputs`` int32 ``[n, r*r]``
+  = intensity + 1, ``mask``, ``targets``), drawn from ``base.split_seed(seed, split)`` (the
+  splits' streams are independent). Generated once, then read from ``cache_dir`` (default
+  ``paths.cache_dir("pathfinder_generated")``), an .npz named by every argument."""
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}.")
+  settings(resolution, difficulty)  # checks both before any work
+  key = {
+      "version": GENERATOR_VERSION,
+      "resolution": int(resolution),
+      "difficulty": difficulty,
+      "split": split,
+      "num_examples": int(num_examples),
+      "seed": int(seed),
+  }
+  path = _cache_path(os.fspath(cache_dir) if cache_dir else paths.cache_dir(TASK), key)
+  want = json.dumps(key, sort_keys=True)
+  if os.path.exists(path):
+    try:
+      with np.load(path, allow_pickle=False) as z:
+        stored = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError) as e:
+      raise ValueError(f"{TASK} cache file {path!r} is unreadable ({e}); delete it.") from None
+    if str(stored.get("key")) != want or stored["images"].shape != (
+        num_examples,
+        resolution,
+        resolution,
+    ):
+      raise ValueError(f"{TASK} cache file {path!r} holds other data; delete it to rebuild.")
+  else:
+    stored = generate(
+        num_examples,
+        resolution=resolution,
+        difficulty=difficulty,
+        seed=base.split_seed(int(seed), split),
+    )
+    paths.save_npz_atomic(path, {**stored, "key": np.array(want)})
+    logging.info("%s %s: generated %d images into %s", TASK, split, num_examples, path)
+  return pathfinder.examples(stored["images"], stored["labels"])
+
+
+class GeneratedPathfinderTask(base.Task):
+  """Pathfinder from the project's generator (LRA's settings), no download: the examples
+  and ``TaskInfo`` of ``pathfinder`` (tokens = intensity + 1, grid (r, r))."""
+
+  task_name = TASK
+  generated = True
+
+  @classmethod
+  def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:
+    settings(cfg.resolution, cfg.difficulty)
+    return pathfinder.task_info(cfg.resolution)
+
+  def load_split(self, split: str) -> dict[str, np.ndarray]:
+    cfg = self.cfg
+    n = {"train": cfg.num_train, "validation": cfg.num_validation, "test": cfg.num_test}[split]
+    return load_split(
+        split,
+        num_examples=n,
+        resolution=cfg.resolution,
+        difficulty=cfg.difficulty,
+        seed=cfg.seed,
+        cache_dir=cfg.cache_dir or None,
+    )
