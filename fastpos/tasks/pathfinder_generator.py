@@ -192,10 +192,13 @@ class _Tables:
   masks: np.ndarray  # float32 [360 + K, P, P]
   struct_offsets: np.ndarray  # int64 [M, 2]: (dy, dx) any seed's footprint uses
   struct_use: np.ndarray  # bool [360, M]: which of them each seed angle uses
+  target_free: np.ndarray | None  # uint64 [360, r]: free pixels of the first target seed
   seed_void: np.ndarray  # bool [360]: the footprint leaves a pixel seeing only the outside
   disk_offsets: np.ndarray  # int64 [E, 2]: the margin's disk
   markers: np.ndarray  # float32 [r * r, r, r]: a marker centred on each pixel
-  target_free: np.ndarray | None  # uint64 [360, r]: free pixels of the first target seed
+  dilated_masks: np.ndarray  # float32 [360 + K, P + 2m, P + 2m]: masks dilated by the disk
+  empty_mask: np.ndarray  # float32 [r, r]: the padding border
+  empty_dilated: np.ndarray  # float32 [r, r]: it dilated by the margin's disk
 
 
 @functools.lru_cache(maxsize=8)
@@ -230,19 +233,31 @@ def _tables(s: Settings) -> _Tables:
   border = max(s.padding, 2 * s.seed_distance)
   occ = np.repeat(_occupied_bits(np.zeros((1, r, r), np.float32), border), 360, 0)
   disk_offsets = np.argwhere(_disk(s.paddle_margin)) - s.paddle_margin
+  m = s.paddle_margin
+  disk = _disk(m)
+  padded = np.pad(masks, ((0, 0), (m, m), (m, m)))
+  dilated_masks = np.stack([_dilate(p, disk) for p in padded]).astype(np.float32)
+  empty = np.zeros((s.resolution, s.resolution), np.float32)
+  p = s.padding
+  empty[:p] = empty[-p:] = 1.0
+  empty[:, :p] = empty[:, -p:] = 1.0
+  empty_dilated = _dilate(empty, disk).astype(np.float32)
   markers = _marker_table(s)
   t = _Tables(
-      seed_angles,
-      ext_offsets,
-      ext_angles,
-      lines,
-      masks,
-      struct_offsets,
-      struct_use,
-      seed_void,
-      disk_offsets,
-      markers,
-      None,
+      seed_angles=seed_angles,
+      ext_offsets=ext_offsets,
+      ext_angles=ext_angles,
+      lines=lines,
+      masks=masks,
+      struct_offsets=struct_offsets,
+      struct_use=struct_use,
+      target_free=None,
+      seed_void=seed_void,
+      disk_offsets=disk_offsets,
+      markers=markers,
+      dilated_masks=dilated_masks,
+      empty_mask=empty,
+      empty_dilated=empty_dilated,
   )
   # the first target seed sees an empty mask lined 2 * seed_distance deep: one table
   return dataclasses.replace(t, target_free=_free_bits(t, occ, np.arange(360), r))
@@ -262,63 +277,75 @@ def _marker_table(s: Settings) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the batch
 class _Canvas:
-  """Image and mask of ``n`` images, float32 ``[n, r + 2R, r + 2R]`` (pixel (y, x) at
-  (y + R, x + R)): patches paste whole; what lands in the margins is never read."""
+  """Image, mask and margin-dilated mask of ``n`` images, float32 ``[n, r + 2G, r + 2G]``
+  (pixel (y, x) at (y + G, x + G), ``G = R + margin``): patches paste whole; what lands in the
+  margins is never read. ``dil`` is the mask dilated by the margin's disk (``extend_snake``'s
+  ``dilated_mask``), kept by pasting dilated patches: dilation commutes with max, and a patch
+  pixel outside the image (clipped by the original) only reaches pixels that the border line
+  already saturates (padding >= 1)."""
 
   def __init__(self, s: Settings, t: _Tables, n: int):
     self.s, self.t, self.r, self.R = s, t, s.resolution, s.reach
-    side = s.resolution + 2 * s.reach
+    self.G = G = s.reach + s.paddle_margin
+    side = s.resolution + 2 * G
     self.side = side
     self.img = np.zeros((n, side, side), np.float32)
     self.msk = np.zeros((n, side, side), np.float32)
-    p = s.padding
-    inner = self.msk[:, self.R : self.R + self.r, self.R : self.R + self.r]
-    inner[:, :p] = inner[:, -p:] = 1.0
-    inner[:, :, :p] = inner[:, :, -p:] = 1.0
-    pr = np.arange(2 * self.R + 1)
-    self._patch_flat = (pr[:, None] * side + pr[None, :]).ravel()
+    self.dil = np.zeros((n, side, side), np.float32)
+    self.msk[:, G : G + self.r, G : G + self.r] = t.empty_mask
+    self.dil[:, G : G + self.r, G : G + self.r] = t.empty_dilated
 
   def subset(self, rows: np.ndarray) -> _Canvas:
     out = object.__new__(_Canvas)
     out.__dict__.update(self.__dict__)
-    out.img, out.msk = self.img[rows], self.msk[rows]
+    out.img, out.msk, out.dil = self.img[rows], self.msk[rows], self.dil[rows]
     return out
 
-  def _flat(self, rows, y, x):
-    """Flat indices ``[len(rows), P*P]`` of the patch windows centred on (y, x)."""
-    base = rows * self.side * self.side + y * self.side + x  # window's corner = (y, x) + R - R
-    return base[:, None] + self._patch_flat[None, :]
+  def _flat(self, rows, y, x, half: int):
+    """Flat indices ``[len(rows), (2 half + 1)^2]`` of the windows centred on (y, x)."""
+    span = np.arange(-half, half + 1)
+    window = (span[:, None] * self.side + span[None, :]).ravel()
+    base = rows * self.side * self.side + (y + self.G) * self.side + (x + self.G)
+    return base[:, None] + window[None, :]
 
   def paste(self, which: str, rows, ids, y, x, scale: float = 1.0) -> None:
-    """max-composites patch ``ids`` (orientation ids) centred on (y, x) into rows."""
+    """max-composites patch ``ids`` (orientation ids) centred on (y, x) into rows: "img" the
+    line (times ``scale``), "msk" its mask (and the dilated mask its dilation)."""
     if not len(rows):
       return
-    arr = self.img if which == "img" else self.msk
-    table = self.t.lines if which == "img" else self.t.masks
-    flat = arr.reshape(-1)
-    idx = self._flat(rows, y, x)
-    flat[idx] = np.maximum(flat[idx], table[ids].reshape(len(rows), -1) * np.float32(scale))
+    t = self.t
+    pairs = [(self.img, t.lines, self.R)]
+    if which == "msk":
+      pairs = [(self.msk, t.masks, self.R), (self.dil, t.dilated_masks, self.G)]
+    for arr, table, half in pairs:
+      flat = arr.reshape(-1)
+      idx = self._flat(rows, y, x, half)
+      vals = table[ids].reshape(len(rows), -1)
+      flat[idx] = np.maximum(flat[idx], vals * np.float32(scale) if which == "img" else vals)
 
   def collides(self, rows, ids, y, x) -> np.ndarray:
     """``max(mask + m_im) >= 1.8`` for each row: the new paddle's mask over the old mask."""
     if not len(rows):
       return np.zeros(0, bool)
-    old = self.msk.reshape(-1)[self._flat(rows, y, x)].reshape(len(rows), 2 * self.R + 1, -1)
+    P = 2 * self.R + 1
+    old = self.msk.reshape(-1)[self._flat(rows, y, x, self.R)].reshape(len(rows), P, P)
     span = np.arange(-self.R, self.R + 1)
     vy, vx = _in_image(self.r, y[:, None] + span), _in_image(self.r, x[:, None] + span)
     old = np.where(vy[:, :, None] & vx[:, None, :], old, 0)  # the original clips the patch
     return (old + self.t.masks[ids]).max((1, 2)) >= 1.8
 
-  def mask_at(self, rows, y, x) -> np.ndarray:
-    """The mask at pixels (y, x) ``[n, k]`` (any pixel within R of the image)."""
-    R = self.R
-    return self.msk[rows[:, None], y + R, x + R]
+  def dilated_at(self, rows, y, x) -> np.ndarray:
+    """The dilated mask at in-image pixels (y, x) ``[n, k]`` (elsewhere: any value)."""
+    lo, hi = -self.G, self.r + self.G - 1
+    y, x = np.minimum(np.maximum(y, lo), hi), np.minimum(np.maximum(x, lo), hi)
+    flat = (rows * self.side * self.side)[:, None] + (y + self.G) * self.side + (x + self.G)
+    return self.dil.reshape(-1)[flat]
 
   def occupied_bits(self, rows, border: int) -> np.ndarray:
     """uint64 ``[n, r]``: bit x of row y set where mask > 0.3 or within ``border`` of an
     edge."""
-    R, r = self.R, self.r
-    return _occupied_bits(self.msk[rows, R : R + r, R : R + r], border)
+    G, r = self.G, self.r
+    return _occupied_bits(self.msk[rows, G : G + r, G : G + r], border)
 
 
 def _occupied_bits(mask: np.ndarray, border: int) -> np.ndarray:
@@ -441,13 +468,7 @@ def _extend(rng, s, t, c: _Canvas, sn: _Snakes, contrast: float) -> np.ndarray:
   cy = ny[:, None] + t.ext_offsets[None, :, 0]
   cx = nx[:, None] + t.ext_offsets[None, :, 1]
   inside = _in_image(r, cy, cx)
-  # the mask dilated by the margin's disk, at each candidate (outside pixels ignored)
-  dil = np.zeros(cy.shape, np.float32)
-  for dy, dx in t.disk_offsets:
-    yy, xx = cy + dy, cx + dx
-    lo, hi = -c.R, r + c.R - 1
-    v = c.mask_at(sn.rows, np.minimum(np.maximum(yy, lo), hi), np.minimum(np.maximum(xx, lo), hi))
-    dil = np.maximum(dil, np.where(_in_image(r, yy, xx), v, 0))
+  dil = c.dilated_at(sn.rows, cy, cx)
   turn = np.abs(t.ext_angles[None, :] - sn.orient[:, None])
   turn = np.minimum(np.minimum(turn, 2 * np.pi - turn) * s.continuity, 0.5 * np.pi)
   pmf = np.where(inside, (1 - dil) * np.maximum(np.cos(turn), 0) ** 2, 0)
@@ -539,10 +560,10 @@ def _distractor(rng, s, t, c: _Canvas, rows) -> np.ndarray:
   """``make_snake`` (a distractor) on images ``rows`` of ``c``; commits the snakes that
   succeed and returns which did. Fails when under 1% of the image is free, when no pixel takes
   the seed, or when an extension fails (the image is then left as it was)."""
-  r, R = s.resolution, c.R
+  r, G = s.resolution, c.G
   occ = c.occupied_bits(rows, 1)
   ok, d, o = _seed(rng, s, t, lambda todo, ids: _free_bits(t, occ[todo], ids, r), len(rows))
-  ok &= (c.msk[rows, R : R + r, R : R + r] <= 0.3).sum((1, 2)) >= 0.01 * r * r
+  ok &= (c.msk[rows, G : G + r, G : G + r] <= 0.3).sum((1, 2)) >= 0.01 * r * r
   live = np.flatnonzero(ok)
   sub = c.subset(rows[live])  # a copy: a failed snake leaves no trace
   local = np.arange(len(live))
@@ -554,7 +575,7 @@ def _distractor(rng, s, t, c: _Canvas, rows) -> np.ndarray:
     sn = sn.take(_extend(rng, s, t, sub, sn, s.snake_contrast))
   sub.paste("msk", sn.rows, sn.last_id, sn.ly, sn.lx)
   done = rows[live[sn.rows]]
-  c.img[done], c.msk[done] = sub.img[sn.rows], sub.msk[sn.rows]
+  c.img[done], c.msk[done], c.dil[done] = sub.img[sn.rows], sub.msk[sn.rows], sub.dil[sn.rows]
   out = np.zeros(len(rows), bool)
   out[live[sn.rows]] = True
   return out
@@ -581,16 +602,17 @@ def _targets(rng, s: Settings, t: _Tables, n: int):
     tried, succeeded = tried + m, succeeded + len(o)
     g = slice(0, min(need, len(o)))
     dst = slice(filled, filled + min(need, len(o)))
-    c.img[dst], c.msk[dst] = trial.img[g], trial.msk[g]
+    c.img[dst], c.msk[dst], c.dil[dst] = trial.img[g], trial.msk[g], trial.dil[g]
     origin[dst], terminal[dst] = o[g], term[g]
     filled += min(need, len(o))
   return c, origin, terminal
 
 
 def _chunk(rng, s: Settings, t: _Tables, n: int):
-  r, R = s.resolution, s.reach
+  r = s.resolution
   labels = rng.integers(0, 2, n)
   c, origin, terminal = _targets(rng, s, t, n)
+  G = c.G
   num_distractors = np.zeros(n, np.int16)
   for _ in range(s.num_distractor_snakes):
     todo = np.arange(n)
@@ -605,7 +627,7 @@ def _chunk(rng, s: Settings, t: _Tables, n: int):
   ar = np.arange(n)
   oy, ox = origin[ar, start, 0], origin[ar, start, 1]
   ey, ex = terminal[ar, end, 0], terminal[ar, end, 1]
-  marked = np.maximum(c.img[:, R : R + r, R : R + r], t.markers[oy * r + ox])
+  marked = np.maximum(c.img[:, G : G + r, G : G + r], t.markers[oy * r + ox])
   marked = np.maximum(marked, t.markers[ey * r + ex])
   return _bytescale(marked), labels.astype(np.uint8), num_distractors
 
