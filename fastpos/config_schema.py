@@ -437,6 +437,8 @@ TASK_FIELDS: dict[str, dict[str, Field]] = {
         "num_test": _int(2000, 1),
         "seed": _seed(),  # data seed (independent of the training seed); splits never share
         "cache_dir": _path(trajectory=False),  # generated splits ("" = paths.cache_dir)
+        # Processes generating a split (first use only; the images do not depend on it).
+        "num_workers": _int(2, 1, trajectory=False),
     },
     "mqar": {
         "variant": _str("mqar", ("mqar", "copy")),  # associative recall, or segment-marker-copy

@@ -34,10 +34,12 @@ Deterministic for (settings, n, seed).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import os
 
 import ml_collections
@@ -632,6 +634,13 @@ def _chunk(rng, s: Settings, t: _Tables, n: int):
   return _bytescale(marked), labels.astype(np.uint8), num_distractors
 
 
+def _chunk_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """One chunk from (settings, seed entropy, spawn key, size): a process pool's unit."""
+  s, entropy, key, n = job
+  rng = np.random.default_rng(np.random.SeedSequence(entropy, spawn_key=key))
+  return _chunk(rng, s, _tables(s), n)
+
+
 def _bytescale(x: np.ndarray) -> np.ndarray:
   """``scipy.misc.bytescale`` per image: min -> 0, max -> 255, rounded."""
   lo = x.min((1, 2), keepdims=True).astype(np.float64)
@@ -647,6 +656,7 @@ def generate(
     difficulty: str = "hard",
     seed: int | np.random.SeedSequence = 0,
     setting: Settings | None = None,
+    num_workers: int = 1,
 ) -> dict[str, np.ndarray]:
   """``num_examples`` Pathfinder images: ``images`` uint8 ``[n, r, r]``, ``labels`` uint8
   ``[n]`` (1: the markers are joined by one path), ``num_distractors`` int16 ``[n]``.
@@ -654,8 +664,11 @@ def generate(
   ``setting`` (``Settings``, e.g. ``dataclasses.replace(settings(32, "hard"),
   contour_length=9)``) overrides ``resolution`` / ``difficulty``. Images come in chunks of
   ``CHUNK``, chunk k drawn from the k-th child of ``SeedSequence(seed)``: the same arguments
-  give the same arrays.
+  give the same arrays, whatever ``num_workers`` (processes drawing chunks side by side;
+  started with "spawn", so a caller that holds threads, as JAX does, is safe).
   """
+  if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+    raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}.")
   if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)):
     raise ValueError(f"num_examples must be an integer >= 0, got {num_examples!r}.")
   if num_examples < 0:
@@ -667,12 +680,19 @@ def generate(
   else:
     root = np.random.SeedSequence(int(seed))
   s = setting if setting is not None else settings(resolution, difficulty)
-  t = _tables(s)
   r = s.resolution
+  jobs = [
+      (s, root.entropy, (*root.spawn_key, k), min(CHUNK, num_examples - start))
+      for k, start in enumerate(range(0, num_examples, CHUNK))
+  ]
   parts = [(np.zeros((0, r, r), np.uint8), np.zeros(0, np.uint8), np.zeros(0, np.int16))]
-  for k, start in enumerate(range(0, num_examples, CHUNK)):
-    child = np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, k))
-    parts.append(_chunk(np.random.default_rng(child), s, t, min(CHUNK, num_examples - start)))
+  if num_workers > 1 and len(jobs) > 1:
+    ctx = multiprocessing.get_context("spawn")
+    workers = min(num_workers, len(jobs))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+      parts += list(pool.map(_chunk_job, jobs))
+  else:
+    parts += [_chunk_job(job) for job in jobs]
   return {
       "images": np.concatenate([p[0] for p in parts]),
       "labels": np.concatenate([p[1] for p in parts]),
@@ -697,6 +717,7 @@ def load_split(
     difficulty: str = "hard",
     seed: int = 0,
     cache_dir: str | None = None,
+    num_workers: int = 1,
 ) -> dict[str, np.ndarray]:
   """One generated split as ``pathfinder.examples`` gives it (``inputs`` int32 ``[n, r*r]``
   = intensity + 1, ``mask``, ``targets``), drawn from ``base.split_seed(seed, split)`` (the
@@ -733,6 +754,7 @@ def load_split(
         resolution=resolution,
         difficulty=difficulty,
         seed=base.split_seed(int(seed), split),
+        num_workers=num_workers,
     )
     paths.save_npz_atomic(path, {**stored, "key": np.array(want)})
     logging.info("%s %s: generated %d images into %s", TASK, split, num_examples, path)
@@ -761,4 +783,5 @@ class GeneratedPathfinderTask(base.Task):
         difficulty=cfg.difficulty,
         seed=cfg.seed,
         cache_dir=cfg.cache_dir or None,
+        num_workers=cfg.num_workers,
     )

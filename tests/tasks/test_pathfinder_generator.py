@@ -64,6 +64,14 @@ def test_same_seed_same_images_other_seed_other_images(monkeypatch):
   assert (a["images"].min((1, 2)) == 0).all() and (a["images"].max((1, 2)) == 255).all()
 
 
+def test_worker_processes_give_the_same_images(monkeypatch):
+  monkeypatch.setattr(pg, "CHUNK", 8)
+  one = pg.generate(20, difficulty="easy", seed=5)
+  two = pg.generate(20, difficulty="easy", seed=5, num_workers=2)
+  for k in one:
+    np.testing.assert_array_equal(one[k], two[k])
+
+
 def test_labels_are_balanced():
   labels = pg.generate(600, difficulty="easy", seed=11)["labels"]
   assert abs(labels.mean() - 0.5) < 0.065  # 3 standard deviations of a fair coin's mean
