@@ -197,7 +197,6 @@ class _Tables:
   target_free: np.ndarray | None  # uint64 [360, r]: free pixels of the first target seed
   seed_void: np.ndarray  # bool [360]: the footprint leaves a pixel seeing only the outside
   disk_offsets: np.ndarray  # int64 [E, 2]: the margin's disk
-  markers: np.ndarray  # float32 [r * r, r, r]: a marker centred on each pixel
   dilated_masks: np.ndarray  # float32 [360 + K, P + 2m, P + 2m]: masks dilated by the disk
   empty_mask: np.ndarray  # float32 [r, r]: the padding border
   empty_dilated: np.ndarray  # float32 [r, r]: it dilated by the margin's disk
@@ -244,7 +243,6 @@ def _tables(s: Settings) -> _Tables:
   empty[:p] = empty[-p:] = 1.0
   empty[:, :p] = empty[:, -p:] = 1.0
   empty_dilated = _dilate(empty, disk).astype(np.float32)
-  markers = _marker_table(s)
   t = _Tables(
       seed_angles=seed_angles,
       ext_offsets=ext_offsets,
@@ -256,7 +254,6 @@ def _tables(s: Settings) -> _Tables:
       target_free=None,
       seed_void=seed_void,
       disk_offsets=disk_offsets,
-      markers=markers,
       dilated_masks=dilated_masks,
       empty_mask=empty,
       empty_dilated=empty_dilated,
@@ -265,16 +262,18 @@ def _tables(s: Settings) -> _Tables:
   return dataclasses.replace(t, target_free=_free_bits(t, occ, np.arange(360), r))
 
 
-def _marker_table(s: Settings) -> np.ndarray:
-  """``snakes2.draw_circle`` at every pixel: a disk of ``marker_radius`` drawn at
-  ``antialias_scale`` times the resolution, Lanczos-reduced."""
+@functools.lru_cache(maxsize=None)
+def _marker(s: Settings, cy: int, cx: int) -> np.ndarray:
+  """``snakes2.draw_circle`` at (cy, cx), float32 ``[r, r]``: a disk of ``marker_radius``
+  drawn at ``antialias_scale`` times the resolution, Lanczos-reduced (drawn on first use)."""
   r, aa = s.resolution, s.antialias_scale
-  out = np.empty((r * r, r, r), np.float32)
-  for k in range(r * r):
-    cy, cx = divmod(k, r)
-    y, x = np.ogrid[-cy * aa : (r - cy) * aa, -cx * aa : (r - cx) * aa]
-    out[k] = _reduce((x**2 + y**2 <= (s.marker_radius * aa) ** 2).astype(np.float64), r)
-  return out
+  y, x = np.ogrid[-cy * aa : (r - cy) * aa, -cx * aa : (r - cx) * aa]
+  return _reduce((x**2 + y**2 <= (s.marker_radius * aa) ** 2).astype(np.float64), r)
+
+
+def _markers(s: Settings, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+  """The markers at (ys[i], xs[i]), float32 ``[n, r, r]`` (n >= 1)."""
+  return np.stack([_marker(s, int(y), int(x)) for y, x in zip(ys, xs)])
 
 
 # --------------------------------------------------------------------------- the batch
@@ -629,8 +628,8 @@ def _chunk(rng, s: Settings, t: _Tables, n: int):
   ar = np.arange(n)
   oy, ox = origin[ar, start, 0], origin[ar, start, 1]
   ey, ex = terminal[ar, end, 0], terminal[ar, end, 1]
-  marked = np.maximum(c.img[:, G : G + r, G : G + r], t.markers[oy * r + ox])
-  marked = np.maximum(marked, t.markers[ey * r + ex])
+  marked = np.maximum(c.img[:, G : G + r, G : G + r], _markers(s, oy, ox))
+  marked = np.maximum(marked, _markers(s, ey, ex))
   return _bytescale(marked), labels.astype(np.uint8), num_distractors
 
 
