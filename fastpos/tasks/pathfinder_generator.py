@@ -9,8 +9,9 @@ a cos^2 weight), short distractor snakes, and two round markers: on both ends of
 snake (label 1) or on one end of each (label 0).
 
 This module re-implements that procedure in numpy, vectorised across a batch of images (the
-original draws one image at a time with OpenCV, PIL and scipy). The paddle and marker shapes
-are rendered once per setting with Pillow exactly as the original renders them (a line drawn at
+original draws one image at a time with OpenCV, PIL and scipy). The paddle shapes (once per
+setting) and markers (once per position) are rendered with Pillow as the original renders them
+(a line drawn at
 ``antialias_scale`` times the resolution, Lanczos-reduced as 8-bit, as ``scipy.misc.imresize``
 did), and each image is then built by pasting those patches, so the pixels follow the same
 rules; the random draws are our own (images are not the original's images for any seed, but
@@ -20,7 +21,8 @@ original code, docs/data.md "Generated Pathfinder").
 The procedure, per image, as ``snakes2.from_wrapper`` (every quirk kept):
   1. label ~ {0, 1}; two seed paddles: the first at a uniformly drawn free pixel of the centre
      (``2 * seed_distance`` from each border, the occupied mask dilated by the paddle's own
-     shape), the second ``seed_distance`` away at a random angle; each extended
+     shape; for most angles OpenCV's dilation border leaves no free pixel at all, see
+     ``seed_void``), the second ``seed_distance`` away at a random angle; each extended
      ``contour_length - 1`` times in turn (``_extend``). A failure anywhere restarts both.
   2. ``num_distractor_snakes`` distractors of ``distractor_length`` paddles, each tried up to
      ``max_distractor_contour_retrial + 1`` times, then skipped.
@@ -29,7 +31,8 @@ The procedure, per image, as ``snakes2.from_wrapper`` (every quirk kept):
 
 ``generate(n, resolution=32, difficulty="hard", seed=0)`` -> uint8 images ``[n, r, r]``,
 uint8 labels ``[n]`` and int16 ``num_distractors`` ``[n]`` (distractor snakes placed).
-Deterministic for (settings, n, seed).
+Deterministic for (settings, n, seed). ``GeneratedPathfinderTask`` (task
+``pathfinder_generated``) serves the splits, generated once into the cache.
 """
 
 from __future__ import annotations
