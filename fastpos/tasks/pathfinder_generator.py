@@ -199,7 +199,6 @@ class _Tables:
   struct_use: np.ndarray  # bool [360, M]: which of them each seed angle uses
   target_free: np.ndarray | None  # uint64 [360, r]: free pixels of the first target seed
   seed_void: np.ndarray  # bool [360]: the footprint leaves a pixel seeing only the outside
-  disk_offsets: np.ndarray  # int64 [E, 2]: the margin's disk
   dilated_masks: np.ndarray  # float32 [360 + K, P + 2m, P + 2m]: masks dilated by the disk
   empty_mask: np.ndarray  # float32 [r, r]: the padding border
   empty_dilated: np.ndarray  # float32 [r, r]: it dilated by the margin's disk
@@ -236,7 +235,6 @@ def _tables(s: Settings) -> _Tables:
     seed_void[a] = not seen.all()
   border = max(s.padding, 2 * s.seed_distance)
   occ = np.repeat(_occupied_bits(np.zeros((1, r, r), np.float32), border), 360, 0)
-  disk_offsets = np.argwhere(_disk(s.paddle_margin)) - s.paddle_margin
   m = s.paddle_margin
   disk = _disk(m)
   padded = np.pad(masks, ((0, 0), (m, m), (m, m)))
@@ -256,7 +254,6 @@ def _tables(s: Settings) -> _Tables:
       struct_use=struct_use,
       target_free=None,
       seed_void=seed_void,
-      disk_offsets=disk_offsets,
       dilated_masks=dilated_masks,
       empty_mask=empty,
       empty_dilated=empty_dilated,
