@@ -432,6 +432,21 @@ TASK_FIELDS: dict[str, dict[str, Field]] = {
         "split_order": _str("lra", ("lra", "metadata")),
         "num_threads": _int(8, 1, trajectory=False),  # PNG decoding threads (first load only)
     },
+    "pathfinder_generated": {
+        # The project's Pathfinder generator (fastpos.tasks.pathfinder_generator), LRA's
+        # settings: 32 (LRA Pathfinder) or 64.
+        "resolution": Field("int", default=32, choices=(32, 64)),
+        # Target path of 6 ("easy", LRA's curv_baseline), 9 ("intermediate",
+        # curv_contour_length_9) or 14 paddles ("hard", curv_contour_length_14, LRA's choice).
+        "difficulty": _str("hard", ("easy", "intermediate", "hard")),
+        "num_train": _int(20_000, 1),  # images per split (LRA: 160k / 20k / 20k)
+        "num_validation": _int(2000, 1),
+        "num_test": _int(2000, 1),
+        "seed": _seed(),  # data seed (independent of the training seed); splits never share
+        "cache_dir": _path(trajectory=False),  # generated splits ("" = paths.cache_dir)
+        # Processes generating a split (first use only; the images do not depend on it).
+        "num_workers": _int(2, 1, trajectory=False),
+    },
     "mqar": {
         "variant": _str("mqar", ("mqar", "copy")),  # associative recall, or segment-marker-copy
         # Token ids 0..vocab_size-1 (0 pad, 1 blank, 2 marker; 32 keys, 32 values).

@@ -29,6 +29,7 @@ TASK_MODULES = {
     "wikitext103": "fastpos.tasks.wikitext:WikiTextTask",
     "lra_retrieval": "fastpos.tasks.retrieval:RetrievalTask",
     "pathfinder": "fastpos.tasks.pathfinder:PathfinderTask",
+    "pathfinder_generated": "fastpos.tasks.pathfinder_generator:GeneratedPathfinderTask",
     "mqar": "fastpos.tasks.mqar:MqarTask",
     "text_lm": "fastpos.tasks.text_lm:TextLmTask",
 }

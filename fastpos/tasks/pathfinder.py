@@ -292,12 +292,30 @@ def load_split(
   logging.info("pathfinder %s: %d examples from the cache %s", split, n, files[split])
   if n == 0:
     raise ValueError(f"pathfinder {split} split of {folder!r} is empty.")
-  inputs = stored["images"].reshape(n, resolution * resolution).astype(np.int32) + 1
+  return examples(stored["images"], stored["targets"])
+
+
+def examples(images: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+  """A split's arrays from uint8 images ``[n, r, r]`` and labels ``[n]``: ``inputs`` int32
+  ``[n, r*r]`` (intensity + 1, raster order), ``mask`` bool all True, ``targets`` int32."""
+  n, h, w = images.shape
+  inputs = images.reshape(n, h * w).astype(np.int32) + 1
   return {
       "inputs": inputs,
       "mask": np.ones(inputs.shape, bool),
-      "targets": stored["targets"].astype(np.int32),
+      "targets": np.asarray(targets).astype(np.int32),
   }
+
+
+def task_info(resolution: int) -> TaskInfo:
+  """The ``TaskInfo`` of Pathfinder images of side ``resolution`` (grid (r, r))."""
+  return TaskInfo(
+      kind="classify",
+      vocab_size=VOCAB_SIZE,
+      num_classes=NUM_CLASSES,
+      max_length=resolution * resolution,
+      grid=(resolution, resolution),
+  )
 
 
 def _load_cache(path: str, key: dict, resolution: int) -> dict[str, np.ndarray]:
@@ -343,14 +361,7 @@ class PathfinderTask(base.Task):
         or (cfg.num_threads < 1)
     ):
       raise ValueError(f"num_threads must be an integer >= 1, got {cfg.num_threads!r}.")
-    r = cfg.resolution
-    return TaskInfo(
-        kind="classify",
-        vocab_size=VOCAB_SIZE,
-        num_classes=NUM_CLASSES,
-        max_length=r * r,
-        grid=(r, r),
-    )
+    return task_info(cfg.resolution)
 
   def load_split(self, split: str) -> dict[str, np.ndarray]:
     cfg = self.cfg
