@@ -50,11 +50,17 @@ CHOICES = dict(
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
-  c = SETTINGS.config()
+  # The cell recorded in FastRPB Table 1's layout (rows kernels, columns encodings) for
+  # scripts/make_tables.py and the claims' tables; the paper has no Pathfinder column.
+  c = common.table_config(
+      SETTINGS,
+      common.KERNELS[a.kernel],
+      COLUMNS[a.pos],
+      table="FastRPB Table 1 layout (Pathfinder-32, generated)",
+      results={},
+      tiny=a.tiny,
+  )
   c.task.update(difficulty=FOLDERS.get(a.difficulty, a.difficulty), resolution=a.resolution)
-  common.set_model(c, common.KERNELS[a.kernel].fields)
-  common.set_model(c, COLUMNS[a.pos].fields)
   if a.tiny:
-    common.make_tiny(c)
     c.task.update(num_train=64, num_validation=32, num_test=32)
   return c
