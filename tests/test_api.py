@@ -89,7 +89,7 @@ def test_flat_keywords_build_the_nested_records():
 @pytest.mark.parametrize(
     "keywords, message",
     [
-        (dict(kernel="elu"), "unknown kernel 'elu'; valid choices: softmax, elu1"),
+        (dict(kernel="elu"), "kernel must be one of softmax, elu1, relu"),
         (dict(kernel="elu1", num_features=8), "kernel 'elu1' takes no option 'num_features'"),
         (dict(positional="rope", fastrpb={}), "options given for positional scheme 'fastrpb'"),
         (dict(positional="rope", rope=True), "rope= must be a dict of 'rope''s options"),
@@ -103,7 +103,7 @@ def test_flat_keywords_build_the_nested_records():
         ),
         (dict(kernel="elu1", positional="t5_bias"), "kernel 'elu1' x positional scheme 't5_bias'"),
         (dict(positional="absolute"), "scheme 'absolute' acts at the embed hook"),
-        (dict(max_length=0), "max_length must be an int >= 1; got 0"),
+        (dict(max_length=0), "fastpos.attention: max_length must be an integer >= 1; got 0"),
     ],
 )
 def test_flat_keywords_refuse_bad_values(keywords, message):

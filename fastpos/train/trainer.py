@@ -104,6 +104,9 @@ def train_and_evaluate(
 
 
 def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str, Any]:
+  # Relative data paths are resolved against this start's folder before anything records the
+  # config, so config.json names the data wherever it is read from (fastpos.load, eval.py).
+  config = absolute_paths(config)
   run = run_lib.build_run(config, workdir, model)
   train_src = run.task.source("train")  # missing data stops here, before anything is made
   val_src = run.task.source("validation")
@@ -144,6 +147,27 @@ def _train_and_evaluate(config, workdir, model, allow_config_change) -> dict[str
       multihost_utils.sync_global_devices("fastpos train_and_evaluate done")
     log_file.close()
     lock.release()
+
+
+def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config``, or a copy whose relative ``task.data_dir``, ``task.cache_dir`` and
+  ``task.paths`` (text_lm: comma-separated) are absolute (``~`` expanded) against the current
+  folder; empty values (the defaults) stay empty."""
+  task, changed = config.task, {}
+  for key in ("data_dir", "cache_dir", "paths"):
+    value = task.get(key)
+    if isinstance(value, str) and value:
+      parts = value.split(",") if key == "paths" else [value]
+      full = ",".join(
+          os.path.abspath(os.path.expanduser(p.strip())) if p.strip() else p for p in parts
+      )
+      if full != value:
+        changed[key] = full
+  if not changed:
+    return config
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.task.update(changed)
+  return config
 
 
 def _announce(run: Run, start: resume_lib.Start, changes, sizes: tuple[int, int]) -> list:
