@@ -4,7 +4,7 @@
 one thing: its ``__call__`` takes a ``decode`` keyword (default None) and passes it on to
 every fastpos attention layer (``Attention``, ``Block``) it calls. ``CachedDecoding`` then
 builds the layers' decoding state (Flax's ``cache`` collection: a key / value cache for
-softmax, a fixed-size state for linear kernels; the README's "Decoding" table) and feeds it
+softmax, a fixed-size state for linear kernels; the table of docs/decoding.md) and feeds it
 new tokens, tracking the position; each step runs under ``jax.jit`` and ``lax.scan``.
 """
 
