@@ -324,17 +324,3 @@ def test_register_scheme_refuses_what_breaks_the_contract(registry, attrs, messa
   assert registry == before
   with pytest.raises(ValueError, match="takes a subclass of fastpos.Scheme; got 3"):
     fastpos.register_scheme(3)
-
-
-@pytest.mark.parametrize("name", ["attention", "attention_config"])
-def test_docstring_examples_run(name):
-  """The layer constructors' docstring examples, run as written."""
-  doc = getattr(fastpos, name).__doc__
-  block = doc.split("Example::\n")[1]
-  code = "\n".join(line[6:] for line in block.splitlines() if line.strip())
-  scope = {"fastpos": fastpos, "jax": jax, "jnp": jnp}
-  exec(code, scope)  # pylint: disable=exec-used
-  if name == "attention":
-    assert scope["y"].shape == (2, 16, 64)
-  else:
-    assert isinstance(scope["model"], fastpos.DecoderLM)

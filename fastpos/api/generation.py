@@ -190,7 +190,7 @@ def generate(
       params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
       tokens = fastpos.generate(model, params, jnp.array([[5, 9, 2]]), num_tokens=20,
                                 temperature=0.8, top_k=40)          # [1, 20] int32
-      # A trained run: model, params, config, task = fastpos.load(workdir)
+      # A trained run's model and params: fastpos.load (its docstring).
   """
   if not isinstance(model, DecoderLM):
     raise ValueError(

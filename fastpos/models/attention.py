@@ -53,7 +53,14 @@ KernelSpec = feature_ops.Kernel
 
 @dataclasses.dataclass(frozen=True)
 class PositionalSpec:
-  """A scheme name and its options (a hashable tuple of (key, value) pairs)."""
+  """A scheme name and its options (a hashable tuple of (key, value) pairs); ``make`` checks
+  the option names (values are checked when the layer is built).
+
+  Example::
+
+      spec = fastpos.PositionalSpec.make("fastrpb", {"per_head": True})
+      spec.option_dict()                                  # {'per_head': True}
+  """
 
   name: str
   options: tuple = ()
@@ -75,7 +82,29 @@ class PositionalSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Static description of an attention layer (hashable, so it can be a linen field)."""
+  """Static description of an attention layer (hashable, so it can be a linen field);
+  ``fastpos.attention_config`` builds one from flat keywords. Bad sizes, names, options and
+  incompatible kernel x scheme pairs raise ValueError at construction.
+
+  Attributes:
+    num_heads, head_dim, embed_dim: h, d and D (the layer maps ``[b, N, D] -> [b, N, D]``).
+    kernel: a ``KernelSpec`` (``fastpos.Kernel``); softmax by default.
+    positional: the schemes, in order (``PositionalSpec``).
+    max_length: the longest sequence the positional tables serve.
+    grid: (H, W) for 2D inputs (N = H * W, raster order), else None.
+    causal: query i sees keys j <= i only.
+    chunk_size: causal linear attention's chunk (None: chosen by shape).
+    attn_chunk: > 0: the layer runs by chunks of this many tokens (memory, not function).
+
+  Example::
+
+      cfg = fastpos.AttentionConfig(num_heads=4, head_dim=8, embed_dim=32, max_length=64,
+                                    kernel=fastpos.KernelSpec("elu1"), causal=True,
+                                    positional=(fastpos.PositionalSpec.make("rope"),))
+      layer = fastpos.Attention(cfg)
+      x = jnp.ones((2, 10, 32))                           # [batch, N, D] float32
+      y = layer.apply(layer.init(jax.random.key(0), x), x)   # [2, 10, 32]
+  """
 
   num_heads: int
   head_dim: int

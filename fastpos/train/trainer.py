@@ -98,6 +98,14 @@ def train_and_evaluate(
       it loads, the training data changed size, or a resume changes the run's results
       without ``allow_config_change`` (naming each changed field).
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
+
+  Example::
+
+      from fastpos.train import cli
+
+      config = cli.load_config("configs/synthetic.py:tiny", {"num_train_steps": 2})
+      result = fastpos.train_and_evaluate(config, workdir)   # a new folder, or a run to resume
+      result["step"]                                          # 2
   """
   with metrics_lib.quiet_library_logs():
     return _train_and_evaluate(config, workdir, model, allow_config_change)
@@ -325,6 +333,14 @@ def evaluate(
 
   Returns:
     The metrics with ``split``, ``step`` and ``checkpoint`` (which one was used).
+
+  Example::
+
+      from fastpos.train import cli
+
+      config = cli.load_config(f"{workdir}/config.json")     # the config the run saved
+      metrics = fastpos.evaluate(config, workdir, split="validation")
+      metrics["split"], metrics["checkpoint"]                 # ('validation', 'best')
   """
   if checkpoint not in ("best", "latest"):
     raise ValueError(f"checkpoint must be 'best' or 'latest'; got {checkpoint!r}.")
