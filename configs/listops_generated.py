@@ -5,17 +5,18 @@ Command: python train.py --config=configs/listops_generated.py --workdir=/tmp/fa
 Then:    python eval.py --workdir=/tmp/fastpos_listops --split=test
 Cells:   python train.py --config=configs/listops_generated.py:kernel=elu1,pos=none --workdir=...
          (kernel: softmax dpfp sikf relu elu1 favor; pos: none fastrpb sinspe convspe rpe)
-Bucketed: ...:bucket pads each batch to 32 / 48 / 64 / 100 tokens instead of 100 (0.79 of the
-         token slots real instead of 0.42; benchmarks/padding.md); its results differ.
+Bucketed: ...:bucket pads each batch to 32 / 48 / 64 / 100 tokens instead of 100 (the share of
+         real token slots: benchmarks/padding.md); its results differ.
 Sweep:   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
          python scripts/make_tables.py workdirs/listops_sweep   (results/listops_sweep/)
-Hardware: a 2-core CPU shared with other jobs: 118 s wall for the default run (data
-generation, a 15 s compilation, 600 steps, about 10k tokens/s). ":tiny": seconds.
-Expected (measured, seed 0; results/quickstart.md): validation accuracy 34.8 / 38.1 / 38.8% at
-steps 200 / 400 / 600 against a majority-class baseline of 15.6% (always 0, the training
-split's most frequent value); test accuracy 39.4% (eval.py, best checkpoint) against 16.2%. The sweep below gives
-39.05 +- 0.35% test over 2 seeds (results/README.md). The trainer's last line prints the
-validation accuracy beside the majority-class baseline, tokens/s and where the outputs are.
+Hardware: a 2-core CPU shared with other jobs: about two minutes for the default run (data
+generation, compilation, 600 steps; results/quickstart.md has the wall time and tokens/s).
+":tiny": seconds.
+Expected: results/quickstart.md (validation accuracy at steps 200 / 400 / 600 and the test
+accuracy of the best checkpoint, each beside the majority-class baseline: always 0, the
+training split's most frequent value); the sweep below over 2 seeds: results/README.md and
+results/listops_sweep/. The trainer's last line prints the validation accuracy beside the
+majority-class baseline, tokens/s and where the outputs are.
 Columns as in FastRPB Table 1: "none" is learned absolute position embeddings only and
 "fastrpb" is absolute + FastRPB (every model of the paper "also used trainable absolute
 positional encodings", FastRPB Sec. 4). Model: 2 layers, width 64, 4 heads, mean pooling; 600
@@ -70,7 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       results=fastrpb_table1.RESULTS["listops"],
       tiny=a.tiny,
   )
-  if a.bucket:  # length bucketing: ~2.5x the real tokens/s, 4 train-step compiles (not 1)
+  if a.bucket:  # length bucketing: more real tokens/s (benchmarks/padding.md), 4 compiles (not 1)
     c.data.bucket_lengths = (16, 24) if a.tiny else (32, 48, 64)
   if a.tiny:
     c.task.update(min_length=10, max_length=32, num_train=256, num_validation=64, num_test=64)

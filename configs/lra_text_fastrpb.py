@@ -14,8 +14,8 @@ either class (IMDB is balanced). Models "also used trainable absolute positional
 (Sec. 4), hence positional = absolute+fastrpb.
 Memory: the layers run as one scanned body with block rematerialisation (model.remat="block",
 model.scan_layers=True) and each block's token-wise part in chunks of 2048 tokens
-(model.mlp_chunk=2048): the paper's batch 32 x 4K tokens needs 5.1 GB instead of 23 GB
-(benchmarks/memory.md), with the same numbers up to round-off: every cell, favor's included
+(model.mlp_chunk=2048): the paper's batch 32 x 4K tokens fits in a fraction of the memory
+(benchmarks/memory.md has the figures), with the same numbers up to round-off: every cell, favor's included
 (each scanned layer draws the random-feature projection and SPE noise of its unrolled twin).
 Settings: LRA's Text base config (configs/common.py: LRA_TASKS["text"]); the table's rows,
 columns and numbers are in configs/fastrpb_table1.py.

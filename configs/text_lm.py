@@ -1,19 +1,21 @@
 """Your own text as a causal language-modelling task (fastpos.tasks.text_lm), in nanoGPT's
 character-level CPU setting: bytes, 4 layers x 128, 4 heads, context 64, batch 12, 2000 steps.
 
-Command: python train.py --config=configs/text_lm.py --workdir=/tmp/fastpos_text_lm
-Your text: --config=configs/text_lm.py:paths=~/books --config.task.include='*.txt,*.md'
-(several files / folders: --config.task.paths=a.txt,notes/).
+Command: python train.py --config=configs/text_lm.py:paths=~/books --workdir=/tmp/fastpos_text_lm
+The text is yours: no default ships with fastpos (no installed Python package holds a suitable
+English text, and none is downloaded). Without ``paths=`` the run stops before any compute with
+one line naming ``--config.task.paths=``. Several files / folders:
+``--config.task.paths=a.txt,notes/``; a folder's files: ``--config.task.include='*.txt,*.md'``.
 Arguments (comma-separated after a colon): ``tiny`` (a seconds-long run on the repository's own
-text fixtures, tests/testdata/wikitext), ``paths=<file or folder>`` (default: the Vim user
-manual that Debian's vim-runtime package installs, /usr/share/vim/vim90/doc/usr_*.txt, 36
-files, 641,560 bytes), ``include=<patterns>``, ``level=<byte|word>``, ``vocab=<V>`` (word
-level), ``kernel=<softmax|elu1|...>``, ``pos=<absolute|rope|...>``, ``steps=<S>``.
-Hardware: a shared 2-core CPU (results/text_lm.md: each run's wall time, measured under load).
-Expected (measured, results/text_lm.md): validation loss 1.79 nats per byte on the Vim user
-manual with softmax + learned absolute positions after 2000 steps (878 s on the shared CPU);
-nanoGPT reports about 1.88 nats per character on Shakespeare after about 3 minutes on a laptop
-CPU (another text, so the two losses are side by side, not directly comparable).
+text fixtures, tests/testdata/wikitext), ``paths=<file or folder>``, ``vim`` (the Vim user
+manual that Debian's vim-runtime package installs, /usr/share/vim/vim90/doc/usr_*.txt: the
+text of results/text_lm.md, where that package is installed), ``include=<patterns>``,
+``level=<byte|word>``, ``vocab=<V>`` (word level), ``kernel=<softmax|elu1|...>``,
+``pos=<absolute|rope|...>``, ``steps=<S>``.
+Hardware: a shared 2-core CPU (results/text_lm.md gives each run's wall time and load).
+Expected: results/text_lm.md (validation loss in nats per byte on the Vim user manual,
+``configs/text_lm.py:vim``, beside nanoGPT's reported loss on Shakespeare: another text, so
+side by side, not directly comparable).
 Settings, as nanoGPT's config/train_shakespeare_char.py with its README's CPU overrides:
 pre-LN GPT blocks, MLP 4x, tied embeddings, learned absolute positions, dropout 0, AdamW
 (0.9, 0.99) with weight decay 0.1, lr 1e-3 after 100 warmup steps, cosine to 1e-4 at step 2000,
@@ -38,6 +40,7 @@ FIXTURES = os.path.join(
 ARGS = dict(
     tiny=False,
     paths="",
+    vim=False,
     include="",
     level="byte",
     vocab=0,
@@ -57,7 +60,14 @@ def _default_vocab(level: str, tiny: bool) -> int:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = common.parse_arg(arg, choices=CHOICES, **ARGS)
   c = common.base_config("text_lm")
-  default_paths, default_include = (FIXTURES, "*.tokens") if a.tiny else (VIM_MANUAL, "usr_*.txt")
+  if a.vim and a.paths:
+    raise ValueError("configs/text_lm.py: give paths=<file or folder> or vim, not both.")
+  # No default text (module docstring): an empty paths stops the run naming the field.
+  default_paths, default_include = "", "*.txt"
+  if a.tiny:
+    default_paths, default_include = FIXTURES, "*.tokens"
+  if a.vim:
+    default_paths, default_include = VIM_MANUAL, "usr_*.txt"
   c.task.update(
       paths=a.paths or default_paths,
       include=a.include or default_include,

@@ -17,8 +17,12 @@ Example::
     variables = layer.init(jax.random.key(0), x)
     y = layer.apply(variables, x)                      # [batch, N, embed_dim]
 
-    model, params, config, task = fastpos.load("/tmp/fastpos_run")   # a train.py workdir
+    model, params, config, task = fastpos.load(workdir)   # a train.py --workdir
     tokens = fastpos.generate(model, params, jnp.array([[5, 9]]), num_tokens=20)  # [1, 20]
+
+The examples of this package's docstrings assume ``import jax, jax.numpy as jnp, flax.linen as
+nn, fastpos`` and, where they read a trained run, ``workdir`` (a ``train.py --workdir``); the
+tests run every one of them (tests/test_api_docs.py, tests/test_api_load.py).
 
 Public names, by use (each has its own docstring; runnable scripts in ``examples/``):
 
@@ -28,12 +32,14 @@ Public names, by use (each has its own docstring; runnable scripts in ``examples
   ``AttentionConfig(num_heads, head_dim, embed_dim, kernel=KernelSpec("sikf"),
   positional=(PositionalSpec.make("fastrpb", {"per_head": True}),), causal=True)``;
   ``KernelSpec`` is ``Kernel``, the one record of a kernel (name, options, feature map).
-* Models. ``DecoderLM(cfg, vocab_size, num_layers, mlp_dim)``: ``{"inputs": [b, N]}`` ->
-  logits ``[b, N, vocab]``; ``Classifier(cfg, vocab_size, num_layers, mlp_dim,
-  num_classes=2)`` -> ``[b, classes]``; ``DualEncoder`` (two documents, ``inputs2``);
-  ``Tower(cfg, num_layers, mlp_dim)``: embeddings ``[b, N, D]`` -> states; ``Block(cfg,
-  mlp_dim)``: one layer ``[b, N, D] -> [b, N, D]``; ``build_model(config.model, task_info)``
-  from a config.
+* Models. ``DecoderLM(cfg, vocab_size, num_layers, mlp_dim)``: token ids ``[b, N]`` (or
+  ``{"inputs": ids, "mask": mask}``) -> float32 logits ``[b, N, vocab]``; ``Classifier(cfg,
+  vocab_size, num_layers, mlp_dim, num_classes=2)`` -> ``[b, classes]``; ``DualEncoder`` (two
+  documents, ``inputs2``); ``Tower(cfg, num_layers, mlp_dim)``: embeddings ``[b, N, D]`` ->
+  states ``[b, N, D]``; ``Block(cfg, mlp_dim)``: one layer ``[b, N, D] -> [b, N, D]``;
+  ``build_model(config.model, task_info)`` from a config. One call convention: the input
+  first, the rest by keyword (``mask=``, ``train=``); ``Attention``, ``Block`` and ``Tower``
+  return an array and take one example ``[N, D]`` as a batch of one.
 * Schemes and kernels. ``scheme_names()``, ``kernel_names()``, ``scheme_options("fastrpb")``
   (``{option: Option}``; ``python -m fastpos.positional.compatibility --options`` prints them
   all); ``register_scheme(cls)`` adds a ``Scheme`` subclass (options declared as ``Option``)

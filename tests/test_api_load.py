@@ -1,7 +1,7 @@
 """``fastpos.load`` on a tiny word-level LM trained 4 steps on the repository's text fixtures:
 the restored parameters are the checkpoint's (read back independently through orbax), a step
-can be named, damaged or foreign checkpoints are refused with their reason, and a run saved on
-one device loads on four."""
+can be named, damaged or foreign checkpoints are refused with their reason, a run saved on
+one device loads on four, and the docstring examples that read a trained run run on it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import fastpos
 from fastpos.train import cli, errors
 from fastpos.train.checkpoint import CheckpointLoadError
 from fastpos.train.digest import DigestMismatch
+from tests.test_api_docs import example_scope, needs_a_run, package_examples, run_example
 from tests.train.faults import rewrite_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,3 +136,30 @@ def test_a_one_device_run_loads_on_four_devices(workdir):
   devices, spread, total = out.stdout.split()
   assert devices == "4" and spread == "4"  # replicated over the four devices
   assert float(total) == _params_sum(fastpos.load(workdir).params)
+
+
+_RUN_EXAMPLES = [e for e in package_examples() if needs_a_run(e)]
+_ON_THE_RUN = [e for e in _RUN_EXAMPLES if "train_and_evaluate" not in e.where]
+
+
+def test_the_examples_that_read_a_run_are_these():
+  names = sorted(e.where.split(" ", 1)[1] for e in _RUN_EXAMPLES)
+  assert names == ["(module)", "Loaded", "evaluate", "load", "train_and_evaluate"], names
+
+
+@pytest.mark.parametrize("example", _ON_THE_RUN, ids=str)
+def test_docstring_examples_run_on_a_trained_run(example, workdir, tmp_path, monkeypatch):
+  """``fastpos.load``'s, ``Loaded``'s, ``evaluate``'s and the package's examples, as written, on
+  a copy of this module's run (evaluate writes its results there)."""
+  run = shutil.copytree(workdir, tmp_path / "run")
+  monkeypatch.chdir(ROOT)
+  run_example(example, example_scope(workdir=run))
+
+
+@pytest.mark.slow  # a fresh 2-step run (compiles a train and an eval step)
+def test_train_and_evaluates_example_runs(tmp_path, monkeypatch):
+  (example,) = [e for e in _RUN_EXAMPLES if "train_and_evaluate" in e.where]
+  monkeypatch.chdir(ROOT)  # the example names configs/ from the repository root
+  scope = example_scope(workdir=tmp_path / "run")
+  run_example(example, scope)
+  assert (tmp_path / "run" / "config.json").is_file() and scope["result"]["step"] == 2

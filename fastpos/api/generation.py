@@ -4,6 +4,13 @@ A prefill call feeds the prompt to the model's decoding cache (``fastpos.models.
 then ``num_tokens - 1`` cached steps run in one compiled ``lax.scan``, each drawing a token
 by temperature / top-k / top-p (nucleus) sampling, or greedily at temperature 0. Id 0
 (padding) is never drawn. ``scripts/generate.py`` is the command line over it.
+
+``generate`` runs outside ``jax.jit``: it checks its arguments' values (token ids, the total
+length) and builds the cache before it calls the compiled loop, which it jits itself, so a
+traced argument raises ValueError saying so. Inside your own jitted function, call the
+compiled loop directly: ``make_generate(model, num_tokens, temperature=..., top_k=...,
+top_p=...)`` returns ``gen(variables, cache, prompt, mask, key)`` (a cache from
+``model.init_cache``).
 """
 
 from __future__ import annotations
@@ -78,6 +85,23 @@ def make_generate(model: DecoderLM, num_tokens: int, **sampling):
     return tokens, jnp.concatenate([logits, jnp.moveaxis(step_logits, 0, 1)], axis=1)
 
   return jax.jit(gen)
+
+
+def check_outside_jit(**arguments) -> None:
+  """Raises ValueError when an argument holds a traced value (a call under ``jax.jit``,
+  ``vmap`` or ``grad``): ``generate`` checks values and compiles its own loop."""
+  traced = [
+      n
+      for n, a in arguments.items()
+      if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(a))
+  ]
+  if traced:
+    raise ValueError(
+        f"generate runs outside jax.jit (it checks the token ids and compiles its own loop); "
+        f"traced here: {', '.join(traced)}. Call it outside jit, or call the compiled loop "
+        "make_generate(model, num_tokens, temperature=, top_k=, top_p=)(variables, cache, "
+        "prompt, mask, key) inside your jitted function (fastpos.api.generation)."
+    )
 
 
 def _number(name: str, value, low: float, high: float | None, *, low_open=False, kind=float):
@@ -159,16 +183,35 @@ def generate(
     ``[batch, P + N - 1, vocab]`` (those of the prompt positions, then of each sampled token
     but the last): they equal the full causal forward of prompt + tokens.
 
+  Raises:
+    ValueError: a setting out of range, bad prompt ids or mask, a total length over the
+      model's max_length, or a call under ``jax.jit`` (it compiles its own loop; inside jit
+      use ``make_generate``, the module docstring).
+
   Example::
 
-      model, params, config, task = fastpos.load("/tmp/fastpos_lm")
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope", causal=True,
+                                     max_length=64)
+      model = fastpos.DecoderLM(cfg, vocab_size=100, num_layers=1, mlp_dim=64)
+      params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
       tokens = fastpos.generate(model, params, jnp.array([[5, 9, 2]]), num_tokens=20,
-                                temperature=0.8, top_k=40)          # [1, 20]
+                                temperature=0.8, top_k=40)          # [1, 20] int32
+      # A trained run's model and params: fastpos.load (its docstring).
   """
   if not isinstance(model, DecoderLM):
     raise ValueError(
         f"generate samples from a causal fastpos.DecoderLM; got {type(model).__name__}."
     )
+  check_outside_jit(
+      params=params,
+      prompt=prompt,
+      mask=mask,
+      num_tokens=num_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      seed=seed,
+  )
   check_sampling(num_tokens, temperature, top_k, top_p, model.vocab_size)
   prompt, mask = _prompt(prompt, mask, model.vocab_size)
   total = prompt.shape[1] + num_tokens

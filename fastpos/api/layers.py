@@ -6,19 +6,68 @@ parameter exists (an unknown name, an option the kernel or scheme does not take,
 of range or an incompatible kernel x scheme pair raises ValueError naming the valid choices).
 They build the records the models use (``AttentionConfig``, ``KernelSpec``,
 ``PositionalSpec.make``), so a layer made here has the parameters the models' layers have.
+
+The keyword values go through the config's own declarations (``fastpos.config_schema``: the
+field ``model.<keyword>`` or ``model.kernel_options.<keyword>``), so ``eps=nan`` fails here as
+``--config.model.kernel_options.eps=nan`` fails train.py; the message names the keyword the
+caller passed. A keyword that is neither a parameter nor a positional scheme's name (a typo
+such as ``kernal=``) raises TypeError with the closest keyword and the valid ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 
-from fastpos import positional
+from fastpos import config_schema, positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.ops import features
 
 DEFAULT_MAX_LENGTH = 512
+
+_FIELDS = config_schema.FIELDS
+# Each keyword's declaration: the config field it stands for (a layer has no task to take its
+# max_length from, so 0 is not a choice there; causal comes from a config's task).
+KEYWORD_FIELDS: dict[str, config_schema.Field] = {
+    "embed_dim": _FIELDS["model.embed_dim"],
+    "num_heads": _FIELDS["model.num_heads"],
+    "head_dim": _FIELDS["model.head_dim"],  # None or 0: embed_dim // num_heads
+    "kernel": _FIELDS["model.kernel"],
+    "causal": config_schema.Field("bool", default=False),
+    "max_length": dataclasses.replace(_FIELDS["model.max_length"], low=1),
+    "chunk_size": _FIELDS["model.chunk_size"],  # None or 0: chosen by shape
+    "mode": _FIELDS["model.attention_mode"],
+    **config_schema.KERNEL_OPTIONS,
+}
+
+
+def check_keywords(caller: str, values: Mapping[str, Any]) -> None:
+  """Raises ValueError, ``"<caller>: <keyword> must be <valid values>; got <value>."``, for the
+  first keyword of ``values`` (None: its default) outside its declaration (``KEYWORD_FIELDS``,
+  the config schema's fields)."""
+  for name, value in values.items():
+    decl = KEYWORD_FIELDS.get(name)
+    if decl is not None and value is not None and not decl.is_valid(value):
+      raise ValueError(f"{caller}: {name} must be {decl.describe()}; got {value!r}.")
+
+
+def check_unknown(caller: str, keywords: Mapping[str, Any], valid: Sequence[str]) -> None:
+  """Raises TypeError for a keyword that is neither one of ``valid`` nor a positional scheme's
+  name (a scheme's options go as ``<scheme>={...}``), suggesting the closest (difflib)."""
+  for key in keywords:
+    if key in valid or key in positional.SCHEMES:
+      continue
+    close = difflib.get_close_matches(key, [*valid, *positional.SCHEMES], n=1)
+    hint = f" Did you mean {close[0]}=?" if close else ""
+    raise TypeError(
+        f"{caller}: unknown keyword {key}={keywords[key]!r}.{hint} Valid keywords: "
+        f"{', '.join(valid)}, and <scheme>={{option: value}} for a scheme of positional= "
+        f"({', '.join(positional.SCHEMES)})."
+    )
 
 
 def _scheme_names(positional_: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -111,35 +160,47 @@ def attention_config(
                                      fastrpb={"per_head": True})
       model = fastpos.DecoderLM(cfg, vocab_size=1000, num_layers=2, mlp_dim=512)
   """
-  names = _scheme_names(positional)
-  merged = dict(options or {})
+  return _config("fastpos.attention_config", **{k: v for k, v in locals().items()})
+
+
+def _config(caller: str, **kw: Any) -> AttentionConfig:
+  """``attention_config`` for ``caller`` (whose name its errors give)."""
+  scheme_options = kw.pop("scheme_options")
+  check_unknown(caller, scheme_options, _KEYWORDS)
+  check_keywords(caller, kw)
+  embed_dim, num_heads, head_dim = kw["embed_dim"], kw["num_heads"], kw["head_dim"] or None
+  names = _scheme_names(kw["positional"])
+  merged = dict(kw["options"] or {})
   for key in set(merged) & set(scheme_options):
     raise ValueError(f"options for {key!r} given twice: in options= and as {key}=.")
   merged.update(scheme_options)
-  kopts = dict(num_features=num_features, nu=nu, eps=eps, redraw=redraw, seed=seed)
-  spec = _kernel_spec(kernel, {k: v for k, v in kopts.items() if v is not None})
+  kopts = {k: kw[k] for k in config_schema.KERNEL_OPTIONS}
+  spec = _kernel_spec(kw["kernel"], {k: v for k, v in kopts.items() if v is not None})
   if head_dim is None:
-    if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or num_heads < 1:
-      raise ValueError(
-          f"embed_dim and num_heads must be ints >= 1; got {embed_dim!r}, {num_heads!r}."
-      )
     if embed_dim % num_heads:
       raise ValueError(
-          f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; give head_dim."
+          f"{caller}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}; give "
+          "head_dim."
       )
     head_dim = embed_dim // num_heads
+  grid = kw["grid"]
   return AttentionConfig(
       num_heads=num_heads,
       head_dim=head_dim,
       embed_dim=embed_dim,
       kernel=spec,
       positional=_scheme_specs(names, merged),
-      max_length=max_length,
+      max_length=kw["max_length"],
       grid=None if grid is None else tuple(grid),
-      causal=causal,
-      chunk_size=chunk_size,
-      mode=mode,
+      causal=kw["causal"],
+      chunk_size=kw["chunk_size"] or None,
+      mode=kw["mode"],
   )
+
+
+_KEYWORDS = tuple(
+    p for p in inspect.signature(attention_config).parameters if p != "scheme_options"
+)
 
 
 def attention(
@@ -167,7 +228,12 @@ def attention(
       variables = layer.init(jax.random.key(0), x)
       y = layer.apply(variables, x)                  # [2, 16, 64]
   """
-  cfg = attention_config(embed_dim, num_heads, **keywords)
+  check_unknown("fastpos.attention", keywords, (*_KEYWORDS, "dtype", "name"))
+  params = inspect.signature(attention_config).parameters
+  values = {k: p.default for k, p in params.items() if k not in ("embed_dim", "num_heads")}
+  values.update(scheme_options={k: keywords.pop(k) for k in list(keywords) if k not in params})
+  values.update(keywords)
+  cfg = _config("fastpos.attention", embed_dim=embed_dim, num_heads=num_heads, **values)
   return Attention(cfg, dtype=dtype, name=name)
 
 

@@ -55,6 +55,12 @@ class Loaded:
       ``model.apply`` takes for models with BatchNorm.
     step: the training step of the checkpoint.
     checkpoint: its path.
+
+  Example::
+
+      loaded = fastpos.load(workdir)
+      model, params, config, task = loaded                # unpacks as a tuple
+      isinstance(loaded.step, int), loaded.checkpoint.startswith(str(workdir))   # (True, True)
   """
 
   model: nn.Module
@@ -99,7 +105,7 @@ def load(
 
   Example::
 
-      model, params, config, task = fastpos.load("/tmp/fastpos_run")
+      model, params, config, task = fastpos.load(workdir)    # a train.py --workdir
       tokens = jnp.array([[5, 9, 2, 7]])                                  # [b, N] ids
       logits = model.apply({"params": params}, {"inputs": tokens})   # [b, N, vocab] (an LM)
       words = task.vocabulary()            # word-level LM tasks: the words by id

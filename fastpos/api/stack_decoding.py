@@ -4,7 +4,7 @@
 one thing: its ``__call__`` takes a ``decode`` keyword (default None) and passes it on to
 every fastpos attention layer (``Attention``, ``Block``) it calls. ``CachedDecoding`` then
 builds the layers' decoding state (Flax's ``cache`` collection: a key / value cache for
-softmax, a fixed-size state for linear kernels; the README's "Decoding" table) and feeds it
+softmax, a fixed-size state for linear kernels; the table of docs/decoding.md) and feeds it
 new tokens, tracking the position; each step runs under ``jax.jit`` and ``lax.scan``.
 """
 
@@ -37,18 +37,21 @@ class CachedDecoding:
 
       class MyLM(nn.Module):                      # your model: pass `decode` on
         @nn.compact
-        def __call__(self, tokens, mask=None, decode=None):   # tokens [b, L]
+        def __call__(self, tokens, mask=None, decode=None):   # tokens [b, L] int32
           x = nn.Embed(100, 32)(tokens)
           x = x + fastpos.attention(32, 4, kernel="elu1", positional="rope", causal=True,
                                     max_length=64)(x, mask=mask, decode=decode)
-          return nn.Dense(100)(x)                 # [b, L, 100]
+          return nn.Dense(100)(x)                 # [b, L, 100] float32
 
       model = MyLM()
-      params = model.init(key, jnp.ones((1, 8), jnp.int32))
+      prompt = jnp.array([[5, 9, 2], [7, 1, 4]])                 # [2, 3] int32 token ids
+      params = model.init(jax.random.key(0), prompt)
       dec = fastpos.CachedDecoding(model, max_length=64)
-      state = dec.init(jnp.ones((2, 1), jnp.int32))              # a batch of 2
-      logits, state = dec.step(params, state, prompt)            # prompt [2, P]
-      logits, state = dec.step(params, state, next_token)        # [2, 1] -> [2, 1, 100]
+      state = dec.init(prompt)                                   # zeros, for a batch of 2
+      logits, state = dec.step(params, state, prompt)            # [2, 3, 100]
+      next_token = jnp.argmax(logits[:, -1:], axis=-1)           # [2, 1]
+      logits, state = dec.step(params, state, next_token)        # [2, 1, 100]
+      int(state["index"])                                        # 4
   """
 
   def __init__(self, module: nn.Module, max_length: int):

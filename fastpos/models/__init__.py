@@ -88,8 +88,23 @@ def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
 
 
 def build_model(cfg, task: TaskInfo):
-  """The model of ``cfg`` (``config.model``) for ``task``; raises ValueError on bad names,
-  options or incompatible kernel x scheme pairs (before any compute)."""
+  """The model of ``cfg`` (``config.model``) for ``task`` (a ``TaskInfo``: its kind picks
+  ``Classifier``, ``DualEncoder`` or ``DecoderLM``; its vocabulary, classes, length and grid
+  size it). Raises ValueError on bad names, options or incompatible kernel x scheme pairs
+  (before any compute).
+
+  Example::
+
+      from fastpos import config_schema
+      from fastpos.tasks.info import TaskInfo
+
+      cfg = config_schema.model_config()                   # the base config.model
+      cfg.update(kernel="elu1", positional="rope", num_layers=1, embed_dim=16, mlp_dim=32)
+      task = TaskInfo(kind="classify", vocab_size=50, num_classes=3, max_length=12)
+      model = fastpos.build_model(cfg, task)               # a Classifier
+      ids = jnp.ones((2, 12), jnp.int32)                   # [batch, N] int token ids
+      logits = model.apply(model.init(jax.random.key(0), ids), ids)   # [2, 3] float32
+  """
   if cfg.norm not in NORMS:
     raise ValueError(f"unknown norm {cfg.norm!r}; valid choices: {', '.join(NORMS)}.")
   if cfg.dtype not in DTYPES:

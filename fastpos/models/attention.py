@@ -54,7 +54,14 @@ KernelSpec = feature_ops.Kernel
 
 @dataclasses.dataclass(frozen=True)
 class PositionalSpec:
-  """A scheme name and its options (a hashable tuple of (key, value) pairs)."""
+  """A scheme name and its options (a hashable tuple of (key, value) pairs); ``make`` checks
+  the option names (values are checked when the layer is built).
+
+  Example::
+
+      spec = fastpos.PositionalSpec.make("fastrpb", {"per_head": True})
+      spec.option_dict()                                  # {'per_head': True}
+  """
 
   name: str
   options: tuple = ()
@@ -76,7 +83,29 @@ class PositionalSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Static description of an attention layer (hashable, so it can be a linen field)."""
+  """Static description of an attention layer (hashable, so it can be a linen field);
+  ``fastpos.attention_config`` builds one from flat keywords. Bad sizes, names, options and
+  incompatible kernel x scheme pairs raise ValueError at construction.
+
+  Attributes:
+    num_heads, head_dim, embed_dim: h, d and D (the layer maps ``[b, N, D] -> [b, N, D]``).
+    kernel: a ``KernelSpec`` (``fastpos.Kernel``); softmax by default.
+    positional: the schemes, in order (``PositionalSpec``).
+    max_length: the longest sequence the positional tables serve.
+    grid: (H, W) for 2D inputs (N = H * W, raster order), else None.
+    causal: query i sees keys j <= i only.
+    chunk_size: causal linear attention's chunk (None: chosen by shape).
+    attn_chunk: > 0: the layer runs by chunks of this many tokens (memory, not function).
+
+  Example::
+
+      cfg = fastpos.AttentionConfig(num_heads=4, head_dim=8, embed_dim=32, max_length=64,
+                                    kernel=fastpos.KernelSpec("elu1"), causal=True,
+                                    positional=(fastpos.PositionalSpec.make("rope"),))
+      layer = fastpos.Attention(cfg)
+      x = jnp.ones((2, 10, 32))                           # [batch, N, D] float32
+      y = layer.apply(layer.init(jax.random.key(0), x), x)   # [2, 10, 32]
+  """
 
   num_heads: int
   head_dim: int
@@ -229,6 +258,47 @@ def check_layer_schemes(cfg: AttentionConfig, shared: tuple, layer: str) -> None
       )
 
 
+def check_input(layer: str, x, embed_dim: int) -> bool:
+  """Raises ValueError, one line naming ``layer``, unless ``x`` is float ``[batch, length,
+  embed_dim]`` or, one example (e.g. under a per-example ``jax.vmap``), ``[length,
+  embed_dim]``, with length >= 1. Returns whether ``x`` is the unbatched form (the layer then
+  adds a batch axis of one and removes it from its output: ``add_batch_axis``)."""
+  shape = tuple(jnp.shape(x))
+  want = (
+      f"[batch, length, embed_dim] (or [length, embed_dim] for one example), embed_dim={embed_dim}"
+  )
+  if len(shape) not in (2, 3):
+    raise ValueError(f"{layer}: x must be {want}; got shape {shape} (rank {len(shape)}).")
+  if shape[-1] != embed_dim:
+    raise ValueError(
+        f"{layer}: x's last axis is {shape[-1]}, but the layer was built for "
+        f"embed_dim={embed_dim}; x must be {want}; got shape {shape}."
+    )
+  if shape[-2] == 0:
+    raise ValueError(f"{layer}: x holds no token (length 0); x must be {want}; got shape {shape}.")
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(
+        f"{layer}: x must be floating embeddings {want}; got {jnp.result_type(x)} (token ids go "
+        "through an embedding first, e.g. flax.linen.Embed)."
+    )
+  return len(shape) == 2
+
+
+def add_batch_axis(layer: str, x, mask, memory=None, memory_mask=None):
+  """``x [N, D]``, ``mask [N]``, ``memory [M, D]``, ``memory_mask [M]`` (each may be None but
+  x) with a leading batch axis of one; the masks are checked first (boolean, one entry per
+  token)."""
+  n = x.shape[0]
+  mask = check_mask(mask, (n,), layout="[length]", against=f"{layer}'s x of shape {x.shape}")
+  if memory is not None:
+    m = jnp.shape(memory)[0]
+    memory_mask = check_mask(
+        memory_mask, (m,), name="memory_mask", layout="[M]", against=f"memory {memory.shape}"
+    )
+  one = lambda a: None if a is None else a[None]
+  return one(x), one(mask), one(memory), one(memory_mask)
+
+
 def attention_schemes(cfg: AttentionConfig) -> list[PositionalSpec]:
   """The schemes an attention layer calls (all but embedding-only ones)."""
   return [p for p in cfg.positional if set(p.cls.hooks) - {"embed"}]
@@ -249,7 +319,23 @@ def _decay_bias(log_decay, n: int, grid):
 
 
 class Attention(nn.Module):
-  """Multi-head attention: ``x [b, N, D] -> [b, N, D]``.
+  """Multi-head attention: ``x [b, N, D] -> [b, N, D]`` (float; ``[N, D] -> [N, D]`` too).
+
+  Called as ``layer(x, mask=None, grid=None, deterministic=True)`` (every argument after ``x``
+  by keyword; the convention of ``Block``, ``Tower`` and the models): ``mask [b, N]`` bool,
+  True for real tokens. Returns the array ``[b, N, D]`` in ``dtype``. ``x`` must be ``[b, N,
+  D]`` with D = ``cfg.embed_dim`` and N >= 1, or one example ``[N, D]`` (with ``mask [N]``):
+  a batch axis of one is added and removed, so the layer runs under a per-example
+  ``jax.vmap``; anything else raises ValueError naming the expected and the given shape.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope", causal=True)
+      layer = fastpos.Attention(cfg)
+      x = jnp.ones((2, 10, 32))                          # [batch, N, D] float32
+      variables = layer.init(jax.random.key(0), x)
+      y = layer.apply(variables, x, mask=jnp.ones((2, 10), bool))   # [2, 10, 32]
+      one = layer.apply(variables, x[0])                 # [10, 32]: one example
 
   Attributes:
     cfg: the static layer description (kernel, schemes, sizes).
@@ -305,7 +391,18 @@ class Attention(nn.Module):
       layer's ``cache`` collection (``fastpos.models.decoding``).
     tail: a token-wise function run on each chunk of the output when the call runs by chunks
       (``chunked_attention.attend``; the caller checks ``by_chunks``), else refused.
+
+    Returns:
+      ``[batch, N, D]`` in ``dtype`` (``[N, D]`` for an unbatched ``x``).
     """
+    if check_input("Attention", x, self.cfg.embed_dim):  # one example: a batch axis of one
+      x, mask, memory, _ = add_batch_axis("Attention", x, mask, memory)
+      return self._attend(x, mask, grid, memory, deterministic, reference, decode, tail)[0]
+    return self._attend(x, mask, grid, memory, deterministic, reference, decode, tail)
+
+  def _attend(self, x, mask, grid, memory, deterministic, reference, decode, tail):
+    """The layer on a batched ``x`` (called from the compact ``__call__``: it creates the
+    submodules)."""
     grid, mask = self._check_inputs(x, mask, grid, memory, reference)
     if self.by_chunks(x, memory, decode, reference):
       return self._chunked(x, mask, deterministic, tail)

@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from fastpos.models import context_parallel, decoding, tokenwise
-from fastpos.models.attention import Attention, AttentionConfig, check_layer_schemes
+from fastpos.models.attention import (
+    Attention,
+    AttentionConfig,
+    add_batch_axis,
+    check_input,
+    check_layer_schemes,
+)
 from fastpos.ops.masks import check_mask
 from fastpos.positional import path_keys
 
@@ -181,12 +187,37 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """One transformer layer. ``shared``: scheme modules shared across layers. Its attention
-  config holds attention-level schemes only (``AttentionConfig.attention_only``); bad fields
-  raise ValueError at construction. ``mlp_chunk`` C > 0: what follows the attention (dropout,
-  residual, norms, MLP: token-wise) runs over chunks of C tokens, rematerialised chunk by
-  chunk (``fastpos.models.tokenwise``): the same function, dropout masks included, with one
-  chunk's MLP hidden alive at a time; not while decoding, nor at ``init``."""
+  """One transformer layer ``x [b, N, D] -> [b, N, D]``: attention + MLP with residuals and
+  norms (the module docstring's layouts).
+
+  Called as ``block(x, mask=None, train=False)`` (every argument after ``x`` by keyword, as
+  ``Attention``, ``Tower`` and the models); returns the array ``[b, N, D]`` (float, in
+  ``dtype``). ``x`` may be one example ``[N, D]`` (``mask [N]``), run with a batch axis of one;
+  any other rank, a width other than ``attention.embed_dim`` or N = 0 raises ValueError.
+
+  Attributes:
+    attention: the layer's ``AttentionConfig`` (attention-level schemes only:
+      ``AttentionConfig.attention_only``; ``Tower`` runs the embed hook).
+    mlp_dim: the MLP's hidden width.
+    dropout_rate: after the attention and the MLP, in [0, 1).
+    norm: ``"post"`` (LRA), ``"pre"`` or ``"batch"`` (``NORMS``).
+    shared: scheme modules shared across layers (``share_across_layers``).
+    dtype: activation dtype (parameters float32).
+    mlp_chunk: C > 0: what follows the attention (dropout, residual, norms, MLP: token-wise)
+      runs over chunks of C tokens, rematerialised chunk by chunk
+      (``fastpos.models.tokenwise``): the same function, dropout masks included, with one
+      chunk's MLP hidden alive at a time; not while decoding, nor at ``init``.
+
+  Bad fields raise ValueError at construction.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="fastrpb")
+      block = fastpos.Block(cfg, mlp_dim=64, norm="pre")
+      x = jnp.ones((2, 10, 32))                          # [batch, N, D] float32
+      variables = block.init(jax.random.key(0), x)
+      y = block.apply(variables, x, mask=jnp.ones((2, 10), bool))   # [2, 10, 32]
+  """
 
   attention: AttentionConfig
   mlp_dim: int
@@ -236,7 +267,11 @@ class Block(nn.Module):
     None); ``memory [b, M, D]`` (Transformer-XL) is this layer's input of the previous
     segment(s), ``memory_mask [b, M]`` True where it holds a real token (all real when None).
     Masks are boolean only: any other dtype or shape raises ValueError. ``decode``: a
-    ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache)."""
+    ``fastpos.models.decoding.Step`` (x holds new tokens; attention reads its cache).
+    Returns ``[b, N, D]`` (``[N, D]`` for an unbatched ``x``)."""
+    if check_input("Block", x, self.attention.embed_dim):  # one example: a batch axis of one
+      x, mask, memory, memory_mask = add_batch_axis("Block", x, mask, memory, memory_mask)
+      return self._forward(x, mask, grid, memory, memory_mask, train, reference, decode)[0]
     return self._forward(x, mask, grid, memory, memory_mask, train, reference, decode)
 
   def _forward(self, x, mask, grid, memory, memory_mask, train, reference, decode):

@@ -4,8 +4,13 @@ All share one ``Tower`` (embedding-hook schemes -> blocks -> final norm for pre-
 ``Block``; the kernel and the positional schemes live in the ``AttentionConfig``. Inputs are a
 batch dict: ``inputs`` int32 ``[b, N]`` (0 = padding), ``mask`` bool ``[b, N]`` (True for real
 tokens; ``inputs != 0`` when absent; a mask of another dtype or shape raises ValueError, it is
-never cast), plus ``inputs2`` / ``mask2`` for retrieval. Image tasks' grid is static (the task's
-``TaskInfo.grid``), not part of the batch.
+never cast), plus ``inputs2`` / ``mask2`` for retrieval. ``Classifier`` and ``DecoderLM`` also
+take the ids alone, ``model.apply(variables, ids, mask=mask)`` with ``ids`` int ``[b, N]``.
+Image tasks' grid is static (the task's ``TaskInfo.grid``), not part of the batch.
+
+One call convention: ``Attention``, ``Block``, ``Tower`` and the models take the input first
+and everything else by keyword (``mask=``, ``train=``); ``Attention``, ``Block`` and ``Tower``
+return an array (``Tower`` a pair only when given ``memory``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax.numpy as jnp
 
 from fastpos import positional
 from fastpos.models import decoding
-from fastpos.models.attention import AttentionConfig
+from fastpos.models.attention import AttentionConfig, add_batch_axis, check_input
 from fastpos.models.blocks import Dropout, Layer, check_stack, remat_policy
 from fastpos.ops import segments
 from fastpos.ops.masks import check_mask
@@ -39,6 +44,26 @@ def _mask_or_ones(batch, key_inputs: str, key_mask: str):
       name=f"batch[{key_mask!r}]",
       against=f"batch[{key_inputs!r}] of shape {jnp.shape(inputs)}",
   )
+
+
+def as_batch(model: str, batch, mask):
+  """The model's batch dict: ``batch`` itself (a dict holding ``inputs``), or ``{"inputs":
+  batch, "mask": mask}`` for bare token ids ``batch`` int ``[b, N]``. Raises ValueError naming
+  what to pass otherwise."""
+  what = (
+      f"{model} takes token ids int [batch, length] (and mask= bool [batch, length]) or a "
+      "batch dict {'inputs': ids, 'mask': mask}"
+  )
+  if isinstance(batch, Mapping):
+    if mask is not None:
+      raise ValueError(f"{model}: mask= given beside a batch dict; put it in the dict as 'mask'.")
+    if "inputs" not in batch:
+      raise ValueError(f"{what}; got a dict with keys {sorted(batch)}.")
+    return batch
+  shape, dtype = jnp.shape(batch), jnp.result_type(batch)
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer) or shape[1] == 0:
+    raise ValueError(f"{what}; got {dtype} of shape {shape}.")
+  return {"inputs": batch} if mask is None else {"inputs": batch, "mask": mask}
 
 
 def block_name(i: int) -> str:
@@ -76,6 +101,25 @@ def unstack_layers(tree, num_layers: int):
 
 class Tower(nn.Module):
   """``x [b, N, D]`` embeddings -> ``[b, N, D]`` states through ``num_layers`` blocks.
+
+  Called as ``tower(x, mask=None, train=False)``; returns the states ``[b, N, D]`` (an array,
+  as ``Block`` and ``Attention`` return), or ``(states, new_memory)`` when given ``memory``
+  (Transformer-XL). ``mask`` may also come second by position (older code). One example
+  ``x [N, D]`` (``mask [N]``) runs with a batch axis of one.
+
+  Attributes:
+    attention: the ``AttentionConfig`` (embed-hook schemes included: the tower runs them on
+      ``x`` before the blocks).
+    num_layers, mlp_dim, dropout_rate, norm, dtype, mlp_chunk: as ``Block``'s.
+    remat, scan_layers: below.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope,fastrpb")
+      tower = fastpos.Tower(cfg, num_layers=2, mlp_dim=64)
+      x = jnp.ones((2, 10, 32))                          # [batch, N, D] float32
+      variables = tower.init(jax.random.key(0), x)
+      states = tower.apply(variables, x, mask=jnp.ones((2, 10), bool))   # [2, 10, 32]
 
   ``remat`` (``blocks.REMAT_POLICIES``): what each block keeps for its backward pass.
   ``scan_layers``: the blocks run as one ``nn.scan`` body (parameters under ``layers``, stacked
@@ -138,15 +182,34 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(
-      self, x, mask, *, train: bool = False, reference: bool = False, memory=None, decode=None
+      self,
+      x,
+      mask=None,
+      *,
+      train: bool = False,
+      reference: bool = False,
+      memory=None,
+      decode=None,
   ):
     """``mask``: ``[b, N]`` bool, True for real tokens. ``memory``: ``(states, memory_mask)``
     with a list of per-layer ``[b, M, D]`` states (each layer's input over the previous
     segments; Transformer-XL) and a bool ``[b, M]`` True where a real token sits, or None.
-    Masks of any other dtype or shape raise ValueError. Returns ``(states, new_memory)`` (None
-    without memory). ``decode``: a ``fastpos.models.decoding.Step`` (x holds new tokens at
-    slots ``decode.offset + i``; no memory)."""
+    Masks of any other dtype or shape raise ValueError. Returns the states ``[b, N, D]``, or
+    ``(states, new_memory)`` when given ``memory``. ``decode``: a
+    ``fastpos.models.decoding.Step`` (x holds new tokens at slots ``decode.offset + i``; no
+    memory)."""
+    if check_input("Tower", x, self.attention.embed_dim):  # one example: a batch axis of one
+      if memory is not None:
+        raise ValueError("Tower: memory needs a batched x [batch, length, embed_dim].")
+      x, mask, _, _ = add_batch_axis("Tower", x, mask)
+      return self._run(x, mask, train, reference, None, decode)[0]
+    return self._run(x, mask, train, reference, memory, decode)
+
+  def _run(self, x, mask, train, reference, memory, decode):
+    """The tower on a batched ``x`` (called from the compact ``__call__``)."""
     mask = check_mask(mask, x.shape[:2], against=f"x of shape {x.shape}")
+    if memory is not None and mask is None:  # the new memory's mask appends this one
+      mask = jnp.ones(x.shape[:2], bool)
     if memory is not None and decode is not None:
       raise ValueError("Tower: a decoding step reads the cache, not memory; pass one of them.")
     if memory is not None:
@@ -231,7 +294,7 @@ class Tower(nn.Module):
     if self.norm == "pre":
       x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
     if memory is None:
-      return x, None
+      return x
     m_len = mmask.shape[1]
     new_mask = jnp.concatenate([mmask, mask], axis=1)[:, -m_len:]
     return x, (new_states, new_mask)
@@ -318,7 +381,7 @@ class _Base(nn.Module):
           [jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])).astype(x.dtype), x], axis=1
       )
       mask = jnp.concatenate([jnp.ones((mask.shape[0], 1), bool), mask], axis=1)
-    y, _ = tower(x, mask, train=train, reference=reference)
+    y = tower(x, mask=mask, train=train, reference=reference)
     if cls is not None:
       return y[:, 0]
     w = mask.astype(y.dtype)[..., None]
@@ -333,7 +396,29 @@ class _Base(nn.Module):
 
 
 class Classifier(_Base):
-  """Encoder classifier: embed -> blocks -> pooling -> head. Returns ``[b, num_classes]``.
+  """Encoder classifier: embed -> blocks -> pooling -> head. Returns float32 logits
+  ``[b, num_classes]``.
+
+  Called as ``model.apply(variables, batch, train=False)`` with ``batch`` a dict (``inputs``
+  int ``[b, N]``, 0 = padding; ``mask`` bool ``[b, N]``, default ``inputs != 0``) or the ids
+  alone: ``model.apply(variables, ids, mask=mask)``.
+
+  Attributes:
+    attention: the ``AttentionConfig`` (``fastpos.attention_config``).
+    vocab_size: V, token ids 0..V-1 (0 is padding).
+    num_layers, mlp_dim, dropout_rate, norm, dtype, remat, scan_layers, mlp_chunk: as
+      ``Tower``'s.
+    pooling: ``"mean"`` over real tokens or ``"cls"`` (a prepended learned token).
+    num_classes: >= 2.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="fastrpb",
+                                     max_length=16)
+      model = fastpos.Classifier(cfg, vocab_size=50, num_layers=2, mlp_dim=64, num_classes=3)
+      ids = jnp.ones((2, 16), jnp.int32)                 # [batch, N] int token ids
+      variables = model.init(jax.random.key(0), ids)
+      logits = model.apply(variables, ids)               # [2, 3] float32
 
   A packed batch (``fastpos.train.packing``) holds several examples per row: ``segment_ids``
   and ``positions`` ``[b, N]`` int32 and ``segment_mask`` ``[b, S]`` bool (True where slot s
@@ -342,7 +427,8 @@ class Classifier(_Base):
   are those of a zero vector, never read)."""
 
   @nn.compact
-  def __call__(self, batch, *, train: bool = False, reference: bool = False):
+  def __call__(self, batch, *, mask=None, train: bool = False, reference: bool = False):
+    batch = as_batch("Classifier", batch, mask)
     inputs, mask = _mask_or_ones(batch, "inputs", "mask")
     if batch.get("segment_ids") is not None:
       return self._head(self._packed(batch, inputs, mask, train, reference))
@@ -371,7 +457,7 @@ class Classifier(_Base):
     else:
       member = member & mask[..., None]
     with segments.packed(ids, positions):
-      y, _ = self._tower()(x, mask, train=train, reference=reference)
+      y = self._tower()(x, mask=mask, train=train, reference=reference)
     w = member.astype(y.dtype)
     total = jnp.einsum("bns,bnd->bsd", w, y, precision=jax.lax.Precision.HIGHEST)
     pooled = total / jnp.maximum(jnp.sum(w, axis=1), 1)[..., None]
@@ -380,10 +466,31 @@ class Classifier(_Base):
 
 class DualEncoder(_Base):
   """LRA Retrieval: one shared tower encodes both documents; the head sees
-  ``[u, v, u*v, u-v]``. Returns ``[b, num_classes]``."""
+  ``[u, v, u*v, u-v]``. Returns float32 logits ``[b, num_classes]``.
+
+  Called as ``model.apply(variables, batch, train=False)`` with ``batch`` a dict: ``inputs``
+  and ``inputs2`` int ``[b, N]`` (the two documents, 0 = padding), optional ``mask`` /
+  ``mask2`` bool ``[b, N]``. Attributes as ``Classifier``'s.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", max_length=16)
+      model = fastpos.DualEncoder(cfg, vocab_size=50, num_layers=1, mlp_dim=64, num_classes=2)
+      batch = {"inputs": jnp.ones((2, 16), jnp.int32), "inputs2": jnp.ones((2, 16), jnp.int32)}
+      variables = model.init(jax.random.key(0), batch)
+      logits = model.apply(variables, batch)             # [2, 2] float32
+  """
 
   @nn.compact
   def __call__(self, batch, *, train: bool = False, reference: bool = False):
+    if not isinstance(batch, Mapping) or "inputs2" not in batch:
+      raise ValueError(
+          "DualEncoder takes a batch dict with both documents: {'inputs': ids, 'inputs2': "
+          "ids2} (int [batch, length] each; optional 'mask' / 'mask2' bool); got "
+          f"{type(batch).__name__}"
+          + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+          + "."
+      )
     embed, tower = self._embed(), self._tower()
     in1, m1 = _mask_or_ones(batch, "inputs", "mask")
     in2, m2 = _mask_or_ones(batch, "inputs2", "mask2")
@@ -395,6 +502,35 @@ class DualEncoder(_Base):
 
 class DecoderLM(_Base):
   """Causal decoder LM: ``[b, L]`` ids -> ``[b, L, vocab]`` next-token logits.
+
+  Called as ``model.apply(variables, ids, mask=None, train=False)`` with ``ids`` int ``[b,
+  L]`` (0 = padding; ``mask`` bool ``[b, L]``, default ``ids != 0``), or with a batch dict
+  ``{"inputs": ids, "mask": mask}`` (what the trainer passes; a packed batch adds
+  ``segment_ids`` and ``positions``). Returns float32 logits ``[b, L, vocab_size]`` (logit i
+  predicts token i + 1), or ``(logits, new_memory)`` with ``memory_length > 0``.
+
+  Attributes:
+    attention: a causal ``AttentionConfig`` (``fastpos.attention_config(..., causal=True)``;
+      a bidirectional one is refused).
+    vocab_size: V, token ids 0..V-1 (0 is padding, never sampled by ``fastpos.generate``).
+    num_layers: blocks (>= 1).
+    mlp_dim: each block's MLP hidden width.
+    dropout_rate: in [0, 1) (default 0).
+    norm: ``"post"`` (default), ``"pre"`` (GPT: a final LayerNorm) or ``"batch"``.
+    dtype: activation dtype (parameters float32; logits float32).
+    remat, scan_layers, mlp_chunk: memory and compile-time settings (``Tower``).
+    tie_embeddings: output projection = the embedding transposed (below); default True.
+    memory_length: M > 0: Transformer-XL memory (below); default 0.
+
+  Example::
+
+      cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope", causal=True,
+                                     max_length=64)
+      model = fastpos.DecoderLM(cfg, vocab_size=100, num_layers=2, mlp_dim=64)
+      ids = jnp.ones((2, 16), jnp.int32)                 # [batch, L] int token ids
+      variables = model.init(jax.random.key(0), ids)
+      logits = model.apply(variables, ids)               # [2, 16, 100] float32
+      tokens = fastpos.generate(model, variables["params"], ids[:1, :4], num_tokens=5)  # [1, 5]
 
   ``tie_embeddings``: the output projection is the input embedding transposed, times a learned
   scalar ``logit_scale`` initialised to ``1 / embed_dim``. The final states are layer-normalised
@@ -466,12 +602,14 @@ class DecoderLM(_Base):
       self,
       batch,
       *,
+      mask=None,
       train: bool = False,
       reference: bool = False,
       memory=None,
       decode: bool = False,
       cache_length: int | None = None,
   ):
+    batch = as_batch("DecoderLM", batch, mask)
     if decode:
       if memory is not None:
         raise ValueError("DecoderLM: decode=True reads the cache; memory is not used there.")
@@ -486,7 +624,10 @@ class DecoderLM(_Base):
     embed = self._embed()
     x = embed(inputs).astype(self.dtype)
     with segments.packed(batch.get("segment_ids"), batch.get("positions")):
-      y, new_memory = self._tower()(x, mask, train=train, reference=reference, memory=memory)
+      if memory is None:
+        y, new_memory = self._tower()(x, mask=mask, train=train, reference=reference), None
+      else:
+        y, new_memory = self._tower()(x, mask=mask, train=train, reference=reference, memory=memory)
     logits = self._logits(embed, y)
     return logits if not self.memory_length else (logits, new_memory)
 
@@ -519,6 +660,6 @@ class DecoderLM(_Base):
     step = decoding.Step(offset=index.value, cache_length=cache_length)
     embed = self._embed()
     x = embed(inputs).astype(self.dtype)
-    y, _ = self._tower()(x, mask, train=False, reference=reference, decode=step)
+    y = self._tower()(x, mask=mask, train=False, reference=reference, decode=step)
     index.value = index.value + inputs.shape[1]
     return self._logits(embed, y)

@@ -492,6 +492,14 @@ class Kernel:
     redraw: redraw the random projection at every training step (Performer); otherwise one
       fixed draw per layer from ``seed`` and the layer's path.
     seed: seed of the fixed projection.
+
+  Example::
+
+      kernel = fastpos.Kernel("favor", num_features=32)   # fastpos.KernelSpec is this class
+      kernel.options                                # ('num_features', 'eps', 'redraw', 'seed')
+      q = jnp.ones((2, 10, 4, 16))                        # [batch, N, heads, dim] float32
+      w = kernel.make_projection(jax.random.key(0), 16)   # [32, 16] random features
+      phi = kernel.phi(q, projection=w, is_query=True)    # [2, 10, 4, 32] float32, >= 0
   """
 
   name: str = "softmax"

@@ -175,6 +175,12 @@ class Option:
       whether the option takes effect; a value other than the default where it does not is
       refused (``Scheme.check_used``) rather than ignored.
     used_doc: when the option takes effect, in words (for that error).
+
+  Example::
+
+      slope = fastpos.Option(0.5, "slope of head 0", type="number", low=0, low_open=True)
+      slope.is_valid(0.25), slope.is_valid(-1.0)          # (True, False)
+      slope.describe()                                     # 'a finite number > 0'
   """
 
   default: Any
@@ -264,7 +270,27 @@ class Scheme(nn.Module):
   ``resolve_options`` is the one validator: it runs before every ``compatibility``,
   ``feature_out_dim`` (which then see every option, defaults filled in) and ``setup`` of every
   scheme, so no scheme checks its options itself. Rules between options go in
-  ``check_relations``."""
+  ``check_relations``.
+
+  A hook's method gets the arrays at its place (``[batch, N, heads, dim]`` q and k, float) and
+  a ``Context`` (mask, grid, causal, length); ``register_scheme`` makes the class a name
+  (``examples/custom_scheme.py`` is a complete scheme, held against its hand-written form).
+
+  Example::
+
+      class HeadBias(fastpos.Scheme):                     # a constant logits bias per head
+        scheme_name = "head_bias"
+        hooks = ("logits",)                               # adds [1, h, Lq, Lk] to the logits
+        option_spec = {"value": fastpos.Option(0.5, "the bias", type="number")}
+
+        def logits(self, q, k, ctx):                      # q [b, Lq, h, d], k [b, Lk, h, d]
+          return jnp.full((1, q.shape[2], q.shape[1], k.shape[1]), self.value, q.dtype)
+
+      fastpos.register_scheme(HeadBias, replace=True)
+      layer = fastpos.attention(16, 2, positional="head_bias", head_bias={"value": 1.0})
+      x = jnp.ones((2, 5, 16))                            # [batch, N, D] float32
+      y = layer.apply(layer.init(jax.random.key(0), x), x)   # [2, 5, 16]
+  """
 
   dims: Dims
 

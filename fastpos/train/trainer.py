@@ -111,12 +111,23 @@ def train_and_evaluate(
       it loads, the training data changed size, or a resume changes the run's results
       without ``allow_config_change`` (naming each changed field).
     ValueError, FileNotFoundError: a bad config, a checkpoint of another model, missing data.
+
+  Example::
+
+      from fastpos.train import cli
+
+      config = cli.load_config("configs/synthetic.py:tiny", {"num_train_steps": 2})
+      result = fastpos.train_and_evaluate(config, workdir)   # a new folder, or a run to resume
+      result["step"]                                          # 2
   """
   with metrics_lib.quiet_library_logs():
     return _train_and_evaluate(config, workdir, model, allow_config_change, fresh)
 
 
 def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> dict[str, Any]:
+  # Relative data paths are resolved against this start's folder before anything records the
+  # config, so config.json names the data wherever it is read from (fastpos.load, eval.py).
+  config = absolute_paths(config)
   run = run_lib.build_run(config, workdir, model)
   train_src = run.task.source("train")  # missing data stops here, before anything is made
   val_src = run.task.source("validation")
@@ -181,6 +192,27 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
     log_file.close()
     lock.release()
     signals.close()
+
+
+def absolute_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config``, or a copy whose relative ``task.data_dir``, ``task.cache_dir`` and
+  ``task.paths`` (text_lm: comma-separated) are absolute (``~`` expanded) against the current
+  folder; empty values (the defaults) stay empty."""
+  task, changed = config.task, {}
+  for key in ("data_dir", "cache_dir", "paths"):
+    value = task.get(key)
+    if isinstance(value, str) and value:
+      parts = value.split(",") if key == "paths" else [value]
+      full = ",".join(
+          os.path.abspath(os.path.expanduser(p.strip())) if p.strip() else p for p in parts
+      )
+      if full != value:
+        changed[key] = full
+  if not changed:
+    return config
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.task.update(changed)
+  return config
 
 
 def _move_previous(workdir: Path) -> None:
@@ -397,6 +429,14 @@ def evaluate(
 
   Returns:
     The metrics with ``split``, ``step`` and ``checkpoint`` (which one was used).
+
+  Example::
+
+      from fastpos.train import cli
+
+      config = cli.load_config(f"{workdir}/config.json")     # the config the run saved
+      metrics = fastpos.evaluate(config, workdir, split="validation")
+      metrics["split"], metrics["checkpoint"]                 # ('validation', 'best')
   """
   if checkpoint not in ("best", "latest"):
     raise ValueError(f"checkpoint must be 'best' or 'latest'; got {checkpoint!r}.")

@@ -57,10 +57,10 @@ def test_the_tower_runs_the_embed_hook_its_blocks_refuse():
   x = jax.random.normal(jax.random.key(0), (2, N, W))
   params = jax.jit(tower.init)(jax.random.key(1), x, None)["params"]
   assert "pos_absolute" in params
-  y, _ = jax.jit(tower.apply)({"params": params}, x, None)
+  y = jax.jit(tower.apply)({"params": params}, x, None)
   bare = Tower(_cfg(), num_layers=1, mlp_dim=W)
   params_bare = {k: v for k, v in params.items() if k != "pos_absolute"}
-  y_bare, _ = jax.jit(bare.apply)({"params": params_bare}, x, None)
+  y_bare = jax.jit(bare.apply)({"params": params_bare}, x, None)
   assert float(jnp.max(jnp.abs(y - y_bare))) > 1e-3  # the positions changed the output
 
 
