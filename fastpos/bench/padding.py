@@ -450,7 +450,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--count_steps", type=int, default=600)
   p.add_argument("--out", default="")
   p.add_argument("--part", choices=("bucketing", "lm", "bidirectional"), default="bucketing")
-  p.add_argument("--lm_config", default="kernel=elu1", help="configs/text_lm.py arguments")
+  p.add_argument("--lm_config", default="vim,kernel=elu1", help="configs/text_lm.py arguments")
   try:
     args = p.parse_args(argv)
   except SystemExit as e:

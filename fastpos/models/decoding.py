@@ -21,8 +21,9 @@ Each layer runs its schemes' hooks through the dispatcher of the full forward
 (``fastpos.models.hooks.run``) along a ``StepPath``: the cache replaces the sequence as the
 source of keys and values, and ``fastpos.ops.decoding``'s steps replace the full ops.
 
-What each layer keeps, and its cost per token: the README's "Decoding" table (softmax: a key /
-value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a value cache).
+What each layer keeps, and its cost per token: the "Decoding" table of docs/decoding.md
+(softmax: a key / value cache; linear kernels: a fixed-size recurrent state; FastRPB adds a
+value cache).
 """
 
 from __future__ import annotations

@@ -465,7 +465,7 @@ def center_slice(table, n: int, max_length: int):
   if n > max_length:
     raise ValueError(
         f"sequence length {n} exceeds the maximum length {max_length} the positional tables "
-        f"were built for; raise model.max_length."
+        f"were built for; raise max_length (model.max_length in a config)."
     )
   return table[..., max_length - n : max_length + n - 1]
 

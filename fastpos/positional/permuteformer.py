@@ -260,7 +260,7 @@ class PermuteFormer(Scheme):
         raise ValueError(
             f"{SCHEME}: position {top} (sequence length {top + 1}, memory included) exceeds "
             f"the table of pi^i built for positions < dims.max_length = "
-            f"{self.dims.max_length}; raise model.max_length."
+            f"{self.dims.max_length}; raise max_length (model.max_length in a config)."
         )
       return self._powers[0][p]
     rows, cols = self._powers
