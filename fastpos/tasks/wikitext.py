@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import ml_collections
 import numpy as np
@@ -433,6 +433,14 @@ class WikiTextTask(base.Task):
   def vocabulary(self) -> list[str]:
     """The words by id (id 0 = ``<pad>``, 1 = ``<unk>``, 2 = ``<eos>``)."""
     return self.corpus.vocabulary()
+
+  def fingerprint(self) -> dict[str, Any]:
+    """The settings and the SHA-256 of the train and validation files' bytes (what a training
+    run reads; the vocabulary is built from the train file)."""
+    out = super().fingerprint()
+    files = [self.corpus.path(s) for s in ("train", "validation")]
+    out["files"] = [[p, base.file_digest(p)] for p in files]
+    return out
 
   def token_stream(self, split: str) -> np.ndarray:
     """The split as one id stream ``[n]`` (``<eos>`` after every line)."""

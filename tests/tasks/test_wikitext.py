@@ -262,3 +262,23 @@ def test_train_and_evaluate_two_steps(tmp_path):
   assert r["train"]["perplexity"] == pytest.approx(math.exp(r["train"]["loss"]))
   assert r["best"]["perplexity"] == val["perplexity"]
   assert r["carry"] == {}
+
+
+def test_fingerprint_holds_what_the_train_and_validation_files_hold(tmp_path):
+  """An edit of the train or validation file changes the run's data fingerprint (a resume on
+  it is refused); the test file, which training never reads, does not."""
+  root = tmp_path / "data"
+  shutil.copytree(ROOT, root)
+  cfg = _cfg(tmp_path / "cache", data_dir=str(root))
+  before = tasks.make_task(cfg).fingerprint()
+  assert before == tasks.make_task(cfg).fingerprint()
+  folder = root / "wikitext-103"
+  with open(folder / "wiki.test.tokens", "a", encoding="utf-8") as f:
+    f.write(" an extra test line\n")
+  assert tasks.make_task(cfg).fingerprint() == before
+  for name in ("wiki.valid.tokens", "wiki.train.tokens"):
+    text = (folder / name).read_text(encoding="utf-8")
+    (folder / name).write_text(text.replace(" the ", " a ", 1), encoding="utf-8")
+    after = tasks.make_task(cfg).fingerprint()
+    assert after != before, name
+    before = after
