@@ -8,6 +8,7 @@ at the same example."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -24,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fastpos import tasks
+from fastpos import config_schema, tasks
 from fastpos.train import (
     NonFiniteLossError,
     RunError,
@@ -358,9 +359,14 @@ def test_no_checkpoint_loads_lists_them(runs, tmp_path):
   assert not (workdir / workdir_lib.LOCK_NAME).exists()
 
 
-def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path):
+def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path, monkeypatch):
   """lr 1e30 after a warmup from 0: step 1 leaves the parameters unchanged (lr 0), step 2
-  sends them to ~1e29 (finite, but their loss is not): checkpoint 1 is the last good one."""
+  sends them to ~1e29 (finite, but their loss is not): checkpoint 1 is the last good one.
+  (The schema caps learning rates at 10; this test lifts the cap to make a run diverge.)"""
+  lr = config_schema.FIELDS["optimizer.learning_rate"]
+  monkeypatch.setitem(
+      config_schema.FIELDS, "optimizer.learning_rate", dataclasses.replace(lr, high=None)
+  )
   bad = {
       "optimizer.learning_rate": 1e30,
       "optimizer.grad_clip_norm": 0.0,
