@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from fastpos import interrupts
 
-interrupts.install("eval.py")  # first: SIGINT / SIGTERM stop with one line at any instant
+if __name__ == "__main__":  # the program (not an import of it, as tests do)
+  interrupts.install("eval.py")  # first: SIGINT / SIGTERM stop with one line at any instant
 
 import json  # noqa: E402
 import os  # noqa: E402

@@ -15,8 +15,8 @@ is written); ``--list_configs`` prints every
 ``configs/*.py`` with its first docstring sentence and its arguments (``:name=value``).
 One run as several processes (hosts, or one per accelerator): the same command on each with
 ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``, or
-``scripts/launch_local.sh N -- train.py ...`` on one machine (README, "Launching on many
-hosts").
+``scripts/launch_local.sh N -- train.py ...`` on one machine (docs/scaling.md, "Launching on
+many hosts").
 
 Exit codes (``fastpos.train.errors``): 0 finished; 2 bad config, flag, data or workdir (one
 line on stderr says which and how to fix it); 3 the loss became NaN / Inf; 4 another trainer
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from fastpos import interrupts
 
-interrupts.install("train.py")  # first: a signal during the imports below stops cleanly too
+if __name__ == "__main__":  # the program (not an import of it, as tests do)
+  interrupts.install("train.py")  # first: SIGINT / SIGTERM stop with one line at any instant
 
 from pathlib import Path  # noqa: E402
 

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastpos import interrupts  # noqa: E402
 
-interrupts.install("generate.py")  # first: SIGINT / SIGTERM stop with one line at any instant
+if __name__ == "__main__":  # the program (not an import of it, as tests do)
+  interrupts.install("generate.py")  # first: SIGINT / SIGTERM stop with one line at any instant
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -107,7 +107,19 @@ def _snapshot() -> dict:
       "environ": _environ(),
       "cwd": os.getcwd(),
       "jax_config": jax.config.values,
+      "signals": _signal_state(),
   }
+
+
+def _signal_state() -> tuple:
+  """SIGINT's and SIGTERM's handlers, and whether ``fastpos.interrupts`` has taken them over
+  (only a program does: an import of train.py or a script as a module must not)."""
+  import signal  # pylint: disable=import-outside-toplevel
+
+  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
+
+  handlers = tuple(signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM))
+  return handlers, interrupts.installed()
 
 
 def _restore_logger(logger: logging.Logger, state: tuple) -> None:
@@ -161,7 +173,26 @@ def _restore(before: dict) -> list[str]:
     if now.get(key) != old:
       changed.append(f"jax.config {key}: {old!r} -> {now.get(key)!r}")
       jax.config.update(key, old)
+  signals = _signal_state()
+  if signals != before["signals"]:
+    changed.append(
+        f"signal handlers (SIGINT, SIGTERM), interrupts installed: {before['signals']} -> {signals}"
+    )
+    _restore_signals(before["signals"])
   return changed
+
+
+def _restore_signals(state: tuple) -> None:
+  import signal  # pylint: disable=import-outside-toplevel
+
+  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
+
+  (sigint, sigterm), installed = state
+  if interrupts.installed() and not installed:
+    signal.set_wakeup_fd(-1)
+    interrupts._WATCH = None  # pylint: disable=protected-access
+  signal.signal(signal.SIGINT, sigint)
+  signal.signal(signal.SIGTERM, sigterm)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -232,4 +263,17 @@ def _process_state_guard():
         "the test left process state changed (restored now; restore it in the test "
         "or its fixture):\n  " + "\n  ".join(changed),
         pytrace=False,
+    )
+
+
+def pytest_collection_finish(session):
+  """No test module may take over the process's signals when it is imported (a program's
+  ``interrupts.install`` runs only under ``__main__``): every later test would inherit it."""
+  del session
+  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
+
+  if interrupts.installed():
+    raise pytest.UsageError(
+        "a test module's import ran fastpos.interrupts.install(): guard it with "
+        "if __name__ == '__main__'."
     )
