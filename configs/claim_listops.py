@@ -23,16 +23,9 @@ import ml_collections
 
 from configs import common, listops_generated, lrpe_table4, permuteformer_table1
 
-VARIANTS: dict[str, common.Row] = {
-    "base": lrpe_table4.ROWS["base"],
-    "rope": lrpe_table4.ROWS["rope"],
-    "lrpe1": lrpe_table4.ROWS["type1"],
-    "lrpe2": lrpe_table4.ROWS["type2"],
-    "lrpe3": lrpe_table4.ROWS["type3"],
-    "transformer": permuteformer_table1.ROWS["transformer"],
-    "performer": permuteformer_table1.ROWS["performer"],
-    "permuteformer": permuteformer_table1.ROWS["permuteformer"],
-}
+VARIANTS: dict[str, common.Row] = lrpe_table4.CLAIM_ROWS | common.pick(
+    permuteformer_table1.ROWS, common.PERMUTEFORMER_CLAIM
+)
 TABLE = "Claims on generated ListOps"
 ROW = common.Row({}, "generated ListOps")  # the block's one row: the task
 

@@ -42,14 +42,8 @@ VARIANTS: dict[str, common.Row] = {
         "NPRF-Transformer",
     ),
     "nprf_rpe": wikitext103_nprf_table2.ROWS["nprf_rpe"],
-    "base": lrpe_table4.ROWS["base"],
-    "rope": lrpe_table4.ROWS["rope"],
-    "lrpe1": lrpe_table4.ROWS["type1"],
-    "lrpe2": lrpe_table4.ROWS["type2"],
-    "lrpe3": lrpe_table4.ROWS["type3"],
-    "transformer": permuteformer_table4.ROWS["transformer"],
-    "performer": permuteformer_table4.ROWS["performer"],
-    "permuteformer": permuteformer_table4.ROWS["permuteformer"],
+    **lrpe_table4.CLAIM_ROWS,
+    **common.pick(permuteformer_table4.ROWS, common.PERMUTEFORMER_CLAIM),
     "txl": common.Row(dict(kernel="softmax", positional="transformer_xl"), "Transformer-XL rel."),
 }
 TABLE = "Claims on a word-level LM (Vim user manual)"

@@ -313,3 +313,11 @@ def make_tiny(c: ml_collections.ConfigDict) -> None:
   c.num_train_steps = 20
   c.schedule.warmup_steps = 5
   c.log_every_steps = c.eval_every_steps = c.checkpoint_every_steps = 10
+
+
+PERMUTEFORMER_CLAIM = ("transformer", "performer", "permuteformer")
+
+
+def pick(rows: dict[str, Row], names: tuple[str, ...]) -> dict[str, Row]:
+  """The rows ``names`` of a table's ``rows``, in that order (a claim's subset of a table)."""
+  return {name: rows[name] for name in names}

@@ -37,6 +37,10 @@ ROWS: dict[str, common.Row] = {
         "Type3",
     ),
 }
+# The rows under the names the claims' configs give them (configs/claim_*.py: model=<name>).
+CLAIM_ROWS = {"base": ROWS["base"], "rope": ROWS["rope"]} | {
+    f"lrpe{t}": ROWS[f"type{t}"] for t in (1, 2, 3)
+}
 TASKS = ("text", "listops", "retrieval", "pathfinder", "image")
 RESULTS = common.results(
     [label for _, label in ROWS.values()],
