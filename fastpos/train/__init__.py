@@ -8,12 +8,24 @@ signature with a carry), ``feed`` (plain or stream batches, the empty carry), ``
 (mesh, shardings, multi-host batches), ``data`` (grain pipelines), ``run`` (the frozen run
 description), ``resume`` (where a run starts), ``loop`` (the training loop), ``checkpoint``
 (orbax), ``metrics`` and ``tensorboard`` (what is logged, where), ``summary`` (the last line),
+``workdir`` (the workdir's one owner: its layout, records, checkpoints and lock),
 ``config_record`` (config.json and the changes of resumes), ``trainer``.
+
+The trainer loads on first use of its names (PEP 562), so that a reader of workdirs
+(``fastpos.load``, ``fastpos.train.workdir``) imports none of it.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from fastpos.train.errors import NonFiniteLossError, RunError, WorkdirLockedError
-from fastpos.train.trainer import evaluate, train_and_evaluate
 
 __all__ = ["NonFiniteLossError", "RunError", "WorkdirLockedError", "evaluate", "train_and_evaluate"]
+_TRAINER = ("evaluate", "train_and_evaluate")
+
+
+def __getattr__(name: str):
+  if name in _TRAINER:
+    return getattr(importlib.import_module("fastpos.train.trainer"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
