@@ -11,8 +11,8 @@ description), ``resume`` (where a run starts), ``loop`` (the training loop), ``c
 ``workdir`` (the workdir's one owner: its layout, records, checkpoints and lock),
 ``config_record`` (config.json and the changes of resumes), ``trainer``.
 
-The trainer loads on first use of its names (PEP 562), so that a reader of workdirs
-(``fastpos.load``, ``fastpos.train.workdir``) imports none of it.
+The trainer and the modules load on first use of their names (PEP 562), so that a reader of
+workdirs (``fastpos.load``, ``fastpos.train.workdir``) imports nothing of the trainer.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ _TRAINER = ("evaluate", "train_and_evaluate")
 
 
 def __getattr__(name: str):
+  """The trainer's names, and the package's modules (``fastpos.train.cli``), on first use."""
   if name in _TRAINER:
-    return getattr(importlib.import_module("fastpos.train.trainer"), name)
+    return getattr(importlib.import_module(f"{__name__}.trainer"), name)
+  try:
+    return importlib.import_module(f"{__name__}.{name}")
+  except ModuleNotFoundError as e:
+    if e.name != f"{__name__}.{name}":
+      raise
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
