@@ -18,12 +18,11 @@ if __name__ == "__main__":  # the program (not an import of it, as tests do)
   interrupts.install("eval.py")  # first: SIGINT / SIGTERM stop with one line at any instant
 
 import json  # noqa: E402
-import os  # noqa: E402
 
 from absl import flags  # noqa: E402
 
 from fastpos.train import cli, distributed, errors, evaluate, program  # noqa: E402
-from fastpos.train import workdir as workdir_lib  # noqa: E402
+from fastpos.train.workdir import Workdir  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "
@@ -40,21 +39,10 @@ _DISTRIBUTED = distributed.define_flags()  # --coordinator_address, --num_proces
 def main(argv: list[str]) -> int:
   program.no_extra_args(argv)
   workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
-  if not os.path.isdir(workdir):
-    what = (
-        "is a symlink loop"
-        if workdir_lib.is_symlink_loop(workdir)
-        else "is a file"
-        if os.path.exists(workdir)
-        else "does not exist"
-    )
-    raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
+  # One message for a folder that is not a run's (fastpos.train.workdir): a --config given,
+  # or the run's config.json that cli.with_saved_config put on the command line.
+  Workdir(workdir).require_run(config_given=_CONFIG.value is not None)
   cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
-  if cfg is None:
-    raise errors.RunError(
-        f"--workdir={workdir} has no config.json (train.py writes it when a run starts); "
-        "give the workdir of a run, or its config with --config=configs/<experiment>.py."
-    )
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   results = evaluate(cfg, workdir, _SPLIT.value, checkpoint=_CHECKPOINT.value)
   print(json.dumps(results, indent=2))

@@ -39,7 +39,6 @@ from pathlib import Path  # noqa: E402
 from absl import flags  # noqa: E402
 
 from fastpos.train import (  # noqa: E402
-    checkpoint,
     cli,
     config_files,
     distributed,
@@ -47,6 +46,7 @@ from fastpos.train import (  # noqa: E402
     program,
     train_and_evaluate,
 )
+from fastpos.train.workdir import Workdir  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "experiment config: configs/<experiment>.py[:variant]; override any field "
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     print(cfg, end="", flush=True)
     return errors.EXIT_OK
   workdir = program.require("workdir", _WORKDIR.value, "--workdir=/tmp/fastpos_run")
-  interrupts.describe_checkpoints(Path(workdir) / checkpoint.LATEST_DIR)  # in the stop line
+  interrupts.describe_checkpoints(Workdir(workdir).checkpoints_dir)  # in the stop line
   distributed.initialize(_DISTRIBUTED)  # before anything touches the devices
   result = train_and_evaluate(
       cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value, fresh=_FRESH.value

@@ -37,7 +37,7 @@ from fastpos import config_schema  # noqa: E402
 from fastpos.api import generation, loading  # noqa: E402
 from fastpos.api.generation import sample_logits  # noqa: E402,F401  (the sampler, re-exported)
 from fastpos.train import cli, errors, program, sharding  # noqa: E402
-from fastpos.train import workdir as workdir_lib  # noqa: E402
+from fastpos.train.workdir import Workdir  # noqa: E402
 
 _CONFIG = cli.define_config_flag(
     "the config the workdir was trained with; default: <workdir>/config.json. "
@@ -159,22 +159,10 @@ def main(argv: list[str]) -> int:
       _TOLERANCE.value,
       _SEED.value,
   )
-  if not os.path.isdir(workdir):
-    what = (
-        "is a symlink loop"
-        if workdir_lib.is_symlink_loop(workdir)
-        else "is a file"
-        if os.path.exists(workdir)
-        else "does not exist"
-    )
-    raise errors.RunError(f"--workdir={workdir} {what}; give the folder a train.py run wrote.")
+  # One message for a folder that is not a run's (fastpos.train.workdir): a --config given,
+  # or the run's config.json that cli.with_saved_config put on the command line.
+  Workdir(workdir).require_run(config_given=_CONFIG.value is not None)
   cfg = cli.config_of(_CONFIG)  # checked against the schema before anything is built
-  if cfg is None:
-    raise errors.RunError(
-        f"--workdir={workdir} has no config.json (train.py writes it when a "
-        "run starts); give the workdir of a run, or its config with "
-        "--config=configs/<experiment>.py."
-    )
   sharding.maybe_initialize_distributed()
   loaded = restore(workdir, cfg, _CHECKPOINT.value)
   model, variables = loaded.model, loaded.variables

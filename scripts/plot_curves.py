@@ -6,8 +6,10 @@
 Each workdir's ``metrics.jsonl`` (what ``train.py`` writes; the last record of a step counts,
 so a resumed run shows each step once) gives the points. The default metrics are the training
 loss and every validation metric the runs share. A line's legend says what sets the run apart:
-the config fields (``config.json``) whose values differ between the runs, e.g. ``kernel=sikf,
-positional=absolute+fastrpb``; ``--labels`` replaces them. The format follows ``--out``'s
+the config fields whose values differ between the runs (the config each last ran with:
+``config.json`` with the changes its resumes recorded, read through the workdir's owner,
+``fastpos.train.workdir.Workdir``), e.g. ``kernel=sikf, positional=absolute+fastrpb``;
+``--labels`` replaces them. The format follows ``--out``'s
 extension (png, pdf, svg). Bad input (a workdir without metrics.jsonl, a metric no run has,
 too few labels) stops with one line and exit code 2.
 """
@@ -25,6 +27,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fastpos.plots import distinct_colors, integer_ticks  # noqa: E402
+from fastpos.train.errors import RunError  # noqa: E402
+from fastpos.train.workdir import Workdir  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 # Config fields that never set runs apart in a legend (paths, cadence, bookkeeping).
@@ -48,7 +52,7 @@ class InputError(ValueError):
 
 def read_metrics(workdir: Path) -> dict[str, dict[int, float]]:
   """``{"train/loss": {step: value}, ...}`` of ``workdir/metrics.jsonl`` (last record wins)."""
-  path = Path(workdir) / "metrics.jsonl"
+  path = Workdir(workdir).metrics_file
   if not path.is_file():
     raise InputError(f"{path} not found: give the workdir of a train.py run.")
   out: dict[str, dict[int, float]] = {}
@@ -82,9 +86,10 @@ def labels(workdirs: list[Path]) -> list[str]:
   configs = []
   for w in workdirs:
     try:
-      configs.append(_flat(json.loads((Path(w) / "config.json").read_text())))
-    except (OSError, ValueError):
-      configs.append(None)
+      values = Workdir(w).config_values()
+    except (OSError, RunError):
+      values = None
+    configs.append(None if values is None else _flat(values))
   if len(workdirs) < 2 or any(c is None for c in configs):
     return [Path(w).name for w in workdirs]
   keys = sorted({k for c in configs for k in c if not k.startswith(IGNORED)})

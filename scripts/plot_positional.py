@@ -29,7 +29,6 @@ without any of these parameters writes nothing and says so (exit status 0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import textwrap
@@ -46,6 +45,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fastpos.plots import distinct_colors, integer_ticks, layer_name  # noqa: E402
+from fastpos.train.errors import RunError  # noqa: E402
 
 SCHEMES = ("fastrpb", "kernelized_rpe", "lrpe")
 DEFAULT_PIXEL = (12, 10)
@@ -55,27 +55,15 @@ DEFAULT_PIXEL = (12, 10)
 # Reading
 # ---------------------------------------------------------------------------------------------
 def load_checkpoint(workdir: Path, which: str = "best") -> tuple[dict, dict]:
-  """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
+  """(params as nested dicts of numpy arrays, checkpoint meta) of a workdir, read through its
+  owner (``fastpos.train.workdir.Workdir``: the run's check, the verified restore)."""
+  from fastpos.train.workdir import Workdir  # pylint: disable=import-outside-toplevel
 
-  from fastpos.train.checkpoint import Checkpoints  # pylint: disable=import-outside-toplevel
-
-  config_path = workdir / "config.json"
-  if not config_path.exists():
-    raise FileNotFoundError(f"{config_path} does not exist: is {workdir} a train.py workdir?")
-  cfg = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-  ckpts = Checkpoints(workdir, cfg, read_only=True)
-  try:
-    if which == "best" and ckpts.best_step() is None:
-      which = "latest"
-    if ckpts.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}.")
-    # No abstract target: the saved tree comes back as nested dicts of arrays.
-    state, meta = ckpts.restore(None, which=which)
-  finally:
-    ckpts.close()
-  params = state["params"]
-  return _to_numpy(params), {**meta, "which": which}
+  run = Workdir(workdir)
+  run.require_run()
+  # No abstract target: the saved tree comes back as nested dicts of arrays.
+  found = run.restore(None, which)
+  return _to_numpy(found.state["params"]), {**found.meta, "which": run.which(found)}
 
 
 def _to_numpy(tree: Any) -> Any:
@@ -441,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     written = plot_workdir(
         args.workdir, args.out or args.workdir / "figures", which=args.checkpoint, pixel=pixel
     )
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError, RunError) as e:
     print(f"plot_positional: {e}", file=sys.stderr)
     return 2
   if not written:

@@ -144,13 +144,13 @@ _ON_THE_RUN = [e for e in _RUN_EXAMPLES if "train_and_evaluate" not in e.where]
 
 def test_the_examples_that_read_a_run_are_these():
   names = sorted(e.where.split(" ", 1)[1] for e in _RUN_EXAMPLES)
-  assert names == ["(module)", "Loaded", "evaluate", "load", "train_and_evaluate"], names
+  assert names == ["(module)", "Loaded", "Workdir", "evaluate", "load", "train_and_evaluate"], names
 
 
 @pytest.mark.parametrize("example", _ON_THE_RUN, ids=str)
 def test_docstring_examples_run_on_a_trained_run(example, workdir, tmp_path, monkeypatch):
-  """``fastpos.load``'s, ``Loaded``'s, ``evaluate``'s and the package's examples, as written, on
-  a copy of this module's run (evaluate writes its results there)."""
+  """``fastpos.load``'s, ``Loaded``'s, ``evaluate``'s, ``Workdir``'s and the package's examples,
+  as written, on a copy of this module's run (evaluate writes its results there)."""
   run = shutil.copytree(workdir, tmp_path / "run")
   monkeypatch.chdir(ROOT)
   run_example(example, example_scope(workdir=run))

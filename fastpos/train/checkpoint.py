@@ -25,8 +25,9 @@ workdir's lock is held.
 
 A restore returns what it found (``Restored``: the state, its record, step, folder, whether it
 verified and this process's data position) and decides nothing about the run: the trainer
-decides whether the data position carries over. ``restore_checkpoint(workdir, ...)`` restores
-a workdir's checkpoint without a trainer.
+decides whether the data position carries over. ``fastpos.train.workdir.Workdir.restore``
+restores a workdir's checkpoint without a trainer (``eval.py``, ``fastpos.load``, the
+scripts).
 """
 
 from __future__ import annotations
@@ -51,12 +52,10 @@ from jax.experimental import multihost_utils
 
 from fastpos.tasks.info import TaskInfo
 from fastpos.train import digest as digest_lib
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.digest import DigestMismatch
 from fastpos.train.errors import RunError
-from fastpos.train.workdir import os_error_reason
 
-# The workdir's checkpoint folders: every save, and the best on validation.
-LATEST_DIR, BEST_DIR = "checkpoints", "best"
 # A reader beside a trainer that deletes old steps as it saves new ones: how often a restore
 # reads again when the folder changed under it, and how it lists a folder that changes.
 _REREADS = 20
@@ -146,51 +145,6 @@ def _read_data_state(data_dir: Path) -> dict[str, Any]:
   """This process's data-iterator state, as grain's checkpoint handler saved it."""
   name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
   return json.loads((data_dir / name).read_text())
-
-
-def restore_checkpoint(
-    workdir: str | Path,
-    abstract_state: Any = None,
-    *,
-    which: str = "latest",
-    step: int | None = None,
-) -> Restored:
-  """Restores a checkpoint of a ``train.py`` workdir, read-only and without a trainer.
-
-  Args:
-    workdir: the run's ``--workdir``.
-    abstract_state: the tree to restore into, e.g.
-      ``fastpos.train.state.checkpoint_tree(state, carry)`` of ``jax.ShapeDtypeStruct``s
-      (with shardings); None restores the tree as saved, nested dicts of arrays
-      (``{"step", "params", "opt_state", "collections", "memory"}``).
-    which: "latest" (``checkpoints/``) or "best" (``best/``, the best on validation).
-    step: that step (no fallback); None: the newest that loads and matches its digests
-      (damaged ones are reported with a warning and skipped, never moved).
-
-  Returns:
-    ``Restored`` (state, meta, step, path, verified, ...).
-
-  Raises:
-    FileNotFoundError: ``which`` holds no checkpoint (or not ``step``).
-    CheckpointLoadError: none loads (each one listed with its reason).
-    DigestMismatch: ``step`` was given and does not match its digests.
-  """
-  ckpts = Checkpoints(workdir, read_only=True)
-  try:
-    steps = ckpts.steps(which)
-    folder = ckpts.latest_dir if which == "latest" else ckpts.best_dir
-    if not steps or (step is not None and step not in steps):
-      at = f"step {step} " if step is not None else ""
-      raise FileNotFoundError(
-          f"no checkpoint {at}in {folder}; checkpoints there: "
-          f"{', '.join(map(str, sorted(steps))) or 'none'}."
-      )
-    if step is None:
-      return ckpts.restore_newest(abstract_state, which)
-    state, meta = ckpts.restore(abstract_state, which=which, step=step)
-    return Restored(state, meta, step, folder / str(step), "digests" in meta)
-  finally:
-    ckpts.close()
 
 
 def _manager(
@@ -342,8 +296,8 @@ class Checkpoints:
       *,
       read_only: bool = False,
   ):
-    workdir = Path(workdir).absolute()
-    self.latest_dir, self.best_dir = workdir / LATEST_DIR, workdir / BEST_DIR
+    run = workdir_lib.Workdir(Path(workdir).absolute())
+    self.latest_dir, self.best_dir = run.checkpoints_dir, run.best_dir
     self.cfg = cfg
     self.read_only = read_only
     self.writable = False
@@ -719,7 +673,7 @@ class Checkpoints:
   # Writing.
   def _raise_io(self, exc: BaseException, directory: Path) -> None:
     """Re-raises an error of the file system as a RunError naming ``directory``."""
-    reason = os_error_reason(exc)
+    reason = workdir_lib.os_error_reason(exc)
     if reason is not None:
       raise RunError(
           f"{reason} in {directory}: free space or use another --workdir "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import numbers
-import os
 import re
 import sys
 from typing import Iterable, Mapping, Sequence
@@ -28,6 +27,7 @@ from ml_collections import config_flags
 
 from fastpos.train import config as config_lib
 from fastpos.train.config_files import ConfigError, read
+from fastpos.train.workdir import Workdir
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")  # what config_flags takes as an override
 _OPTIONS = "model.positional_options"  # per-scheme options, by scheme name
@@ -175,8 +175,9 @@ def with_saved_config(argv: list[str]) -> list[str]:
     workdir = arg[len("--workdir=") :] if arg.startswith("--workdir=") else None
     if arg == "--workdir" and i + 1 < len(argv):
       workdir = argv[i + 1]
-    if workdir and os.path.isfile(os.path.join(workdir, "config.json")):
-      return [argv[0], f"--config={os.path.join(workdir, 'config.json')}", *argv[1:]]
+    saved = Workdir(workdir).config_file if workdir else None
+    if saved is not None and saved.is_file():
+      return [argv[0], f"--config={saved}", *argv[1:]]
   return argv
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
-import json
 import os
 import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
 import ml_collections
 
@@ -65,35 +63,13 @@ def _missing_file(path: str, spec: str) -> ConfigError:
   return ConfigError(f"--config={spec}: config file {path!r} not found; {hint}")
 
 
-def _tuples(value: Any) -> Any:
-  """JSON values back to config values: lists were tuples (configs hold no lists)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
 def config_from_json(path: str | os.PathLike) -> ml_collections.ConfigDict:
-  """The config a run saved as ``config.json`` (``ConfigDict.to_json_best_effort``), with the
-  changes its resumes recorded beside it (``config_changes.jsonl``) applied."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      values = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise ConfigError(
-        f"{os.fspath(path)} is not a readable config.json ({e}); it is written "
-        "by train.py: use the run's own file or the configs/*.py it was made "
-        "from."
-    ) from None
-  if not isinstance(values, dict):
-    raise ConfigError(
-        f"{os.fspath(path)} holds a JSON {type(values).__name__}, not a config "
-        "(an object of fields)."
-    )
-  if Path(path).name == config_record.CONFIG_NAME:  # a run's: with the changes of its resumes
-    values = config_record.apply_changes(values, config_record.read_changes(Path(path).parent))
-  return ml_collections.ConfigDict(_tuples(values))
+  """The config saved in JSON file ``path``; a run's ``config.json`` is its run's config, with
+  the changes its resumes recorded (``workdir.Workdir.config``)."""
+  path = Path(path)
+  if path.name == workdir_lib.CONFIG_NAME:
+    return workdir_lib.Workdir(path.parent).config()
+  return config_record.from_json(config_record.read_json(path))
 
 
 @contextlib.contextmanager

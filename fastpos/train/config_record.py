@@ -1,4 +1,5 @@
-"""The run's record of its config: ``config.json`` and ``config_changes.jsonl`` in the workdir.
+"""The run's record of its config: ``config.json`` and ``config_changes.jsonl`` in the workdir
+(``fastpos.train.workdir`` names and reads them: ``Workdir.config``).
 
 ``config.json`` is the config a run started with; a resume never rewrites it. A resume whose
 config differs from the run's (``effective_config``: config.json with the recorded changes
@@ -21,12 +22,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import ml_collections
+
 from fastpos import config_schema
 from fastpos.train import errors
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
 
-CONFIG_NAME = "config.json"
-CHANGES_NAME = "config_changes.jsonl"
 ALLOW_FLAG = "--allow_config_change"
 _UNSET = "(unset)"
 
@@ -78,6 +80,20 @@ def as_json(cfg) -> dict[str, Any]:
   return json.loads(cfg.to_json_best_effort())
 
 
+def from_json(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The ConfigDict of a JSON config (``as_json``'s inverse: lists were tuples, since configs
+  hold no lists)."""
+  return ml_collections.ConfigDict(_tuples(dict(values)))
+
+
+def _tuples(value: Any) -> Any:
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
   """Every field whose value differs between JSON configs ``old`` and ``new``, classified."""
   a, b = flatten(old), flatten(new)
@@ -97,7 +113,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def read_changes(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   """The entries of ``<workdir>/config_changes.jsonl`` in order ([] when there is none)."""
-  path = Path(workdir) / CHANGES_NAME
+  path = workdir_lib.Workdir(workdir).changes_file
   if not path.is_file():
     return []
   entries = []
@@ -135,17 +151,22 @@ def apply_changes(values: dict[str, Any], entries: Iterable[Mapping[str, Any]]) 
 def read_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
   """The config the run in ``workdir`` started with (its config.json); None when there is
   none. A damaged file raises RunError naming it."""
-  path = Path(workdir) / CONFIG_NAME
-  if not path.is_file():
-    return None
+  path = workdir_lib.Workdir(workdir).config_file
+  return read_json(path) if path.is_file() else None
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+  """The JSON config in file ``path`` (a run's config.json, or one saved like it); RunError
+  naming the file when it does not read as one."""
   try:
-    values = json.loads(path.read_text(encoding="utf-8"))
+    values = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(values, dict):
-      raise ValueError("not a config")
-  except (ValueError, UnicodeDecodeError) as e:
+      raise ValueError(f"a JSON {type(values).__name__}, not an object of fields")
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
     raise RunError(
-        f"{path} is not a readable config.json ({e}); it is written by train.py: "
-        "restore the run's own file or use another --workdir."
+        f"{os.fspath(path)} is not a readable {workdir_lib.CONFIG_NAME} ({e}); it is written by "
+        "train.py: "
+        "restore the run's own file, or use the configs/*.py it was made from."
     ) from None
   return values
 
@@ -169,14 +190,15 @@ def check_resume(workdir: str | os.PathLike, cfg, *, allow: bool) -> list[Change
     return []
   changes = compare(before, as_json(cfg))
   refused = [c for c in changes if c.affects_results]
+  run = workdir_lib.Workdir(workdir)
   if refused and not allow:
     shown = "; ".join(map(str, refused))
     raise RunError(
         f"the run in {workdir} was made with another config, and resuming it with this one "
-        f"would change its results: {shown}. Resume with its config ({workdir}/{CONFIG_NAME}"
-        f"{', with ' + CHANGES_NAME if read_changes(workdir) else ''}), use another "
+        f"would change its results: {shown}. Resume with its config ({run.config_file}"
+        f"{', with ' + run.changes_file.name if read_changes(workdir) else ''}), use another "
         f"--workdir, or pass {ALLOW_FLAG} to accept the change (it is recorded in "
-        f"{CHANGES_NAME})."
+        f"{run.changes_file.name})."
     )
   return changes
 
@@ -197,7 +219,7 @@ def record(
   }
   if data is not None:
     entry["data"] = dict(data)
-  append_line(Path(workdir) / CHANGES_NAME, entry)
+  append_line(workdir_lib.Workdir(workdir).changes_file, entry)
   return entry
 
 
@@ -229,4 +251,4 @@ def describe(entries: Iterable[Mapping[str, Any]]) -> str:
       items.append(f"data ({entry['data']['what']})")
     if items:
       parts.append(f"at step {entry['step']}: {', '.join(items)}")
-  return f"config changed {'; '.join(parts)} ({CHANGES_NAME})" if parts else ""
+  return f"config changed {'; '.join(parts)} ({workdir_lib.CHANGES_NAME})" if parts else ""

@@ -38,11 +38,8 @@ from absl import logging
 
 from fastpos import config_schema
 from fastpos.train import config_record, digest, errors, launches
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
-
-RUN_NAME = "run.json"
-METRICS_NAME = "metrics.jsonl"  # fastpos.train.metrics writes it
-LAUNCHES_NAME = launches.LAUNCHES_NAME
 
 
 def trajectory(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,7 +123,8 @@ class Record:
       return
     w = self.workdir
     if self.id is None or not self.trajectories:
-      missing = [n for n in (config_record.CONFIG_NAME, RUN_NAME) if not (w / n).is_file()]
+      names = (workdir_lib.CONFIG_NAME, workdir_lib.RUN_NAME)
+      missing = [n for n in names if not (w / n).is_file()]
       raise RunError(
           f"{' and '.join(f'{w}/{n}' for n in missing)} {'is' if len(missing) == 1 else 'are'} "
           f"missing, but checkpoint {path} belongs to run {ident['id']}: restore the run's "
@@ -147,15 +145,16 @@ class Record:
       )
       raise RunError(
           f"checkpoint {path} was trained with {_trained_with(ident['trajectory'], near)}, "
-          f"but the run's record ({w}/{config_record.CONFIG_NAME} with "
-          f"{config_record.CHANGES_NAME}) says otherwise: the record was edited or replaced. "
+          f"but the run's record ({w}/{workdir_lib.CONFIG_NAME} with "
+          f"{workdir_lib.CHANGES_NAME}) says otherwise: the record was edited or replaced. "
           f"Restore it; change a setting with --config.<field>=<value> "
-          f"{config_record.ALLOW_FLAG} (recorded in {config_record.CHANGES_NAME})."
+          f"{config_record.ALLOW_FLAG} (recorded in {workdir_lib.CHANGES_NAME})."
       )
     if ident.get("data") not in self.data_digests:
       raise RunError(
           f"checkpoint {path} was trained on data (fingerprint {ident.get('data')}) that the "
-          f"run's record ({RUN_NAME}, {config_record.CHANGES_NAME}) does not name: restore the "
+          f"run's record ({workdir_lib.RUN_NAME}, {workdir_lib.CHANGES_NAME}) does not name: "
+          "restore the "
           f"record, or move the checkpoint out of {w}."
       )
 
@@ -170,8 +169,8 @@ class Record:
   def _check_counts(self, ident: Mapping[str, Any], path: Path) -> None:
     w = self.workdir
     for name, have, want in (
-        (config_record.CHANGES_NAME, len(self.changes), ident.get("changes", 0)),
-        (LAUNCHES_NAME, self.launches, ident.get("launches", 0)),
+        (workdir_lib.CHANGES_NAME, len(self.changes), ident.get("changes", 0)),
+        (workdir_lib.LAUNCHES_NAME, self.launches, ident.get("launches", 0)),
     ):
       if have < want:
         state = "is missing" if not (w / name).exists() else f"holds {have} line(s)"
@@ -180,7 +179,7 @@ class Record:
             f"record was lost or cut short. Restore {name} from a copy of the workdir, or start "
             f"over with --fresh (the records move to {w}/previous/)."
         )
-    metrics = w / METRICS_NAME
+    metrics = workdir_lib.Workdir(w).metrics_file
     if not metrics.is_file():
       raise RunError(
           f"{metrics} is missing, but {path} holds a checkpoint of this run: restore it from a "
@@ -221,7 +220,7 @@ def _check_jsonl(path: Path) -> None:
 
 def read_start(workdir: str | os.PathLike) -> dict[str, Any] | None:
   """run.json's fields (None when there is none); RunError naming it when damaged."""
-  path = Path(workdir) / RUN_NAME
+  path = workdir_lib.Workdir(workdir).run_file
   if not path.is_file():
     return None
   try:
@@ -266,7 +265,7 @@ def read_record(workdir: str | os.PathLike) -> Record:
 def write_start(workdir: str | os.PathLike, fingerprint: Any) -> dict[str, Any]:
   """Writes run.json for a run that starts now (a new id); returns its fields."""
   start = {"id": new_id(), "time": config_record.utc_now(), "data": fingerprint}
-  path = Path(workdir) / RUN_NAME
+  path = workdir_lib.Workdir(workdir).run_file
   tmp = path.with_suffix(".json.tmp")
   with errors.names_file(path):
     tmp.write_text(json.dumps(start, indent=2) + "\n", encoding="utf-8")
@@ -302,6 +301,6 @@ def check_data(record: Record, fingerprint: Any, *, allow: bool) -> dict[str, An
         f"the data of the run in {record.workdir} changed since the run recorded them ({what}): "
         f"resuming would train on other data. Restore the data, use another --workdir, or pass "
         f"{config_record.ALLOW_FLAG} to accept the change (it is recorded in "
-        f"{config_record.CHANGES_NAME})."
+        f"{workdir_lib.CHANGES_NAME})."
     )
   return {"old": data_digest(record.data[-1]), "new": fingerprint, "what": what}

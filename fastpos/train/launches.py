@@ -39,10 +39,10 @@ from typing import Any, Callable, Mapping
 import jax
 
 from fastpos import positional
-from fastpos.train import checkpoint, config_record
+from fastpos.train import config_record
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
 
-LAUNCHES_NAME = "launches.jsonl"
 # The distributions a result depends on (as pip names them).
 DISTRIBUTIONS = (
     "fastpos",
@@ -139,7 +139,7 @@ def record(
   if jax.process_index() != 0:
     return None
   line = entry(first_step, resumed_from, mesh_shape)
-  config_record.append_line(Path(workdir) / LAUNCHES_NAME, line)
+  config_record.append_line(workdir_lib.Workdir(workdir).launches_file, line)
   return line
 
 
@@ -147,7 +147,7 @@ def read(workdir: str | os.PathLike) -> list[dict]:
   """The launches recorded in ``workdir``, oldest first ([] before the first). A line that is
   not a JSON object (cut off by an interrupted write, or edited) raises RunError naming the
   file, the line and the fix."""
-  path = Path(workdir) / LAUNCHES_NAME
+  path = workdir_lib.Workdir(workdir).launches_file
   if not path.is_file():
     return []
   data = path.read_bytes()
@@ -200,7 +200,8 @@ def check_format(workdir: str | os.PathLike, cfg, doing: str, trained: int | Non
   ``trained``: the format of the checkpoint to use (``checkpoint_format``); None: what the
   launches say."""
   if trained is None:
-    if not any((Path(workdir) / d).is_dir() for d in (checkpoint.LATEST_DIR, checkpoint.BEST_DIR)):
+    run = workdir_lib.Workdir(workdir)
+    if not (run.checkpoints_dir.is_dir() or run.best_dir.is_dir()):
       return  # nothing trained here yet
     trained = trained_format(workdir)
   old = trained

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.tensorboard import EventWriter
 
 
@@ -147,7 +148,8 @@ class MetricWriter:
     self._last_step = None
     self._tokens_rates: list[float] = []
     if self.active:
-      path = Path(workdir) / "metrics.jsonl"
+      run = workdir_lib.Workdir(workdir)
+      path = run.metrics_file
       records, dropped = _truncate(path, resume_step)
       if dropped:
         logging.info(
@@ -161,7 +163,7 @@ class MetricWriter:
       self._path = path
       # Held open for the writer's lifetime (closed by close()), so no `with` block.
       self._jsonl = open(path, "a")  # noqa: SIM115
-      self._tb = EventWriter(Path(workdir) / "tensorboard", resume_step=resume_step)
+      self._tb = EventWriter(run.tensorboard_dir, resume_step=resume_step)
 
   def _keep_figures(self, record: Mapping[str, Any]) -> None:
     if record.get("split") == "train" and "tokens_per_second" in record:

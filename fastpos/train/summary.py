@@ -11,6 +11,7 @@ import numpy as np
 
 from fastpos.tasks.info import TaskInfo
 from fastpos.train import config_record
+from fastpos.train.workdir import Workdir
 
 
 def summary_line(
@@ -66,7 +67,7 @@ def _metric_parts(workdir: Path, task, result: dict[str, Any]) -> list[str]:
         else ""
     )
     parts.append(f"validation {metric} {shown(val[metric])}{at}")
-  test_file = workdir / "results_test.json"
+  test_file = Workdir(workdir).results_file("test")
   if test_file.is_file():
     test = json.loads(test_file.read_text())
     if metric in test:

@@ -10,7 +10,8 @@ Nothing is created in the workdir before every check has passed (config, model, 
 the data of every split the run reads, a workdir that can be written); then the trainer takes
 the workdir's lock (``fastpos.train.workdir``: one trainer per workdir), restores, and only
 then creates ``checkpoints/``, ``best/``, ``metrics.jsonl``, ``tensorboard/`` and ``train.log``
-(process 0's log, appended to on resume). ``config.json`` is written by a run from scratch and
+(process 0's log, appended to on resume); ``Workdir`` names every file there and is the
+trainer's only way to them. ``config.json`` is written by a run from scratch and
 never by a resume: a resume whose config changes the run's results is refused before anything
 is restored unless allowed, and its changes go to ``config_changes.jsonl``
 (``fastpos.train.config_record``). Every start, from scratch or resumed, appends one line to
@@ -63,11 +64,12 @@ from fastpos.train import resume as resume_lib
 from fastpos.train import run as run_lib
 from fastpos.train import state as state_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, quiet_closed_event_loop
+from fastpos.train.checkpoint import Checkpoints, quiet_closed_event_loop
 from fastpos.train.errors import RunError, WorkdirLockedError
 from fastpos.train.run import Run
 from fastpos.train.summary import PLOTTED_SCHEMES, summary_line
 from fastpos.train.tensorboard import EventWriter
+from fastpos.train.workdir import Workdir
 
 __all__ = ["PLOTTED_SCHEMES", "evaluate", "summary_line", "train_and_evaluate"]
 
@@ -133,7 +135,8 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
   val_src = run.task.source("validation")
   fingerprint = run.task.fingerprint()  # what the run reads (the files are read by now)
   workdir_lib.check_usable(run.workdir)
-  lock = _take_lock(run.workdir)
+  run_dir = Workdir(run.workdir)
+  lock = _take_lock(run_dir)
   signals = contextlib.ExitStack()  # train.py's SIGINT / SIGTERM (fastpos.interrupts)
   signals.enter_context(interrupts.exit_hook(lock.release))
   ckpts = None
@@ -142,30 +145,30 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
   try:
     if fresh:
       _move_previous(run.workdir)
-    ckpts = Checkpoints(run.workdir, run.cfg)
+    ckpts = run_dir.checkpoints(run.cfg, read_only=False)
     # A resume of another config or other data, a checkpoint of another run, a lost record
     # and the records of another run are refused before anything is restored or written.
     changes, data_change, record = [], None, None
     if ckpts.latest_step() is not None:
-      record = identity_lib.read_record(run.workdir)
-      _require_config(run.workdir, ckpts)
+      record = run_dir.record()
+      _require_config(run_dir, ckpts)
       changes = config_record.check_resume(run.workdir, run.cfg, allow=allow_config_change)
       data_change = identity_lib.check_data(record, fingerprint, allow=allow_config_change)
     else:
-      _refuse_leftovers(run.workdir)
+      _refuse_leftovers(run_dir)
     # An accepted change of what the files hold (not of settings) may change the split's size.
     start = resume_lib.start(
         run, ckpts, train_src, record, bool(data_change and data_change["what"])
     )
-    model_format = _check_format(run, start)
+    model_format = _check_format(run, run_dir, start)
     # Writing starts: from here a first signal stops at the next safe point (the next check,
     # or the step being trained, saved).
     signals.enter_context(interrupts.deferred("stopping at the next safe point"))
     ckpts.open_for_writing()  # creates the folders; deletes leftovers of interrupted saves
     # The log file too only now: a run that fails its checks leaves the workdir untouched.
-    log_file.enter_context(_log_file(run.workdir / "train.log"))
+    log_file.enter_context(_log_file(run_dir.log_file))
     history = _announce(run, start, changes, (len(train_src), len(val_src)), data_change)
-    ckpts.identity = _identity(run, fingerprint, model_format)
+    ckpts.identity = _identity(run, run_dir, fingerprint, model_format)
     writer = _open_writer(run, start, changes, data_change)
     interrupts.check("before training started")
     with quiet_closed_event_loop():  # after a failed save (a full disk)
@@ -229,43 +232,41 @@ def _move_previous(workdir: Path) -> None:
     multihost_utils.sync_global_devices("fastpos fresh start")
 
 
-def _refuse_leftovers(workdir: Path) -> None:
+def _refuse_leftovers(run_dir: Workdir) -> None:
   """A start from scratch in a workdir holding another run's records (and no checkpoint) would
   overwrite them: refused, naming them and ``--fresh``."""
-  found = workdir_lib.leftover_records(workdir)
+  found = workdir_lib.leftover_records(run_dir.path)
   if found:
     raise RunError(
-        f"{workdir} holds the records of another run ({', '.join(found)}) but no checkpoint to "
-        f"resume: starting a new run there would overwrite them. Pass --fresh to move them to "
-        f"{workdir / workdir_lib.PREVIOUS_DIR}/<time>/ and start anew, or use another --workdir."
+        f"{run_dir.path} holds the records of another run ({', '.join(found)}) but no "
+        f"checkpoint to resume: starting a new run there would overwrite them. Pass --fresh to "
+        f"move them to {run_dir.previous_dir}/<time>/ and start anew, or use another --workdir."
     )
 
 
-def _require_config(workdir: Path, ckpts: Checkpoints) -> None:
-  if not (workdir / config_record.CONFIG_NAME).is_file():
+def _require_config(run_dir: Workdir, ckpts: Checkpoints) -> None:
+  if not run_dir.config_file.is_file():
     raise RunError(
-        f"{workdir / config_record.CONFIG_NAME} is missing, but {ckpts.latest_dir} holds "
+        f"{run_dir.config_file} is missing, but {ckpts.latest_dir} holds "
         "checkpoints of a run: restore it from a copy of the workdir, or start over with "
-        f"--fresh (everything moves to {workdir / workdir_lib.PREVIOUS_DIR}/<time>/)."
+        f"--fresh (everything moves to {run_dir.previous_dir}/<time>/)."
     )
 
 
-def _check_format(run: Run, start: resume_lib.Start) -> int:
+def _check_format(run: Run, run_dir: Workdir, start: resume_lib.Start) -> int:
   """The oldest model format the restored checkpoint was trained under (this fastpos's from
   scratch), after refusing one whose later format changes touch the config."""
   if start.restored is None:
     return launches.MODEL_FORMAT
-  trained = launches.checkpoint_format(run.workdir, start.restored.meta)
-  launches.check_format(run.workdir, run.cfg, "resume", trained=trained)
-  return trained
+  return run_dir.check_format(run.cfg, "resume", start.restored.meta)
 
 
-def _identity(run: Run, fingerprint, model_format: int) -> dict[str, Any]:
+def _identity(run: Run, run_dir: Workdir, fingerprint, model_format: int) -> dict[str, Any]:
   """What every checkpoint of this launch records of its run (``identity.stamp``), once
   run.json and this launch's records are written."""
   if jax.process_count() > 1:  # process 0 wrote them
     multihost_utils.sync_global_devices("fastpos run record written")
-  record = identity_lib.read_record(run.workdir)
+  record = run_dir.record()
   return identity_lib.stamp(
       record.id, run.cfg, fingerprint, model_format, len(record.changes), record.launches
   )
@@ -337,7 +338,7 @@ def _record_config(run: Run, resumed_step: int | None, changes, data) -> list:
   if jax.process_index() != 0:
     return []
   if resumed_step is None:
-    _write_json(run.workdir / config_record.CONFIG_NAME, run.cfg.to_json_best_effort(indent=2))
+    _write_json(Workdir(run.workdir).config_file, run.cfg.to_json_best_effort(indent=2))
     identity_lib.write_start(run.workdir, run.task.fingerprint())
     return []
   if identity_lib.read_start(run.workdir) is None:  # legacy: the run gets its identity now
@@ -348,7 +349,7 @@ def _record_config(run: Run, resumed_step: int | None, changes, data) -> list:
     shown = [*map(str, changes), *([f"data ({data['what']})"] if data and data["what"] else [])]
     logging.warning(
         "resumed with a changed config (recorded in %s): %s",
-        config_record.CHANGES_NAME,
+        workdir_lib.CHANGES_NAME,
         "; ".join(shown),
     )
   return history
@@ -381,10 +382,11 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def _take_lock(workdir: Path) -> workdir_lib.WorkdirLock:
+def _take_lock(run_dir: Workdir) -> workdir_lib.WorkdirLock:
   """Creates the workdir and takes its lock (process 0 only: the processes of one run are one
   trainer); every process raises when process 0 could not."""
-  lock = workdir_lib.WorkdirLock(workdir)
+  workdir = run_dir.path
+  lock = run_dir.lock()
   error = None
   if jax.process_index() == 0:
     try:
@@ -432,9 +434,9 @@ def evaluate(
 
   Example::
 
-      from fastpos.train import cli
+      from fastpos.train.workdir import Workdir
 
-      config = cli.load_config(f"{workdir}/config.json")     # the config the run saved
+      config = Workdir(workdir).config()   # the config the run saved, with its recorded changes
       metrics = fastpos.evaluate(config, workdir, split="validation")
       metrics["split"], metrics["checkpoint"]                 # ('validation', 'best')
   """
@@ -449,19 +451,19 @@ def evaluate(
 def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
   run = run_lib.build_run(config, workdir, model)
   run.task.source(split)  # missing data stops here
-  if run.workdir.exists() and not run.workdir.is_dir():
-    raise RunError(f"--workdir={run.workdir} is a file, not a workdir written by train.py.")
-  found, which = _restore_for_evaluation(run, workdir, checkpoint)
-  trained = launches.checkpoint_format(run.workdir, found.meta)
-  launches.check_format(run.workdir, run.cfg, "evaluate", trained=trained)
+  run_dir = Workdir(run.workdir)
+  run_dir.require_run(config_given=True)
+  found = run_dir.restore(run.checkpoint_abstract, checkpoint, expect=run.expect)
+  which = run_dir.which(found)
+  run_dir.check_format(run.cfg, "evaluate", found.meta)
   state, _ = state_lib.from_checkpoint_tree(found.state)
   with run.precision():
     out = run.evaluate_split(state, split)
   results = {"split": split, "step": found.step, "checkpoint": which, "task": run.cfg.task.name}
   results.update(out)
-  _write_json(run.workdir / f"results_{split}.json", results)
+  _write_json(run_dir.results_file(split), results)
   if jax.process_index() == 0:  # the same numbers in TensorBoard, at the checkpoint's step
-    tb = EventWriter(run.workdir / "tensorboard", replaces=f"{split}-{results['step']}")
+    tb = EventWriter(run_dir.tensorboard_dir, replaces=f"{split}-{results['step']}")
     tb.scalars(results["step"], {f"{split}/{k}": v for k, v in out.items()})
     tb.close()
   logging.info(
@@ -473,28 +475,3 @@ def _evaluate(config, workdir, split, checkpoint, model) -> dict[str, Any]:
       " ".join(f"{k}={v:.4g}" for k, v in out.items()),
   )
   return results
-
-
-def _restore_for_evaluation(run: Run, workdir, checkpoint: str):
-  """(what the restore found, "best" or "latest"): the best checkpoint when asked for and
-  there is one, else the newest that loads."""
-  ckpts = Checkpoints(run.workdir, run.cfg, read_only=True)
-  try:
-    which = "best" if checkpoint == "best" and ckpts.best_step() is not None else "latest"
-    if ckpts.latest_step() is None and which == "latest":
-      raise FileNotFoundError(
-          f"no checkpoint in {ckpts.latest_dir}; train first: python train.py "
-          f"--config=... --workdir={workdir}"
-      )
-    try:
-      # A checkpoint of another run, or one the record does not account for, is refused.
-      expect = {**run.expect, "run": identity_lib.read_record(run.workdir).check}
-      return ckpts.restore_newest(run.checkpoint_abstract, which, expect=expect), which
-    except CheckpointLoadError as e:
-      if which == "best":
-        raise CheckpointLoadError(
-            f"{e} Or evaluate the newest checkpoint: --checkpoint=latest."
-        ) from None
-      raise
-  finally:
-    ckpts.close()

@@ -1,4 +1,28 @@
-"""The workdir before a run touches it: is it usable, and is it ours alone.
+"""The workdir of a run: its one owner (``Workdir``), and the checks before a run touches it.
+
+``Workdir(path)`` is the only code that knows where a run keeps what (every record name is
+declared here, and nowhere else), and the one reader of a run for every program that is not
+the trainer: ``eval.py``, ``fastpos.load``, ``scripts/generate.py``, the plot scripts::
+
+  <workdir>/config.json            the config the run started with (``config_record``)
+           config_changes.jsonl    the changes its resumes made to it (``config_record``)
+           run.json                its identity (``identity``)
+           launches.jsonl          one line per start of the trainer (``launches``)
+           metrics.jsonl           training and validation metrics (``metrics``)
+           tensorboard/            the same for TensorBoard (``tensorboard``)
+           checkpoints/<step>/     the last checkpoints; best/<step>/ the best on validation
+                                   (``checkpoint``)
+           results_<split>.json    what eval.py scored
+           train.log, train.lock   process 0's log; the lock of the trainer that holds it
+           previous/<UTC time>/    the records an earlier run left (``train.py --fresh``)
+
+It says whether a folder is a run (``require_run``: one message for every program), gives
+the run's effective config (``config``: config.json with the recorded changes applied), its
+records (``record``, ``launches``), its checkpoints (``latest_step``, ``best_step``) and
+restores one (``restore``: "best", "latest" or a step, into an abstract tree, through the
+digest-verified ``fastpos.train.checkpoint`` code, refusing another run's). The record
+modules (``config_record``, ``identity``, ``launches``, ``checkpoint``, ``metrics``) keep
+their formats and take their file names from here.
 
 ``check_usable(path)`` refuses a workdir that is a file or lies under one, and one where no
 file can be created: it creates and deletes a probe file there (or in its nearest existing
@@ -28,24 +52,43 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
+import ml_collections
 from absl import logging
 
+# The record modules read and write the files this module names (they import it in turn and
+# read its names when called, never while importing).
+from fastpos.train import checkpoint as checkpoint_lib
+from fastpos.train import config_record
+from fastpos.train import identity as identity_lib
+from fastpos.train import launches as launches_lib
 from fastpos.train.errors import RunError, WorkdirLockedError
 
+# The workdir's layout (the module docstring): these names are written nowhere else.
+CONFIG_NAME = "config.json"
+CHANGES_NAME = "config_changes.jsonl"
+RUN_NAME = "run.json"
+LAUNCHES_NAME = "launches.jsonl"
+METRICS_NAME = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LATEST_DIR, BEST_DIR = "checkpoints", "best"
+LOG_NAME = "train.log"
 LOCK_NAME = "train.lock"
 PREVIOUS_DIR = "previous"
-# What a run writes in its workdir besides checkpoints/ (config_record, identity, launches,
-# metrics, checkpoint.BEST_DIR, tensorboard, the trainer's log).
+RESULTS_PATTERN = "results_{split}.json"
+# What a run writes in its workdir besides checkpoints/ (and results, the log, the lock).
 RECORD_NAMES = (
-    "config.json",
-    "config_changes.jsonl",
-    "run.json",
-    "launches.jsonl",
-    "metrics.jsonl",
-    "best",
-    "tensorboard",
+    CONFIG_NAME,
+    CHANGES_NAME,
+    RUN_NAME,
+    LAUNCHES_NAME,
+    METRICS_NAME,
+    BEST_DIR,
+    TENSORBOARD_DIR,
 )
+# What a restore may be asked for: a step, or one of these.
+CHECKPOINTS = ("best", "latest")
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
@@ -102,7 +145,7 @@ def leftover_records(path: str | os.PathLike) -> list[str]:
   """The names of the records (``RECORD_NAMES``, ``results_*.json``) in ``path``."""
   path = Path(path)
   found = [n for n in RECORD_NAMES if os.path.lexists(path / n)]
-  return found + sorted(p.name for p in path.glob("results_*.json"))
+  return found + sorted(p.name for p in path.glob(RESULTS_PATTERN.format(split="*")))
 
 
 def move_previous(path: str | os.PathLike) -> Path | None:
@@ -261,3 +304,247 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+class NoCheckpointError(RunError, FileNotFoundError):
+  """A workdir holds no checkpoint of the kind (or at the step) asked for."""
+
+
+class Workdir:
+  """A ``train.py`` workdir: where each record lives, what the run's records say, and its
+  checkpoints (the module docstring). Reading creates nothing.
+
+  Example::
+
+      from fastpos.train.workdir import Workdir
+
+      run = Workdir(workdir)
+      run.config_file.name, run.checkpoints_dir.name      # ('config.json', 'checkpoints')
+      run.require_run()                                   # None
+      config = run.config()          # config.json with the changes its resumes recorded
+      found = run.restore(None, "latest")     # the tree as saved, digest-verified
+      found.step == run.latest_step(), run.which(found)   # (True, 'latest')
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = Path(path)
+
+  def __fspath__(self) -> str:
+    return os.fspath(self.path)
+
+  def __repr__(self) -> str:
+    return f"Workdir({os.fspath(self.path)!r})"
+
+  # The layout.
+  @property
+  def config_file(self) -> Path:
+    return self.path / CONFIG_NAME
+
+  @property
+  def changes_file(self) -> Path:
+    return self.path / CHANGES_NAME
+
+  @property
+  def run_file(self) -> Path:
+    return self.path / RUN_NAME
+
+  @property
+  def launches_file(self) -> Path:
+    return self.path / LAUNCHES_NAME
+
+  @property
+  def metrics_file(self) -> Path:
+    return self.path / METRICS_NAME
+
+  @property
+  def tensorboard_dir(self) -> Path:
+    return self.path / TENSORBOARD_DIR
+
+  @property
+  def checkpoints_dir(self) -> Path:
+    return self.path / LATEST_DIR
+
+  @property
+  def best_dir(self) -> Path:
+    return self.path / BEST_DIR
+
+  @property
+  def log_file(self) -> Path:
+    return self.path / LOG_NAME
+
+  @property
+  def lock_file(self) -> Path:
+    return self.path / LOCK_NAME
+
+  @property
+  def previous_dir(self) -> Path:
+    return self.path / PREVIOUS_DIR
+
+  def results_file(self, split: str) -> Path:
+    """What ``eval.py --split=<split>`` wrote."""
+    return self.path / RESULTS_PATTERN.format(split=split)
+
+  # Is it a run?
+  def require_run(self, *, config_given: bool = False) -> None:
+    """Raises RunError (one line: what the folder is, and the fix) unless it is a folder that
+    a run wrote: one that holds config.json, or any folder when ``config_given`` (the caller
+    has the run's config from elsewhere)."""
+    if not self.path.is_dir():
+      what = (
+          "is a symlink loop"
+          if is_symlink_loop(self.path)
+          else "is a file"
+          if self.path.exists()
+          else "does not exist"
+      )
+      raise RunError(f"workdir {self.path} {what}; give the folder a train.py run wrote.")
+    if not config_given and not self.config_file.is_file():
+      raise RunError(
+          f"workdir {self.path} has no {CONFIG_NAME} (train.py writes it when a run starts); "
+          "give the workdir of a run, or its config (--config=configs/<experiment>.py; "
+          "fastpos.load: config=)."
+      )
+
+  # The records.
+  def config_values(self) -> dict[str, Any] | None:
+    """The config the run last ran with, as JSON values: config.json with the changes of
+    config_changes.jsonl applied in order; None without config.json. A damaged record
+    raises RunError naming the file."""
+    return config_record.effective_config(self.path)
+
+  def config(self) -> ml_collections.ConfigDict:
+    """``config_values`` as the ConfigDict the run ran with (unlocked, not yet checked
+    against the schema); the ``require_run`` message when there is none."""
+    values = self.config_values()
+    if values is None:
+      self.require_run()
+    return config_record.from_json(values)
+
+  def record(self) -> identity_lib.Record:
+    """The run's record (``identity.read_record``): its id, config history and data."""
+    return identity_lib.read_record(self.path)
+
+  def launches(self) -> list[dict]:
+    """The lines of launches.jsonl, oldest first (``launches.read``)."""
+    return launches_lib.read(self.path)
+
+  def check_format(self, cfg: ml_collections.ConfigDict, doing: str, meta: dict) -> int:
+    """The oldest model format the checkpoint whose record is ``meta`` was trained under,
+    after refusing one that computes another function here (``launches.check_format``;
+    ``doing``: "resume", "evaluate", "load")."""
+    trained = launches_lib.checkpoint_format(self.path, meta)
+    launches_lib.check_format(self.path, cfg, doing, trained=trained)
+    return trained
+
+  def lock(self) -> WorkdirLock:
+    """The trainer's lock of this workdir (not taken: ``acquire`` or ``with``)."""
+    return WorkdirLock(self.path)
+
+  # The checkpoints.
+  def checkpoints(
+      self, cfg: ml_collections.ConfigDict | None = None, *, read_only: bool = True
+  ) -> checkpoint_lib.Checkpoints:
+    """The managers of checkpoints/ and best/ (``checkpoint.Checkpoints``; the caller closes
+    them). Writing (the trainer, lock held) needs ``cfg`` and ``read_only=False``."""
+    return checkpoint_lib.Checkpoints(self.path, cfg, read_only=read_only)
+
+  def latest_step(self) -> int | None:
+    """The newest step in checkpoints/ (None: none)."""
+    ckpts = self.checkpoints()
+    try:
+      return ckpts.latest_step()
+    finally:
+      ckpts.close()
+
+  def best_step(self) -> int | None:
+    """The step of the checkpoint in best/ (None: none)."""
+    ckpts = self.checkpoints()
+    try:
+      return ckpts.best_step()
+    finally:
+      ckpts.close()
+
+  def restore(
+      self,
+      abstract_state: Any = None,
+      checkpoint: str | int = "best",
+      *,
+      expect: dict[str, Any] | None = None,
+  ) -> checkpoint_lib.Restored:
+    """Restores a checkpoint, read-only, digest-verified (``checkpoint.Checkpoints``).
+
+    Args:
+      abstract_state: the tree to restore into (``state.checkpoint_tree`` of
+        ``jax.ShapeDtypeStruct``s with shardings); None: the tree as saved, nested dicts of
+        arrays (``{"step", "params", "opt_state", "collections", "memory"}``).
+      checkpoint: "best" (best/, the best on validation; the newest of checkpoints/ when no
+        evaluation has run), "latest" (the newest of checkpoints/): the newest that loads and
+        matches its digests (a damaged one is reported and skipped, never moved); or a step
+        (checkpoints/, else best/; no fallback).
+      expect: what the checkpoint must belong to (``checkpoint.config_meta`` of the config);
+        then the run's record must account for it too (``identity.Record.check``). None:
+        restored as found.
+
+    Returns:
+      ``checkpoint.Restored``; ``which(found)`` says whether it came from best/.
+
+    Raises:
+      NoCheckpointError: none there (or none at that step: the steps there are named).
+      CheckpointLoadError: none loads (each one listed with its reason). DigestMismatch: the
+      step asked for does not match its digests. ValueError / RunError: a checkpoint of
+      another model, task or run.
+    """
+    if checkpoint not in CHECKPOINTS and (
+        not isinstance(checkpoint, int) or isinstance(checkpoint, bool) or checkpoint < 0
+    ):
+      raise ValueError(
+          f"checkpoint must be one of {', '.join(CHECKPOINTS)} or a step (an int >= 0); got "
+          f"{checkpoint!r}."
+      )
+    if expect is not None:  # a checkpoint of another run, or one the record lacks: refused
+      expect = {**expect, "run": self.record().check}
+    ckpts = self.checkpoints()
+    try:
+      if isinstance(checkpoint, int):
+        return self._restore_step(ckpts, abstract_state, checkpoint, expect)
+      which = "best" if checkpoint == "best" and ckpts.best_step() is not None else "latest"
+      found = None
+      if ckpts.steps(which):
+        try:
+          found = ckpts.restore_newest(abstract_state, which, expect=expect)
+        except checkpoint_lib.CheckpointLoadError as e:
+          if which != "best":
+            raise
+          raise checkpoint_lib.CheckpointLoadError(
+              f"{e} Or use the newest checkpoint: --checkpoint=latest (fastpos.load: "
+              "checkpoint='latest')."
+          ) from None
+      if found is None:
+        raise NoCheckpointError(
+            f"no checkpoint in {self.path} ({LATEST_DIR}/ and {BEST_DIR}/ are empty or "
+            f"missing); train first: python train.py --config=... --workdir={self.path}"
+        )
+      return found
+    finally:
+      ckpts.close()
+
+  def which(self, found: checkpoint_lib.Restored) -> str:
+    """ "best" when ``found`` (a ``restore``'s) came from best/, else "latest"."""
+    return "best" if found.path.parent.name == BEST_DIR else "latest"
+
+  def _restore_step(self, ckpts, abstract_state, step: int, expect) -> checkpoint_lib.Restored:
+    """The checkpoint at ``step`` (checkpoints/, else best/), verified; no fallback."""
+    for which, folder in (("latest", ckpts.latest_dir), ("best", ckpts.best_dir)):
+      if step in ckpts.steps(which):
+        path = folder / str(step)
+        if expect is not None:
+          checkpoint_lib.check_expected(
+              ckpts.read_meta(which, step), expect, ckpts.latest_dir, path
+          )
+        state, meta = ckpts.restore(abstract_state, which=which, step=step)
+        return checkpoint_lib.Restored(state, meta, step, path, "digests" in meta)
+    have = sorted(set(ckpts.steps("latest")) | set(ckpts.steps("best")))
+    raise NoCheckpointError(
+        f"no checkpoint at step {step} in {self.path}; its steps: "
+        f"{', '.join(map(str, have)) or '(none)'}."
+    )

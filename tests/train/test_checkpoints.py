@@ -38,9 +38,10 @@ from fastpos.train import metrics as metrics_lib
 from fastpos.train import resume as resume_lib
 from fastpos.train import run as run_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints, restore_checkpoint
+from fastpos.train.checkpoint import CheckpointLoadError, Checkpoints
 from fastpos.train.state import from_checkpoint_tree
 from fastpos.train.tensorboard import read_scalars
+from fastpos.train.workdir import Workdir
 from tests.train.common import assert_trees_equal, tiny_config
 from tests.train.faults import edit_json, rewrite_state
 
@@ -574,23 +575,23 @@ def test_os_error_reason_reads_tensorstore_messages():
   assert workdir_lib.os_error_reason(ValueError("bad shape")) is None
 
 
-def test_restore_checkpoint_reads_a_workdir_without_a_trainer(runs, tmp_path, caplog):
+def test_the_workdir_restores_without_a_trainer(runs, tmp_path, caplog):
   """The newest verified checkpoint (or a given step, or best/) of a workdir, as saved or
   into an abstract state; a damaged newest one is skipped, not moved (read-only)."""
   workdir = _copy(runs, tmp_path)  # the stopped run: checkpoints 3, 4 and 5
-  newest = restore_checkpoint(workdir)
+  newest = Workdir(workdir).restore(None, "latest")
   assert newest.step == 5 and newest.verified and newest.path == workdir / "checkpoints" / "5"
   assert int(newest.state["step"]) == 5 and "params" in newest.state
   assert newest.data_state is not None and newest.data_processes == 1
   run = run_lib.build_run(config(), workdir)
-  at4 = restore_checkpoint(workdir, run.checkpoint_abstract, step=4)
+  at4 = Workdir(workdir).restore(run.checkpoint_abstract, 4)
   state, carry = from_checkpoint_tree(at4.state)
   assert at4.step == 4 and int(state.step) == 4 and carry == {}
-  assert restore_checkpoint(workdir, which="best").meta["metrics"]["loss"] > 0
+  assert Workdir(workdir).restore(None, "best").meta["metrics"]["loss"] > 0
   _damage(workdir / "checkpoints" / "5", "weight_changed")
   with caplog.at_level(logging.WARNING):
-    assert restore_checkpoint(workdir, run.checkpoint_abstract).step == 4
+    assert Workdir(workdir).restore(run.checkpoint_abstract, "latest").step == 4
   assert (workdir / "checkpoints" / "5").is_dir()
   assert any("checkpoints/5 does not load" in r.getMessage() for r in caplog.records)
-  with pytest.raises(FileNotFoundError, match=r"no checkpoint step 7 in .*checkpoints; .*3, 4, 5"):
-    restore_checkpoint(workdir, step=7)
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 7 in .*; its steps: .*5"):
+    Workdir(workdir).restore(None, 7)

@@ -20,6 +20,7 @@ from configs import common
 from fastpos import config_schema, positional
 from fastpos.train import cli, config_record, errors, launches, train_and_evaluate
 from fastpos.train import config as config_lib
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.tensorboard import read_text
 from tests.train.common import tiny_config
 
@@ -207,12 +208,12 @@ def test_resume_with_a_changed_seed_is_refused_then_recorded(two_steps, tmp_path
       summary
   ), summary
   # The same config again: nothing new to record; config.json still the start's.
-  before = (workdir / launches.LAUNCHES_NAME).read_bytes()
+  before = (workdir / workdir_lib.LAUNCHES_NAME).read_bytes()
   train_and_evaluate(tiny_config(num_train_steps=4, seed=1, **{"task.seed": 2}), workdir)
   assert len(config_record.read_changes(workdir)) == 1
   assert (workdir / "config.json").read_bytes() == saved
   # Every start appended one launch (the refused one none); earlier lines are kept as written.
-  assert (workdir / launches.LAUNCHES_NAME).read_bytes().startswith(before)
+  assert (workdir / workdir_lib.LAUNCHES_NAME).read_bytes().startswith(before)
   starts = launches.read(workdir)
   assert [(e["first_step"], e["resumed_from"]) for e in starts] == [
       (1, None),

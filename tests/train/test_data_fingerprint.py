@@ -14,6 +14,7 @@ import pytest
 
 from fastpos import tasks
 from fastpos.train import cli, config_record, identity, train_and_evaluate
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ def test_changed_data_are_refused_then_accepted_and_recorded(trained, tmp_path, 
     assert f"{text} changed" in line and "--allow_config_change" in line
     if level == "word" and edit == "content":  # fox -> cow: another word at fox's id
       assert "the vocabulary differs" in line, line
-    assert not (workdir / config_record.CHANGES_NAME).exists()
+    assert not (workdir / workdir_lib.CHANGES_NAME).exists()
     result = train_and_evaluate(cfg, workdir, allow_config_change=True)
     assert result["step"] == 4
     (entry,) = config_record.read_changes(workdir)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fastpos.train import config_record, identity, launches, train_and_evaluate
+from fastpos.train import identity, launches, train_and_evaluate
 from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import EXIT_BAD_INPUT, RunError
 from tests.train.common import tiny_config
@@ -76,10 +76,10 @@ def test_a_start_over_another_runs_records_is_refused_then_moved_with_fresh(trai
     "name",
     [
         "metrics.jsonl",
-        launches.LAUNCHES_NAME,
-        config_record.CONFIG_NAME,
-        config_record.CHANGES_NAME,
-        identity.RUN_NAME,
+        workdir_lib.LAUNCHES_NAME,
+        workdir_lib.CONFIG_NAME,
+        workdir_lib.CHANGES_NAME,
+        workdir_lib.RUN_NAME,
     ],
 )
 def test_a_missing_record_file_is_named(trained, tmp_path, name):
@@ -93,7 +93,7 @@ def test_a_missing_record_file_is_named(trained, tmp_path, name):
   assert _files(workdir) == before
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", launches.LAUNCHES_NAME, identity.RUN_NAME])
+@pytest.mark.parametrize("name", ["metrics.jsonl", workdir_lib.LAUNCHES_NAME, workdir_lib.RUN_NAME])
 def test_a_damaged_record_file_is_named(trained, tmp_path, name):
   workdir = _copy(trained, tmp_path)
   path = workdir / name

@@ -17,6 +17,7 @@ import pytest
 
 import fastpos
 from fastpos.train import evaluate, launches, train_and_evaluate
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
 from tests.train.common import tiny_config
 
@@ -74,7 +75,7 @@ def _model(**fields) -> ml_collections.ConfigDict:
 
 
 def _lines(workdir: Path, *entries: dict) -> None:
-  (workdir / launches.LAUNCHES_NAME).write_text("".join(json.dumps(e) + "\n" for e in entries))
+  (workdir / workdir_lib.LAUNCHES_NAME).write_text("".join(json.dumps(e) + "\n" for e in entries))
 
 
 def test_a_run_of_an_older_model_format_is_refused_where_the_change_touches_it(tmp_path):

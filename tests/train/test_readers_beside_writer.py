@@ -1,7 +1,7 @@
 """Readers of a workdir beside the trainer that writes it (``Checkpoints.restore_newest``).
 
 A trainer with ``keep_checkpoints=1`` deletes each checkpoint once the next one is saved: a
-reader (``eval.py``, ``fastpos.load``, ``restore_checkpoint``) can see the step it chose
+reader (``eval.py``, ``fastpos.load``, ``Workdir.restore``) can see the step it chose
 vanish while it reads. That step is not damaged: the reader lists the folder again and reads
 its newest step; only a step that fails while the folder stays as it was is reported damaged.
 
@@ -36,9 +36,9 @@ from fastpos.train.checkpoint import (
     CheckpointLoadError,
     Checkpoints,
     config_meta,
-    restore_checkpoint,
 )
 from fastpos.train.state import checkpoint_tree
+from fastpos.train.workdir import Workdir
 from tests.train.common import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_a_step_deleted_while_read_is_not_damaged(setup, tmp_path, monkeypatch, 
   done = _vanish_during_read(monkeypatch, latest / "4", newer=workdir / "later" / "6")
   abstract = setup["run"].checkpoint_abstract
   with caplog.at_level(logging.WARNING):
-    found = restore_checkpoint(workdir, abstract, which="latest")
+    found = Workdir(workdir).restore(abstract, "latest")
   assert done == [4]
   assert found.path == latest / "6" and found.verified  # the newer step, read whole
   assert not [r for r in caplog.records if "does not load" in r.getMessage()]
@@ -135,7 +135,7 @@ def test_the_older_step_is_read_when_the_newest_vanishes(setup, tmp_path, monkey
   workdir = _copy(setup, tmp_path)
   _vanish_during_read(monkeypatch, workdir / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING):
-    found = restore_checkpoint(workdir, setup["run"].checkpoint_abstract)
+    found = Workdir(workdir).restore(setup["run"].checkpoint_abstract, "latest")
   assert found.step == 2 and found.verified
   assert not [r for r in caplog.records if "does not load" in r.getMessage()]
 
@@ -144,7 +144,7 @@ def test_every_step_deleted_while_read_says_so(setup, tmp_path, monkeypatch):
   workdir = _copy(setup, tmp_path, steps=(4,))
   _vanish_during_read(monkeypatch, workdir / "checkpoints" / "4")
   with pytest.raises(CheckpointLoadError, match="were deleted while being read") as e:
-    restore_checkpoint(workdir, setup["run"].checkpoint_abstract)
+    Workdir(workdir).restore(setup["run"].checkpoint_abstract, "latest")
   assert "Restore them from a copy" not in str(e.value)
 
 
@@ -183,7 +183,7 @@ def test_readers_beside_a_writer_that_keeps_one(setup, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
       for i in range(12):
         which = ("latest", "best")[i % 2]
-        found = restore_checkpoint(workdir, run.checkpoint_abstract, which=which)
+        found = Workdir(workdir).restore(run.checkpoint_abstract, which)
         assert found.verified
         steps[which].append(found.step)
   finally:

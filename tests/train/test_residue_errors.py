@@ -27,6 +27,7 @@ import pytest
 from fastpos.api import generation
 from fastpos.tasks import paths as paths_lib
 from fastpos.train import errors, launches
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
 from tests.helpers import FAST_COMPILE_FLAGS
 from tests.train import forked
@@ -159,7 +160,7 @@ def test_one_line_naming_the_file_or_value(results, name):
     ],
 )
 def test_launches_read_names_the_bad_line(tmp_path, tail, needle):
-  path = tmp_path / launches.LAUNCHES_NAME
+  path = tmp_path / workdir_lib.LAUNCHES_NAME
   head = json.dumps({"first_step": 1}) + "\n"
   path.write_bytes(head.encode() + (tail if isinstance(tail, bytes) else tail.encode()))
   with pytest.raises(RunError, match="fix that line or delete it") as e:

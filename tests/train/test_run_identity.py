@@ -18,6 +18,7 @@ import pytest
 
 import fastpos
 from fastpos.train import config_record, digest, evaluate, identity, launches, train_and_evaluate
+from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import EXIT_BAD_INPUT, RunError
 from tests.train.common import tiny_config
 from tests.train.faults import edit_json
@@ -65,7 +66,7 @@ def _one_line(info) -> str:
 
 def test_every_checkpoint_carries_the_run_identity(runs):
   base = runs["base"]
-  start = json.loads((base / identity.RUN_NAME).read_text())
+  start = json.loads((base / workdir_lib.RUN_NAME).read_text())
   assert len(start["id"]) == 32 and start["data"]["task"] == "synthetic"
   for step_dir in (base / "checkpoints" / "2", base / "best" / "2"):
     ident = _meta(step_dir)["run"]
@@ -156,7 +157,7 @@ def test_a_config_json_edited_by_hand_is_refused(runs, tmp_path, field, value):
     line = _one_line(info)
     assert f"was trained with {field} " in line and "the record was edited or replaced" in line
   assert _listing(workdir) == before
-  assert not (workdir / config_record.CHANGES_NAME).exists()
+  assert not (workdir / workdir_lib.CHANGES_NAME).exists()
 
 
 def test_an_accepted_change_joins_the_history(runs, tmp_path):
@@ -187,7 +188,7 @@ def _strip_identity(workdir: Path) -> None:
       meta["digests"]["meta"] = digest.meta_digest(meta)
 
     edit_json(step_dir / "meta" / "metadata", strip)
-  (workdir / identity.RUN_NAME).unlink()
+  (workdir / workdir_lib.RUN_NAME).unlink()
 
 
 def test_checkpoints_without_identity_resume_as_legacy(runs, tmp_path, caplog):
@@ -199,13 +200,13 @@ def test_checkpoints_without_identity_resume_as_legacy(runs, tmp_path, caplog):
   assert result["step"] == 4
   notices = [r.getMessage() for r in caplog.records if "without a run identity" in r.getMessage()]
   assert any(str(workdir / "checkpoints" / "2") in n for n in notices)
-  start = json.loads((workdir / identity.RUN_NAME).read_text())  # the run got one now
+  start = json.loads((workdir / workdir_lib.RUN_NAME).read_text())  # the run got one now
   assert _meta(workdir / "checkpoints" / "4")["run"]["id"] == start["id"]
 
 
 def test_the_model_format_comes_from_the_checkpoint(runs, tmp_path, monkeypatch):
   workdir = _copy(runs["base"], tmp_path)
-  (workdir / launches.LAUNCHES_NAME).unlink()
+  (workdir / workdir_lib.LAUNCHES_NAME).unlink()
   monkeypatch.setitem(launches.FORMAT_CHANGES, 2, ("every model changed", lambda model: True))
   # The checkpoint says format 2: evaluating and loading it are not refused as "format 1".
   assert fastpos.load(workdir).step == 2

@@ -30,7 +30,7 @@ import pytest
 
 from fastpos import interrupts
 from fastpos.train import errors
-from fastpos.train.checkpoint import restore_checkpoint
+from fastpos.train.workdir import Workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = [
@@ -145,7 +145,7 @@ def _check_claim(line: str, workdir: Path) -> None:
   step = int(newest.group(1))
   assert Path(newest.group(2)) == folder, line
   assert steps and steps[-1] == step, (line, steps)
-  restored = restore_checkpoint(workdir, step=step)
+  restored = Workdir(workdir).restore(None, step)
   assert restored.verified and restored.step == step
 
 
