@@ -638,7 +638,7 @@ def run_linear(sizes: Sizes, deadline: Deadline, log) -> dict:
           continue
         try:
           rows |= ops_lean.measure_linear(
-              [n], lambda s, b=b: log(f"  batch {b} {s}"), sizes.linear_rounds
+              [n], lambda s, b=b: log(f"  batch {b} {s}"), sizes.linear_rounds, repeats=1
           )
         except Exception as e:
           out["errors"][f"batch {b} N={n}"] = _one_line(e)

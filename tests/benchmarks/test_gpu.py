@@ -95,6 +95,9 @@ def test_smoke_runs_every_part(tmp_path):
   assert set(result["parts"]) == set(gpu.PARTS)
   for name, part in result["parts"].items():
     assert "error" not in part, (name, part)
+    # A row that raised is recorded and the part goes on: none may have (a budget may skip).
+    raised = {k: e for k, e in part.get("errors", {}).items() if not e.startswith("skipped")}
+    assert not raised, (name, raised)
   assert any("paper_bytes" in r for r in result["parts"]["memory"]["settings"])
   assert all(r["time_s"] > 0 for r in result["parts"]["train_step"]["rows"])
   assert "toeplitz (FastRPB product)" in result["parts"]["rpe"]["time"]["32"]

@@ -598,9 +598,10 @@ def _plot_script():
   return module
 
 
-def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path, capsys):
+def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path, capsys, monkeypatch):
   d, _, _ = swept
   script = _plot_script()
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # main sets it when unset (restored afterwards)
   assert script.main([str(d / NAMES[0]), "--out", str(tmp_path)]) == 0
   written = [Path(line) for line in capsys.readouterr().out.split()]
   assert sorted(p.name for p in written) == [
