@@ -33,5 +33,7 @@ BENCHMARKS = {
     "packing": "the main job's real tokens/s padded, bucketed and packed",
     "small_lm": "a small character LM's train step against a plain Flax GPT",
     "checkpoint_digests": "what checkpoint digests cost on save and restore",
+    "ops_accuracy": "the fast ops' worst relative error against their dense references "
+    "(float64 and float32)",
     "gpu": "the GPU check: its seven parts within a time budget (scripts/gpu_check.sh)",
 }

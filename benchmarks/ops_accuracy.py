@@ -1,21 +1,22 @@
 """Worst relative error of every fast op against its dense reference (float64 and float32).
 
 Random inputs, lengths 1..1000 in float64 and N=4096 in float32 (against the float64
-reference); error = max|fast - dense| / max|dense|. Prints a Markdown table.
+reference); error = max|fast - dense| / max|dense|. Prints a Markdown table (the accuracy
+table of benchmarks/README.md).
 
-  python scripts/ops_accuracy.py
+  python -m benchmarks ops_accuracy
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from fastpos.ops import attention, toeplitz, transformer_xl  # noqa: E402
+from fastpos.ops import attention, toeplitz, transformer_xl
 
 
 def rel(a, b) -> float:
@@ -23,7 +24,11 @@ def rel(a, b) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+  argparse.ArgumentParser(
+      prog="python -m benchmarks ops_accuracy", description=__doc__.split("\n\n")[0]
+  ).parse_args(argv)
+  jax.config.update("jax_enable_x64", True)  # the float64 references (this process only)
   rng = np.random.default_rng(0)
   f32 = lambda a: None if a is None else np.asarray(a, np.float32)
   rows = []
@@ -135,7 +140,8 @@ def main() -> None:
   print("|---|---|---|")
   for name, e64, e32 in rows:
     print(f"| {name} | {e64:.1e} | {e32:.1e} |")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
