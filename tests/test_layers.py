@@ -20,8 +20,8 @@ Every ``import`` / ``from ... import`` of every ``fastpos/**/*.py`` counts (also
 functions or ``if TYPE_CHECKING:``), and so do imports by name (``importlib.import_module``
 with a literal or an f-string's literal prefix, and ``"module:Class"`` registry strings).
 ``fastpos/__init__.py`` is outside the layers. A new top-level module or package must be given
-a layer here. Nothing of fastpos imports the repository's ``benchmarks`` package (its
-benchmarks, outside the installed package) or a script.
+a layer here. Nothing of fastpos imports the repository's ``benchmarks``, ``scripts`` or
+``tests`` (they are not installed with the package).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ series that no other series of the figure has, integer ticks on integer axes, re
 for layers, and the machine a measurement was taken on.
 
 ``fastpos.plots.positional`` draws the learned positional tables. Needs matplotlib (the
-``plots`` extra); outside this package only the sweeps' claim figures import it.
+``plots`` extra): in fastpos only the claims' figures (``fastpos.sweep.claims``) import it, at
+call time; the benchmarks and the plotting scripts do too.
 """
 
 from __future__ import annotations
