@@ -10,11 +10,8 @@ differences and verdicts).
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastpos.sweep.tables import FAILED, main  # noqa: E402,F401  (FAILED: the statuses counted as failed)
+from fastpos.sweep.tables import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -11,11 +11,8 @@ exit codes).
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastpos.sweep.cli import main  # noqa: E402  (loads jax: configs need it anyway)
+from fastpos.sweep.cli import main  # loads jax: configs need it anyway
 
 if __name__ == "__main__":
   sys.exit(main())

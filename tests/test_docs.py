@@ -218,7 +218,7 @@ def _doc_commands() -> tuple[list[tuple[Block, Call]], list[str]]:
 
 def _sources() -> str:
   files = [os.path.join(ROOT, f) for f in ("train.py", "eval.py")]
-  for folder in ("fastpos", "scripts"):
+  for folder in ("fastpos", "scripts", "benchmarks"):
     files += glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)
   files += glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
   text = []
@@ -290,6 +290,15 @@ def _check_flags(call: Call) -> tuple[list[str], str | None, list[str]]:
   return problems, spec, grid
 
 
+def _benchmark_name(call: Call) -> str | None:
+  """NAME of ``python -m benchmarks NAME ...`` (None for any other call)."""
+  if call.module and call.target == "benchmarks" and call.args:
+    name = call.args[0]
+    # --help lists the benchmarks; NAME (capitals) stands for any of them.
+    return None if name.startswith("-") or re.fullmatch(r"[A-Z_]+", name) else name
+  return None
+
+
 def check_call(call: Call) -> list[str]:
   """Problems with one program call: its file, flags, config and overrides."""
   if call.module:
@@ -297,6 +306,12 @@ def check_call(call: Call) -> list[str]:
       return []
     if importlib.util.find_spec(call.target) is None:
       return [f"no module {call.target}"]
+    if call.target == "benchmarks":
+      from benchmarks import BENCHMARKS
+
+      name = _benchmark_name(call)
+      if name is not None and name not in BENCHMARKS:
+        return [f"python -m benchmarks {name}: not a benchmark ({', '.join(BENCHMARKS)})"]
   elif not os.path.exists(os.path.join(ROOT, call.target)):
     return [f"no script {call.target}"]
   problems, spec, grid = _check_flags(call)
@@ -408,6 +423,8 @@ def test_the_command_parser_sees_loops_wrappers_and_launchers():
   assert [c.target for c in found] == ["eval.py"]
   assert calls(["frobnicate"])[1]
   assert check_call(Call("train.py", ["--no_such_flag_here=1"]))
+  assert check_call(Call("benchmarks", ["no_such_benchmark", "--out=x"], module=True))
+  assert not check_call(Call("benchmarks", ["decode", "--out=x"], module=True))
   assert check_call(Call("train.py", ["--config=configs/listops_generated.py:kernel=nope"]))
   assert check_call(
       Call("train.py", ["--config=configs/listops_generated.py", "--config.model.no_field=1"])
@@ -614,7 +631,10 @@ def _help_targets() -> dict[str, set]:
         for a in itertools.takewhile(lambda a: a != "--", call.args)
         if a.startswith("--") and not a.startswith(("--config.", "--noconfig."))
     }
-    flags.setdefault(_script_path(call) if not call.module else call.target, set()).update(names)
+    target = _script_path(call) if not call.module else call.target
+    if _benchmark_name(call):  # one command, a benchmark per name: each its own --help
+      target = f"{call.target} {_benchmark_name(call)}"
+    flags.setdefault(target, set()).update(names)
   return flags
 
 
@@ -627,7 +647,7 @@ def test_each_script_help_lists_the_flags_the_documents_give_it(tmp_path):
     elif "/" in target or target.endswith(".py"):
       cmd = [PYTHON, target, "--helpfull" if target in ("train.py", "eval.py") else "--help"]
     else:
-      cmd = [PYTHON, "-m", target, "--help"]
+      cmd = [PYTHON, "-m", *target.split(), "--help"]
     r = _run(cmd, tmp_path, timeout=120)
     text = r.stdout + r.stderr
     if "--helpfull" not in cmd and "helpfull" in text:  # an absl program: all its flags

@@ -12,16 +12,16 @@
                                        positional.compatibility, included)
   ops          fastpos/ops/            nothing of fastpos
   tasks        fastpos/tasks/          config_schema (the config's declarations, a leaf)
-  bench        fastpos/bench/          every layer, plots
   sweep        fastpos/sweep/          train (config loading, exit codes)
-  plots        fastpos/plots.py        nothing of fastpos (matplotlib helpers)
-  api          fastpos/api/            every layer but bench, sweep (the public names' modules)
+  plots        fastpos/plots/          nothing of fastpos (matplotlib helpers and figures)
+  api          fastpos/api/            every layer but sweep (the public names' modules)
 
 Every ``import`` / ``from ... import`` of every ``fastpos/**/*.py`` counts (also those inside
 functions or ``if TYPE_CHECKING:``), and so do imports by name (``importlib.import_module``
 with a literal or an f-string's literal prefix, and ``"module:Class"`` registry strings).
 ``fastpos/__init__.py`` is outside the layers. A new top-level module or package must be given
-a layer here.
+a layer here. Nothing of fastpos imports the repository's ``benchmarks``, ``scripts`` or
+``tests`` (they are not installed with the package).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ ALLOWED = {
     "models": {"models", "positional", "ops", "config_schema"},
     "tasks": {"tasks", "config_schema"},
     "train": {"train", "models", "positional", "ops", "tasks", "config_schema", "interrupts"},
-    "bench": {"bench", "api", "train", "models", "positional", "ops", "tasks", "plots"}
-    | {"config_schema"},
     "sweep": {"sweep", "train", "tasks", "plots", "config_schema"},
     "plots": {"plots"},
     "api": {"api", "train", "models", "positional", "ops", "tasks", "config_schema"},
@@ -196,6 +194,49 @@ def test_an_upward_import_is_reported(tmp_path, monkeypatch, source, expected):
   monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
   found = violations([bad])
   assert len(found) == 1 and expected in found[0], found
+
+
+OUTSIDE = ("benchmarks", "scripts", "tests")
+_IMPORTER = {"import_module", "__import__"}
+
+
+def outside_imports(path: Path) -> list[tuple[int, str]]:
+  """(line, module) for every import in ``path`` of the repository's ``benchmarks``,
+  ``scripts`` or ``tests`` (not installed: the package must not need them)."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      names = [node.module or ""]
+    elif (
+        isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and {getattr(node.func, "attr", None), getattr(node.func, "id", None)} & _IMPORTER
+    ):
+      names = [str(node.args[0].value)]
+    found += [(node.lineno, n) for n in names if n.split(".")[0] in OUTSIDE]
+  return found
+
+
+def test_the_package_imports_no_benchmark_script_or_test():
+  bad = [
+      f"{path.relative_to(ROOT)}:{line}: imports {name}"
+      for path in sorted(PACKAGE.rglob("*.py"))
+      for line, name in outside_imports(path)
+  ]
+  assert bad == []
+
+
+def test_an_import_of_the_benchmarks_is_reported(tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text(
+      "import os\ndef f():\n  from benchmarks import measure\n"
+      "importlib.import_module('benchmarks.gpu')\n"
+  )
+  assert outside_imports(bad) == [(3, "benchmarks"), (4, "benchmarks.gpu")]
 
 
 def test_models_import_only_the_task_info_of_tasks():

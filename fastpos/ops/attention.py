@@ -112,7 +112,7 @@ def _softmax_inputs(q, k, v, bias, mask, causal: bool):
 # How softmax attention runs, per backend, when ``implementation="auto"``. Each entry names the
 # run that measured it:
 # * cpu: "einsum", the faster of the two side by side fwd+bwd on the 2-core CPU (batch 1, 8
-#   heads, d = 64, float32; `python -m fastpos.bench.gpu --softmax-impls 1024,2048,4096`,
+#   heads, d = 64, float32; `python -m benchmarks gpu --softmax-impls 1024,2048,4096`,
 #   benchmarks/softmax_impls.md): "jax" took 1.05-1.08x its time plain, 0.96-1.05x causal
 #   with a bias (medians of 5 interleaved runs at load 20, whose spread is larger: a small
 #   lead, not a large one).
@@ -410,7 +410,7 @@ def linear_attention(
         is built; a cell it does not run (its ``supports``) and bidirectional attention raise
         ValueError naming the reason and the modes that run it.
       * ``"auto"``: the backend's entry of ``linear_attn.auto.TABLE`` (measured by
-        ``python -m fastpos.bench.modes``).
+        ``python -m benchmarks modes``).
 
       All modes compute the same function (to rounding). Bidirectional attention, rpe and the
       dense reference take the same path in every mode but "fused".
@@ -798,7 +798,7 @@ def _product_2d(w, x, *, grid, causal, group_bytes=None):
 # the FFT path's m (d + 1) FFTs of length ~2N, six passes of them fwd+bwd, at a fraction of the
 # matmul rate; its memory is that of dense softmax with a bias). Each number names the run
 # that measured it (fwd+bwd, m = 32, d = 64, 8 heads, batch 1):
-# * CPU (and every backend but GPU): 2-core CPU, `python -m fastpos.bench.ops_lean` (dense over
+# * CPU (and every backend but GPU): 2-core CPU, `python -m benchmarks ops_lean` (dense over
 #   FFT 0.34x at N = 512, 0.49x at 1024, 0.85x at 2048, 1.30x at 4096; benchmarks/ops_lean.md).
 #   The CPU's FFT path has not changed since (the same compiled program).
 # * GPU: H200, `bash scripts/gpu_check.sh` (benchmarks/gpu/gpu.md, kRPE section): dense beat the
@@ -838,7 +838,7 @@ def _rpe_dense(phi_q, phi_k, v, rpe, grid, causal: bool):
 #   executable's temporaries afresh per call (a page fault per fresh page), and all channels
 #   at once hold 1.5 GiB of temporaries fwd+bwd at N = 4096 (B=1, 8 heads, m=32, d=64; 18 MiB
 #   in steps); one batch took 1.25x / 1.28x the steps' time at N = 2048 / 4096 on the 2-core
-#   CPU, side by side (`python -m fastpos.bench.gpu --rpe-steps 2048,4096`,
+#   CPU, side by side (`python -m benchmarks gpu --rpe-steps 2048,4096`,
 #   benchmarks/rpe_steps.md).
 # * GPU / TPU: every head and feature in one step (one batched FFT over all channels: a loop
 #   of small steps was launch-bound, 37-60x the Toeplitz product of the same channel count

@@ -4,8 +4,6 @@ compiled forward and backward hold no long serial loop (optimized HLO); bad mode
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
 
 import jax
@@ -13,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.bench import modes as bench_modes
 from fastpos.ops import attention
 from fastpos.ops.linear_attn import auto, chunk, dispatch, naive, recurrent
 from tests.helpers import assert_causal_jacobian, rel_err
@@ -312,22 +309,3 @@ def test_auto_table_names_its_source_and_picks_per_backend():
     assert auto.pick(backend) == entry["mode"]
   assert auto.pick("something-else") == "chunk"
   assert dispatch.resolve("auto", causal=True) == auto.pick()
-
-
-def test_benchmark_rewrites_one_backend_entry_of_the_auto_table(tmp_path):
-  path = tmp_path / "auto.py"
-  path.write_text(pathlib.Path(auto.__file__).read_text(encoding="utf-8"), encoding="utf-8")
-  rows = [{"chunk_over_recurrent": 0.4}, {"chunk_over_recurrent": 1.1}]
-  assert bench_modes.choice(rows) == "recurrent"
-  assert bench_modes.choice(rows[:1]) == "chunk"
-  bench_modes.update_auto("gpu", "chunk", "fastpos.bench.modes on a test machine " * 4, str(path))
-  spec = importlib.util.spec_from_file_location("auto_rewritten", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  assert module.TABLE["gpu"] == {
-      "mode": "chunk",
-      "source": "fastpos.bench.modes on a test machine " * 4,
-  }
-  assert {k: v for k, v in module.TABLE.items() if k != "gpu"} == {
-      k: v for k, v in auto.TABLE.items() if k != "gpu"
-  }

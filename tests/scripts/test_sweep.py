@@ -1,4 +1,5 @@
-"""scripts/sweep.sh, make_tables.py and plot_positional.py.
+"""scripts/sweep.sh, make_tables.py (fastpos.sweep.tables) and plot_positional.py
+(fastpos.plots.positional).
 
 Fast tests check the pieces in this process: grid parsing and run names, override validation,
 the tables from fixture results (exact numbers, "missing" cells, paper columns, LaTeX) and the
@@ -10,6 +11,7 @@ shared by the subprocesses compiles each step function once.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from fastpos.ops import toeplitz
+from fastpos.plots import positional as plot_positional
+from fastpos.sweep import cli as sweep_cli
+from fastpos.sweep import plan, runner, stats
+from fastpos.sweep import tables as make_tables
+from tests.helpers import FAST_COMPILE_FLAGS
 
-import make_tables  # noqa: E402
-import plot_positional  # noqa: E402
-from fastpos.ops import toeplitz  # noqa: E402
-from fastpos.sweep import cli as sweep_cli  # noqa: E402
-from fastpos.sweep import plan, runner, stats  # noqa: E402
-from tests.helpers import FAST_COMPILE_FLAGS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = "configs/listops_generated.py:tiny"
 MODEL = "absolute+fastrpb+kernelized_rpe+lrpe"  # every plotted table in one tiny model
@@ -587,17 +588,31 @@ def test_failed_run_is_reported_and_others_continue(swept, env, tmp_path, capsys
   assert len(rows) == 1 and "missing (1 failed)" in rows[0], rows
 
 
-def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path):
+def _plot_script():
+  """scripts/plot_positional.py, loaded from its file (its main and its checkpoint reader)."""
+  spec = importlib.util.spec_from_file_location(
+      "plot_positional", ROOT / "scripts" / "plot_positional.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path, capsys, monkeypatch):
   d, _, _ = swept
-  written = plot_positional.plot_workdir(d / NAMES[0], tmp_path, which="best")
+  script = _plot_script()
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # main sets it when unset (restored afterwards)
+  assert script.main([str(d / NAMES[0]), "--out", str(tmp_path)]) == 0
+  written = [Path(line) for line in capsys.readouterr().out.split()]
   assert sorted(p.name for p in written) == [
       "fastrpb_1d.png",
       "kernelized_rpe.png",
       "lrpe_theta.png",
   ]
   for p in written:
+    assert p.parent == tmp_path
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
-  params, meta = plot_positional.load_checkpoint(d / NAMES[0], "best")
+  params, meta = script.load_checkpoint(d / NAMES[0], "best")
   assert meta["step"] == 2 and meta["which"] == "best"
   found = {e["scheme"]: e["arrays"] for e in plot_positional.find_schemes(params)}
   assert found["fastrpb"]["w"].shape == (63,)  # 2 * max_length - 1, max_length 32

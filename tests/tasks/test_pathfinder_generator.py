@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +13,11 @@ import pytest
 
 from configs import pathfinder_generated
 from fastpos import tasks
-from fastpos.tasks import base, pathfinder
+from fastpos.tasks import base, pathfinder, pathfinder_stats
 from fastpos.tasks import pathfinder_generator as pg
 from fastpos.train import cli, train_and_evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import pathfinder_compare  # noqa: E402
 
 REFERENCE = ROOT / "tests" / "testdata" / "pathfinder_reference"
 
@@ -110,7 +107,7 @@ def test_components_counts_8_connected_blobs():
   img[0, 0, 0] = img[0, 1, 1] = True  # diagonal: one component
   img[0, 4, 0:3] = True
   img[0, 0, 5] = img[0, 5, 5] = True
-  assert pathfinder_compare.components(img).tolist() == [4]
+  assert pathfinder_stats.components(img).tolist() == [4]
 
 
 ALPHA = 0.01
@@ -118,10 +115,10 @@ SCALARS = ("lit", "bright", "mean", "dashes", "distractors")
 
 
 def _p_values(setting: pg.Settings, seed: int) -> dict[str, float]:
-  ref = pathfinder_compare.load(str(REFERENCE / "ref32_intermediate_stats.npz"))
+  ref = pathfinder_stats.load(str(REFERENCE / "ref32_intermediate_stats.npz"))
   out = pg.generate(400, setting=setting, seed=seed)
-  ours = pathfinder_compare.statistics(out["images"], out["labels"], out["num_distractors"])
-  return {k: pathfinder_compare.ks_2samp(ref[k], ours[k])[1] for k in SCALARS}
+  ours = pathfinder_stats.statistics(out["images"], out["labels"], out["num_distractors"])
+  return {k: pathfinder_stats.ks_2samp(ref[k], ours[k])[1] for k in SCALARS}
 
 
 def test_statistics_match_the_original_generator():

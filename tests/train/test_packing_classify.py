@@ -252,11 +252,3 @@ def test_packed_main_job_runs(tmp_path):
   seen = sum(float(b["weight"].sum()) for b in batches)
   assert seen > 1.5 * 10 * cfg.batch_size  # examples per row
   assert batches[0]["inputs"].shape[1] == cfg.task.max_length  # mean pooling: no CLS slot
-
-
-def test_benchmark_refuses_a_bad_flag_in_one_line(capsys):
-  from fastpos.bench import packing as bench
-
-  assert bench.main(["--segments=0"]) == 2
-  err = capsys.readouterr().err
-  assert len(err.strip().splitlines()) == 1 and "--segments must be >= 1" in err

@@ -76,16 +76,10 @@ def test_no_test_command_without_a_test_split(tmp_path):
 
 
 def test_the_plotted_schemes_are_plot_positional_s():
-  import importlib.util
-  from pathlib import Path
-
+  from fastpos.plots import positional
   from fastpos.train.trainer import PLOTTED_SCHEMES
 
-  path = Path(__file__).resolve().parents[2] / "scripts" / "plot_positional.py"
-  spec = importlib.util.spec_from_file_location("plot_positional", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  assert PLOTTED_SCHEMES == module.SCHEMES
+  assert PLOTTED_SCHEMES == positional.SCHEMES
 
 
 def test_the_writer_keeps_the_mean_tokens_per_second_across_a_resume(tmp_path):

@@ -1,7 +1,7 @@
 """``mode="auto"``: which causal linear-attention algorithm runs on which backend.
 
 One entry per ``jax.default_backend()`` ("cpu", "gpu", "tpu"): the mode, and where the choice
-comes from (the benchmark, the machine, the date). ``python -m fastpos.bench.modes`` measures
+comes from (the benchmark, the machine, the date). ``python -m benchmarks modes`` measures
 recurrent against chunk fwd+bwd side by side and rewrites its backend's entry below (the
 block between the markers), with the table it wrote (benchmarks/modes_<backend>.md).
 A backend not listed runs "chunk" (no serial loop).
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import jax
 
-# BEGIN TABLE (rewritten by fastpos.bench.modes)
+# BEGIN TABLE (rewritten by benchmarks.modes)
 TABLE = {
     "cpu": {
         "mode": "recurrent",
         "source": (
-            "fastpos.bench.modes on x86_64, 2 cores, cpu, 2026-11-28 20:30 UTC: chunk / "
+            "benchmarks.modes on x86_64, 2 cores, cpu, 2026-11-28 20:30 UTC: chunk / "
             "recurrent fwd+bwd 1.24x, 2.34x, 1.82x, 2.56x, 3.17x at N = 1024, 2048, 4096, "
             "8192, 16384 (benchmarks/modes_cpu.md)"
         ),
