@@ -146,19 +146,25 @@ def _record_runs(args: argparse.Namespace, sweep: _Sweep, runner: Runner) -> lis
   return todo
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _execute(args: argparse.Namespace, sweep: _Sweep, runner: Runner, todo: list[str]) -> int:
   """Runs ``todo`` in the chosen mode; returns the summary's exit code."""
   # SIGTERM (a preempted job) and Ctrl-C: the trainings save and stop, the summary says what
-  # to re-run.
-  signal.signal(signal.SIGTERM, lambda *_: runner.terminate())
-  signal.signal(signal.SIGINT, lambda *_: runner.terminate())
-  t0 = time.time()
-  jobs = max(1, min(len(sweep.slots), len(todo))) if sweep.slots else 1
-  runner.progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo), len(todo), jobs)
-  if args.mode == "sequential":
-    statuses = run_sequential(runner, sweep.runs, todo)
-  else:
-    statuses = run_parallel(runner, sweep.runs, todo, sweep.slots)
+  # to re-run. The caller's handlers come back afterwards (``main`` may be called in-process).
+  previous = {s: signal.signal(s, lambda *_: runner.terminate()) for s in _STOP_SIGNALS}
+  try:
+    t0 = time.time()
+    jobs = max(1, min(len(sweep.slots), len(todo))) if sweep.slots else 1
+    runner.progress = Progress(len(sweep.runs), len(sweep.runs) - len(todo), len(todo), jobs)
+    if args.mode == "sequential":
+      statuses = run_sequential(runner, sweep.runs, todo)
+    else:
+      statuses = run_parallel(runner, sweep.runs, todo, sweep.slots)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
   return report.summarize(len(sweep.runs), todo, statuses, sweep.manifest, args.sweep_dir, t0)
 
 
