@@ -113,7 +113,7 @@ def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
   names = pos.split("+")
   opts = {n: DECAY.get(n, {}) if causal else {} for n in names}
   try:
-    compatibility.check(kernel, names, causal=causal, options=opts)
+    compatibility.plan(kernel, names, compatibility.Setting(causal=causal), options=opts)
   except ValueError:
     return True
   return False
@@ -335,19 +335,24 @@ def test_every_kernel_and_scheme_split_equals_unsplit(tmp_path):
     ],
 )
 def test_unsupported_split_is_rejected_naming_it(kernel, pos, two_d, match):
+  from fastpos.positional import compatibility
+
   with pytest.raises(ValueError, match=match) as e:
-    cp.check(kernel, [pos], two_d=two_d, seq=2)
+    compatibility.plan(kernel, [pos], compatibility.Setting(two_d=two_d, seq=2))
   assert "support the kernels elu1, relu" in str(e.value)
   assert "schemes none, absolute, fastrpb, kernelized_rpe, rope, lrpe, permuteformer;" in str(
       e.value
   )
-  cp.check(kernel, [pos], two_d=two_d, seq=1)  # one block: anything goes
+  compatibility.plan(kernel, [pos], compatibility.Setting(two_d=two_d))  # one block: all go
 
 
 def test_logits_schemes_are_named():
-  assert "logits hook" in cp.problem("elu1", ["t5_bias"], two_d=False)
-  assert "logits hook" in cp.problem("elu1", ["transformer_xl"], two_d=False)
-  assert cp.problem("nprf", ["kernelized_rpe", "permuteformer"], two_d=False) is None
+  from fastpos.ops.features import get_kernel
+  from fastpos.positional.compatibility import split_problem
+
+  assert "logits hook" in split_problem(get_kernel("elu1"), ["t5_bias"], two_d=False)
+  assert "logits hook" in split_problem(get_kernel("elu1"), ["transformer_xl"], two_d=False)
+  assert split_problem(get_kernel("nprf"), ["kernelized_rpe", "permuteformer"], two_d=False) is None
 
 
 def test_the_trainer_checks_the_split_before_compiling():
