@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
+import ml_collections
 
 from fastpos import positional
 from fastpos.models import chunked_attention as chunked
@@ -44,6 +45,7 @@ from fastpos.ops import features as feature_ops
 from fastpos.ops import segments, toeplitz
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility, path_keys
+from fastpos.tasks.info import TaskInfo
 
 # The kernel and its options: the one kernel record (``fastpos.ops.features.Kernel``), under
 # the name models use: ``KernelSpec(name, num_features=..., nu=..., eps=..., redraw=...,
@@ -145,6 +147,59 @@ class AttentionConfig:
         options={p.name: p.option_dict() for p in self.positional},
     )
 
+  @classmethod
+  def from_model_config(cls, cfg, task: TaskInfo) -> "AttentionConfig":
+    """The attention description of a model config ``cfg`` (``config.model``) for ``task``
+    (its kind, length and grid): what ``fastpos.build_model`` builds the layers from. (The
+    public ``fastpos.attention_config`` builds one from flat keywords.)"""
+    names = positional.parse_names(cfg.positional)
+    opts = _plain(cfg.get("positional_options", None))
+    for key in opts:
+      if key not in names:
+        raise ValueError(
+            f"positional_options has options for {key!r}, which is not in model.positional="
+            f"{cfg.positional!r}."
+        )
+    kernel = KernelSpec.from_config(cfg.kernel, _plain(cfg.get("kernel_options", None)))
+    if cfg.embed_dim % cfg.num_heads and not cfg.get("head_dim", 0):
+      raise ValueError(
+          f"embed_dim={cfg.embed_dim} is not divisible by num_heads={cfg.num_heads}; set "
+          "head_dim."
+      )
+    pooling = cfg.get("pooling", "mean")
+    # Image tasks: the schemes see the grid (2D positions) unless use_grid=False, which treats
+    # the image as its raster sequence (1D schemes; PermuteFormer's "w/o 2D rel. pos.").
+    grid = tuple(task.grid) if task.grid is not None and cfg.get("use_grid", True) else None
+    if pooling == "cls" and grid is not None:
+      raise ValueError(
+          "pooling='cls' prepends a token, which breaks the image grid "
+          f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False)."
+      )
+    max_length = cfg.get("max_length", 0) or task.max_length
+    if max_length <= 0:
+      raise ValueError("model.max_length is 0 and the task gives no max_length.")
+    if pooling == "cls" and task.kind != "lm":
+      max_length += 1
+    chunk_size = cfg.get("chunk_size", 0)
+    if not isinstance(chunk_size, int) or chunk_size < 0:
+      raise ValueError(
+          f"model.chunk_size must be an int >= 0 (0 picks it from the shape); got "
+          f"{chunk_size!r}."
+      )
+    return cls(
+        num_heads=cfg.num_heads,
+        head_dim=cfg.get("head_dim", 0) or cfg.embed_dim // cfg.num_heads,
+        embed_dim=cfg.embed_dim,
+        kernel=kernel,
+        positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
+        max_length=max_length,
+        grid=grid,
+        causal=task.kind == "lm",
+        chunk_size=chunk_size or None,
+        attn_chunk=cfg.get("attn_chunk", 0),
+        mode=cfg.get("attention_mode", "auto"),
+    )
+
   def scheme_dims(self) -> dict[str, positional.Dims]:
     """The Dims each attention-level scheme is built with (feature_dim = the size its
     features hook sees, following pre_phi schemes that change it)."""
@@ -189,6 +244,13 @@ class AttentionConfig:
       if "features" in p.cls.hooks and p.cls.feature_stage == "pre_phi":
         dim = p.cls.feature_out_dim(dim, p.option_dict())
     return dim
+
+
+def _plain(options) -> dict:
+  """A config block of options (ConfigDict, dict or None) as a plain dict."""
+  if options is None:
+    return {}
+  return options.to_dict() if isinstance(options, ml_collections.ConfigDict) else dict(options)
 
 
 def _is_int(x, low: int) -> bool:
@@ -505,12 +567,11 @@ class Attention(nn.Module):
     cfg = self.cfg
     dims = cfg.scheme_dims()
     shared = {type(s).scheme_name: s for s in self.shared}
+    # The config's plan checked every option: the classes are built without another check.
     return [
         shared[spec.name]
         if spec.name in shared
-        else positional.build(
-            spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
-        )
+        else spec.cls(dims=dims[spec.name], **spec.option_dict(), name=f"pos_{spec.name}")
         for spec in attention_schemes(cfg)
     ]
 
@@ -623,4 +684,3 @@ class FullPath:
     return attn_ops.linear_attention(
         fq, fk, self.v, chunk_size=cfg.chunk_size, mode=cfg.mode, **kw, **packed
     )
-

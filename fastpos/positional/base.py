@@ -407,9 +407,9 @@ class Scheme(nn.Module):
   ) -> str | None:
     """None when the scheme works with this kernel / setting, else the reason it does not.
 
-    The generic checks (causal, 1D, 2D support) are made by
-    ``fastpos.positional.compatibility``; override this for kernel-specific rules (e.g. a
-    logits bias needs the softmax kernel)."""
+    The generic checks (causal, 1D, 2D support from the class attributes; a logits bias
+    needs the softmax kernel) are made by ``fastpos.positional.compatibility.plan``; override
+    this for a scheme's own rules (e.g. PermuteFormer needs non-negative features)."""
     cls.resolve_options(options)
     return None
 

@@ -119,12 +119,17 @@ def problem(
 ) -> str | None:
   """None when ``kernel`` (a name or the kernel's record) x ``scheme`` works causal or not, in
   1D or 2D, else the reason it does not (the cell of the kernel x scheme table)."""
-  info = features.get_kernel(kernel)
   cls = positional.get_class(scheme)
   options = dict(options or {})
   unused = cls.unused_options(options, two_d=two_d)  # validates the options first
   if unused:
     return f"{scheme!r} would ignore its option(s) {', '.join(unused)} here"
+  return _pair_problem(features.get_kernel(kernel), cls, causal, two_d, options)
+
+
+def _pair_problem(info: features.Kernel, cls, causal: bool, two_d: bool, options) -> str | None:
+  """``problem`` for options already checked (``Scheme.check_used``)."""
+  scheme = cls.scheme_name
   if causal and not cls.supports_causal:
     return f"{scheme!r} has no causal form"
   if two_d and not cls.supports_2d:
@@ -212,6 +217,19 @@ def packing_problem(kernel: features.Kernel, schemes, setting: Setting) -> str |
   return "; ".join(notes)
 
 
+def memory_problem(kernel: features.Kernel, schemes, options, *, causal: bool) -> str | None:
+  """Why a Transformer-XL memory (keys ``[memory, current segment]``) cannot run, or None."""
+  if not kernel.is_softmax:
+    return f"needs the softmax kernel; got kernel {kernel.name!r}"
+  kv = [s for s in schemes if kv_terms([s], options, causal=causal)]
+  if kv:
+    return (
+        f"cannot run with positional scheme {kv[0]!r}: its kv terms are materialised over the "
+        "current segment's keys only (schemes that run with memory: those without kv terms)"
+    )
+  return None
+
+
 def kv_terms(schemes, options: Mapping, *, causal: bool) -> tuple[str, ...]:
   """The ``kv`` hooks' terms of ``schemes`` (``Scheme.kv_terms``): ``"table"`` and / or
   ``"decay"``."""
@@ -275,8 +293,9 @@ class Refusal(ValueError):
 def _check_pairs(kernel, schemes, options, setting) -> None:
   pair = dict(causal=setting.causal, two_d=setting.two_d)
   for scheme in schemes:
-    positional.get_class(scheme).check_used(options.get(scheme), two_d=setting.two_d)
-    why = problem(kernel, scheme, options=options.get(scheme), **pair)
+    cls = positional.get_class(scheme)
+    cls.check_used(options.get(scheme), two_d=setting.two_d)  # validates the options too
+    why = _pair_problem(kernel, cls, setting.causal, setting.two_d, options.get(scheme, {}))
     if why is not None:
       kernels = [k for k in KERNELS if problem(k, scheme, **pair) is None]
       raise Refusal(
@@ -309,7 +328,7 @@ def _cell(kernel, schemes) -> str:
   return f"kernel {kernel.name!r}, schemes {', '.join(schemes) or 'none'}"
 
 
-def _check_setting(kernel, schemes, setting) -> None:
+def _check_setting(kernel, schemes, options, setting) -> None:
   """The refusals of the parts of ``setting`` beyond causal / 1D / 2D, in the order a layer
   meets them."""
   if setting.attn_chunk:
@@ -320,11 +339,10 @@ def _check_setting(kernel, schemes, setting) -> None:
           f"sequence, which this layer cannot do: {why}. Use attn_chunk=0.",
           why,
       )
-  if setting.memory and not kernel.is_softmax:
-    raise Refusal(
-        f"memory (Transformer-XL) needs the softmax kernel; got kernel {kernel.name!r}.",
-        "memory (Transformer-XL) needs the softmax kernel",
-    )
+  if setting.memory:
+    why = memory_problem(kernel, schemes, options, causal=setting.causal)
+    if why is not None:
+      raise Refusal(f"memory (Transformer-XL) {why}.", f"memory {why}")
   if setting.packed:
     why = packing_problem(kernel, schemes, setting)
     if why is not None:
@@ -361,9 +379,7 @@ def _check_setting(kernel, schemes, setting) -> None:
           "decoding is defined for 1D sequences",
       )
     if not setting.causal:
-      raise Refusal(
-          "decoding needs a causal (lm) model.", "decoding needs a causal (lm) model"
-      )
+      raise Refusal("decoding needs a causal (lm) model.", "decoding needs a causal (lm) model")
 
 
 def plan(
@@ -395,7 +411,7 @@ def plan(
       )
   _check_mode(setting)
   _check_pairs(kernel, schemes, opts, setting)
-  _check_setting(kernel, schemes, setting)
+  _check_setting(kernel, schemes, opts, setting)
   path = "softmax" if kernel.is_softmax else "linear"
   if setting.decoding:
     runs = "decoding"

@@ -203,7 +203,7 @@ def _build_case(what, kernel, pos, causal, pooling):
   padding on."""
   import jax.numpy as jnp
 
-  from fastpos.models import Attention, attention_config
+  from fastpos.models import Attention, AttentionConfig
   from tests.models.test_models import _batch
 
   names = pos.split("+")
@@ -216,10 +216,10 @@ def _build_case(what, kernel, pos, causal, pooling):
   task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
   batch = _batch(2, n, pad=3)
   if what.startswith("layer"):
-    model = chunked = Attention(attention_config(c, task), dtype=jnp.float64)
+    model = chunked = Attention(AttentionConfig.from_model_config(c, task), dtype=jnp.float64)
     if what == "layer_chunked":  # by chunks of 3 of each device's 4 positions
       c.attn_chunk = 3
-      chunked = Attention(attention_config(c, task), dtype=jnp.float64)
+      chunked = Attention(AttentionConfig.from_model_config(c, task), dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
     return (
         lambda key, b: model.init(key, b["x"], mask=b["mask"]),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.models import TaskInfo, attention_config, build_model, model_config
+from fastpos.models import AttentionConfig, TaskInfo, build_model, model_config
 from fastpos.models.attention import Attention
 from fastpos.ops import segments
 from fastpos.positional import compatibility
@@ -127,7 +127,8 @@ def test_bidirectional_layer_keeps_segments_apart():
   """The attention layer itself, bidirectional softmax + T5 bias, float64: a packed row's
   outputs equal each segment run alone (padded)."""
   layer = Attention(
-      attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)), dtype=jnp.float64
+      AttentionConfig.from_model_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)),
+      dtype=jnp.float64,
   )
   x = np.random.default_rng(0).normal(size=(1, N, 16))
   row = _packed_row(_sequences())

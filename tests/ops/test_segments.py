@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.models import TaskInfo, attention_config, model_config
+from fastpos.models import AttentionConfig, TaskInfo, model_config
 from fastpos.models.attention import Attention
 from fastpos.ops import attention as ops
 from fastpos.ops import segments
@@ -204,7 +204,7 @@ def _layer(kernel, scheme, causal):
   c.kernel_options.num_features = 8
   c.chunk_size = CHUNK
   info = TaskInfo("lm" if causal else "classify", V, 0 if causal else 3, N)
-  return Attention(attention_config(c, info).attention_only(), dtype=jnp.float64)
+  return Attention(AttentionConfig.from_model_config(c, info).attention_only(), dtype=jnp.float64)
 
 
 @functools.cache
