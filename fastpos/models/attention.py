@@ -85,8 +85,9 @@ class PositionalSpec:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Static description of an attention layer (hashable, so it can be a linen field);
-  ``fastpos.attention_config`` builds one from flat keywords. Bad sizes, names, options and
-  incompatible kernel x scheme pairs raise ValueError at construction.
+  ``fastpos.attention_config`` builds one from flat keywords, ``from_model_config`` from a
+  model config. Bad sizes, names, options and what cannot run (``plan``) raise ValueError at
+  construction.
 
   Attributes:
     num_heads, head_dim, embed_dim: h, d and D (the layer maps ``[b, N, D] -> [b, N, D]``).
