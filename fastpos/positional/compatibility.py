@@ -501,8 +501,9 @@ SETTINGS = {
 def report() -> str:
   """Every table: kernel x scheme per causal / 1D / 2D, then per setting of ``SETTINGS``."""
   out = [
-      "Kernel x positional scheme. 'ok': runs (every such cell is tested against dense "
-      "references); '-n': refused at configuration time, for reason n.\n"
+      "Kernel x positional scheme x setting. 'ok': runs (each kernel x scheme cell is held "
+      "to dense references by tests/models/test_cells.py); '-n': refused before any compute, "
+      "for reason n.\n"
   ]
   for causal in (False, True):
     for two_d in (False, True):
