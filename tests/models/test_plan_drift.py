@@ -79,7 +79,7 @@ def _layer(kernel, schemes, opts, s: Setting):
       embed_dim=D,
       kernel=KernelSpec(kernel),
       positional=tuple(PositionalSpec.make(n, o) for n, o in zip(schemes, opts)),
-      max_length=N,
+      max_length=N + 2,  # + the memory's 2 keys
       grid=GRID if s.two_d else None,
       causal=s.causal,
       attn_chunk=s.attn_chunk,
