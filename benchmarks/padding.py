@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import report
-from fastpos.ops import segments
+from fastpos.positional import compatibility
 from fastpos.train import data as data_lib
 from fastpos.train import run as run_lib
 from fastpos.train.bucketing import bucket_lengths
@@ -65,7 +65,7 @@ def _configs(buckets: tuple[int, ...], window: int):
 
 def cell_table() -> tuple[str, list[dict]]:
   """Which (kernel, scheme, causal) cells pack, and why the others do not (the code's own
-  decision, ``fastpos.ops.segments.packing_refusal``)."""
+  decision, the plan: ``fastpos.positional.compatibility.refusal``)."""
   from configs import common
   from fastpos import positional
 
@@ -78,7 +78,8 @@ def cell_table() -> tuple[str, list[dict]]:
   for kernel in common.KERNELS:
     for scheme in schemes:
       for causal in (False, True):
-        why = segments.packing_refusal(kernel, [scheme], causal=causal)
+        packed = compatibility.Setting(causal=causal, packed=True)
+        why = compatibility.refusal(kernel, [scheme], packed)
         rows.append(
             {
                 "kernel": kernel,

@@ -5,7 +5,9 @@ kernel, the positional schemes, their options and the sizes are keywords, checke
 parameter exists (an unknown name, an option the kernel or scheme does not take, a value out
 of range or an incompatible kernel x scheme pair raises ValueError naming the valid choices).
 They build the records the models use (``AttentionConfig``, ``KernelSpec``,
-``PositionalSpec.make``), so a layer made here has the parameters the models' layers have.
+``PositionalSpec.make``; the models build theirs from a model config with
+``AttentionConfig.from_model_config``), so a layer made here has the parameters the models'
+layers have.
 
 The keyword values go through the config's own declarations (``fastpos.config_schema``: the
 field ``model.<keyword>`` or ``model.kernel_options.<keyword>``), so ``eps=nan`` fails here as

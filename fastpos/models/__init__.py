@@ -7,14 +7,11 @@ positional schemes, their options and their compatibility before any parameter e
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_collections
 
-from fastpos import positional
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
-from fastpos.models.blocks import NORMS, REMAT_POLICIES, Block, remat_policy
+from fastpos.models.blocks import REMAT_POLICIES, Block, remat_policy
 from fastpos.models.config import model_config
 from fastpos.models.transformer import (
-    POOLINGS,
     Classifier,
     DecoderLM,
     DualEncoder,
@@ -23,68 +20,6 @@ from fastpos.models.transformer import (
 from fastpos.tasks.info import TaskInfo
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
-
-
-def _options(cfg) -> dict:
-  opts = cfg.get("positional_options", None)
-  if opts is None:
-    return {}
-  return opts.to_dict() if isinstance(opts, ml_collections.ConfigDict) else dict(opts)
-
-
-def attention_config(cfg, task: TaskInfo) -> AttentionConfig:
-  """The static attention description of ``cfg`` (``config.model``) for ``task``."""
-  names = positional.parse_names(cfg.positional)
-  opts = _options(cfg)
-  for key in opts:
-    if key not in names:
-      raise ValueError(
-          f"positional_options has options for {key!r}, which is not in model.positional="
-          f"{cfg.positional!r}."
-      )
-  kopts = cfg.get("kernel_options", None)
-  kopts = kopts.to_dict() if isinstance(kopts, ml_collections.ConfigDict) else dict(kopts or {})
-  kernel = KernelSpec.from_config(cfg.kernel, kopts)
-  if cfg.embed_dim % cfg.num_heads and not cfg.get("head_dim", 0):
-    raise ValueError(
-        f"embed_dim={cfg.embed_dim} is not divisible by num_heads="
-        f"{cfg.num_heads}; set head_dim."
-    )
-  head_dim = cfg.get("head_dim", 0) or cfg.embed_dim // cfg.num_heads
-  pooling = cfg.get("pooling", "mean")
-  if pooling not in POOLINGS:
-    raise ValueError(f"unknown pooling {pooling!r}; valid choices: {', '.join(POOLINGS)}.")
-  # Image tasks: the schemes see the grid (2D positions) unless use_grid=False, which treats
-  # the image as its raster sequence (1D schemes; PermuteFormer's "w/o 2D rel. pos.").
-  grid = tuple(task.grid) if task.grid is not None and cfg.get("use_grid", True) else None
-  if pooling == "cls" and grid is not None:
-    raise ValueError(
-        "pooling='cls' prepends a token, which breaks the image grid "
-        f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False)."
-    )
-  max_length = cfg.get("max_length", 0) or task.max_length
-  if max_length <= 0:
-    raise ValueError("model.max_length is 0 and the task gives no max_length.")
-  if pooling == "cls" and task.kind != "lm":
-    max_length += 1
-  chunk_size = cfg.get("chunk_size", 0)
-  if not isinstance(chunk_size, int) or chunk_size < 0:
-    raise ValueError(
-        f"model.chunk_size must be an int >= 0 (0 picks it from the shape); " f"got {chunk_size!r}."
-    )
-  return AttentionConfig(
-      num_heads=cfg.num_heads,
-      head_dim=head_dim,
-      embed_dim=cfg.embed_dim,
-      kernel=kernel,
-      positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
-      max_length=max_length,
-      grid=grid,
-      causal=task.kind == "lm",
-      chunk_size=chunk_size or None,
-      attn_chunk=cfg.get("attn_chunk", 0),
-      mode=cfg.get("attention_mode", "auto"),
-  )
 
 
 def build_model(cfg, task: TaskInfo):
@@ -105,11 +40,9 @@ def build_model(cfg, task: TaskInfo):
       ids = jnp.ones((2, 12), jnp.int32)                   # [batch, N] int token ids
       logits = model.apply(model.init(jax.random.key(0), ids), ids)   # [2, 3] float32
   """
-  if cfg.norm not in NORMS:
-    raise ValueError(f"unknown norm {cfg.norm!r}; valid choices: {', '.join(NORMS)}.")
   if cfg.dtype not in DTYPES:
     raise ValueError(f"unknown dtype {cfg.dtype!r}; valid choices: {', '.join(DTYPES)}.")
-  attn = attention_config(cfg, task)
+  attn = AttentionConfig.from_model_config(cfg, task)
   remat = cfg.get("remat", "none")
   remat_policy(remat)  # raises naming the valid choices
   scan_layers = cfg.get("scan_layers", False)
@@ -167,7 +100,6 @@ __all__ = [
     "PositionalSpec",
     "TaskInfo",
     "Tower",
-    "attention_config",
     "build_model",
     "model_config",
 ]

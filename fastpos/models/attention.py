@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
+import ml_collections
 
 from fastpos import positional
 from fastpos.models import chunked_attention as chunked
@@ -42,9 +43,9 @@ from fastpos.models import hooks as hooks_lib
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as feature_ops
 from fastpos.ops import segments, toeplitz
-from fastpos.ops.linear_attn import common as linear_attn_common
 from fastpos.ops.masks import check_mask
 from fastpos.positional import compatibility, path_keys
+from fastpos.tasks.info import TaskInfo
 
 # The kernel and its options: the one kernel record (``fastpos.ops.features.Kernel``), under
 # the name models use: ``KernelSpec(name, num_features=..., nu=..., eps=..., redraw=...,
@@ -84,8 +85,9 @@ class PositionalSpec:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Static description of an attention layer (hashable, so it can be a linen field);
-  ``fastpos.attention_config`` builds one from flat keywords. Bad sizes, names, options and
-  incompatible kernel x scheme pairs raise ValueError at construction.
+  ``fastpos.attention_config`` builds one from flat keywords, ``from_model_config`` from a
+  model config. Bad sizes, names, options and what cannot run (``plan``) raise ValueError at
+  construction.
 
   Attributes:
     num_heads, head_dim, embed_dim: h, d and D (the layer maps ``[b, N, D] -> [b, N, D]``).
@@ -123,25 +125,81 @@ class AttentionConfig:
 
   def __post_init__(self):
     _check_sizes(self)
-    names = [p.name for p in self.positional]
-    compatibility.check(
+    chunked.check_chunk(self.attn_chunk)
+    # The config's plan: what a call may add (a split sequence, packing, memory, decoding) is
+    # planned again by the call (``plan``).
+    self.plan()
+
+  def plan(self, call: compatibility.Setting | None = None) -> compatibility.Plan:
+    """What runs (``fastpos.positional.compatibility.plan``) for this config: alone (``call``
+    None: its ``attn_chunk``, the sequence's split not known yet), or in the setting of a call,
+    ``call`` giving what only the call knows (``seq``, ``packed``, ``memory``, ``decoding``,
+    and ``attn_chunk`` if this call runs by chunks, else 0); the config gives causal, 1D / 2D
+    and ``mode``. Raises ValueError naming what cannot run."""
+    if call is None:
+      call = compatibility.Setting(attn_chunk=self.attn_chunk, seq=None)
+    setting = dataclasses.replace(
+        call, causal=self.causal, two_d=self.grid is not None, mode=self.mode
+    )
+    return compatibility.plan(
         self.kernel,
-        names,
-        causal=self.causal,
-        two_d=self.grid is not None,
+        [p.name for p in self.positional],
+        setting,
         options={p.name: p.option_dict() for p in self.positional},
     )
-    if chunked.check_chunk(self.attn_chunk):
-      why = chunked.problem(
-          self.kernel,
-          [p.cls for p in self.positional],
-          two_d=self.grid is not None,
-      )
-      if why is not None:
+
+  @classmethod
+  def from_model_config(cls, cfg, task: TaskInfo) -> "AttentionConfig":
+    """The attention description of a model config ``cfg`` (``config.model``) for ``task``
+    (its kind, length and grid): what ``fastpos.build_model`` builds the layers from. (The
+    public ``fastpos.attention_config`` builds one from flat keywords.)"""
+    names = positional.parse_names(cfg.positional)
+    opts = _plain(cfg.get("positional_options", None))
+    for key in opts:
+      if key not in names:
         raise ValueError(
-            f"AttentionConfig: attn_chunk={self.attn_chunk} runs the layer by chunks of the "
-            f"sequence, which this layer cannot do: {why}. Use attn_chunk=0."
+            f"positional_options has options for {key!r}, which is not in model.positional="
+            f"{cfg.positional!r}."
         )
+    kernel = KernelSpec.from_config(cfg.kernel, _plain(cfg.get("kernel_options", None)))
+    if cfg.embed_dim % cfg.num_heads and not cfg.get("head_dim", 0):
+      raise ValueError(
+          f"embed_dim={cfg.embed_dim} is not divisible by num_heads={cfg.num_heads}; set "
+          "head_dim."
+      )
+    pooling = cfg.get("pooling", "mean")
+    # Image tasks: the schemes see the grid (2D positions) unless use_grid=False, which treats
+    # the image as its raster sequence (1D schemes; PermuteFormer's "w/o 2D rel. pos.").
+    grid = tuple(task.grid) if task.grid is not None and cfg.get("use_grid", True) else None
+    if pooling == "cls" and grid is not None:
+      raise ValueError(
+          "pooling='cls' prepends a token, which breaks the image grid "
+          f"{grid}; use pooling='mean' for 2D tasks (or model.use_grid=False)."
+      )
+    max_length = cfg.get("max_length", 0) or task.max_length
+    if max_length <= 0:
+      raise ValueError("model.max_length is 0 and the task gives no max_length.")
+    if pooling == "cls" and task.kind != "lm":
+      max_length += 1
+    chunk_size = cfg.get("chunk_size", 0)
+    if not isinstance(chunk_size, int) or chunk_size < 0:
+      raise ValueError(
+          f"model.chunk_size must be an int >= 0 (0 picks it from the shape); got "
+          f"{chunk_size!r}."
+      )
+    return cls(
+        num_heads=cfg.num_heads,
+        head_dim=cfg.get("head_dim", 0) or cfg.embed_dim // cfg.num_heads,
+        embed_dim=cfg.embed_dim,
+        kernel=kernel,
+        positional=tuple(PositionalSpec.make(n, opts.get(n)) for n in names),
+        max_length=max_length,
+        grid=grid,
+        causal=task.kind == "lm",
+        chunk_size=chunk_size or None,
+        attn_chunk=cfg.get("attn_chunk", 0),
+        mode=cfg.get("attention_mode", "auto"),
+    )
 
   def scheme_dims(self) -> dict[str, positional.Dims]:
     """The Dims each attention-level scheme is built with (feature_dim = the size its
@@ -189,6 +247,13 @@ class AttentionConfig:
     return dim
 
 
+def _plain(options) -> dict:
+  """A config block of options (ConfigDict, dict or None) as a plain dict."""
+  if options is None:
+    return {}
+  return options.to_dict() if isinstance(options, ml_collections.ConfigDict) else dict(options)
+
+
 def _is_int(x, low: int) -> bool:
   return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
@@ -207,16 +272,6 @@ def _check_sizes(cfg: AttentionConfig) -> None:
     )
   if not isinstance(cfg.causal, bool):
     raise ValueError(f"AttentionConfig: causal must be True or False; got {cfg.causal!r}.")
-  if cfg.mode not in linear_attn_common.MODES:
-    raise ValueError(
-        f"AttentionConfig: mode must be one of "
-        f"{', '.join(repr(m) for m in linear_attn_common.MODES)}; got {cfg.mode!r}."
-    )
-  if cfg.mode == "fused" and not cfg.causal:
-    raise ValueError(
-        "AttentionConfig: mode='fused' is built for causal linear attention only; a "
-        "bidirectional layer runs with mode='auto', 'chunk' or 'recurrent' (the same path)."
-    )
   grid = cfg.grid
   if grid is not None and (
       not isinstance(grid, tuple) or len(grid) != 2 or not all(_is_int(g, 1) for g in grid)
@@ -403,9 +458,19 @@ class Attention(nn.Module):
   def _attend(self, x, mask, grid, memory, deterministic, reference, decode, tail):
     """The layer on a batched ``x`` (called from the compact ``__call__``: it creates the
     submodules)."""
-    grid, mask = self._check_inputs(x, mask, grid, memory, reference)
-    if self.by_chunks(x, memory, decode, reference):
-      return self._chunked(x, mask, deterministic, tail)
+    grid, mask = self._check_inputs(x, mask, grid, memory)
+    chunking = self.by_chunks(x, memory, decode, reference)
+    plan = self.cfg.plan(
+        compatibility.Setting(
+            attn_chunk=self.cfg.attn_chunk if chunking else 0,
+            seq=1 if reference or decode is not None else cp.seq_size(),
+            packed=segments.active() is not None,
+            memory=memory is not None,
+            decoding=decode is not None,
+        )
+    )
+    if chunking:
+      return self._chunked(plan, x, mask, deterministic, tail)
     if tail is not None:
       raise ValueError("Attention: tail is only run by a call that runs by chunks.")
     dense = lambda name: nn.DenseGeneral(
@@ -422,7 +487,7 @@ class Attention(nn.Module):
     hooks = hooks_lib.Hooks.of(self._schemes())
     settings = dict(deterministic=deterministic, reference=reference)
     if decode is None:
-      path = FullPath(self.cfg, hooks, v, mask, grid=grid, length=x.shape[1], **settings)
+      path = FullPath(plan, self.cfg, hooks, v, mask, grid=grid, length=x.shape[1], **settings)
     else:
       path = decoding.StepPath(self, hooks, v, mask, decode, **settings)
     draw = functools.partial(
@@ -439,16 +504,9 @@ class Attention(nn.Module):
     chunk = self.cfg.attn_chunk
     if not chunk or decode is not None or memory is not None or reference:
       return False
-    if self.is_initializing() or -(-x.shape[1] // cp.seq_size()) <= chunk:
-      return False
-    if segments.active() is not None:
-      raise ValueError(
-          f"attn_chunk={chunk}: a packed batch (segment ids) is not run by chunks; use "
-          "attn_chunk=0 with packing."
-      )
-    return True
+    return not self.is_initializing() and -(-x.shape[1] // cp.seq_size()) > chunk
 
-  def _chunked(self, x, mask, deterministic, tail):
+  def _chunked(self, plan, x, mask, deterministic, tail):
     """The layer by chunks of the sequence (``fastpos.models.chunked_attention.attend``):
     the same parameters, projection draw and output hooks as the whole-sequence path."""
     hooks = hooks_lib.Hooks.of(self._schemes())
@@ -458,6 +516,7 @@ class Attention(nn.Module):
 
     def terms(v):
       path = FullPath(
+          plan,
           self.cfg,
           hooks,
           v,
@@ -482,9 +541,10 @@ class Attention(nn.Module):
         tail=tail,
     )
 
-  def _check_inputs(self, x, mask, grid, memory, reference):
-    """Raises ValueError for a grid, memory, packing or mask the layer cannot take; returns
-    ``(grid, mask)`` normalised (grid a tuple of ints, mask checked)."""
+  def _check_inputs(self, x, mask, grid, memory):
+    """Raises ValueError for a grid, memory or mask that does not fit the layer (what runs
+    with memory or packing is the plan's: ``AttentionConfig.plan``); returns ``(grid, mask)``
+    normalised (grid a tuple of ints, mask checked)."""
     cfg = self.cfg
     b, n, _ = x.shape
     if (grid is None) != (cfg.grid is None):
@@ -493,25 +553,11 @@ class Attention(nn.Module):
       grid = tuple(int(g) for g in grid)
       if grid[0] * grid[1] != n:
         raise ValueError(f"grid {grid} does not cover the sequence length {n}.")
-    m_len = 0 if memory is None else memory.shape[1]
-    if memory is not None and not cfg.kernel.is_softmax:
-      raise ValueError(
-          "memory (Transformer-XL) needs the softmax kernel; got kernel " f"{cfg.kernel.name!r}."
-      )
-    if segments.active() is not None:  # a packed batch: keep its sequences apart (or refuse)
-      segments.check_packable(
-          cfg.kernel.name,
-          [p.name for p in cfg.positional],
-          causal=cfg.causal,
-          grid=cfg.grid,
-          memory_length=m_len,
-          split=cp.seq_size() > 1 and not reference,
-      )
     if memory is None:
       return grid, check_mask(mask, (b, n), against=f"x of shape {x.shape}")
     mask = check_mask(
         mask,
-        (b, m_len + n),
+        (b, memory.shape[1] + n),
         layout="[batch, M+N]",
         against=f"memory {memory.shape} and x {x.shape}",
     )
@@ -522,12 +568,11 @@ class Attention(nn.Module):
     cfg = self.cfg
     dims = cfg.scheme_dims()
     shared = {type(s).scheme_name: s for s in self.shared}
+    # The config's plan checked every option: the classes are built without another check.
     return [
         shared[spec.name]
         if spec.name in shared
-        else positional.build(
-            spec.name, dims[spec.name], spec.option_dict(), name=f"pos_{spec.name}"
-        )
+        else spec.cls(dims=dims[spec.name], **spec.option_dict(), name=f"pos_{spec.name}")
         for spec in attention_schemes(cfg)
     ]
 
@@ -538,17 +583,12 @@ class FullPath:
   ops are ``fastpos.ops.attention``'s (their dense references with ``reference``, the
   context-parallel forms when the sequence is split over devices)."""
 
-  def __init__(self, cfg, hooks, v, mask, *, grid, length, deterministic, reference):
+  def __init__(self, plan, cfg, hooks, v, mask, *, grid, length, deterministic, reference):
     self.cfg, self.v, self.mask, self.grid, self.n = cfg, v, mask, grid, length
     self.reference = reference
-    self.split = cp.seq_size() > 1 and not reference  # the sequence is split over devices
-    if self.split:
-      cp.check(
-          cfg.kernel.name,
-          [p.name for p in cfg.positional],
-          two_d=cfg.grid is not None,
-          seq=cp.seq_size(),
-      )
+    self.split = plan.split  # the sequence is split over devices
+    # The causal scan keeps a running maximum of the keys' scale (``Plan.key_scales``).
+    self.scaled = plan.key_scales and not reference
     memory_length = v.shape[1] - length
     self.ctx = positional.Context(
         mask=mask,
@@ -584,28 +624,20 @@ class FullPath:
     d = self.cfg.head_dim
     return fn(q, keys, self.v, bias=bias, mask=self.mask, causal=self.cfg.causal, scale=d**-0.5)
 
-  def _scaled(self) -> bool:
-    mix = self.mix
-    return (
-        not self.reference
-        and not self.split
-        and scaled_keys(self.cfg, self.post_phi, mix.log_table, mix.log_decay)
-    )
-
   def key_features(self, k, projection) -> hooks_lib.KeyFeatures:
     kernel = self.cfg.kernel
     segs = segments.active()
     if segs is not None and kernel.name in segments.STABILISED_KEYS:
       # Packed: each segment's keys take the stabiliser they have alone.
       parts = functools.partial(segments.segment_key_parts, kernel.name, k, segs.ids)
-      if self._scaled():
+      if self.scaled:
         e, log_scale, key_eps = parts(projection=projection, mask=self.mask, causal=True)
         return hooks_lib.KeyFeatures((e,), log_scale=log_scale, eps=key_eps)
       fk = segments.segment_key_features(
           kernel.name, k, segs.ids, projection=projection, mask=self.mask, causal=self.cfg.causal
       )
       return hooks_lib.KeyFeatures((fk,))
-    if self._scaled():
+    if self.scaled:
       e, log_scale, key_eps = feature_ops.causal_key_parts(
           kernel, k, projection=projection, mask=self.mask, nu=kernel.nu
       )
@@ -653,18 +685,3 @@ class FullPath:
     return attn_ops.linear_attention(
         fq, fk, self.v, chunk_size=cfg.chunk_size, mode=cfg.mode, **kw, **packed
     )
-
-
-def scaled_keys(cfg: AttentionConfig, post, log_table, log_decay) -> bool:
-  """Whether the layer's linear path runs with ``key_log_scale`` (a running maximum of the
-  keys' scale in the causal scan): a causal layer with a ``Kernel.scaled_keys`` kernel and
-  no relative table, decay, or post_phi scheme other than a permutation (the op does not take
-  ``rpe``, ``decay`` or ``den_features`` together with ``key_log_scale``); schemes say whether
-  they only permute features (``Scheme.permutes_features``)."""
-  return (
-      cfg.causal
-      and cfg.kernel.scaled_keys
-      and log_table is None
-      and log_decay is None
-      and all(s.permutes_features for s in post)
-  )

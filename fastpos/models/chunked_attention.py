@@ -34,11 +34,11 @@ With the sequence split over the mesh axis ``seq`` (P devices, the global view o
 chunk index k holding ``[b, P, C, .]``; the states are summed over P after the first pass
 (one all-reduce), or for causal layers taken as the prefix over the blocks before each.
 
-What is built (``problem`` says why not otherwise): causal and bidirectional 1D layers with
-linear kernels whose key features act on each key alone (elu1, relu, dpfp, prf, trf, nprf) or
-share one stabilising max (sikf, favor, orf); schemes at the ``output`` hook only (FastRPB;
-``embed`` schemes run in the model's Tower). Not built: 2D grids, schemes at the
-``features``, ``logits`` or ``kv`` hooks, packed batches.
+What is built (``fastpos.positional.compatibility.chunk_problem`` says why not otherwise):
+causal and bidirectional 1D layers with linear kernels whose key features act on each key
+alone (elu1, relu, dpfp, prf, trf, nprf) or share one stabilising max (sikf, favor, orf);
+schemes at the ``output`` hook only (FastRPB; ``embed`` schemes run in the model's Tower).
+Not built: 2D grids, schemes at the ``features``, ``logits`` or ``kv`` hooks, packed batches.
 """
 
 from __future__ import annotations
@@ -53,11 +53,6 @@ import jax.numpy as jnp
 
 from fastpos.ops import attention as attn_ops
 
-# The hooks a chunked layer runs (``embed`` schemes never reach the layer).
-CHUNKED_HOOKS = ("output", "embed")
-# Key feature maps whose arguments do not tie a key to others (``FeatureMap.reads``).
-_PER_TOKEN_READS = frozenset({"projection", "nu"})
-
 
 def check_chunk(value) -> int:
   """``attn_chunk`` checked: an int >= 0 (0: the layer runs on the whole sequence at once)."""
@@ -67,29 +62,6 @@ def check_chunk(value) -> int:
         f"once); got {value!r}."
     )
   return value
-
-
-def problem(kernel, scheme_classes, *, two_d: bool) -> str | None:
-  """None when a layer with ``kernel`` (a ``fastpos.ops.features.Kernel``) and the scheme
-  classes ``scheme_classes`` runs by chunks (causal or not), else why not (one phrase)."""
-  if kernel.is_softmax:
-    return "kernel 'softmax' materialises the N x N scores (chunking is for linear kernels)"
-  if two_d:
-    return "2D grids are not built by chunks (set model.use_grid=False for a raster sequence)"
-  if not kernel.stabilised and not set(kernel.map.reads) <= _PER_TOKEN_READS:
-    return (
-        f"kernel {kernel.name!r} reads other keys in its key features, which is built by "
-        "chunks for the maps acting on each key alone and for a stabilising max shared by "
-        "the keys (sikf, favor, orf)"
-    )
-  for cls in scheme_classes:
-    other = [hk for hk in cls.hooks if hk not in CHUNKED_HOOKS]
-    if other:
-      return (
-          f"positional scheme {cls.scheme_name!r} acts at the {other[0]!r} hook (chunked layers "
-          f"run schemes at the output hook only)"
-      )
-  return None
 
 
 def _split(a, parts: int, chunk: int):
@@ -206,7 +178,7 @@ def attend(
 ):
   """The layer's output ``[b, N, D]`` of ``x [b, N, D]`` by chunks of ``chunk`` tokens.
 
-  mask: ``[b, N]`` bool or None. cfg: the layer's ``AttentionConfig`` (``problem`` None).
+  mask: ``[b, N]`` bool or None. cfg: the layer's ``AttentionConfig`` (planned to run by chunks).
   params: the layer's parameters (``query``, ``key``, ``value``, ``out``, as the unchunked
   layer's ``nn.DenseGeneral``). terms: ``v [b, N, h, d] -> [terms [b, N, h, d]]``, the
   ``output`` hooks on the masked values, or None when the layer has none. projection: the

@@ -10,7 +10,8 @@ sums and counts over devices, CLS pooling reads the token on the first block). T
 sequence mixers run in ``shard_map`` over ``seq`` with the algorithms of
 ``fastpos.ops.context_parallel`` (state psum, state scan, ring Toeplitz product).
 
-What can run split is decided per hook at configuration time (``problem``): linear kernels
+What can run split is decided per hook by the plan
+(``fastpos.positional.compatibility.split_problem``): linear kernels
 only (softmax would need ring attention); ``embed`` and post-phi ``features`` hooks (per
 position); ``kv`` tables and decays in 1D; an ``output`` hook whose scheme gives its Toeplitz
 table (``output_table``). Not split: the softmax kernel, ``logits`` hooks (t5_bias,
@@ -24,9 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from fastpos import positional
 from fastpos.ops import context_parallel as cp_ops
-from fastpos.ops import features as feature_ops
 
 SEQ = "seq"
 
@@ -37,44 +36,6 @@ def seq_size() -> int:
   if mesh.empty or SEQ not in mesh.axis_names:
     return 1
   return int(mesh.shape[SEQ])
-
-
-def _scheme_problem(cls) -> str | None:
-  """Why scheme class ``cls`` cannot run on a split sequence (None when it can), by hook."""
-  for hook in cls.hooks:
-    if hook == "logits":
-      return "its logits hook biases materialised softmax scores"
-    if hook == "features" and cls.feature_stage == "pre_phi":
-      return "its features hook acts before the feature map on processes spanning the sequence"
-    if hook == "output" and not hasattr(cls, "output_table"):
-      return "its output hook is not a Toeplitz product (no output_table)"
-  return None
-
-
-def problem(kernel: str, schemes, *, two_d: bool) -> str | None:
-  """None when a layer with ``kernel`` and scheme names ``schemes`` runs split, else why."""
-  if feature_ops.get_kernel(kernel).is_softmax:
-    return "kernel 'softmax' materialises the N x N scores (ring attention is not built)"
-  if two_d:
-    return "2D grids are not split (set model.use_grid=False to treat the image as a sequence)"
-  for name in schemes:
-    why = _scheme_problem(positional.get_class(name))
-    if why is not None:
-      return f"positional scheme {name!r}: {why}"
-  return None
-
-
-def check(kernel: str, schemes, *, two_d: bool, seq: int) -> None:
-  """Raises ValueError naming what cannot run on a sequence split over ``seq`` devices."""
-  why = problem(kernel, schemes, two_d=two_d)
-  if seq > 1 and why is not None:
-    kernels = [k for k in feature_ops.KERNELS if not feature_ops.get_kernel(k).is_softmax]
-    ok = [s for s in positional.SCHEMES if _scheme_problem(positional.get_class(s)) is None]
-    raise ValueError(
-        f"mesh.seq={seq} splits each sequence over {seq} devices, which this model cannot "
-        f"do: {why}. Split sequences support the kernels {', '.join(kernels)} with the 1D "
-        f"schemes {', '.join(ok)}; use mesh.seq=1 otherwise."
-    )
 
 
 def _pad_seq(x, pad: int, value=0):
@@ -167,4 +128,4 @@ def output(scheme, v, ctx):
   return _split(block, args, {"v": P(None, SEQ), "w": P()}, P(None, SEQ))[:, :n]
 
 
-__all__ = ["SEQ", "check", "linear_attention", "output", "problem", "seq_size"]
+__all__ = ["SEQ", "linear_attention", "output", "seq_size"]

@@ -201,10 +201,8 @@ class StepPath:
 
 
 def _check_decodable(cfg, deterministic: bool) -> None:
-  if cfg.grid is not None:
-    raise ValueError("decoding is defined for 1D causal models; the layer was built 2D.")
-  if not cfg.causal:
-    raise ValueError("decoding needs a causal (lm) model.")
+  """What runs decoding is the plan's (``AttentionConfig.plan``, called by the layer); the
+  call must not ask for a feature redraw."""
   kernel = cfg.kernel
   if kernel.needs_projection and kernel.redraw and not deterministic:
     raise ValueError("decoding draws no features: call it with train=False.")

@@ -8,12 +8,13 @@ adds a block-diagonal bias (a query sees the keys of its own segment only) and t
 scheme embeds in-segment positions, so each sequence's outputs are those it has alone, to
 float rounding.
 
-Which cells pack (``check_packable``):
+Which cells pack (the plan decides, ``fastpos.positional.compatibility.packing_problem``, from
+each scheme's declared ``packs``):
 
 * the softmax kernel, whose attention is a sum over allowed pairs, with schemes whose terms
   depend on in-row offsets j - i only (equal to the in-segment offsets inside a block) or on
   in-segment positions: none, absolute (1D), t5_bias, rope, kernelized_rpe;
-* every linear kernel with none, absolute or rope (``LINEAR_PACKABLE_SCHEMES``): the op takes
+* every linear kernel with none, absolute or rope: the op takes
   the segment ids (``fastpos.ops.attention.segmented_linear_attention``: the causal state, its
   normaliser and running maximum restart at each segment start; bidirectional queries read
   their own segment's sums), and the stabilised maps (``STABILISED_KEYS``) take each
@@ -37,10 +38,6 @@ import jax.numpy as jnp
 
 from fastpos.ops import features
 
-PACKABLE_SCHEMES = ("none", "absolute", "t5_bias", "rope", "kernelized_rpe")
-# With a linear kernel: schemes whose terms are in-segment positions or offsets j - i inside
-# phi(q) phi(k) (RoPE's rotations), or act before the blocks (absolute).
-LINEAR_PACKABLE_SCHEMES = ("none", "absolute", "rope")
 # Feature maps whose key features subtract one stabiliser per (row, head): packed, each
 # segment takes its own (``segment_key_features``).
 STABILISED_KEYS = ("sikf", "favor", "orf")
@@ -76,59 +73,6 @@ def packed(segment_ids, positions) -> Iterator[None]:
 def active() -> Segments | None:
   """The segments of the batch being run, or None (not packed)."""
   return _ACTIVE.get()
-
-
-def packing_refusal(
-    kernel: str,
-    schemes: list[str],
-    *,
-    causal: bool,
-    grid=None,
-    memory_length: int = 0,
-    split: bool = False,
-) -> str | None:
-  """Why a (kernel, schemes, causal) cell cannot pack exactly, or None when it packs."""
-  if split:
-    return "the sequence is split over the mesh's seq axis"
-  if grid is not None:
-    return "2D (grid) inputs have no sequences to pack"
-  if memory_length:
-    return "a Transformer-XL memory carries states across rows"
-  linear = kernel != "softmax"
-  packable = LINEAR_PACKABLE_SCHEMES if linear else PACKABLE_SCHEMES
-  bad = [s for s in schemes if s not in packable]
-  if bad:
-    why = {
-        "fastrpb": "its W V is one Toeplitz product (FFT) over the row",
-        "kernelized_rpe": f"with the linear kernel {kernel!r} its exp(b) weights are one "
-        "Toeplitz product (FFT) over the row",
-        "t5_bias": "a logits bias (softmax only)",
-    }
-    return "; ".join(f"scheme {s!r}: {why.get(s, 'not checked for packing')}" for s in bad)
-  return None
-
-
-def check_packable(
-    kernel: str,
-    schemes: list[str],
-    *,
-    causal: bool,
-    grid=None,
-    memory_length: int = 0,
-    split: bool = False,
-) -> None:
-  """Raises ValueError naming the reason when the cell cannot pack (``packing_refusal``)."""
-  reason = packing_refusal(
-      kernel, schemes, causal=causal, grid=grid, memory_length=memory_length, split=split
-  )
-  if reason is not None:
-    raise ValueError(
-        f"packed batches (segment_ids) cannot run exactly on this model: "
-        f"{reason}. Packing runs the softmax kernel with schemes "
-        f"{', '.join(PACKABLE_SCHEMES)} and the linear kernels with "
-        f"{', '.join(LINEAR_PACKABLE_SCHEMES)}; run it unpacked (classification tasks: "
-        "config.data.bucket_lengths)."
-    )
 
 
 def segment_bias(ids, dtype) -> jnp.ndarray:

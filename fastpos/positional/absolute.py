@@ -48,6 +48,7 @@ class AbsolutePositional(Scheme):
   scheme_name = "absolute"
   hooks = ("embed",)
   supports_2d = True
+  packs = ("softmax", "linear")  # in-segment positions
   # Parameters indexed by absolute position: {name: (rank, position axis)}. On a sequence
   # split over the mesh axis "seq" the trainer shards them along it (fastpos.train.sharding),
   # each device holding the rows of its own block, with their gradient and optimizer moments.

@@ -307,6 +307,13 @@ class Scheme(nn.Module):
   # per-key scale and maps a constant vector to itself, so it may act on keys split as
   # e exp(s) + eps (the causal running-maximum path of the attention layer).
   permutes_features: ClassVar[bool] = False
+  # Packed rows (segment ids): the kernel paths ("softmax", "linear") on which the scheme's
+  # terms stay inside a segment (in-segment positions or offsets j - i only), and why not
+  # elsewhere (the refusal names it).
+  packs: ClassVar[tuple[str, ...]] = ()
+  packing_note: ClassVar[str] = "not checked for packing"
+  # A logits scheme's counterpart for linear kernels, named when a linear kernel is refused.
+  linear_hint: ClassVar[str] = ""
 
   def __init_subclass__(cls, **kwargs):
     spec = cls.__dict__.get("option_spec", {})
@@ -400,11 +407,19 @@ class Scheme(nn.Module):
   ) -> str | None:
     """None when the scheme works with this kernel / setting, else the reason it does not.
 
-    The generic checks (causal, 1D, 2D support) are made by
-    ``fastpos.positional.compatibility``; override this for kernel-specific rules (e.g. a
-    logits bias needs the softmax kernel)."""
+    The generic checks (causal, 1D, 2D support from the class attributes; a logits bias
+    needs the softmax kernel) are made by ``fastpos.positional.compatibility.plan``; override
+    this for a scheme's own rules (e.g. PermuteFormer needs non-negative features)."""
     cls.resolve_options(options)
     return None
+
+  @classmethod
+  def kv_terms(cls, options: Mapping | None = None, *, causal: bool) -> tuple[str, ...]:
+    """What the ``kv`` hook returns with these options: ``"table"`` (``KVMix.log_table``)
+    and / or ``"decay"`` (``KVMix.log_decay``); the plan reads it (e.g. the causal linear
+    path's running maximum runs without either). Override where it depends on options."""
+    del options, causal
+    return ("table",) if "kv" in cls.hooks else ()
 
   @classmethod
   def feature_out_dim(cls, dim: int, options: dict) -> int:

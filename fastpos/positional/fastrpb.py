@@ -68,6 +68,7 @@ class FastRPB(Scheme):
   scheme_name = "fastrpb"
   hooks = ("output",)
   supports_2d = True
+  packing_note = "its W V is one Toeplitz product (FFT) over the row"
 
   @classmethod
   def compatibility(

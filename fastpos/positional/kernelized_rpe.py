@@ -45,6 +45,8 @@ class KernelizedRPE(Scheme):
   scheme_name = "kernelized_rpe"
   hooks = ("kv",)
   supports_2d = True
+  packs = ("softmax",)  # softmax: a logits bias b_{j-i}
+  packing_note = "its exp(b) weights are one Toeplitz product (FFT) over the row"
 
   @classmethod
   def compatibility(

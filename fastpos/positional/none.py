@@ -9,6 +9,7 @@ class NoPositional(Scheme):
   scheme_name = "none"
   hooks = ()
   supports_2d = True
+  packs = ("softmax", "linear")
 
 
 SCHEMES = {"none": NoPositional}

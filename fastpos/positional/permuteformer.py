@@ -227,6 +227,12 @@ class PermuteFormer(Scheme):
       )
     return None
 
+  @classmethod
+  def kv_terms(cls, options=None, *, causal: bool) -> tuple[str, ...]:
+    """A causal decay r < 1 is the kv hook's ``log_decay``; with r = 1 it returns nothing."""
+    decay = cls.resolve_options(options)["decay"]
+    return ("decay",) if causal and min(decays(decay)) < 1.0 else ()
+
   def setup(self):
     h, f = self.dims.num_heads, self.dims.feature_dim
     self._decays = decays(self.decay, h)

@@ -46,6 +46,7 @@ class RoPE(Scheme):
 
   scheme_name = "rope"
   hooks = ("features",)
+  packs = ("softmax", "linear")  # in-segment offsets inside phi(q) phi(k)
   feature_stage = "post_phi"
   keeps_nonnegative = False
   supports_2d = True

@@ -27,7 +27,6 @@ import numpy as np
 from fastpos.ops import toeplitz
 from fastpos.positional.base import (
     Context,
-    KernelInfo,
     Option,
     Scheme,
     center_slice,
@@ -108,18 +107,12 @@ class T5Bias(Scheme):
   scheme_name = "t5_bias"
   hooks = ("logits",)
   supports_2d = True
-
-  @classmethod
-  def compatibility(
-      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
-  ) -> str | None:
-    if not kernel.is_softmax:
-      return (
-          f"t5_bias adds a bias to the softmax logits, which the linear kernel "
-          f"{kernel.name!r} never forms; use kernelized_rpe, its linear-attention "
-          f"counterpart (exp(b_(j-i)) inside the kernel sums by FFT)"
-      )
-    return None
+  packs = ("softmax",)  # in-row offsets j - i are the in-segment offsets inside a segment
+  packing_note = "a logits bias (softmax only)"
+  linear_hint = (
+      "kernelized_rpe, its linear-attention counterpart (exp(b_(j-i)) inside the kernel sums "
+      "by FFT)"
+  )
 
   @classmethod
   def check_relations(cls, options: dict) -> None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fastpos.ops import transformer_xl as txl
-from fastpos.positional.base import Context, KernelInfo, Option, Scheme
+from fastpos.positional.base import Context, Option, Scheme
 
 INIT_STD = 0.02  # the paper's code: init_std for weights and for r_w_bias / r_r_bias
 
@@ -58,17 +58,6 @@ class TransformerXL(Scheme):
   scheme_name = "transformer_xl"
   hooks = ("logits",)
   supports_2d = False
-
-  @classmethod
-  def compatibility(
-      cls, kernel: KernelInfo, *, causal: bool, two_d: bool, options: dict
-  ) -> str | None:
-    if not kernel.is_softmax:
-      return (
-          f"transformer_xl adds relative terms to the softmax logits, which the linear "
-          f"kernel {kernel.name!r} never forms; use the softmax kernel"
-      )
-    return None
 
   @property
   def width(self) -> int:

@@ -37,7 +37,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from fastpos.ops import segments
+from fastpos.positional import compatibility
 from fastpos.tasks.base import ArraySource
 from fastpos.train import bucketing, sharding
 
@@ -89,13 +89,10 @@ def check_config(
         "config.data.pack=True needs a fastpos model (DecoderLM, Classifier) that reads "
         "segment_ids."
     )
-  segments.check_packable(
-      att.kernel.name,
-      [p.name for p in att.positional],
-      causal=att.causal,
-      grid=att.grid,
-      memory_length=getattr(model, "memory_length", 0),
-      split=seq_devices > 1,
+  att.plan(
+      compatibility.Setting(
+          seq=seq_devices, packed=True, memory=bool(getattr(model, "memory_length", 0))
+      )
   )
 
 

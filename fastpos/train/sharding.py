@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastpos import positional
-from fastpos.models import context_parallel
+from fastpos.positional import compatibility
 from fastpos.train import distributed
 
 DATA, MODEL = "data", "model"
@@ -92,10 +92,7 @@ def check_seq_split(mesh: Mesh, length: int, model) -> None:
     )
   if isinstance(mesh, Mesh):
     row_group(mesh)  # processes sharing rows must share all of them
-  cfg = model.attention
-  context_parallel.check(
-      cfg.kernel.name, [p.name for p in cfg.positional], two_d=cfg.grid is not None, seq=seq
-  )
+  model.attention.plan(compatibility.Setting(seq=seq))
 
 
 def _process_rows(mesh: Mesh) -> dict[int, frozenset]:

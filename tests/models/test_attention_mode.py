@@ -10,7 +10,7 @@ import pytest
 
 import fastpos
 from fastpos import config_schema
-from fastpos.models import TaskInfo, attention_config, model_config
+from fastpos.models import AttentionConfig, TaskInfo, model_config
 from tests.helpers import rel_err
 
 # Causal linear cells by the op's path: plain (relu), decay (permuteformer), the running
@@ -64,7 +64,7 @@ def test_model_config_attention_mode_reaches_the_layer():
   c = model_config()
   assert c.attention_mode == "auto"
   c.kernel, c.attention_mode = "elu1", "chunk"
-  cfg = attention_config(c, TaskInfo(kind="lm", vocab_size=7, max_length=8))
+  cfg = AttentionConfig.from_model_config(c, TaskInfo(kind="lm", vocab_size=7, max_length=8))
   assert cfg.mode == "chunk"
   field = config_schema.FIELDS["model.attention_mode"]
   assert set(field.choices) == {"auto", "chunk", "recurrent", "fused"}

@@ -113,7 +113,7 @@ def _incompatible(kernel: str, pos: str, causal: bool) -> bool:
   names = pos.split("+")
   opts = {n: DECAY.get(n, {}) if causal else {} for n in names}
   try:
-    compatibility.check(kernel, names, causal=causal, options=opts)
+    compatibility.plan(kernel, names, compatibility.Setting(causal=causal), options=opts)
   except ValueError:
     return True
   return False
@@ -203,7 +203,7 @@ def _build_case(what, kernel, pos, causal, pooling):
   padding on."""
   import jax.numpy as jnp
 
-  from fastpos.models import Attention, attention_config
+  from fastpos.models import Attention, AttentionConfig
   from tests.models.test_models import _batch
 
   names = pos.split("+")
@@ -216,10 +216,10 @@ def _build_case(what, kernel, pos, causal, pooling):
   task = TaskInfo("lm" if causal else "classify", 13, 0 if causal else 3, n)
   batch = _batch(2, n, pad=3)
   if what.startswith("layer"):
-    model = chunked = Attention(attention_config(c, task), dtype=jnp.float64)
+    model = chunked = Attention(AttentionConfig.from_model_config(c, task), dtype=jnp.float64)
     if what == "layer_chunked":  # by chunks of 3 of each device's 4 positions
       c.attn_chunk = 3
-      chunked = Attention(attention_config(c, task), dtype=jnp.float64)
+      chunked = Attention(AttentionConfig.from_model_config(c, task), dtype=jnp.float64)
     x = jax.random.normal(jax.random.key(1), (2, n, c.embed_dim), jnp.float64)
     return (
         lambda key, b: model.init(key, b["x"], mask=b["mask"]),
@@ -335,19 +335,24 @@ def test_every_kernel_and_scheme_split_equals_unsplit(tmp_path):
     ],
 )
 def test_unsupported_split_is_rejected_naming_it(kernel, pos, two_d, match):
+  from fastpos.positional import compatibility
+
   with pytest.raises(ValueError, match=match) as e:
-    cp.check(kernel, [pos], two_d=two_d, seq=2)
+    compatibility.plan(kernel, [pos], compatibility.Setting(two_d=two_d, seq=2))
   assert "support the kernels elu1, relu" in str(e.value)
   assert "schemes none, absolute, fastrpb, kernelized_rpe, rope, lrpe, permuteformer;" in str(
       e.value
   )
-  cp.check(kernel, [pos], two_d=two_d, seq=1)  # one block: anything goes
+  compatibility.plan(kernel, [pos], compatibility.Setting(two_d=two_d))  # one block: all go
 
 
 def test_logits_schemes_are_named():
-  assert "logits hook" in cp.problem("elu1", ["t5_bias"], two_d=False)
-  assert "logits hook" in cp.problem("elu1", ["transformer_xl"], two_d=False)
-  assert cp.problem("nprf", ["kernelized_rpe", "permuteformer"], two_d=False) is None
+  from fastpos.ops.features import get_kernel
+  from fastpos.positional.compatibility import split_problem
+
+  assert "logits hook" in split_problem(get_kernel("elu1"), ["t5_bias"], two_d=False)
+  assert "logits hook" in split_problem(get_kernel("elu1"), ["transformer_xl"], two_d=False)
+  assert split_problem(get_kernel("nprf"), ["kernelized_rpe", "permuteformer"], two_d=False) is None
 
 
 def test_the_trainer_checks_the_split_before_compiling():

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.models import TaskInfo, attention_config, build_model, model_config
+from fastpos.models import AttentionConfig, TaskInfo, build_model, model_config
 from fastpos.models.attention import Attention
 from fastpos.ops import segments
+from fastpos.positional import compatibility
 from tests.helpers import rel_err
 
 V, N = 13, 16
@@ -90,7 +91,12 @@ def test_packed_row_equals_each_sequence_alone(scheme, layers):
 @pytest.mark.parametrize(
     "kernel, scheme, match",
     [
-        ("elu1", "kernelized_rpe", "'kernelized_rpe': with the linear kernel 'elu1' its exp"),
+        (
+            "elu1",
+            "kernelized_rpe",
+            r"kernel 'elu1', schemes kernelized_rpe\): scheme 'kernelized_rpe': with a "
+            "linear kernel its exp",
+        ),
         ("softmax", "absolute+fastrpb", "scheme 'fastrpb': its W V is one Toeplitz product"),
         ("softmax", "permuteformer", "scheme 'permuteformer': not checked for packing"),
     ],
@@ -104,11 +110,12 @@ def test_cells_that_cannot_pack_refuse(kernel, scheme, match):
 
 
 def test_refusal_table():
-  assert segments.packing_refusal("softmax", ["absolute", "rope"], causal=True) is None
-  assert segments.packing_refusal("sikf", ["none"], causal=False) is None
-  assert "Toeplitz" in segments.packing_refusal("sikf", ["fastrpb"], causal=False)
-  assert "grid" in segments.packing_refusal("softmax", ["none"], causal=False, grid=(4, 4))
-  assert "memory" in segments.packing_refusal("softmax", ["none"], causal=True, memory_length=8)
+  packed = lambda **kw: compatibility.Setting(packed=True, **kw)
+  assert compatibility.refusal("softmax", ["absolute", "rope"], packed(causal=True)) is None
+  assert compatibility.refusal("sikf", [], packed()) is None
+  assert "Toeplitz" in compatibility.refusal("sikf", ["fastrpb"], packed())
+  assert "grid" in compatibility.refusal("softmax", [], packed(two_d=True))
+  assert "memory" in compatibility.refusal("softmax", [], packed(causal=True, memory=True))
   with (
       pytest.raises(ValueError, match="needs 'positions'"),
       segments.packed(np.ones((1, 4), np.int32), None),
@@ -120,7 +127,8 @@ def test_bidirectional_layer_keeps_segments_apart():
   """The attention layer itself, bidirectional softmax + T5 bias, float64: a packed row's
   outputs equal each segment run alone (padded)."""
   layer = Attention(
-      attention_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)), dtype=jnp.float64
+      AttentionConfig.from_model_config(_cfg("softmax", "t5_bias"), TaskInfo("classify", V, 3, N)),
+      dtype=jnp.float64,
   )
   x = np.random.default_rng(0).normal(size=(1, N, 16))
   row = _packed_row(_sequences())

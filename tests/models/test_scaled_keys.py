@@ -157,7 +157,8 @@ def test_late_huge_key_is_finite_and_matches_float64(huge_key_layer, monkeypatch
   assert float(jnp.max(s)) > 110.0  # the late key's scale is far above the first key's
   # The op without the running maximum (the features the layer formed before) overflows.
   assert not np.all(np.isfinite(np.asarray(old)))
-  monkeypatch.setattr(model_attention, "scaled_keys", lambda *a: False)
+  # A kernel that declared no scaled keys: the plan then runs the layer without them.
+  monkeypatch.setattr(feature_ops.Kernel, "scaled_keys", property(lambda self: False))
   old_layer = jax.jit(lambda x32: attn32.apply({"params": params32}, x32))(x32)
   assert not np.all(np.isfinite(np.asarray(old_layer)))
   monkeypatch.undo()

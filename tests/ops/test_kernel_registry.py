@@ -192,7 +192,7 @@ def test_one_kernel_record(monkeypatch):
           F.Kernel(name), scheme, **setting
       )
   with pytest.raises(ValueError, match="kernel 'favor' x positional scheme 't5_bias'"):
-    compatibility.check(kernel, ["t5_bias"])
+    compatibility.plan(kernel, ["t5_bias"])
 
 
 @pytest.mark.parametrize("name", F.FEATURE_MAPS)

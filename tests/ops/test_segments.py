@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos.models import TaskInfo, attention_config, model_config
+from fastpos.models import AttentionConfig, TaskInfo, model_config
 from fastpos.models.attention import Attention
 from fastpos.ops import attention as ops
 from fastpos.ops import segments
+from fastpos.positional import compatibility
 from tests.helpers import rel_err
 
 N, H, M, D = 24, 2, 5, 3
@@ -203,7 +204,7 @@ def _layer(kernel, scheme, causal):
   c.kernel_options.num_features = 8
   c.chunk_size = CHUNK
   info = TaskInfo("lm" if causal else "classify", V, 0 if causal else 3, N)
-  return Attention(attention_config(c, info).attention_only(), dtype=jnp.float64)
+  return Attention(AttentionConfig.from_model_config(c, info).attention_only(), dtype=jnp.float64)
 
 
 @functools.cache
@@ -277,13 +278,15 @@ def test_packed_layer_equals_each_segment_alone(kernel, scheme, causal):
 
 
 def test_linear_packing_cells():
+  packed = lambda causal: compatibility.Setting(causal=causal, packed=True)
+  assert compatibility.packable("elu1") == ["none", "absolute", "rope"]
   for kernel in ("elu1", "relu", "sikf", "favor", "dpfp", "orf"):
     for causal in (True, False):
-      for scheme in segments.LINEAR_PACKABLE_SCHEMES:
-        assert segments.packing_refusal(kernel, [scheme], causal=causal) is None
-  why = segments.packing_refusal("sikf", ["absolute", "fastrpb"], causal=True)
+      for scheme in compatibility.packable(kernel):
+        assert compatibility.refusal(kernel, [scheme], packed(causal)) is None
+  why = compatibility.refusal("sikf", ["absolute", "fastrpb"], packed(True))
   assert "'fastrpb': its W V is one Toeplitz product" in why
-  why = segments.packing_refusal("elu1", ["kernelized_rpe"], causal=False)
+  why = compatibility.refusal("elu1", ["kernelized_rpe"], packed(False))
   assert "exp(b) weights are one Toeplitz product" in why
-  assert "not checked" in segments.packing_refusal("favor", ["permuteformer"], causal=True)
-  assert segments.packing_refusal("softmax", ["kernelized_rpe"], causal=True) is None
+  assert "not checked" in compatibility.refusal("favor", ["permuteformer"], packed(True))
+  assert compatibility.refusal("softmax", ["kernelized_rpe"], packed(True)) is None

@@ -13,7 +13,7 @@ import pytest
 
 from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo, t5_bias
+from fastpos.positional import Context, Dims, KernelInfo, compatibility, t5_bias
 from tests.helpers import rel_err
 
 HEADS = 3
@@ -302,15 +302,14 @@ def test_length_and_context_errors():
 @pytest.mark.parametrize("two_d", [False, True])
 def test_compatibility_softmax_only(causal, two_d):
   cls = positional.get_class("t5_bias")
+  setting = compatibility.Setting(causal=causal, two_d=two_d)
   for options in ({}, {"bucketed": False}):
-    assert (
-        cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=two_d, options=options)
-        is None
-    )
+    opts = {"t5_bias": options}
+    assert compatibility.plan("softmax", ["t5_bias"], setting, options=opts).path == "softmax"
     for name in FEATURE_MAPS:
-      kernel = KernelInfo(name)
-      reason = cls.compatibility(kernel, causal=causal, two_d=two_d, options=options)
-      assert isinstance(reason, str) and "kernelized_rpe" in reason and name in reason
+      with pytest.raises(ValueError, match="incompatible") as e:
+        compatibility.plan(name, ["t5_bias"], setting, options=opts)
+      assert "use kernelized_rpe" in str(e.value) and f"kernel {name!r}" in str(e.value)
   assert cls.hooks == ("logits",) and cls.supports_2d and cls.supports_causal
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from fastpos import positional
 from fastpos.ops.features import FEATURE_MAPS
-from fastpos.positional import Context, Dims, KernelInfo
+from fastpos.positional import Context, Dims, KernelInfo, compatibility
 from tests.helpers import rel_err
 
 HEADS, HEAD_DIM = 2, 4
@@ -236,10 +236,12 @@ def test_jit_float32_and_gradients():
 @pytest.mark.parametrize("causal", [True, False])
 def test_compatibility_softmax_only(causal):
   cls = positional.get_class("transformer_xl")
-  assert cls.compatibility(KernelInfo("softmax"), causal=causal, two_d=False, options={}) is None
+  setting = compatibility.Setting(causal=causal)
+  assert compatibility.plan("softmax", ["transformer_xl"], setting).path == "softmax"
   for name in FEATURE_MAPS:
-    reason = cls.compatibility(KernelInfo(name), causal=causal, two_d=False, options={})
-    assert isinstance(reason, str) and "softmax" in reason and name in reason
+    with pytest.raises(ValueError, match="only the softmax kernel materialises") as e:
+      compatibility.plan(name, ["transformer_xl"], setting)
+    assert f"kernel {name!r}" in str(e.value) and "Kernels that work with" in str(e.value)
   assert cls.hooks == ("logits",) and not cls.supports_2d and cls.supports_causal
 
 
