@@ -64,7 +64,10 @@ def causal(fq, fk, vals, chunk_size: int, log_decay=None, segment_ids=None, *, m
   if mode == "fused":
     if segment_ids is not None:  # resolve() asked supports(); this is a caller's mistake
       raise ValueError("the fused kernel takes no segment_ids.")
-    return _fused().causal(fq, fk, vals, chunk=chunk_size, log_decay=log_decay)
+    # The kernel's chunk is a power of two >= 16 (its block): the layer's chunk (clipped to a
+    # short sequence, or any size asked for) rounds up to one; the kernel pads the sequence.
+    fused = _fused()
+    return fused.causal(fq, fk, vals, chunk=fused.block_for(chunk_size), log_decay=log_decay)
   return recurrent._causal_chunked(fq, fk, vals, chunk_size, log_decay, segment_ids=segment_ids)
 
 

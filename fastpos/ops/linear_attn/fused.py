@@ -82,7 +82,8 @@ def supports(*, segments: bool, key_scales: bool, den_features: bool, rpe: bool)
   return None
 
 
-def _next_block(x: int) -> int:
+def block_for(x: int) -> int:
+  """The kernel's block for a size ``x >= 1``: the next power of two, at least ``MIN_BLOCK``."""
   return max(MIN_BLOCK, 1 << (x - 1).bit_length())
 
 
@@ -461,7 +462,7 @@ def _apply(phi_q, phi_k, v, log_decay, kind: str, chunk: int, interpret: bool, p
   if log_decay is not None:
     lr = lax.stop_gradient(jnp.asarray(log_decay, acc))
     lr = jnp.broadcast_to(lr[None, :], (b, h)).reshape(b * h, 1, 1)
-  mb, db = _next_block(m), _next_block(d)
+  mb, db = block_for(m), block_for(d)
   q, k, vals = flat(phi_q, mb), flat(phi_k, mb), flat(v, db)
   num, den = _fused(q, k, vals, lr, kind, chunk, interpret, platform)
   num = num.reshape(b, h, n + pad_n, db)[:, :, :n, :d]
