@@ -8,7 +8,8 @@ Claims:  scripts/claims.sh OUT_DIR runs every claim at 3 seeds (docs/claims.md);
          scripts/sweep.sh --config=configs/claim_listops.py --sweep_dir=DIR --mode=parallel arg.model=base,rope,lrpe1,lrpe2,lrpe3 seed=0,1,2
          python scripts/make_tables.py DIR --compare='Type1>Base' --compare='Type1>RoPE'
 Hardware: a 2-core CPU; the settings of configs/listops_generated.py (2 layers x 64, 600
-steps of batch 32 on 20-100 token expressions, about 2 minutes a run). ":tiny": seconds.
+steps of batch 32 on 20-100 token expressions; the time a run took: results/claims/README.md).
+":tiny": seconds.
 Expected: no paper number applies (the papers report LRA ListOps at up to 2000 tokens); the
 claim is the sign of the paired difference (results/claims/). The FastRPB claim uses
 configs/listops_generated.py itself (its kernel x pos grid).

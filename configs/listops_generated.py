@@ -9,8 +9,8 @@ Bucketed: ...:bucket pads each batch to 32 / 48 / 64 / 100 tokens instead of 100
          real token slots: benchmarks/padding.md); its results differ.
 Sweep:   scripts/sweep.sh --config=configs/listops_generated.py --sweep_dir=workdirs/listops_sweep arg.kernel=elu1,sikf arg.pos=none,fastrpb seed=0,1
          python scripts/make_tables.py workdirs/listops_sweep   (results/listops_sweep/)
-Hardware: a 2-core CPU shared with other jobs: about two minutes for the default run (data
-generation, compilation, 600 steps; results/quickstart.md has the wall time and tokens/s).
+Hardware: a 2-core CPU (data generation, compilation, 600 steps; results/quickstart.md has
+the wall time and tokens/s measured).
 ":tiny": seconds.
 Expected: results/quickstart.md (validation accuracy at steps 200 / 400 / 600 and the test
 accuracy of the best checkpoint, each beside the majority-class baseline: always 0, the

@@ -14,8 +14,8 @@ grid (r, r) passed to the model, so FastRPB is 2D.
 Model: LRA's Pathfinder model (1 layer, width 32, 2 heads of 8, mean pooling; configs/common.py
 LRA_TASKS) with SIKF linear attention + learned absolute positions + 2D FastRPB; AdamW 1e-3,
 batch 128, 3000 steps (about 19 epochs of 20k images), cosine decay after 300 warmup steps.
-Hardware: a 2-core CPU; generating the hard 20k-image training split costs about 65 s of CPU once
-(then read from the cache). ":tiny": 64 / 32 / 32 images and a tiny model, seconds.
+Hardware: a 2-core CPU; the training split is generated once per (settings, seed) and then
+read from the cache (the generator's speed: docs/data.md). ":tiny": 64 / 32 / 32 images and a tiny model, seconds.
 Expected: not measured yet (no full run on this machine); chance is 50%.
 """
 

@@ -1,7 +1,7 @@
 """The generated "majority" task (fastpos.tasks.synthetic): a trainer smoke run.
 
 Command: python train.py --config=configs/synthetic.py --workdir=/tmp/fastpos_synthetic
-Hardware: a 2-core CPU; about a minute (":tiny": seconds).
+Hardware: a 2-core CPU (":tiny": seconds).
 Expected: validation accuracy near 100% within 300 steps (chance: 25%). No paper number: the
 task checks the trainer, not attention.
 """
