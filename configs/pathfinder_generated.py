@@ -15,7 +15,7 @@ Model: LRA's Pathfinder model (1 layer, width 32, 2 heads of 8, mean pooling; co
 LRA_TASKS) with SIKF linear attention + learned absolute positions + 2D FastRPB; AdamW 1e-3,
 batch 128, 3000 steps (about 19 epochs of 20k images), cosine decay after 300 warmup steps.
 Hardware: a 2-core CPU; the training split is generated once per (settings, seed) and then
-read from the cache (the generator's speed: docs/data.md). ":tiny": 64 / 32 / 32 images and a tiny model, seconds.
+read from the cache. ":tiny": 64 / 32 / 32 images and a tiny model, seconds.
 Expected: not measured yet (no full run on this machine); chance is 50%.
 """
 
