@@ -10,12 +10,6 @@
 # interrupted ones resume from their checkpoints). The interpreter: $PYTHON, else the
 # repository's .venv, else python3.
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(dirname "$here")"
-python="${PYTHON:-}"
-if [[ -z "$python" ]]; then
-  python=python3
-  if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; fi
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/python.sh"  # $root, $python
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" -m fastpos.sweep.claims "$@"

@@ -18,12 +18,7 @@
 # code; otherwise with the processes' own code (0, or 130 / 75 after a forwarded signal). A process
 # that loses another one (it died or froze) exits 5 (fastpos.train.errors.EXIT_PEER_LOST).
 set -uo pipefail
-root="$(dirname "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)")"
-python="${PYTHON:-}"
-if [[ -z "$python" ]]; then
-  python=python3
-  if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; fi
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/python.sh"  # $root, $python
 
 usage() {
   echo "usage: $0 N [--log_dir=DIR] -- train.py|eval.py|COMMAND [ARGS...]" >&2
