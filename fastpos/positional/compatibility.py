@@ -399,7 +399,8 @@ def plan(
       from fastpos.positional import compatibility as compat
       p = compat.plan("sikf", ["fastrpb"], compat.Setting(causal=True))
       p.path, p.runs, p.key_scales                  # ('linear', 'whole', True)
-      compat.plan("elu1", ["t5_bias"])              # ValueError: ... is incompatible ...
+      compat.refusal("softmax", ["t5_bias"])        # None
+      compat.refusal("elu1", ["t5_bias"]) is None   # False
   """
   kernel, schemes = features.get_kernel(kernel), tuple(schemes)
   opts = {k: dict(v or {}) for k, v in (options or {}).items()}
@@ -449,7 +450,8 @@ def refusal(
     *,
     options: Mapping | None = None,
 ) -> str | None:
-  """None when ``plan`` plans the cell, else the reason (``Refusal.reason``)."""
+  """None when ``plan`` plans the cell, else the reason (``Refusal.reason``) for which ``plan``
+  raises."""
   try:
     plan(kernel, schemes, setting, options=options)
   except Refusal as e:
