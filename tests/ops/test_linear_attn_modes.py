@@ -153,26 +153,26 @@ def test_late_huge_key_scale_does_not_overflow(mode):
   assert rel_err(out[:, late:], want_after[:, late:]) < 1e-9
 
 
-def test_chunk_mode_equals_recurrent_internals_float64():
+@pytest.mark.parametrize("c", [pytest.param(4, marks=pytest.mark.slow), 8, N])
+def test_chunk_mode_equals_recurrent_internals_float64(c):
   """The chunkwise-parallel (num, den) and (num, den, ref) equal the serial scan's to
-  rounding, decay and segments together, chunk sizes that do and do not divide N."""
+  rounding, decay and segments together, chunk sizes that do (N) and do not divide N."""
   x = _inputs(4)
   q, k, v = (jnp.swapaxes(jnp.asarray(x[n]), 1, 2) for n in ("pq", "pk", "v"))
   ids = jnp.asarray(x["ids"])
-  for c in (4, 8, N):
-    for kw in ({}, dict(log_decay=jnp.asarray(DECAY), segment_ids=ids)):
-      for a, e in zip(
-          chunk.causal_chunked(q, k, v, c, **kw), recurrent._causal_chunked(q, k, v, c, **kw)
-      ):
-        assert rel_err(a, e) < 1e-12
-    s = jnp.swapaxes(jnp.asarray(x["s"]), 1, 2)
-    e = jnp.full(s.shape, 0.1)
-    for seg in (None, ids):
-      for a, b in zip(
-          chunk.causal_running_max(q, k, v, s, e, c, seg),
-          recurrent._causal_running_max(q, k, v, s, e, c, seg),
-      ):
-        assert rel_err(a, b) < 1e-12
+  for kw in ({}, dict(log_decay=jnp.asarray(DECAY), segment_ids=ids)):
+    for a, e in zip(
+        chunk.causal_chunked(q, k, v, c, **kw), recurrent._causal_chunked(q, k, v, c, **kw)
+    ):
+      assert rel_err(a, e) < 1e-12
+  s = jnp.swapaxes(jnp.asarray(x["s"]), 1, 2)
+  e = jnp.full(s.shape, 0.1)
+  for seg in (None, ids):
+    for a, b in zip(
+        chunk.causal_running_max(q, k, v, s, e, c, seg),
+        recurrent._causal_running_max(q, k, v, s, e, c, seg),
+    ):
+      assert rel_err(a, b) < 1e-12
 
 
 def test_chunk_mode_float32_n4096():
