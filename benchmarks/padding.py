@@ -117,31 +117,6 @@ def _line_source(stream, row_length: int, newline: int):
   return ArraySource({"inputs": inputs, "targets": targets, "mask": inputs != 0})
 
 
-def _time_steps(fns, states, batches, rng, rounds: int) -> tuple[dict, dict]:
-  """Compiles each variant's step on every batch shape, then times the variants' batches
-  alternately for ``rounds`` rounds: ``(compile_s by width, seconds per round)`` per variant."""
-  compiles = {}
-  for name, bs in batches.items():
-    compiles[name] = {}
-    for b in bs:
-      width = b["inputs"].shape[1]
-      if width not in compiles[name]:
-        start = time.perf_counter()
-        fns[name].lower(states[name], b, rng).compile()
-        compiles[name][width] = time.perf_counter() - start
-        states[name], m = fns[name](states[name], b, rng)
-        jax.block_until_ready(m)
-  times = {name: [] for name in batches}
-  for _ in range(rounds):
-    for name, bs in batches.items():
-      start = time.perf_counter()
-      for b in bs:
-        states[name], m = fns[name](states[name], b, rng)
-      jax.block_until_ready(m)
-      times[name].append(time.perf_counter() - start)
-  return compiles, times
-
-
 def _real(batch) -> int:
   weight = batch.get("weight")
   mask = batch["mask"] if weight is None else batch["mask"] * (weight[:, None] > 0)
@@ -180,7 +155,7 @@ def _measure_lm(args) -> dict:
   batches = {
       name: _take(data_lib.train_iterator(src, r.cfg), args.steps) for name, r in runs.items()
   }
-  compiles, times = _time_steps(fns, states, batches, run.train_rng, args.rounds)
+  compiles, times = time_steps(fns, states, batches, run.train_rng, args.rounds)
   for name, bs in batches.items():
     real = sum(_real(b) for b in bs)
     rows = sum(int(b.get("weight", np.ones(len(b["inputs"]))).sum()) for b in bs)
