@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import re
+import signal
 from pathlib import Path
 
 import jax
@@ -37,6 +38,7 @@ import tensorboardX  # noqa: F401
 from absl import flags
 from absl import logging as absl_logging  # noqa: F401  (defines the verbosity flag)
 
+from fastpos import interrupts  # standard library only: imports no JAX
 from tests.helpers import FAST_COMPILE_FLAGS
 
 # Pallas's first interpret-mode call (the fused kernels' tests, mode="fused" anywhere) imports
@@ -114,10 +116,6 @@ def _snapshot() -> dict:
 def _signal_state() -> tuple:
   """SIGINT's and SIGTERM's handlers, and whether ``fastpos.interrupts`` has taken them over
   (only a program does: an import of train.py or a script as a module must not)."""
-  import signal  # pylint: disable=import-outside-toplevel
-
-  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
-
   handlers = tuple(signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM))
   return handlers, interrupts.installed()
 
@@ -183,10 +181,6 @@ def _restore(before: dict) -> list[str]:
 
 
 def _restore_signals(state: tuple) -> None:
-  import signal  # pylint: disable=import-outside-toplevel
-
-  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
-
   (sigint, sigterm), installed = state
   if interrupts.installed() and not installed:
     signal.set_wakeup_fd(-1)
@@ -270,8 +264,6 @@ def pytest_collection_finish(session):
   """No test module may take over the process's signals when it is imported (a program's
   ``interrupts.install`` runs only under ``__main__``): every later test would inherit it."""
   del session
-  from fastpos import interrupts  # pylint: disable=import-outside-toplevel
-
   if interrupts.installed():
     raise pytest.UsageError(
         "a test module's import ran fastpos.interrupts.install(): guard it with "
