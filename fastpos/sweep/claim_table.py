@@ -8,14 +8,20 @@ claimed setting against its baseline over the same seeds, with a verdict.
 reads "CLAIM is better than BASELINE". In each row of each block (``fastpos.sweep.tables``
 builds them) the runs of the two cells are paired by seed (``--seed_key``); the table gives
 
-  | model | variant | test accuracy (%) | vs   | difference               | verdict |
-  | ELU+1 | FastRPB | 37.60 [35.10, 40.10] (n=3) | None | 7.30 [2.10, 12.50] (n=3) | holds |
+  | model | variant | test accuracy (%)          | vs   | difference               | verdict |
+  | SIKF  | FastRPB | 37.60 [35.10, 40.10] (n=3) | None | 7.30 [2.10, 12.50] (n=3) | holds   |
+
+  and two more columns: | paper | paper's difference |  e.g.  | 11.47 | -1.08 (worse) |
 
 ``difference`` is the mean of CLAIM - BASELINE over the seeds both cells have and its 95%
 t-interval (``fastpos.sweep.stats.paired_difference``); the verdict is ``holds`` when that
 interval excludes 0 on the better side (above 0 for accuracy, below 0 for perplexity and
 loss), ``does not hold`` when it excludes 0 on the other side, ``inconclusive`` otherwise or
-with fewer than 2 pairs. Which side is better: ``--better``, else the task's ``metric_mode``
+with fewer than 2 pairs. ``paper`` is the paper's number for the cell (``config.paper.results``,
+"–" where its table has none) and ``paper's difference`` the paper's CLAIM - BASELINE with its
+direction, so a reader sees beside each verdict what the paper itself reported.
+
+Which side is better: ``--better``, else the task's ``metric_mode``
 when the metric is the task's, else lower for loss / perplexity / bits and higher otherwise.
 """
 
@@ -24,7 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastpos.sweep import stats
-from fastpos.sweep.tables import PERCENT_METRICS, cell_text, cell_values, format_interval
+from fastpos.sweep.tables import (
+    PERCENT_METRICS,
+    cell_text,
+    cell_values,
+    format_interval,
+    paper_text,
+)
 
 LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "bits_per_token", "bpc")
 
@@ -59,6 +71,27 @@ def higher_is_better(metric: str, task: str | None, better: str | None) -> bool:
   return not any(word in metric for word in LOWER_IS_BETTER)
 
 
+def _paper_mean(value) -> float | None:
+  """A paper's cell as one number: ``12.5`` or the mean of ``(mean, std)``; None if absent."""
+  if value is None:
+    return None
+  return float(value[0]) if isinstance(value, (list, tuple)) else float(value)
+
+
+def paper_difference(claim, baseline) -> float | None:
+  """The paper's CLAIM - BASELINE (its cells' means), None where its table lacks either."""
+  a, b = _paper_mean(claim), _paper_mean(baseline)
+  return None if a is None or b is None else a - b
+
+
+def paper_difference_text(d: float | None, higher_is_better: bool, digits: int) -> str:
+  """``-1.08 (worse)``: the paper's difference and the side it falls on; "–" without one."""
+  if d is None:
+    return "–"
+  side = "equal" if d == 0 else ("better" if (d > 0) == higher_is_better else "worse")
+  return f"{d:.{digits}f} ({side})"
+
+
 def by_seed(runs: list[dict], metric: str, scale: float, seed_key: str) -> dict[Any, float]:
   """{seed: metric * scale} of the runs of one cell that have results."""
   return {
@@ -91,7 +124,17 @@ def compare_block(
       cell = stats.mean_interval(values) if values else None
       vs = [base for claim, base in pairs if claim == str(c)] or [None]
       for base in vs:
-        record = dict(row=rv, col=c, cell=cell, runs=runs, vs=base, difference=None, verdict="")
+        record = dict(
+            row=rv,
+            col=c,
+            cell=cell,
+            runs=runs,
+            vs=base,
+            difference=None,
+            verdict="",
+            paper=b["paper"].get(f"{rv}|{c}"),
+            paper_difference=None,
+        )
         if base is not None:
           mine = by_seed(runs, metric, scale, seed_key)
           theirs = by_seed(b["cells"].get((rv, labels[base]), []), metric, scale, seed_key)
@@ -100,6 +143,9 @@ def compare_block(
             record["verdict"] = stats.verdict(record["difference"], higher_is_better=higher)
           else:
             record["verdict"] = "missing"
+          record["paper_difference"] = paper_difference(
+              record["paper"], b["paper"].get(f"{rv}|{base}")
+          )
         out.append(record)
   b["higher_is_better"] = higher
   return out
@@ -133,17 +179,29 @@ def markdown_block(b: dict, records: list[dict], *, row_name: str, digits: int, 
   side = "higher" if b["higher_is_better"] else "lower"
   out = [
       f"### {b['title']}: {unit}, {side} is better\n",
-      f"| {row_name} | variant | {unit}: mean [95% CI] | vs | difference [95% CI] | verdict |",
-      "|---|---|---|---|---|---|",
+      f"| {row_name} | variant | {unit}: mean [95% CI] | vs | difference [95% CI] | verdict "
+      "| paper | paper's difference |",
+      "|---|---|---|---|---|---|---|---|",
   ]
   for r in records:
     cell = cell_text(r["runs"], b["expected"], metric, scale, digits, False, "ci")
     d = r["difference"]
     diff = f"{format_interval(d, digits)} (n={d.n})" if d is not None else ""
-    out.append(f"| {r['row']} | {r['col']} | {cell} | {r['vs'] or ''} | {diff} | {r['verdict']} |")
+    paper = paper_text(r["paper"], digits, False)
+    paper_diff = (
+        paper_difference_text(r["paper_difference"], b["higher_is_better"], digits)
+        if r["vs"] is not None
+        else ""
+    )
+    out.append(
+        f"| {r['row']} | {r['col']} | {cell} | {r['vs'] or ''} | {diff} | {r['verdict']} "
+        f"| {paper} | {paper_diff} |"
+    )
   out.append(
       "\nmean [95% t-interval] over seeds; difference: variant minus vs, paired by seed "
       "(the seeds both have), its 95% t-interval; holds / does not hold: the interval "
-      "excludes 0 on the better / the worse side; inconclusive: it holds 0 (or n < 2).\n"
+      "excludes 0 on the better / the worse side; inconclusive: it holds 0 (or n < 2). "
+      "paper: the paper's number for the cell (–: its table has none); paper's difference: "
+      "the paper's variant minus vs and the side it falls on.\n"
   )
   return "\n".join(out)

@@ -42,14 +42,26 @@ class SweepSpec(NamedTuple):
   tiny: tuple[str, ...] | None
 
 
+class PaperTable(NamedTuple):
+  """What a paper reported for a claim: the ``RESULTS`` (``{"row|col": value}``) of the
+  config file ``config`` (the paper's table, one source of its numbers), its ``title`` and
+  the ``columns`` the claim's tasks match."""
+
+  config: str
+  title: str
+  columns: tuple[str, ...]
+
+
 class Claim(NamedTuple):
-  """A paper's claim: its statement, its sweeps and ``compare`` (``"CLAIM>BASELINE"`` column
-  labels, as ``make_tables.py --compare``)."""
+  """A paper's claim: its statement, its sweeps, ``compare`` (``"CLAIM>BASELINE"`` column
+  labels, as ``make_tables.py --compare``) and ``papers``, the papers' own tables printed
+  beside ours (cells of our tables that the paper's table has show its number inline)."""
 
   name: str
   statement: str
   sweeps: tuple[SweepSpec, ...]
   compare: tuple[str, ...]
+  papers: tuple[PaperTable, ...] = ()
 
 
 _LRPE = ("Type1", "Type2", "Type3")
@@ -91,6 +103,13 @@ CLAIMS: tuple[Claim, ...] = (
             "NPRF-Transformer w/ RPE>NPRF-Transformer",
             "NPRF-Transformer w/ RPE>Vanilla Transformer",
         ),
+        (
+            PaperTable(
+                "configs/wikitext103_nprf_table2.py",
+                "Luo et al. Table 2: WikiText-103 validation perplexity, 512 tokens, 6 layers",
+                ("WikiText-103",),
+            ),
+        ),
     ),
     Claim(
         "lrpe",
@@ -111,6 +130,13 @@ CLAIMS: tuple[Claim, ...] = (
             ),
         ),
         tuple(f"{t}>Base" for t in _LRPE) + tuple(f"{t}>RoPE" for t in _LRPE),
+        (
+            PaperTable(
+                "configs/lrpe_table4.py",
+                "LRPE Table 4: LRA test accuracy (%)",
+                ("ListOps", "Pathfinder"),
+            ),
+        ),
     ),
     Claim(
         "permuteformer",
@@ -131,6 +157,13 @@ CLAIMS: tuple[Claim, ...] = (
             ),
         ),
         ("PermuteFormer>Performer", "PermuteFormer>Transformer"),
+        (
+            PaperTable(
+                "configs/wikitext103_permuteformer_table4.py",
+                "PermuteFormer Table 4: WikiText-103 test perplexity, 512 tokens",
+                ("WikiText-103",),
+            ),
+        ),
     ),
     Claim(
         "txl_memory",
@@ -233,16 +266,44 @@ def claim_blocks(args: argparse.Namespace, claim: Claim) -> list[dict]:
   return blocks
 
 
+def paper_markdown(paper: PaperTable) -> str:
+  """The paper's own numbers for a claim: the rows of ``paper.config``'s ``RESULTS`` in the
+  claim's ``columns``, as a markdown table."""
+  from fastpos.train import config_files  # pylint: disable=import-outside-toplevel
+
+  results = config_files.load_module(str(REPO / paper.config)).RESULTS
+  rows = list(dict.fromkeys(k.split("|", 1)[0] for k in results))
+  lines = [
+      f"### What the paper reported: {paper.title} (`{paper.config}`)",
+      "",
+      "| row | " + " | ".join(paper.columns) + " |",
+      "|---|" + "---|" * len(paper.columns),
+  ]
+  for row in rows:
+    cells = [tables.paper_text(results.get(f"{row}|{c}"), 2, False) for c in paper.columns]
+    if any(f"{row}|{c}" in results for c in paper.columns):
+      lines.append(f"| {row} | " + " | ".join(cells) + " |")
+  lines += [
+      "",
+      "The paper's setting is far larger than ours (its data, length and model): compare "
+      "the direction of a difference, not its size.",
+      "",
+  ]
+  return "\n".join(lines)
+
+
 def claim_markdown(claim: Claim, blocks: list[dict], command: str) -> str:
-  """``RESULTS/<claim>.md``: the statement, the command and a table per block."""
+  """``RESULTS/<claim>.md``: the statement, the command, a table per block and the papers'
+  own tables."""
   head = [f"# Claim: {claim.name}", "", claim.statement, "", f"Command: `{command}`", ""]
+  papers = [paper_markdown(p) for p in claim.papers]
   if not blocks:
-    return "\n".join(head + ["Not yet run: no run of this claim has a workdir.", ""])
+    return "\n".join(head + ["Not yet run: no run of this claim has a workdir.", ""] + papers)
   body = [
       claim_table.markdown_block(b, b["records"], row_name="setting", digits=2, split="test")
       for b in blocks
   ]
-  return "\n".join(head + body)
+  return "\n".join(head + body + papers)
 
 
 def plot_claim(claim: Claim, blocks: list[dict], out: Path) -> bool:
@@ -349,19 +410,33 @@ def readme(args: argparse.Namespace, claims: list[Claim], verdicts: dict, comman
         f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}.",
         "",
     ]
-  lines += ["| claim | comparison | setting | verdict |", "|---|---|---|---|"]
+  lines += [
+      "| claim | comparison | setting | difference [95% CI] | paper's difference | verdict |",
+      "|---|---|---|---|---|---|",
+  ]
   for claim in claims:
-    rows = verdicts.get(claim.name) or [("", "", "not yet run")]
-    for comparison, setting, verdict in rows:
-      lines.append(f"| [{claim.name}]({claim.name}.md) | {comparison} | {setting} | {verdict} |")
+    rows = verdicts.get(claim.name) or [("", "", "", "", "not yet run")]
+    for comparison, setting, difference, paper, verdict in rows:
+      lines.append(
+          f"| [{claim.name}]({claim.name}.md) | {comparison} | {setting} | {difference} "
+          f"| {paper} | {verdict} |"
+      )
   lines += [
       "",
       "Each claim's table gives every cell's mean with its 95% t-interval over seeds and the "
-      "paired difference (the same seeds) against its baseline; docs/claims.md explains the "
-      "verdicts and how to resume.",
+      "paired difference (the same seeds) against its baseline, beside the paper's own number "
+      "and difference where its table has the cell (–: it has none; the papers ran other "
+      "sizes, so compare directions, not values); docs/claims.md explains the verdicts and "
+      "how to resume.",
       "",
   ]
   return "\n".join(lines)
+
+
+def _difference_text(record: dict) -> str:
+  """A record's paired difference as ``7.47 [5.16, 9.77] (n=3)``; empty without one."""
+  d = record["difference"]
+  return f"{tables.format_interval(d, 2)} (n={d.n})" if d is not None else ""
 
 
 def _cpu() -> str:
@@ -381,7 +456,13 @@ def write_results(args: argparse.Namespace, command: str) -> None:
     plot_claim(claim, blocks, args.results / f"{claim.name}.png")
     plot_curves(args, claim, args.results / f"{claim.name}_curves.png")
     verdicts[claim.name] = [
-        (f"{r['col']} > {r['vs']}", f"{b['title']}: {r['row']}", r["verdict"])
+        (
+            f"{r['col']} > {r['vs']}",
+            f"{b['title']}: {r['row']}",
+            _difference_text(r),
+            claim_table.paper_difference_text(r["paper_difference"], b["higher_is_better"], 2),
+            r["verdict"],
+        )
         for b in blocks
         for r in b["records"]
         if r["vs"] is not None

@@ -246,8 +246,14 @@ def test_make_tables_claim_layout_pairs_seeds_and_gives_verdicts(fixture_sweep, 
       "| Linear, ELU + 1 | FastRPB | 42.00 [37.03, 46.97] (n=3) | None | 9.00 [4.70, 13.30] "
       "(n=3) | holds |" in out
   )
-  # SIKF + FastRPB has no run: no pair, no verdict but "missing".
-  assert "| Linear, SIKF | FastRPB | missing | None |  | missing |" in out
+  # SIKF + FastRPB has no run: no pair, no verdict but "missing"; the paper's numbers stand
+  # beside it: 11.47 against 12.55, FastRPB 1.08 points worse in the paper.
+  assert (
+      "| Linear, SIKF | FastRPB | missing | None |  | missing | 11.47 ± 4.79 | -1.08 (worse) |"
+      in out
+  )
+  # A row the paper's table lacks: "–" for its number and its difference.
+  assert "13.30] (n=3) | holds | – | – |" in out
   # The other way round the same interval says the claim does not hold.
   assert make_tables.main([str(fixture_sweep), "--compare=None>FastRPB"]) == 0
   assert "| FastRPB | -9.00 [-13.30, -4.70] (n=3) | does not hold |" in capsys.readouterr().out
