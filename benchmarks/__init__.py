@@ -22,6 +22,8 @@ BENCHMARKS = {
     "decode": "decoding ms per token and state memory against context length",
     "memory": "train-step memory against model.remat / scan_layers / mlp_chunk, compile time "
     "against depth (compiles only)",
+    "memory_length": "FastRPB's memory claim: train-step memory against N, softmax against "
+    "linear attention + FastRPB (compiles only)",
     "context_parallel": "train-step memory per device with the sequence split over devices "
     "(mesh.seq; compiles only)",
     "million": "the 1,048,576-token train step over devices: memory per device",

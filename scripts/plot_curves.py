@@ -5,8 +5,11 @@
 
 Each workdir's ``metrics.jsonl`` (what ``train.py`` writes; the last record of a step counts,
 so a resumed run shows each step once) gives the points. The default metrics are the training
-loss and every validation metric the runs share. A line's legend says what sets the run apart:
-the config fields whose values differ between the runs (the config each last ran with:
+loss and every validation metric the runs share (bookkeeping such as ``num_examples`` apart).
+Runs with the same legend entry are seeds of one variant: they draw one line, their mean, with
+a band from their minimum to their maximum at the steps all of them have. A line's legend says
+what sets the run apart: the config fields other than the seed whose values differ between
+the runs (the config each last ran with:
 ``config.json`` with the changes its resumes recorded, read through the workdir's owner,
 ``fastpos.train.workdir.Workdir``), e.g. ``kernel=sikf, positional=absolute+fastrpb``;
 ``--labels`` replaces them. The format follows ``--out``'s
@@ -42,7 +45,9 @@ IGNORED = (
     "num_eval_batches",
     "paper.",
     "experiment.",
+    "seed",
 )
+BOOKKEEPING = ("num_examples",)  # metrics that count, not measure: no default panel
 NAMES = {"train": "training", "validation": "validation"}
 
 
@@ -105,27 +110,41 @@ def default_metrics(runs: list[dict]) -> list[str]:
   return [
       m
       for m in ["train/loss"] + sorted(m for m in shared if m.startswith("validation/"))
-      if m in shared
+      if m in shared and not m.endswith(BOOKKEEPING)
   ]
 
 
+def _seed_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], ...]:
+  """(steps all runs have, their mean, minimum and maximum over the runs)."""
+  steps = sorted(set.intersection(*(set(s) for s in series)))
+  values = [[s[k] for s in series] for k in steps]
+  return (
+      steps,
+      [sum(v) / len(v) for v in values],
+      [min(v) for v in values],
+      [max(v) for v in values],
+  )
+
+
 def plot(runs: list[dict], names: list[str], metrics: list[str], title: str = ""):
-  """The figure: a panel per metric, a line per run, one colour per run across panels."""
+  """The figure: a panel per metric, a line per legend entry (the runs that share it: their
+  mean and a min-max band), one colour per entry across panels."""
   fig, axes = plt.subplots(1, len(metrics), figsize=(4.8 * len(metrics), 3.6), squeeze=False)
-  colors = distinct_colors(len(runs))
+  groups: dict[str, list[dict]] = {}
+  for run, name in zip(runs, names):
+    groups.setdefault(name, []).append(run)
+  colors = distinct_colors(len(groups))
   for ax, metric in zip(axes[0], metrics):
-    for run, name, color in zip(runs, names, colors):
-      points = sorted(run.get(metric, {}).items())
-      if points:
-        steps, values = zip(*points)
-        ax.plot(
-            steps,
-            values,
-            label=name,
-            color=color,
-            marker="o" if len(points) < 20 else None,
-            markersize=3,
-        )
+    for (name, group), color in zip(groups.items(), colors):
+      series = [r[metric] for r in group if r.get(metric)]
+      if not series:
+        continue
+      steps, mean, low, high = _seed_band(series)
+      label = name if len(series) == 1 else f"{name} (mean, min-max of {len(series)})"
+      marker = "o" if len(steps) < 20 else None
+      ax.plot(steps, mean, label=label, color=color, marker=marker, markersize=3)
+      if len(series) > 1:
+        ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
     split, _, key = metric.partition("/")
     ax.set_title(f"{NAMES.get(split, split)} {key.replace('_', ' ')}")
     ax.set_xlabel("training step")

@@ -52,6 +52,15 @@ class PaperTable(NamedTuple):
   columns: tuple[str, ...]
 
 
+class Figure(NamedTuple):
+  """A figure of a claim that a benchmark (not a sweep) makes: ``file`` in the results folder,
+  what it shows and the ``command`` that remakes it (from the repository root)."""
+
+  file: str
+  caption: str
+  command: str
+
+
 class Claim(NamedTuple):
   """A paper's claim: its statement, its sweeps, ``compare`` (``"CLAIM>BASELINE"`` column
   labels, as ``make_tables.py --compare``) and ``papers``, the papers' own tables printed
@@ -62,6 +71,7 @@ class Claim(NamedTuple):
   sweeps: tuple[SweepSpec, ...]
   compare: tuple[str, ...]
   papers: tuple[PaperTable, ...] = ()
+  figures: tuple[Figure, ...] = ()
 
 
 _LRPE = ("Type1", "Type2", "Type3")
@@ -86,6 +96,17 @@ CLAIMS: tuple[Claim, ...] = (
             ),
         ),
         ("FastRPB>None",),
+        (),
+        (
+            Figure(
+                "fastrpb_memory.png",
+                "The memory claim (FastRPB's Figure 3a): train-step memory against N, softmax "
+                "attention against linear attention + FastRPB, the same model otherwise "
+                "(benchmarks/memory_length.md has the numbers and the ratios).",
+                "python -m benchmarks memory_length --out=benchmarks "
+                "--figure=results/claims/fastrpb_memory.png",
+            ),
+        ),
     ),
     Claim(
         "kernelized_rpe",
@@ -292,11 +313,21 @@ def paper_markdown(paper: PaperTable) -> str:
   return "\n".join(lines)
 
 
-def claim_markdown(claim: Claim, blocks: list[dict], command: str) -> str:
-  """``RESULTS/<claim>.md``: the statement, the command, a table per block and the papers'
-  own tables."""
+def figures_markdown(claim: Claim, results: Path) -> list[str]:
+  """A claim's benchmark figures: linked where ``results`` has them, else the command that
+  makes them."""
+  lines = []
+  for f in claim.figures:
+    shown = f"![{f.file}]({f.file})" if (results / f.file).is_file() else "not yet made"
+    lines += [f"### {f.file}", "", f"{f.caption} {shown}; command: `{f.command}`.", ""]
+  return lines
+
+
+def claim_markdown(claim: Claim, blocks: list[dict], command: str, results: Path) -> str:
+  """``RESULTS/<claim>.md``: the statement, the command, a table per block, the benchmark
+  figures and the papers' own tables."""
   head = [f"# Claim: {claim.name}", "", claim.statement, "", f"Command: `{command}`", ""]
-  papers = [paper_markdown(p) for p in claim.papers]
+  papers = figures_markdown(claim, results) + [paper_markdown(p) for p in claim.papers]
   if not blocks:
     return "\n".join(head + ["Not yet run: no run of this claim has a workdir.", ""] + papers)
   body = [
@@ -349,25 +380,25 @@ def plot_claim(claim: Claim, blocks: list[dict], out: Path) -> bool:
   return True
 
 
-def plot_curves(args: argparse.Namespace, claim: Claim, out: Path) -> bool:
-  """``out``: the validation curves of every variant's first seed (scripts/plot_curves.py);
-  False when no such run has metrics."""
+def plot_curves(args: argparse.Namespace, claim: Claim, spec: SweepSpec, out: Path) -> bool:
+  """``out``: the training and validation curves of every variant of one sweep of the claim,
+  its seeds' mean and min-max band (scripts/plot_curves.py; a claim of training stability
+  reads it); False when no run has metrics."""
   workdirs = sorted(
-      p.parent
-      for spec in claim.sweeps
-      for p in (args.out_dir / claim.name / spec.name).glob("*seed=0/metrics.jsonl")
+      p.parent for p in (args.out_dir / claim.name / spec.name).glob("*/metrics.jsonl")
   )
   if not workdirs:
     return False
+  title = f"Claim {claim.name}, {spec.name}: each variant's seeds (mean, min-max)"
   proc = subprocess.run(
       [sys.executable, str(REPO / "scripts" / "plot_curves.py"), *map(str, workdirs)]
-      + [f"--out={out}", f"--title=Claim {claim.name}: seed 0 of each variant"],
+      + [f"--out={out}", f"--title={title}"],
       capture_output=True,
       text=True,
       check=False,
   )
   if proc.returncode:
-    print(f"claims: {claim.name}: no curves ({proc.stderr.strip()})", file=sys.stderr)
+    print(f"claims: {claim.name}/{spec.name}: no curves ({proc.stderr.strip()})", file=sys.stderr)
   return proc.returncode == 0
 
 
@@ -421,6 +452,11 @@ def readme(args: argparse.Namespace, claims: list[Claim], verdicts: dict, comman
           f"| [{claim.name}]({claim.name}.md) | {comparison} | {setting} | {difference} "
           f"| {paper} | {verdict} |"
       )
+  for claim in claims:
+    for f in claim.figures:
+      made = (args.results / f.file).is_file()
+      lines += ["", f"[{f.file}]({f.file})" if made else f"{f.file} (not yet made)"]
+      lines[-1] += f": {f.caption} Command: `{f.command}`."
   lines += [
       "",
       "Each claim's table gives every cell's mean with its 95% t-interval over seeds and the "
@@ -452,9 +488,12 @@ def write_results(args: argparse.Namespace, command: str) -> None:
   verdicts: dict[str, list[tuple[str, str, str]]] = {}
   for claim in CLAIMS:
     blocks = claim_blocks(args, claim)
-    (args.results / f"{claim.name}.md").write_text(claim_markdown(claim, blocks, command))
+    (args.results / f"{claim.name}.md").write_text(
+        claim_markdown(claim, blocks, command, args.results)
+    )
     plot_claim(claim, blocks, args.results / f"{claim.name}.png")
-    plot_curves(args, claim, args.results / f"{claim.name}_curves.png")
+    for spec in claim.sweeps:
+      plot_curves(args, claim, spec, args.results / f"{claim.name}_{spec.name}_curves.png")
     verdicts[claim.name] = [
         (
             f"{r['col']} > {r['vs']}",

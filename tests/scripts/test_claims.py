@@ -99,7 +99,7 @@ def test_tiny_pipeline_writes_tables_with_intervals_and_verdicts(tiny_run):
   assert "Smoke mode (--tiny)" in readme and "Status: 8 of 8 runs finished." in readme
   assert "scripts/claims.sh" in readme and "not yet run" in readme  # the claims not run
   assert (results / "fastrpb.png").stat().st_size > 0
-  assert (results / "fastrpb_curves.png").stat().st_size > 0
+  assert (results / "fastrpb_listops_curves.png").stat().st_size > 0
   runs = json.loads((out / "txl_memory" / "text_lm" / "sweep.json").read_text())["runs"]
   memory = [r for n, r in runs.items() if "arg.memory=true" in n]
   assert len(memory) == 2 and all(r["config"]["model"]["memory_length"] == 16 for r in memory)

@@ -57,6 +57,25 @@ def test_overlays_runs_with_labels_from_their_differences(plot_curves, tmp_path,
   assert capsys.readouterr().out.strip() == f"plot_curves: {out}"
 
 
+def test_seeds_of_a_variant_draw_their_mean_and_a_min_max_band(plot_curves, tmp_path):
+  a0 = _workdir(tmp_path, "a0", "softmax", [3.0, 2.0, 1.0], seed=0)
+  a1 = _workdir(tmp_path, "a1", "softmax", [5.0, 4.0, 2.0], seed=1)
+  b0 = _workdir(tmp_path, "b0", "elu1", [4.0, 3.0, 2.5], seed=0)
+  names = plot_curves.labels([a0, a1, b0])
+  assert names == ["kernel=softmax", "kernel=softmax", "kernel=elu1"]  # the seed sets none apart
+  runs = [plot_curves.read_metrics(w) for w in (a0, a1, b0)]
+  runs[1]["validation/num_examples"] = runs[0]["validation/num_examples"] = {2: 10.0}
+  assert "validation/num_examples" not in plot_curves.default_metrics(runs)
+  ax = plot_curves.plot(runs, names, ["train/loss"]).axes[0]
+  legend = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert legend == ["kernel=softmax (mean, min-max of 2)", "kernel=elu1"]
+  softmax = ax.get_lines()[0]
+  assert list(softmax.get_ydata()) == [4.0, 9.0, 1.5]  # step 2: both runs' resumed 9.0
+  (band,) = ax.collections
+  ys = band.get_paths()[0].vertices[:, 1]
+  assert min(ys) == 1.0 and max(ys) == 9.0 and 5.0 in ys and 3.0 in ys  # min-max of the seeds
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
