@@ -1,8 +1,9 @@
 """Worst relative error of every fast op against its dense reference (float64 and float32).
 
 Random inputs, lengths 1..1000 in float64 and N=4096 in float32 (against the float64
-reference); error = max|fast - dense| / max|dense|. Prints a Markdown table (the accuracy
-table of benchmarks/README.md).
+reference); error = max|fast - dense| / max|dense|. Kernelized RPE runs its FFT path at every
+length (the op's dense switch is set to 0 here). Prints a Markdown table (the accuracy table
+of benchmarks/README.md).
 
   python -m benchmarks ops_accuracy
 """
@@ -22,6 +23,20 @@ from fastpos.ops import attention, toeplitz, transformer_xl
 def rel(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _mode_rows(lin, lengths, ident, f32) -> list[tuple[str, float, float]]:
+  """The causal op by algorithm (``mode=``), plain and with PermuteFormer's decay; the fused
+  kernel runs in Pallas interpret mode off a GPU."""
+  return [
+      (
+          f"linear_attention causal=True mode={mode}" + (" decay" if decay else ""),
+          max(lin(n, True, False, ident, mode=mode, decay=decay) for n in lengths),
+          lin(4096, True, False, f32, mode=mode, decay=decay),
+      )
+      for mode in ("recurrent", "chunk", "fused")
+      for decay in (False, True)
+  ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,15 +77,26 @@ def main(argv: list[str] | None = None) -> int:
         toeplitz.fastrpb_2d_matmul(dt(wr), dt(wc), dt(x), grid), jnp.einsum("hij,bhjc->bhic", t, x)
     )
 
-  def lin(n, causal, use_rpe, dt, grid=None):
+  def lin(n, causal, use_rpe, dt, grid=None, mode="auto", decay=False):
     pq, pk = (np.exp(0.5 * rng.normal(size=(1, n, 2, 4))) for _ in range(2))
     v = rng.normal(size=(1, n, 2, 4))
     rpe = None
     if use_rpe:
       shape = (2, 2 * n - 1) if grid is None else (2, 2 * grid[0] - 1, 2 * grid[1] - 1)
       rpe = np.exp(rng.normal(size=shape))
-    ref = attention.linear_attention_reference(pq, pk, v, causal=causal, rpe=rpe, grid=grid)
-    fast = attention.linear_attention(dt(pq), dt(pk), dt(v), causal=causal, rpe=dt(rpe), grid=grid)
+    log_r = np.log(np.array([0.9, 0.99])) if decay else None
+    ref = attention.linear_attention_reference(
+        pq, pk, v, causal=causal, rpe=rpe, grid=grid, decay=log_r
+    )
+    # The FFT path at every length: the op takes the dense [N, N] weights up to
+    # _RPE_DENSE_UP_TO, which would hold the reference's own formula to itself.
+    dense_up_to, attention._RPE_DENSE_UP_TO = attention._RPE_DENSE_UP_TO, 0
+    try:
+      fast = attention.linear_attention(
+          dt(pq), dt(pk), dt(v), causal=causal, rpe=dt(rpe), grid=grid, decay=dt(log_r), mode=mode
+      )
+    finally:
+      attention._RPE_DENSE_UP_TO = dense_up_to
     return rel(fast, ref)
 
   def soft(n, causal, dt):
@@ -129,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             soft(4096, causal, f32),
         )
     )
+  rows += _mode_rows(lin, lengths, ident, f32)
   rows.append(
       (
           "relative_logits (TXL)",
