@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import ml_collections
 
 from fastpos.config_schema import base_config
+from fastpos.tasks import paths
 
 __all__ = ["Row", "Settings", "base_config", "parse_arg", "table_config"]
 
@@ -284,12 +285,10 @@ def results(row_labels: Iterable[str], col_labels: Iterable[str], table) -> dict
   return out
 
 
-# The repository's own small copies of a task's data, in the data root's layout: a ``:tiny``
-# run of these tasks reads them unless config.task.data_dir is set.
+# The package's small samples of a task's data, each a data root (fastpos.tasks.paths.SAMPLES):
+# a ``:tiny`` run of these tasks reads them unless config.task.data_dir is set.
 FIXTURES = {"wikitext103": "wikitext", "listops": "listops", "lra_retrieval": "retrieval"}
-FIXTURES_ROOT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "testdata"
-)
+FIXTURES_ROOT = paths.SAMPLES
 
 
 def make_tiny(c: ml_collections.ConfigDict) -> None:

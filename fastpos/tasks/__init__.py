@@ -2,9 +2,10 @@
 
 ``make_task(config.task)`` builds a task (``fastpos.tasks.base.Task``) from its complete block;
 ``task_info(config.task)`` gives its ``TaskInfo`` without reading any data; ``task_config(name)``
-is the task's default ``config.task`` block (``fastpos.config_schema.task_config``, where every
-task's fields are declared). A new task is a module with a ``Task`` subclass listed in
-``TASK_MODULES`` and its fields in ``fastpos.config_schema.TASK_FIELDS``.
+is the task's default ``config.task`` block, built from the fields its class declares
+(``Task.config_fields``). A new task is a module with a ``Task`` subclass (its fields declared
+on the class) and one line in ``TASK_MODULES``; the config's schema
+(``fastpos.config_schema``) finds its fields there.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from fastpos.config_schema import task_config
 from fastpos.tasks.base import SPLITS, ArraySource, Task
 from fastpos.tasks.info import TaskInfo
 
@@ -45,6 +45,11 @@ def get_task_class(name: str) -> type[Task]:
     raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_MODULES)}.")
   module, cls = TASK_MODULES[name].split(":")
   return getattr(importlib.import_module(module), cls)
+
+
+def task_config(name: str) -> ml_collections.ConfigDict:
+  """The default ``config.task`` block of task ``name`` (``name`` first, then its fields)."""
+  return get_task_class(name).default_config()
 
 
 def task_info(cfg: ml_collections.ConfigDict) -> TaskInfo:
