@@ -3,9 +3,9 @@ paper table's cell, LRA's task settings, the kernel rows of the papers' tables a
 shrink.
 
 ``base_config(task)`` is ``fastpos.config_schema.base_config``: the complete config of a run on
-``task`` (every field, the task's block included), declared once with each field's comment and
-valid values in that leaf module (no jax, flax or numpy), so that loading a config
-(``train.py --print_config``, ``--list_configs``) starts no trainer. A file changes the fields
+``task`` (every field, the task's block included), each field declared once by its owner with
+its comment and valid values (docs/config.md), so that loading a config (``train.py
+--print_config``, ``--list_configs``) starts no trainer and imports no jax. A file changes the fields
 that differ; ``get_config`` returns the whole config and nothing completes it later.
 
 A config file defines ``ARGS`` (its arguments and their defaults), optionally ``CHOICES``

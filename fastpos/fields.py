@@ -3,9 +3,10 @@ new value changes a run's results) and the shorthands the owners declare their f
 
 A leaf module (the standard library only), so that every owner of config fields can declare
 them beside its code without importing the trainer: the trainer's own fields
-(``fastpos.config_schema.FIELDS``), each task's block (``fastpos.tasks.<module>.<Task>.fields``)
-and the kernels' options (``fastpos.ops.features.OPTIONS``). ``fastpos.config_schema`` puts
-them together into the config's schema. A positional scheme's options are declared by its
+(``fastpos.config_schema.FIELDS``), each task's block
+(``fastpos.tasks.<module>.<Task>.config_fields``) and the kernels' options
+(``fastpos.ops.kernel_options.OPTIONS``). ``fastpos.config_schema`` puts them together into the
+config's schema (docs/config.md). A positional scheme's options are declared by its
 ``option_spec`` (``fastpos.positional.Option``).
 
 A declaration is one line, the default first, then the valid values, then a comment, e.g.::

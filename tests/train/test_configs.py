@@ -289,3 +289,24 @@ def test_scheme_options_keep_their_declared_type(tmp_path):
   saved.write_text(cfg.to_json())  # a run's saved config: JSON keeps the int
   base = cli.load_config(str(saved), [("seed", "2")]).model.positional_options.rope.base
   assert type(base) is int and base == 500
+
+
+def test_the_config_is_validated_once_on_the_way_in(tmp_path, monkeypatch):
+  # train.py's path: config_of validates; build_run (what train_and_evaluate and evaluate
+  # start with) takes that config as it is. A config changed since, or a library caller's
+  # own, is validated there.
+  from fastpos.train import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  calls = []
+  real = config_schema.check
+  monkeypatch.setattr(config_schema, "check", lambda cfg: calls.append(1) or real(cfg))
+  cfg = cli.load_config(f"{CONFIG_DIR / 'synthetic.py'}:tiny", lock=False)
+  assert len(calls) == 1
+  run = run_lib.build_run(cfg, tmp_path / "run")
+  assert len(calls) == 1 and run.cfg.to_dict() == cfg.to_dict()
+  cfg.model.dropout_rate = 1.5  # changed after config_of: validated again, and refused
+  with pytest.raises(config_lib.InvalidConfigError, match=r"dropout_rate must be .*; got 1.5"):
+    run_lib.build_run(cfg, tmp_path / "run")
+  assert len(calls) == 2
+  run_lib.build_run(config_lib.base_config("synthetic"), tmp_path / "run")  # a caller's own
+  assert len(calls) == 3
