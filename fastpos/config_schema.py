@@ -14,10 +14,10 @@ The fields are declared by their owners with ``fastpos.fields`` and put together
 
 The owners are read on use, so importing this module imports no jax, flax or numpy; building
 a config imports the task's module (numpy) and the kernel options (no jax); checking one reads
-the kernel names from the registry (jax). ``base_config(task)``
-builds the complete config of a run on ``task`` (``model_config()`` its model part);
-``field(path, task)`` is the declaration of one field; ``check(cfg)`` raises
-``ConfigValueError`` with one line naming the first bad field, its value and the valid values.
+the kernel names from the registry (jax). ``base_config(task)`` builds the complete config of a
+run on ``task`` (``model_config()`` its model part); ``field(path, task)`` is the declaration
+of one field; ``check(cfg)`` raises ``ConfigValueError`` with one line naming the first bad
+field, its value and the valid values.
 
 Each ``Field`` says the default, the type, the valid range or choices, and ``trajectory``: True
 when a new value changes what a run computes (its parameters, its data order, which checkpoint
