@@ -61,11 +61,12 @@ def make_task(cfg: ml_collections.ConfigDict) -> Task:
   """Builds the task ``cfg.name`` from its config block (data are read on first use)."""
   name = cfg.get("name")
   cls = get_task_class(name)
-  unknown = sorted(set(cfg.keys()) - set(task_config(name).keys()))
-  if unknown:  # a typo must not be ignored
+  valid = {"name", *cls.config_fields}
+  unknown = sorted(set(cfg.keys()) - valid)
+  if unknown:  # a typo must not be ignored (a block train.py's validation has not seen)
     raise ValueError(
         f"unknown field(s) {unknown} in config.task for task {name!r}; valid "
-        f"fields: {', '.join(sorted(task_config(name).keys()))}."
+        f"fields: {', '.join(sorted(valid))}."
     )
   return cls(cfg)
 
