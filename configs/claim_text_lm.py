@@ -8,7 +8,7 @@ Claims:  scripts/claims.sh OUT_DIR runs every claim at 3 seeds (docs/claims.md);
          scripts/sweep.sh --config=configs/claim_text_lm.py --sweep_dir=DIR --mode=parallel arg.model=txl arg.context=16,32,64 arg.memory=false,true seed=0,1,2
          python scripts/make_tables.py DIR --compare='Transformer-XL rel. + memory>Transformer-XL rel.'
 Hardware: a 2-core CPU (the time a run took: results/claims/README.md); ":tiny" runs in
-seconds on the repository's WikiText fixtures (tests/testdata/wikitext).
+seconds on the repository's WikiText fixtures (fastpos/tasks/samples/wikitext).
 Data: words (WikiText-103's rules) of /usr/share/vim/vim90/doc/usr_*.txt (Debian's
 vim-runtime; about 104k words), the 2000 most frequent kept (the rest <unk>); contiguous
 splits: the last 10% of the text is test, the 10% before it validation (``paths=`` reads

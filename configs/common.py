@@ -3,9 +3,9 @@ paper table's cell, LRA's task settings, the kernel rows of the papers' tables a
 shrink.
 
 ``base_config(task)`` is ``fastpos.config_schema.base_config``: the complete config of a run on
-``task`` (every field, the task's block included), declared once with each field's comment and
-valid values in that leaf module (no jax, flax or numpy), so that loading a config
-(``train.py --print_config``, ``--list_configs``) starts no trainer. A file changes the fields
+``task`` (every field, the task's block included), each field declared once by its owner with
+its comment and valid values (docs/config.md), so that loading a config (``train.py
+--print_config``, ``--list_configs``) starts no trainer and imports no jax. A file changes the fields
 that differ; ``get_config`` returns the whole config and nothing completes it later.
 
 A config file defines ``ARGS`` (its arguments and their defaults), optionally ``CHOICES``
@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import ml_collections
 
 from fastpos.config_schema import base_config
+from fastpos.tasks import paths
 
 __all__ = ["Row", "Settings", "base_config", "parse_arg", "table_config"]
 
@@ -284,12 +285,10 @@ def results(row_labels: Iterable[str], col_labels: Iterable[str], table) -> dict
   return out
 
 
-# The repository's own small copies of a task's data, in the data root's layout: a ``:tiny``
-# run of these tasks reads them unless config.task.data_dir is set.
+# The package's small samples of a task's data, each a data root (fastpos.tasks.paths.SAMPLES):
+# a ``:tiny`` run of these tasks reads them unless config.task.data_dir is set.
 FIXTURES = {"wikitext103": "wikitext", "listops": "listops", "lra_retrieval": "retrieval"}
-FIXTURES_ROOT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "testdata"
-)
+FIXTURES_ROOT = paths.SAMPLES
 
 
 def make_tiny(c: ml_collections.ConfigDict) -> None:

@@ -6,8 +6,8 @@ The text is yours: no default ships with fastpos (no installed Python package ho
 English text, and none is downloaded). Without ``paths=`` the run stops before any compute with
 one line naming ``--config.task.paths=``. Several files / folders:
 ``--config.task.paths=a.txt,notes/``; a folder's files: ``--config.task.include='*.txt,*.md'``.
-Arguments (comma-separated after a colon): ``tiny`` (a seconds-long run on the repository's own
-text fixtures, tests/testdata/wikitext), ``paths=<file or folder>``, ``vim`` (the Vim user
+Arguments (comma-separated after a colon): ``tiny`` (a seconds-long run on the package's own
+text sample, fastpos/tasks/samples/wikitext), ``paths=<file or folder>``, ``vim`` (the Vim user
 manual that Debian's vim-runtime package installs, /usr/share/vim/vim90/doc/usr_*.txt: the
 text of results/text_lm.md, where that package is installed), ``include=<patterns>``,
 ``level=<byte|word>``, ``vocab=<V>`` (word level), ``kernel=<softmax|elu1|...>``,
@@ -34,9 +34,7 @@ import ml_collections
 from configs import common
 
 VIM_MANUAL = "/usr/share/vim/vim90/doc"
-FIXTURES = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "testdata", "wikitext"
-)
+FIXTURES = os.path.join(common.FIXTURES_ROOT, "wikitext")  # the package's WikiText sample
 ARGS = dict(
     tiny=False,
     paths="",

@@ -7,7 +7,7 @@ Then:    python eval.py --workdir=/tmp/wt103_nprf_rpe --split=validation
 Data:    python scripts/download_data.py wikitext103
 Hardware: GPUs (the paper: 8 V100s, 150k steps of 64 x 512 tokens). ":tiny" builds a small
 model (segments of 64, 100 words) for a CPU check on the repository's fixtures
-(tests/testdata/wikitext; --config.task.data_dir="" reads the real data instead).
+(fastpos/tasks/samples/wikitext; --config.task.data_dir="" reads the real data instead).
 Paper: Luo et al. 2021, "Stable, Fast and Accurate: Kernelized Attention with Relative
 Positional Encoding", Table 2, validation perplexity, in config.paper: NPRF w/ RPE 30.6,
 vanilla Transformer 33.0, Linear Transformer 38.4, TRF 33.6 (TRF-GATE, 31.3, is not built

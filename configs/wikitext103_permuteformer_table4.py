@@ -8,7 +8,7 @@ Data:    python scripts/download_data.py wikitext103 (the word-level release; th
          id streams are cached on first use).
 Hardware: one or more GPUs (the paper: fairseq on 8 V100s; 50k steps of 64 x 512 tokens).
 ":tiny" builds a small model (segments of 64, 100 words) for a CPU check on the repository's
-fixtures (tests/testdata/wikitext; --config.task.data_dir="" reads the real data instead).
+fixtures (fastpos/tasks/samples/wikitext; --config.task.data_dir="" reads the real data instead).
 Paper: PermuteFormer (Chen 2021) Table 4, test perplexity, in config.paper: Transformer 30.18,
 Performer 36.87, PermuteFormer 32.49, w/o r 35.76, w/o P_pi 33.08.
 Evaluation protocol: the paper's numbers count only the last 256 tokens of each 512-token

@@ -2,8 +2,8 @@
 
 The public API is ``__all__``: everything a researcher imports is named here, and everything
 else may change without notice. Names load on first use (PEP 562), so ``import fastpos``
-imports neither jax, flax nor numpy (``fastpos.config_schema``, read by the config files,
-stays light). Shapes: ``[batch, N, D]`` activations, ``[batch, N]`` token ids and boolean
+imports neither jax, flax nor numpy (nor does ``fastpos.config_schema``, read by the config
+files). Shapes: ``[batch, N, D]`` activations, ``[batch, N]`` token ids and boolean
 masks (True for real tokens).
 
 Example::

@@ -1,137 +1,56 @@
-"""The config: every field's default, what it means, what it may hold, and whether changing it
-changes a run's results. The one source of the base config.
+"""The config's schema: every field's default, what it means, what it may hold, and whether
+changing it changes a run's results; the one source of the base config.
 
-A leaf module: it imports the standard library and ml_collections only (no jax, flax or
-numpy), so that the experiment files under ``configs/`` and the package both build on it and a
-config loads without starting the trainer. ``FIELDS`` declares every field of the base config
-(in its printed order, each with its comment), ``TASK_FIELDS`` every field of each task's
-``config.task`` block and ``KERNEL_OPTIONS`` the feature maps' options; a positional scheme's
-options are declared by its ``option_spec`` (``fastpos.positional``) and checked by
-``fastpos.train.config.validate``. ``base_config(task)`` builds the complete config of a run on
-``task`` from the declarations (``task_config(name)`` and ``model_config()`` its parts).
+The fields are declared by their owners with ``fastpos.fields`` and put together here:
+
+- the trainer's own fields (the model's sizes and layout, optimizer, schedule, cadences, mesh,
+  data pipeline): ``FIELDS`` below, in the base config's printed order, each with its comment;
+- ``config.task``: each task's class declares its block (``Task.config_fields`` in
+  ``fastpos/tasks/<module>.py``), found by name through ``fastpos.tasks.TASK_MODULES``;
+- ``model.kernel`` (its choices) and ``model.kernel_options``: the kernel registry,
+  ``fastpos.ops.features.KERNELS`` and the options it reads, ``fastpos.ops.kernel_options``;
+- ``model.positional_options``: each scheme's ``option_spec`` (``fastpos.positional``), checked
+  with the scheme names by ``fastpos.train.config.validate``.
+
+The owners are read on use, so importing this module imports no jax, flax or numpy; building
+a config imports the task's module (numpy) and the kernel options (no jax); checking one reads
+the kernel names from the registry (jax). ``base_config(task)`` builds the complete config of a
+run on ``task`` (``model_config()`` its model part); ``field(path, task)`` is the declaration
+of one field; ``check(cfg)`` raises ``ConfigValueError`` with one line naming the first bad
+field, its value and the valid values.
 
 Each ``Field`` says the default, the type, the valid range or choices, and ``trajectory``: True
 when a new value changes what a run computes (its parameters, its data order, which checkpoint
 is best), False when it changes only how the run is carried out (log cadence, data threads,
 device layout). A resumed run may change a field of the second kind freely; one of the first
 kind only on request (``train.py --allow_config_change``), and the change is recorded.
-
-``check(cfg)`` raises ``ConfigValueError`` with one line naming the first bad field, its value
-and the valid values. Declaring a new field is one line beside its neighbours, e.g.
-``"model.remat": _str("none", ("none", "block"), trajectory=False)``; the schema test
-(tests/train/test_schema.py) fails for a config field that has no declaration.
+docs/config.md says where each field lives and how to add one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
-TYPES = ("bool", "int", "float", "str", "tuple", "block")
-_SEED_HIGH = 2**32 - 1  # numpy's and grain's seeds are uint32
-# model.kernel: "softmax" or a feature map of fastpos.ops.features (a test holds them equal).
-KERNELS = ("softmax", "elu1", "relu", "sikf", "dpfp", "favor", "prf", "trf", "nprf", "orf")
+from fastpos import fields
+from fastpos.fields import ConfigValueError, Field, check_flags, error
 
-
-class ConfigValueError(ValueError):
-  """A config field holds a value outside its declared type, range or choices."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-  """One config field: its type, valid values and whether it changes a run's results.
-
-  Attributes:
-    type: one of ``TYPES``; "float" takes ints too and must be finite; "block" is a group of
-      fields not declared one by one (``open``), e.g. the paper's numbers.
-    low, high: an inclusive range, unless ``low_open`` / ``high_open``.
-    choices: the valid values (strings).
-    valid: the valid values in words, for a field a type and range do not describe (a path).
-    trajectory: whether a new value changes the run's results; a callable of the whole
-      config for a field whose effect depends on another (``num_train_steps`` moves a
-      decaying schedule only).
-    default: the value of the base config (``base_config``); blocks start empty.
-    base: False for a block only some configs have (the paper's cell and numbers).
-    check: a predicate for what a type and range cannot say (the items of a tuple).
-  """
-
-  type: str
-  low: float | None = None
-  high: float | None = None
-  low_open: bool = False
-  high_open: bool = False
-  choices: tuple | None = None
-  valid: str = ""
-  trajectory: bool | Callable[[Any], bool] = True
-  default: Any = None
-  base: bool = True
-  check: Callable[[Any], bool] | None = None
-
-  def __post_init__(self):
-    if self.type not in TYPES:
-      raise ValueError(f"Field type {self.type!r}; valid choices: {', '.join(TYPES)}.")
-
-  def describe(self) -> str:
-    """The valid values in words (the error's "must be ...")."""
-    if self.choices is not None:
-      return "one of " + ", ".join(map(str, self.choices))
-    if self.valid:
-      return self.valid
-    words = {
-        "bool": "true or false",
-        "int": "an integer",
-        "float": "a finite number",
-        "str": "a string",
-        "tuple": "a tuple",
-        "block": "a block of fields",
-    }[self.type]
-    if self.low is not None and self.high is not None and self.type == "float":
-      left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-      return f"{words} in {left}{_num(self.low)}, {_num(self.high)}{right}"
-    if self.low is not None:
-      words += f" {'>' if self.low_open else '>='} {_num(self.low)}"
-    if self.high is not None:
-      words += f"{' and' if self.low is not None else ''} {'<' if self.high_open else '<='} "
-      words += _num(self.high)
-    return words
-
-  def is_valid(self, value: Any) -> bool:
-    if not _TYPE_CHECKS[self.type](value):
-      return False
-    if self.check is not None and not self.check(value):
-      return False
-    if self.choices is not None:
-      return value in self.choices
-    if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-      return False
-    return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-  def affects(self, cfg: Any) -> bool:
-    """Whether a change of this field changes the results of a run with config ``cfg``."""
-    return self.trajectory(cfg) if callable(self.trajectory) else bool(self.trajectory)
-
-
-def _num(x: float) -> str:
-  return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_float(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-_TYPE_CHECKS = {
-    "bool": lambda x: isinstance(x, bool),
-    "int": _is_int,
-    "float": _is_float,
-    "str": lambda x: isinstance(x, str),
-    "tuple": lambda x: isinstance(x, tuple),
-    "block": lambda x: hasattr(x, "keys"),
-}
+__all__ = [
+    "FIELDS",
+    "ConfigValueError",
+    "Field",
+    "base_config",
+    "check",
+    "check_flags",
+    "error",
+    "field",
+    "is_trajectory",
+    "kernel_options",
+    "leaves",
+    "model_config",
+    "task_config",
+    "task_fields",
+]
 
 
 def _decays(cfg) -> bool:
@@ -139,48 +58,27 @@ def _decays(cfg) -> bool:
   return cfg["schedule"]["name"] in ("cosine", "linear")
 
 
-# Shorthands for the declarations below: the default first, then the valid values.
-def _int(default: int, low=None, high=None, **kw) -> Field:
-  return Field("int", default=default, low=low, high=high, **kw)
-
-
-def _float(default: float, low=None, high=None, **kw) -> Field:
-  return Field("float", default=default, low=low, high=high, **kw)
-
-
-def _str(default: str, choices=None, valid="", **kw) -> Field:
-  choices = tuple(choices) if choices is not None else None
-  return Field("str", default=default, choices=choices, valid=valid, **kw)
-
-
-def _bool(default: bool, **kw) -> Field:
-  return Field("bool", default=default, **kw)
-
-
-def _block(**kw) -> Field:
-  return Field("block", **kw)
-
-
-def _seed(default: int = 0) -> Field:
-  return _int(default, 0, _SEED_HIGH)
-
-
-def _path(**kw) -> Field:
-  return _str("", valid="a path ('' for the default)", **kw)
+# Shorthands for the declarations below (fastpos.fields): the default first, then the valid
+# values.
+_int, _float, _str, _bool = fields.integer, fields.number, fields.string, fields.boolean
+_block, _seed, _path = fields.block, fields.seed, fields.path
 
 
 # The base config, in its printed order; each field's comment says what it does. A block's
 # fields follow it ("model", then "model.<field>").
 FIELDS: dict[str, Field] = {
     "seed": _seed(),  # seeds parameter init, dropout and the training data order (streams)
-    # The task's block: config.task.name and the fields of TASK_FIELDS[config.task.name].
+    # The task's block: config.task.name and the fields its Task class declares
+    # (fastpos.tasks.<module>.<Task>.config_fields, found by name in fastpos.tasks.TASK_MODULES).
     "task": _block(),
     # The model (fastpos.models.build_model).
     "model": _block(),
-    # Attention similarity: "softmax" or a feature map of fastpos.ops.features.FEATURE_MAPS.
-    "model.kernel": _str("softmax", KERNELS),
-    # Feature-map options (KERNEL_OPTIONS): random features m, DPFP's nu, the denominator
-    # guard, whether random projections are redrawn every training step, their seed.
+    # Attention similarity: "softmax" or a feature map; the choices are the kernel registry's,
+    # fastpos.ops.features.KERNELS (read there by ``field``).
+    "model.kernel": _str("softmax", valid="a kernel of fastpos.ops.features.KERNELS"),
+    # Feature-map options, declared by their owner (fastpos.ops.kernel_options.OPTIONS): random
+    # features m, DPFP's nu, the denominator guard, whether random projections are redrawn
+    # every training step, their seed.
     "model.kernel_options": _block(),
     # Positional schemes joined by "+" or ",", applied in this order at their hooks
     # (fastpos.positional.SCHEMES; "none" for no positional information). `python -m
@@ -304,7 +202,7 @@ FIELDS: dict[str, Field] = {
         "tuple",
         default=(),
         valid="a tuple of increasing lengths in [1, task.max_length] (() = off)",
-        check=lambda lengths: all(_is_int(n) for n in lengths),
+        check=lambda lengths: all(fields.is_int(n) for n in lengths),
     ),
     "data.bucket_window": _int(16, 1),  # >= 1 global batches sorted (or packed) together
     # Sequence packing (lm and classify tasks, models that keep segments apart: softmax kernel,
@@ -327,198 +225,62 @@ FIELDS: dict[str, Field] = {
 # Blocks whose fields are not declared one by one.
 OPEN_BLOCKS = ("paper.results",)
 
-# model.kernel_options (fastpos.ops.features.OPTION_DEFAULTS, a test holds them equal).
-KERNEL_OPTIONS: dict[str, Field] = {
-    "num_features": _int(64, 1),  # m, the random features (favor, prf, trf, nprf, orf)
-    "nu": _int(1, 1),  # DPFP's nu
-    "eps": _float(1e-6, 0, low_open=True),  # the denominator guard
-    "redraw": _bool(False),  # redraw the random projections every training step
-    "seed": _seed(),  # seeds the random projections
-}
+
+# ---------------------------------------------------------------------------------------------
+# The owners' declarations, read on use
+# ---------------------------------------------------------------------------------------------
+def task_fields(name: str) -> Mapping[str, Field]:
+  """The fields of task ``name``'s ``config.task`` block besides ``name`` (its class's
+  ``config_fields``); ValueError naming the valid tasks for an unknown name."""
+  from fastpos import tasks  # pylint: disable=import-outside-toplevel (numpy)
+
+  return tasks.get_task_class(name).config_fields
 
 
-def _splits() -> dict[str, Field]:
-  """Examples per split, 0 meaning the loader's default (all of a file)."""
-  return {k: _int(0, 0) for k in ("num_train", "num_validation", "num_test")}
+def task_names() -> tuple[str, ...]:
+  from fastpos import tasks  # pylint: disable=import-outside-toplevel (numpy)
+
+  return tasks.task_names()
 
 
-def _tfds() -> dict[str, Field]:
-  return {
-      # Data root holding tfds/<dataset>/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
-      "data_dir": _path(),
-      "cache_dir": _path(trajectory=False),  # decoded splits are cached here ("": default)
-      # Share of tfds train held out as the validation split (0.1: LRA's train[90%:]).
-      "validation_fraction": _float(0.1, 0, 1, low_open=True, high_open=True),
-      "validation_seed": _seed(),  # which train examples are held out (not the training seed)
-  }
+def kernel_options() -> Mapping[str, Field]:
+  """``model.kernel_options``: every option a kernel may take (``features.OPTIONS``)."""
+  from fastpos.ops import kernel_options as options  # pylint: disable=import-outside-toplevel
+
+  return options.OPTIONS
 
 
-_OVERFLOW = ("truncate", "error")
+def _kernel_field() -> Field:
+  from fastpos.ops import features  # pylint: disable=import-outside-toplevel (jax)
 
-# config.task, by task name (the block of fastpos.tasks.<module>.<Task>.default_config());
-# "name" is every task's.
-TASK_FIELDS: dict[str, dict[str, Field]] = {
-    "synthetic": {
-        "vocab_size": _int(16, 4),  # token ids 0..vocab_size-1; 0 is padding
-        "num_classes": _int(4, 2),  # class tokens are ids 1..num_classes
-        "min_length": _int(16, 1),  # shortest sequence (before padding)
-        "max_length": _int(32, 1),  # longest sequence = padded length
-        "num_train": _int(4096, 1),  # examples per split
-        "num_validation": _int(512, 1),
-        "num_test": _int(500, 1),
-        "seed": _seed(),  # data seed (independent of the training seed)
-    },
-    "listops": {
-        # "generated": the project's own generator (deterministic from `seed`); "tsv": the LRA
-        # release (basic_train.tsv, basic_val.tsv, basic_test.tsv) under the data root.
-        "source": _str("generated", ("generated", "tsv")),
-        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data);
-        # source="tsv" reads <root>/lra_release/listops-1000/basic_{train,val,test}.tsv.
-        "data_dir": _path(),
-        "cache_dir": _path(trajectory=False),  # generated / tokenised splits ("" = no cache)
-        "max_length": _int(2000, 1),  # padded length (LRA: 2000)
-        "min_length": _int(500, 1),  # shortest generated expression in tokens (LRA: 500)
-        # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
-        **_splits(),
-        "seed": _seed(),  # generator seed (independent of the training seed)
-        "on_overflow": _str("truncate", _OVERFLOW),  # longer expressions: truncate or error
-        # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]`
-        # is a token and the parentheses are dropped).
-        "parens": _bool(False),
-    },
-    "lra_text": {
-        **_tfds(),
-        "max_length": _int(4000, 1),  # bytes per review, padded / truncated (LRA: 4000)
-        "on_overflow": _str("truncate", _OVERFLOW),  # longer reviews: "truncate" (LRA) or error
-    },
-    "lra_image": _tfds(),
-    "mnist": _tfds(),
-    "wikitext103": {
-        "data_dir": _path(),  # data root holding wikitext-103/wiki.*.tokens ("": default)
-        "cache_dir": _path(trajectory=False),  # vocabulary + id streams ("" = paths.cache_dir)
-        # Tokens per example (the model's max_length; Transformer-XL's tgt_len). 512 as in the
-        # PermuteFormer and LRPE WikiText-103 runs (fairseq tokens_per_sample).
-        "segment_length": _int(512, 1),
-        # Ids: padding, <unk>, <eos> and the vocab_size - 3 most frequent train words (the
-        # rest -> <unk>). 267_737 keeps every word of the release; it must not exceed what the
-        # train file gives (the error names that number).
-        "vocab_size": _int(267_737, 4),
-        # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
-        # every S tokens, each scoring its last S (every token once, >= L - S of context).
-        "eval_stride": _int(0, 0),
-    },
-    "lra_retrieval": {
-        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
-        # <root>/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv.
-        "data_dir": _path(),
-        "cache_dir": _path(trajectory=False),  # tokenised splits ("" = paths.cache_dir)
-        "max_length": _int(4000, 1),  # bytes kept per document (LRA: 4000)
-        # Longer documents: "truncate" (counted warning) or "error".
-        "on_overflow": _str("truncate", _OVERFLOW),
-        # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).
-        **_splits(),
-    },
-    "pathfinder": {
-        # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
-        # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
-        "data_dir": _path(),
-        "cache_dir": _path(trajectory=False),  # decoded images ("" = paths.cache_dir)
-        # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
-        "resolution": Field("int", default=32, choices=(32, 64, 128, 256)),
-        # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
-        # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).
-        "difficulty": _str("hard", ("easy", "intermediate", "hard")),
-        # "lra": LRA's tfds order and 80/10/10 slices; "metadata": file order, same slices.
-        "split_order": _str("lra", ("lra", "metadata")),
-        "num_threads": _int(8, 1, trajectory=False),  # PNG decoding threads (first load only)
-    },
-    "pathfinder_generated": {
-        # The project's Pathfinder generator (fastpos.tasks.pathfinder_generator), LRA's
-        # settings: 32 (LRA Pathfinder) or 64.
-        "resolution": Field("int", default=32, choices=(32, 64)),
-        # Target path of 6 ("easy", LRA's curv_baseline), 9 ("intermediate",
-        # curv_contour_length_9) or 14 paddles ("hard", curv_contour_length_14, LRA's choice).
-        "difficulty": _str("hard", ("easy", "intermediate", "hard")),
-        "num_train": _int(20_000, 1),  # images per split (LRA: 160k / 20k / 20k)
-        "num_validation": _int(2000, 1),
-        "num_test": _int(2000, 1),
-        "seed": _seed(),  # data seed (independent of the training seed); splits never share
-        "cache_dir": _path(trajectory=False),  # generated splits ("" = paths.cache_dir)
-        # Processes generating a split (first use only; the images do not depend on it).
-        "num_workers": _int(2, 1, trajectory=False),
-    },
-    "mqar": {
-        "variant": _str("mqar", ("mqar", "copy")),  # associative recall, or segment-marker-copy
-        # Token ids 0..vocab_size-1 (0 pad, 1 blank, 2 marker; 32 keys, 32 values).
-        "vocab_size": _int(67, 5),
-        "seq_len": _int(64, 4),  # tokens per example (the padded length)
-        "num_pairs": _int(8, 1),  # mqar: key-value pairs at the start
-        "num_queries": _int(0, 0),  # mqar: queries in the query region; 0 means num_pairs
-        # copy: segment length; 0 means the longest that fits, (seq_len - 1) // 2.
-        "copy_length": _int(0, 0),
-        "num_train": _int(20_000, 1),  # examples per split
-        "num_validation": _int(1000, 1),
-        "num_test": _int(1000, 1),
-        "seed": _seed(),  # data seed (independent of the training seed)
-    },
-    "text_lm": {
-        # UTF-8 text files and / or folders, comma-separated, read in this order (required).
-        "paths": _str("", valid="UTF-8 text files and / or folders, comma-separated"),
-        # In folders: file-name patterns, comma-separated ("*": every file).
-        "include": _str("*.txt", valid="comma-separated fnmatch patterns"),
-        # "byte" (UTF-8 bytes + 1, 257 ids) or "word" (WikiText-103's rules).
-        "level": _str("byte", ("byte", "word")),
-        # Ids. byte: 0 (= 257). word: padding, <unk>, <eos> and the vocab_size - 3 most
-        # frequent train words (the rest -> <unk>); above what the train text gives is an
-        # error naming it.
-        "vocab_size": _int(0, 0),
-        # Contiguous byte fractions of the text (train first), cut at line starts; test may
-        # be 0; validation_fraction + test_fraction < 1.
-        "validation_fraction": _float(0.1, 0, 1, low_open=True, high_open=True),
-        "test_fraction": _float(0.1, 0, 1, high_open=True),
-        "cache_dir": _path(trajectory=False),  # word level: vocabulary + id streams
-        "segment_length": _int(256, 1),  # tokens per example (the model's max_length)
-        # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
-        # every S tokens, each scoring its last S (every token once, >= L - S of context).
-        "eval_stride": _int(0, 0),
-    },
-}
-_TASK_NAME = _str("", tuple(TASK_FIELDS))
+  return dataclasses.replace(FIELDS["model.kernel"], choices=tuple(features.KERNELS), valid="")
+
+
+def _task_name_field() -> Field:
+  return fields.string("", task_names())
 
 
 # ---------------------------------------------------------------------------------------------
 # The configs built from the declarations
 # ---------------------------------------------------------------------------------------------
-def _tree(decls: Mapping[str, Field]) -> dict:
-  """Nested dicts of the declarations' defaults (blocks empty), in declaration order."""
-  root: dict = {}
-  for path, decl in decls.items():
-    *parents, last = path.split(".")
-    node = root
-    for part in parents:
-      node = node[part]
-    node[last] = {} if decl.type == "block" else decl.default
-  return root
-
-
 def _config_dict(tree: dict):
-  # Imported on use: fastpos.tasks (numpy only) imports this module for its declarations.
-  import ml_collections  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel (a leaf at import)
 
   return ml_collections.ConfigDict(tree)
 
 
 def task_config(name: str):
   """The default ``config.task`` block of task ``name`` (a ConfigDict, ``name`` first)."""
-  if name not in TASK_FIELDS:
-    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_FIELDS)}.")
-  return _config_dict({"name": name, **_tree(TASK_FIELDS[name])})
+  from fastpos import tasks  # pylint: disable=import-outside-toplevel (numpy)
+
+  return tasks.task_config(name)
 
 
 def model_config():
   """The base ``config.model`` (LRA's small encoder: 4 layers, width 256, 4 heads)."""
-  model = _tree({k: v for k, v in FIELDS.items() if k.split(".")[0] == "model"})["model"]
-  model["kernel_options"] = _tree(KERNEL_OPTIONS)
+  model = fields.defaults({k: v for k, v in FIELDS.items() if k.split(".")[0] == "model"})
+  model = model["model"]
+  model["kernel_options"] = fields.defaults(kernel_options())
   return _config_dict(model)
 
 
@@ -526,23 +288,30 @@ def base_config(task: str):
   """The complete base config of a run on task ``task``: every field of ``FIELDS`` at its
   default, ``config.task`` the task's block (``task_config``)."""
   skip = {p.split(".")[0] for p, d in FIELDS.items() if not d.base}
-  root = _tree({k: v for k, v in FIELDS.items() if k.split(".")[0] not in skip})
-  root["model"]["kernel_options"] = _tree(KERNEL_OPTIONS)
+  root = fields.defaults({k: v for k, v in FIELDS.items() if k.split(".")[0] not in skip})
+  root["model"]["kernel_options"] = fields.defaults(kernel_options())
   cfg = _config_dict(root)
   cfg.task = task_config(task)
   return cfg
 
 
+# ---------------------------------------------------------------------------------------------
+# Checking a config against the declarations
+# ---------------------------------------------------------------------------------------------
 def field(path: str, task: str | None = None) -> Field | None:
   """The declaration of the field at dotted ``path`` (``task.<x>`` by ``task``'s name);
   None for an undeclared one. Options of positional schemes are not declared here."""
+  if path == "model.kernel":
+    return _kernel_field()
   if path in FIELDS:
     return FIELDS[path]
   head, _, rest = path.partition(".")
   if head == "task" and rest:
-    return _TASK_NAME if rest == "name" else TASK_FIELDS.get(task or "", {}).get(rest)
+    if rest == "name":
+      return _task_name_field()
+    return task_fields(task).get(rest) if task in task_names() else None
   if path.startswith("model.kernel_options."):
-    return KERNEL_OPTIONS.get(path.split(".", 2)[2])
+    return kernel_options().get(path.split(".", 2)[2])
   if path.startswith("model.positional_options."):
     return None
   if any(path.startswith(b + ".") for b in OPEN_BLOCKS):
@@ -562,15 +331,6 @@ def leaves(cfg: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
       yield path, value
 
 
-def _shown(value: Any) -> str:
-  return repr(value) if isinstance(value, str) else str(value)
-
-
-def error(path: str, decl: Field, value: Any) -> str:
-  """One line: the field, the valid values, the value."""
-  return f"config.{path} must be {decl.describe()}; got {_shown(value)}."
-
-
 def check(cfg: Mapping) -> None:
   """Raises ConfigValueError for the first field of ``cfg`` (a ConfigDict or nested dict,
   task block complete) that is undeclared or outside its declaration."""
@@ -578,9 +338,10 @@ def check(cfg: Mapping) -> None:
   if not hasattr(block, "keys"):
     raise ConfigValueError(error("task", FIELDS["task"], block))
   task = block.get("name")
-  if not _TASK_NAME.is_valid(task):
-    raise ConfigValueError(error("task.name", _TASK_NAME, task))
-  missing = [k for k in TASK_FIELDS[task] if k not in block]
+  name_field = _task_name_field()
+  if not name_field.is_valid(task):
+    raise ConfigValueError(error("task.name", name_field, task))
+  missing = [k for k in task_fields(task) if k not in block]
   if missing:
     raise ConfigValueError(
         f"config.task lacks field(s) {', '.join(missing)} of task {task!r}; build the block "
@@ -597,24 +358,16 @@ def check(cfg: Mapping) -> None:
 def _undeclared(path: str, task: str | None) -> str:
   parent = path.rsplit(".", 1)[0] if "." in path else ""
   if parent == "task":
-    valid = ", ".join(["name", *TASK_FIELDS[task]])
+    valid = ", ".join(["name", *task_fields(task)])
     return f"config.{path} is not a field of task {task!r}; its fields: {valid}."
   if parent == "model.kernel_options":
-    return f"config.{path} is not a kernel option; the options: " f"{', '.join(KERNEL_OPTIONS)}."
+    return f"config.{path} is not a kernel option; the options: {', '.join(kernel_options())}."
   beside = [p for p in FIELDS if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
   where = f"config.{parent}" if parent else "the config"
   return (
       f"config.{path} is not a field of {where}; its fields: "
       f"{', '.join(p.rsplit('.', 1)[-1] for p in beside)}."
   )
-
-
-def check_flags(values: Mapping[str, Any], decls: Mapping[str, Field]) -> None:
-  """A program's own flags by the same rule: raises ConfigValueError with one line,
-  "--<flag> must be <valid values>; got <value>.", for the first flag outside its declaration."""
-  for name, decl in decls.items():
-    if name in values and not decl.is_valid(values[name]):
-      raise ConfigValueError(f"--{name} must be {decl.describe()}; got {_shown(values[name])}.")
 
 
 def is_trajectory(path: str, cfg: Mapping) -> bool:

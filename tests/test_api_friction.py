@@ -156,7 +156,7 @@ def test_a_mask_given_twice_and_a_dual_encoder_without_its_dict_are_refused(lm):
 
 @pytest.mark.parametrize("eps", [float("nan"), -1, 0, True, float("inf")])
 def test_kernel_options_go_through_the_config_schema(eps):
-  decl = config_schema.KERNEL_OPTIONS["eps"]
+  decl = config_schema.kernel_options()["eps"]
   assert not decl.is_valid(eps)  # train.py refuses it: the same declaration
   want = f"fastpos.attention: eps must be {decl.describe()}; got {eps!r}."
   with pytest.raises(ValueError) as e:

@@ -5,16 +5,18 @@
     v         :  fastpos.tasks.info only (TaskInfo, which imports nothing)
   tasks <.....'
 
-  layer        where                   may import (besides itself)
-  train        fastpos/train/          every layer
-  models       fastpos/models/         positional, ops; fastpos.tasks.info, config_schema
-  positional   fastpos/positional/     ops (the scheme registry and the kernel x scheme table,
-                                       positional.compatibility, included)
-  ops          fastpos/ops/            nothing of fastpos
-  tasks        fastpos/tasks/          config_schema (the config's declarations, a leaf)
-  sweep        fastpos/sweep/          train (config loading, exit codes)
-  plots        fastpos/plots/          nothing of fastpos (matplotlib helpers and figures)
-  api          fastpos/api/            every layer but sweep (the public names' modules)
+  layer          where                   may import (besides itself)
+  train          fastpos/train/          every layer
+  models         fastpos/models/         positional, ops, config_schema; fastpos.tasks.info
+  positional     fastpos/positional/     ops (the scheme registry and the kernel x scheme table,
+                                         positional.compatibility, included)
+  ops            fastpos/ops/            fields (to declare the kernels' options)
+  tasks          fastpos/tasks/          fields (each task declares its config.task block)
+  config_schema  fastpos/config_schema   tasks, ops (it reads their declarations, on use)
+  fields         fastpos/fields          nothing (the declaration vocabulary, a leaf)
+  sweep          fastpos/sweep/          train (config loading, exit codes)
+  plots          fastpos/plots/          nothing of fastpos (matplotlib helpers and figures)
+  api            fastpos/api/            every layer but sweep (the public names' modules)
 
 Every ``import`` / ``from ... import`` of every ``fastpos/**/*.py`` counts (also those inside
 functions or ``if TYPE_CHECKING:``), and so do imports by name (``importlib.import_module``
@@ -40,21 +42,32 @@ PACKAGE = ROOT / "fastpos"
 
 # layer -> the layers it may import (itself included).
 ALLOWED = {
-    "ops": {"ops"},
-    "positional": {"positional", "ops"},
-    "models": {"models", "positional", "ops", "config_schema"},
-    "tasks": {"tasks", "config_schema"},
-    "train": {"train", "models", "positional", "ops", "tasks", "config_schema", "interrupts"},
-    "sweep": {"sweep", "train", "tasks", "plots", "config_schema"},
+    "ops": {"ops", "fields"},
+    "positional": {"positional", "ops", "fields"},
+    "models": {"models", "positional", "ops", "config_schema", "fields"},
+    "tasks": {"tasks", "fields"},
+    "train": {
+        "train",
+        "models",
+        "positional",
+        "ops",
+        "tasks",
+        "config_schema",
+        "fields",
+        "interrupts",
+    },
+    "sweep": {"sweep", "train", "tasks", "plots", "config_schema", "fields"},
     "plots": {"plots"},
-    "api": {"api", "train", "models", "positional", "ops", "tasks", "config_schema"},
-    "config_schema": {"config_schema"},  # the config values' declarations: a leaf
+    "api": {"api", "train", "models", "positional", "ops", "tasks", "config_schema", "fields"},
+    # The config's schema: the trainer's fields, and the owners' declarations read on use.
+    "config_schema": {"config_schema", "fields", "tasks", "ops"},
+    "fields": {"fields"},  # how a config field is declared: a leaf
     "interrupts": {"interrupts"},  # the programs' signal handling: standard library only
 }
 # Single modules a layer may import from outside its allowed layers.
 EXTRA = {"models": {"fastpos.tasks.info"}}
 # Modules that import nothing of fastpos.
-LEAVES = {"fastpos.tasks.info", "fastpos.config_schema", "fastpos.interrupts"}
+LEAVES = {"fastpos.tasks.info", "fastpos.fields", "fastpos.interrupts"}
 
 _REGISTRY_STRING = re.compile(r"fastpos(\.\w+)+:\w+")
 

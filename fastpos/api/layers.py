@@ -10,10 +10,11 @@ They build the records the models use (``AttentionConfig``, ``KernelSpec``,
 layers have.
 
 The keyword values go through the config's own declarations (``fastpos.config_schema``: the
-field ``model.<keyword>`` or ``model.kernel_options.<keyword>``), so ``eps=nan`` fails here as
-``--config.model.kernel_options.eps=nan`` fails train.py; the message names the keyword the
-caller passed. A keyword that is neither a parameter nor a positional scheme's name (a typo
-such as ``kernal=``) raises TypeError with the closest keyword and the valid ones.
+field ``model.<keyword>``, or the kernel option ``fastpos.ops.features.OPTIONS[<keyword>]``),
+so ``eps=nan`` fails here as ``--config.model.kernel_options.eps=nan`` fails train.py; the
+message names the keyword the caller passed. A keyword that is neither a parameter nor a
+positional scheme's name (a typo such as ``kernal=``) raises TypeError with the closest
+keyword and the valid ones.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ KEYWORD_FIELDS: dict[str, config_schema.Field] = {
     "embed_dim": _FIELDS["model.embed_dim"],
     "num_heads": _FIELDS["model.num_heads"],
     "head_dim": _FIELDS["model.head_dim"],  # None or 0: embed_dim // num_heads
-    "kernel": _FIELDS["model.kernel"],
+    "kernel": config_schema.field("model.kernel"),  # the choices: features.KERNELS
     "causal": config_schema.Field("bool", default=False),
     "max_length": dataclasses.replace(_FIELDS["model.max_length"], low=1),
     "chunk_size": _FIELDS["model.chunk_size"],  # None or 0: chosen by shape
     "mode": _FIELDS["model.attention_mode"],
-    **config_schema.KERNEL_OPTIONS,
+    **features.OPTIONS,
 }
 
 
@@ -176,7 +177,7 @@ def _config(caller: str, **kw: Any) -> AttentionConfig:
   for key in set(merged) & set(scheme_options):
     raise ValueError(f"options for {key!r} given twice: in options= and as {key}=.")
   merged.update(scheme_options)
-  kopts = {k: kw[k] for k in config_schema.KERNEL_OPTIONS}
+  kopts = {k: kw[k] for k in features.OPTIONS}
   spec = _kernel_spec(kw["kernel"], {k: v for k, v in kopts.items() if v is not None})
   if head_dim is None:
     if embed_dim % num_heads:

@@ -110,8 +110,7 @@ def load(
   run = Workdir(workdir)
   run.require_run(config_given=config is not None)
   cfg = run.config() if config is None else config
-  cfg = cfg.copy_and_resolve_references()
-  config_lib.validate(cfg)
+  cfg = config_lib.checked(cfg)  # validated once: generate.py's config_of did it already
   task = tasks.make_task(cfg.task)
   model = build_model(cfg.model, task.info)
   abstract = _abstract_state(cfg, model, task.info)

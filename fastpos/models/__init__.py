@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fastpos.config_schema import model_config
 from fastpos.models.attention import Attention, AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.models.blocks import REMAT_POLICIES, Block, remat_policy
-from fastpos.models.config import model_config
 from fastpos.models.transformer import (
     Classifier,
     DecoderLM,

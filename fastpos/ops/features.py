@@ -47,6 +47,7 @@ from typing import Callable, Mapping, Protocol
 import jax
 import jax.numpy as jnp
 
+from fastpos.ops.kernel_options import OPTIONS
 from fastpos.ops.masks import check_mask
 
 
@@ -320,10 +321,9 @@ def nprf(x, projection, *, eps: float = 1e-6):
 # ---------------------------------------------------------------------------------------------
 # The kernel record: one per kernel, read by everything that needs a fact about a kernel
 # ---------------------------------------------------------------------------------------------
-# Every option a kernel can take, with its default (the option fields of ``Kernel``).
-OPTION_DEFAULTS = types.MappingProxyType(
-    {"num_features": 64, "nu": 1, "eps": 1e-6, "redraw": False, "seed": 0}
-)
+# Every option a kernel can take, with its default (the option fields of ``Kernel``); the
+# declarations, valid values included, are ``OPTIONS`` (fastpos.ops.kernel_options).
+OPTION_DEFAULTS = types.MappingProxyType({k: o.default for k, o in OPTIONS.items()})
 
 # The arguments a feature map may take besides x (``FeatureMap.reads`` names its own).
 MAP_ARGUMENTS = ("projection", "is_query", "mask", "nu", "causal")
@@ -446,7 +446,8 @@ def _random(fn, *, reads=(), out_dim=_per_feature, **facts) -> FeatureMap:
   )
 
 
-# Adding a kernel: one entry here, and its dense (numpy) check in tests/ops/test_features.py
+# Adding a kernel: one entry here (the config's model.kernel takes its choices from KERNELS;
+# a new option goes in OPTIONS), and its dense (numpy) check in tests/ops/test_features.py
 # (``_NUMPY``); tests/ops/test_kernel_registry.py fails until it has one. softmax has no map:
 # it is computed from materialised scores.
 _FAVOR_FORM = ExpForm(_prf_exponent, eps=FAVOR_EPS)

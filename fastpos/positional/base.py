@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import flax.linen as nn
@@ -132,6 +133,8 @@ class KVMix:
 # ---------------------------------------------------------------------------------------------
 OPTION_TYPES = ("bool", "int", "number", "str", "any")
 _ANNOTATIONS = {"bool": "bool", "int": "int", "number": "float", "str": "str", "any": "Any"}
+# A value's Python type by option type ("number": numbers.Real, so an int stays an int).
+_VALUE_TYPES = {"bool": bool, "int": int, "number": numbers.Real, "str": str, "any": object}
 
 
 def _is_int(x) -> bool:
@@ -203,6 +206,12 @@ class Option:
   def __post_init__(self):
     if self.type not in OPTION_TYPES:
       raise ValueError(f"Option type {self.type!r}; valid choices: {', '.join(OPTION_TYPES)}.")
+
+  @property
+  def value_type(self) -> type:
+    """The Python type of a value (the type of the option's field on the command line,
+    ``--config.model.positional_options.<scheme>.<option>``)."""
+    return _VALUE_TYPES[self.type]
 
   @property
   def field_annotation(self) -> str:
@@ -351,14 +360,26 @@ class Scheme(nn.Module):
   def resolve_options(cls, options: Mapping | None = None) -> dict:
     """Every option's value (``options`` over the defaults), validated against ``option_spec``
     and ``check_relations``; raises ValueError naming the scheme, the option, the bad value and
-    the valid ones."""
+    the valid ones.
+
+    The check runs once per set of options: the layers of a model (and the plan, the
+    compatibility table and each layer's ``setup`` of one layer) ask again for the options the
+    config's validation checked, and get the remembered answer (``_RESOLVED``)."""
     options = dict(options or {})
+    key = _options_key(cls, {**{n: o.default for n, o in cls.option_spec.items()}, **options})
+    known = _RESOLVED.get(key) if key is not None else None
+    if known is not None and known[0] is cls.option_spec:
+      return dict(known[1])
     cls.check_option_names(options)
     resolved = {name: options.get(name, o.default) for name, o in cls.option_spec.items()}
     for name, option in cls.option_spec.items():
       if not option.is_valid(resolved[name]):
         raise ValueError(option.error(cls.scheme_name, name, resolved[name]))
     cls.check_relations(resolved)
+    if key is not None:
+      if len(_RESOLVED) >= _RESOLVED_MAX:
+        _RESOLVED.clear()
+      _RESOLVED[key] = (cls.option_spec, dict(resolved))
     return resolved
 
   @classmethod
@@ -443,6 +464,29 @@ class Scheme(nn.Module):
 
   def output(self, v, ctx: Context):
     raise NotImplementedError(f"{type(self).__name__} has no output hook.")
+
+
+# Options that passed ``Scheme.resolve_options``: (class, options with their types) -> (the
+# class's option_spec then, the resolved options). Options that do not hash are checked anew.
+_RESOLVED: dict = {}
+_RESOLVED_MAX = 4096
+
+
+def _options_key(cls, options: Mapping):
+  """A hashable key of ``options`` that tells 1, 1.0 and True apart; None when a value is not
+  hashable (an array, a dict)."""
+
+  def typed(v):
+    if isinstance(v, (tuple, list)):
+      return (type(v), tuple(typed(x) for x in v))
+    return (type(v), v)
+
+  key = (cls, tuple(sorted((k, typed(v)) for k, v in options.items())))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 def _validating_compatibility(method):

@@ -13,9 +13,9 @@ that grain reads. Every example of a task has the same fields and fixed shapes:
 The trainer adds ``weight`` (1.0 for a real example, 0.0 for the padding that fills the last
 evaluation batch).
 
-A task's config fields (the ``config.task`` block of an experiment) are declared, each with its
-default, comment and valid values, in ``fastpos.config_schema.TASK_FIELDS[task_name]``
-(``default_config()`` builds the block); the class must be able to say its ``TaskInfo`` from
+A task's config fields (the ``config.task`` block of an experiment) are declared by its class,
+each with its default, comment and valid values (``Task.config_fields``, ``fastpos.fields``;
+``default_config()`` builds the block); the class must be able to say its ``TaskInfo`` from
 that config alone (``info_from_config``), without reading any data, so that models can be
 built and configs checked before data are loaded.
 """
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
-from fastpos import config_schema
+from fastpos import fields
 from fastpos.tasks.info import TaskInfo
 
 if TYPE_CHECKING:  # annotations only: importing fastpos.tasks needs numpy alone
@@ -44,6 +44,13 @@ REQUIRED_FIELDS = {
     "retrieval": ("inputs", "mask", "inputs2", "mask2", "targets"),
     "lm": ("inputs", "mask", "targets"),
 }
+ON_OVERFLOW = ("truncate", "error")  # what a task does with a longer example
+
+
+def split_sizes() -> dict[str, fields.Field]:
+  """The ``num_train`` / ``num_validation`` / ``num_test`` fields of a task reading files:
+  examples per split, 0 meaning the loader's default (all of a file)."""
+  return {k: fields.integer(0, 0) for k in ("num_train", "num_validation", "num_test")}
 
 
 class ArraySource:
@@ -92,9 +99,12 @@ class Task(abc.ABC):
     metric_mode: "max" or "min" for ``metric``.
     generated: True when there is nothing to download (the task makes its data itself, or
       reads the user's own files).
+    config_fields: the fields of its ``config.task`` block besides ``name`` (name ->
+      ``fastpos.fields.Field``), in their printed order, each with its comment.
   """
 
   task_name: ClassVar[str]
+  config_fields: ClassVar[Mapping[str, fields.Field]]
   generated: ClassVar[bool] = False
   metric: ClassVar[str] = "accuracy"
   metric_mode: ClassVar[str] = "max"
@@ -106,9 +116,11 @@ class Task(abc.ABC):
 
   @classmethod
   def default_config(cls) -> ml_collections.ConfigDict:
-    """The task's ``config.task`` block with defaults (``fastpos.config_schema.TASK_FIELDS``,
-    where every field is declared and commented)."""
-    return config_schema.task_config(cls.task_name)
+    """The task's ``config.task`` block with defaults (``name`` first, then
+    ``config_fields``)."""
+    import ml_collections  # pylint: disable=import-outside-toplevel (numpy alone at import)
+
+    return ml_collections.ConfigDict({"name": cls.task_name, **fields.defaults(cls.config_fields)})
 
   @classmethod
   @abc.abstractmethod
@@ -129,7 +141,8 @@ class Task(abc.ABC):
     settings = {
         k: v
         for k, v in values.items()
-        if k != "name" and config_schema.is_trajectory(f"task.{k}", {"task": values})
+        if k != "name"
+        and (k not in self.config_fields or self.config_fields[k].affects({"task": values}))
     }
     return {"task": self.task_name, "settings": settings}
 

@@ -189,6 +189,7 @@ class LraImageTask(ImageTask):
   """LRA Image: CIFAR-10 in LRA's grayscale, 1024 pixels, grid (32, 32), 10 classes."""
 
   task_name = "lra_image"
+  config_fields = tfds_source.FIELDS
   spec = SPECS["lra_image"]
 
 
@@ -196,4 +197,5 @@ class MnistTask(ImageTask):
   """MNIST: 784 pixels, grid (28, 28), 10 classes."""
 
   task_name = "mnist"
+  config_fields = tfds_source.FIELDS
   spec = SPECS["mnist"]

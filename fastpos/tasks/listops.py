@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from fastpos import fields
 from fastpos.tasks import base, paths
 from fastpos.tasks.info import TaskInfo
 
@@ -45,7 +46,7 @@ VOCAB: tuple[str, ...] = (PAD,) + DIGITS + OPERATORS + (CLOSE, OPEN_PAREN, CLOSE
 NUM_CLASSES = 10
 SPLITS = ("train", "validation", "test")
 SOURCES = ("generated", "tsv")
-ON_OVERFLOW = ("truncate", "error")
+ON_OVERFLOW = base.ON_OVERFLOW
 # LRA release files per split (header ``Source<TAB>Target``, rows written by csv.writer, so
 # lines end in CRLF) and their sizes.
 TSV_FILES = {"train": "basic_train.tsv", "validation": "basic_val.tsv", "test": "basic_test.tsv"}
@@ -797,6 +798,24 @@ class ListOpsTask(base.Task):
   """
 
   task_name = "listops"
+  config_fields = {
+      # "generated": the project's own generator (deterministic from `seed`); "tsv": the LRA
+      # release (basic_train.tsv, basic_val.tsv, basic_test.tsv) under the data root.
+      "source": fields.string("generated", SOURCES),
+      # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data);
+      # source="tsv" reads <root>/lra_release/listops-1000/basic_{train,val,test}.tsv.
+      "data_dir": fields.path(),
+      "cache_dir": fields.path(trajectory=False),  # generated / tokenised splits ("" = no cache)
+      "max_length": fields.integer(2000, 1),  # padded length (LRA: 2000)
+      "min_length": fields.integer(500, 1),  # shortest generated expression in tokens (LRA: 500)
+      # Examples per split; 0 means the loader's default (LRA sizes: 96k / 2k / 2k).
+      **base.split_sizes(),
+      "seed": fields.seed(),  # generator seed (independent of the training seed)
+      "on_overflow": fields.string("truncate", ON_OVERFLOW),  # longer ones: truncate or error
+      # Keep the parentheses of the LRA release format (False: the fixed LRA task, where `]`
+      # is a token and the parentheses are dropped).
+      "parens": fields.boolean(False),
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

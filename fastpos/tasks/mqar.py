@@ -29,6 +29,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
+from fastpos import fields
 from fastpos.tasks import base
 from fastpos.tasks.info import TaskInfo
 
@@ -41,6 +42,20 @@ class MqarTask(base.Task):
 
   generated = True
   task_name = "mqar"
+  config_fields = {
+      "variant": fields.string("mqar", VARIANTS),  # associative recall, or segment-marker-copy
+      # Token ids 0..vocab_size-1 (0 pad, 1 blank, 2 marker; 32 keys, 32 values).
+      "vocab_size": fields.integer(67, 5),
+      "seq_len": fields.integer(64, 4),  # tokens per example (the padded length)
+      "num_pairs": fields.integer(8, 1),  # mqar: key-value pairs at the start
+      "num_queries": fields.integer(0, 0),  # mqar: queries in the query region; 0 = num_pairs
+      # copy: segment length; 0 means the longest that fits, (seq_len - 1) // 2.
+      "copy_length": fields.integer(0, 0),
+      "num_train": fields.integer(20_000, 1),  # examples per split
+      "num_validation": fields.integer(1000, 1),
+      "num_test": fields.integer(1000, 1),
+      "seed": fields.seed(),  # data seed (independent of the training seed)
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

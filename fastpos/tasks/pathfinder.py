@@ -27,6 +27,7 @@ import numpy as np
 from absl import logging
 from PIL import Image
 
+from fastpos import fields
 from fastpos.tasks import base, paths
 from fastpos.tasks.info import TaskInfo
 
@@ -349,6 +350,20 @@ class PathfinderTask(base.Task):
   """LRA Pathfinder / Path-X: 2-class classification of a grayscale image as a pixel sequence."""
 
   task_name = TASK
+  config_fields = {
+      # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
+      # <root>/lra_release/pathfinder<resolution>/<difficulty folder>/.
+      "data_dir": fields.path(),
+      "cache_dir": fields.path(trajectory=False),  # decoded images ("" = paths.cache_dir)
+      # 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
+      "resolution": fields.Field("int", default=32, choices=RESOLUTIONS),
+      # "easy" (curv_baseline), "intermediate" (curv_contour_length_9) or "hard"
+      # (curv_contour_length_14, LRA's choice for Pathfinder and Path-X).
+      "difficulty": fields.string("hard", DIFFICULTIES),
+      # "lra": LRA's tfds order and 80/10/10 slices; "metadata": file order, same slices.
+      "split_order": fields.string("lra", SPLIT_ORDERS),
+      "num_threads": fields.integer(8, 1, trajectory=False),  # PNG decoding threads (first load)
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

@@ -50,6 +50,7 @@ import numpy as np
 from absl import logging
 from PIL import Image, ImageDraw
 
+from fastpos import fields
 from fastpos.tasks import base, pathfinder, paths
 from fastpos.tasks.info import TaskInfo
 
@@ -765,6 +766,20 @@ class GeneratedPathfinderTask(base.Task):
   and ``TaskInfo`` of ``pathfinder`` (tokens = intensity + 1, grid (r, r))."""
 
   task_name = TASK
+  config_fields = {
+      # LRA's settings: 32 (LRA Pathfinder) or 64.
+      "resolution": fields.Field("int", default=32, choices=RESOLUTIONS),
+      # Target path of 6 ("easy", LRA's curv_baseline), 9 ("intermediate",
+      # curv_contour_length_9) or 14 paddles ("hard", curv_contour_length_14, LRA's choice).
+      "difficulty": fields.string("hard", CONTOUR_LENGTHS),
+      "num_train": fields.integer(20_000, 1),  # images per split (LRA: 160k / 20k / 20k)
+      "num_validation": fields.integer(2000, 1),
+      "num_test": fields.integer(2000, 1),
+      "seed": fields.seed(),  # data seed (independent of the training seed); splits never share
+      "cache_dir": fields.path(trajectory=False),  # generated splits ("" = paths.cache_dir)
+      # Processes generating a split (first use only; the images do not depend on it).
+      "num_workers": fields.integer(2, 1, trajectory=False),
+  }
   generated = True
 
   @classmethod

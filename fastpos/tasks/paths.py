@@ -39,6 +39,10 @@ TFDS_SUBDIR = "tfds"
 LRA_SUBDIR = "lra_release"
 WIKITEXT_SUBDIR = "wikitext-103"
 CACHE_ENV_VAR = "FASTPOS_CACHE_DIR"
+# Small samples of three datasets, shipped with the package, each a data root in the layout
+# above: samples/listops (ListOps tsv), samples/retrieval and samples/wikitext (a few hundred
+# lines each). The ``tiny`` configs read them (configs/common.py); so do the tests.
+SAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples")
 
 
 def data_root(data_dir: str | os.PathLike | None = None) -> str:

@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from fastpos import fields
 from fastpos.tasks import base, paths
 from fastpos.tasks.info import TaskInfo
 
@@ -37,7 +38,7 @@ TSV_FILES = {
 COLUMNS = ("label", "id1", "id2", "text1", "text2")
 VOCAB_SIZE = 257  # byte + 1; 0 is padding
 NUM_CLASSES = 2
-ON_OVERFLOW = ("truncate", "error")
+ON_OVERFLOW = base.ON_OVERFLOW
 CACHE_VERSION = 1
 _LABELS = {b"0": 0, b"1": 1, b"0.0": 0, b"1.0": 1}
 
@@ -349,6 +350,17 @@ class RetrievalTask(base.Task):
   """LRA Retrieval (AAN): 2-class classification of a pair of byte-level documents."""
 
   task_name = TASK
+  config_fields = {
+      # Data root (fastpos.tasks.paths; "" = $FASTPOS_DATA_DIR, else ~/fastpos_data): reads
+      # <root>/lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv.
+      "data_dir": fields.path(),
+      "cache_dir": fields.path(trajectory=False),  # tokenised splits ("" = paths.cache_dir)
+      "max_length": fields.integer(4000, 1),  # bytes kept per document (LRA: 4000)
+      # Longer documents: "truncate" (counted warning) or "error".
+      "on_overflow": fields.string("truncate", ON_OVERFLOW),
+      # Pairs per split: the first n lines of the file; 0 = all (LRA: ~147K / 18K / 17K).
+      **base.split_sizes(),
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

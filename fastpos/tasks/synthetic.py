@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
+from fastpos import fields
 from fastpos.tasks import base
 from fastpos.tasks.info import TaskInfo
 
@@ -24,6 +25,16 @@ class SyntheticTask(base.Task):
 
   generated = True
   task_name = "synthetic"
+  config_fields = {
+      "vocab_size": fields.integer(16, 4),  # token ids 0..vocab_size-1; 0 is padding
+      "num_classes": fields.integer(4, 2),  # class tokens are ids 1..num_classes
+      "min_length": fields.integer(16, 1),  # shortest sequence (before padding)
+      "max_length": fields.integer(32, 1),  # longest sequence = padded length
+      "num_train": fields.integer(4096, 1),  # examples per split
+      "num_validation": fields.integer(512, 1),
+      "num_test": fields.integer(500, 1),
+      "seed": fields.seed(),  # data seed (independent of the training seed)
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

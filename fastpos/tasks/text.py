@@ -22,13 +22,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from fastpos import fields
 from fastpos.tasks import base, tfds_source
 from fastpos.tasks.info import TaskInfo
 
 TFDS_NAME = "imdb_reviews/plain_text"
 VOCAB_SIZE = 257  # 256 byte values + padding
 NUM_CLASSES = 2
-ON_OVERFLOW = ("truncate", "error")
+ON_OVERFLOW = base.ON_OVERFLOW
 CACHE_VERSION = 1
 # The tfds split each task split is read from (validation is carved from train).
 TFDS_SPLIT = {"train": "train", "validation": "train", "test": "test"}
@@ -129,6 +130,12 @@ class TextTask(base.Task):
   """LRA byte-level text classification on IMDB (module docstring): 2 classes, accuracy."""
 
   task_name = "lra_text"
+  config_fields = {
+      **tfds_source.FIELDS,
+      "max_length": fields.integer(4000, 1),  # bytes per review, padded / truncated (LRA: 4000)
+      # Longer reviews: "truncate" (LRA) or "error".
+      "on_overflow": fields.string("truncate", ON_OVERFLOW),
+  }
 
   @classmethod
   def info_from_config(cls, cfg: ml_collections.ConfigDict) -> TaskInfo:

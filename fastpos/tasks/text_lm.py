@@ -47,6 +47,7 @@ from typing import Any, Iterator, Sequence
 import ml_collections
 import numpy as np
 
+from fastpos import fields
 from fastpos.tasks import base, paths
 from fastpos.tasks import text as byte_text
 from fastpos.tasks import wikitext as wt
@@ -328,6 +329,27 @@ class TextLmTask(base.Task):
   """Causal language modelling on the user's UTF-8 text (module docstring); metric: loss."""
 
   task_name = TASK
+  config_fields = {
+      # UTF-8 text files and / or folders, comma-separated, read in this order (required).
+      "paths": fields.string("", valid="UTF-8 text files and / or folders, comma-separated"),
+      # In folders: file-name patterns, comma-separated ("*": every file).
+      "include": fields.string("*.txt", valid="comma-separated fnmatch patterns"),
+      # "byte" (UTF-8 bytes + 1, 257 ids) or "word" (WikiText-103's rules).
+      "level": fields.string("byte", LEVELS),
+      # Ids. byte: 0 (= 257). word: padding, <unk>, <eos> and the vocab_size - 3 most
+      # frequent train words (the rest -> <unk>); above what the train text gives is an
+      # error naming it.
+      "vocab_size": fields.integer(0, 0),
+      # Contiguous byte fractions of the text (train first), cut at line starts; test may
+      # be 0; validation_fraction + test_fraction < 1.
+      "validation_fraction": fields.number(0.1, 0, 1, low_open=True, high_open=True),
+      "test_fraction": fields.number(0.1, 0, 1, high_open=True),
+      "cache_dir": fields.path(trajectory=False),  # word level: vocabulary + id streams
+      "segment_length": fields.integer(256, 1),  # tokens per example (the model's max_length)
+      # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+      # every S tokens, each scoring its last S (every token once, >= L - S of context).
+      "eval_stride": fields.integer(0, 0),
+  }
   generated = True  # nothing to download: the user's own files
   metric = "loss"
   metric_mode = "min"

@@ -27,9 +27,20 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 from absl import logging
 
+from fastpos import fields
 from fastpos.tasks import paths
 
 READ_CHUNK = 1024  # examples fetched per data-source call
+
+# The config.task fields of a task read through tfds (lra_text, lra_image, mnist).
+FIELDS = {
+    # Data root holding tfds/<dataset>/ ("": $FASTPOS_DATA_DIR, else ~/fastpos_data).
+    "data_dir": fields.path(),
+    "cache_dir": fields.path(trajectory=False),  # decoded splits are cached here ("": default)
+    # Share of tfds train held out as the validation split (0.1: LRA's train[90%:]).
+    "validation_fraction": fields.number(0.1, 0, 1, low_open=True, high_open=True),
+    "validation_seed": fields.seed(),  # which train examples are held out (not the training seed)
+}
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
 

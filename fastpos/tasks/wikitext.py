@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from fastpos import fields
 from fastpos.tasks import base, paths
 from fastpos.tasks.info import TaskInfo
 
@@ -400,6 +401,20 @@ class WikiTextTask(base.Task):
   """WikiText-103 word-level language modelling; metric: perplexity."""
 
   task_name = TASK
+  config_fields = {
+      "data_dir": fields.path(),  # data root holding wikitext-103/wiki.*.tokens ("": default)
+      "cache_dir": fields.path(trajectory=False),  # vocabulary + id streams ("" = default)
+      # Tokens per example (the model's max_length; Transformer-XL's tgt_len). 512 as in the
+      # PermuteFormer and LRPE WikiText-103 runs (fairseq tokens_per_sample).
+      "segment_length": fields.integer(512, 1),
+      # Ids: padding, <unk>, <eos> and the vocab_size - 3 most frequent train words (the
+      # rest -> <unk>). 267_737 keeps every word of the release; it must not exceed what the
+      # train file gives (the error names that number).
+      "vocab_size": fields.integer(RELEASE_VOCAB_SIZE, 4),
+      # Validation / test: 0 = non-overlapping segments; S in (0, segment_length) = windows
+      # every S tokens, each scoring its last S (every token once, >= L - S of context).
+      "eval_stride": fields.integer(0, 0),
+  }
   metric = "perplexity"
   metric_mode = "min"
 

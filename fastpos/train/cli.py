@@ -31,8 +31,6 @@ from fastpos.train.workdir import Workdir
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")  # what config_flags takes as an override
 _OPTIONS = "model.positional_options"  # per-scheme options, by scheme name
-# A "number" option is a numbers.Real field: an int stays an int, a float a float.
-_OPTION_TYPES = {"bool": bool, "int": int, "number": numbers.Real, "str": str, "any": object}
 
 
 class _NumberParser(flags.ArgumentParser):
@@ -253,7 +251,7 @@ def _mean(close: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 def _declare_options(cfg: ml_collections.ConfigDict) -> None:
   """Every scheme's options in ``config.model.positional_options``, each a field of the type
-  its ``Option`` declares (None where the config leaves it unset)."""
+  its ``Option`` declares (``Option.value_type``; None where the config leaves it unset)."""
   from fastpos import positional  # pylint: disable=import-outside-toplevel (flax)
 
   model = cfg.get("model")
@@ -268,7 +266,7 @@ def _declare_options(cfg: ml_collections.ConfigDict) -> None:
       continue  # not a block of options: the schema check says so
     typed = ml_collections.ConfigDict()
     for name, option in cls.option_spec.items():
-      typed[name] = _field(given.get(name), _OPTION_TYPES[option.type])
+      typed[name] = _field(given.get(name), option.value_type)
     for name in set(given.keys()) - set(typed.keys()):
       typed[name] = given[name]  # not an option: the schema check names it
     if scheme in block:

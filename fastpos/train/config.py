@@ -1,12 +1,15 @@
 """The check of a whole config before anything is built, and the base config it checks.
 
 ``base_config(task)`` is ``fastpos.config_schema.base_config``: the complete config of a run on
-``task`` (task block included), built from the declarations that also give each field's valid
-values; the experiment files (``configs/*.py``) build on the same function. The config alone
+``task`` (task block included), built from the owners' declarations that also give each field's
+valid values (docs/config.md); the experiment files (``configs/*.py``) build on it. The config alone
 defines a run; only ``--workdir`` is outside it.
 
 ``validate`` checks every value against its declaration (``fastpos.config_schema``, and each
-positional scheme's ``option_spec``) and the rules between a task's fields.
+positional scheme's ``option_spec``) and the rules between a task's fields. It runs once on the
+way in: the command line's ``fastpos.train.cli.config_of`` validates, and the library's entries
+(``build_run``, ``fastpos.load``) take their config through ``checked``, which validates only a
+config that has not been validated as it stands (a library caller's own, or one changed since).
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from fastpos.config_schema import base_config
 from fastpos.tasks import task_info
 from fastpos.train.errors import RunError
 
-__all__ = ["InvalidConfigError", "base_config", "validate"]
+__all__ = ["InvalidConfigError", "base_config", "checked", "validate"]
+
+# The attribute ``validate`` leaves on a config it passed: the config's content then (JSON).
+_VALIDATED = "_fastpos_validated"
 
 
 class InvalidConfigError(RunError, ValueError):
@@ -42,6 +48,24 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     task_info(cfg.task)  # the rules between the task's fields (no data read)
   except (ValueError, TypeError) as e:
     raise InvalidConfigError(f"config.task: {e}") from None
+  object.__setattr__(cfg, _VALIDATED, _content(cfg))  # not a field: outside the config
+
+
+def checked(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of ``cfg`` with its references resolved, validated (``validate``) unless ``cfg``
+  passed ``validate`` with the content it holds now.
+
+  Raises:
+    InvalidConfigError: as ``validate``.
+  """
+  out = cfg.copy_and_resolve_references()
+  if getattr(cfg, _VALIDATED, None) != _content(out):
+    validate(out)
+  return out
+
+
+def _content(cfg: ml_collections.ConfigDict) -> str:
+  return cfg.to_json_best_effort(sort_keys=True)
 
 
 def _check_positional(model: ml_collections.ConfigDict) -> None:

@@ -152,9 +152,9 @@ def build_run(
   """Checks ``config`` (and ``model``, built from it when None) and describes the run; nothing
   is compiled or written. Bad task, kernel or scheme names, incompatible pairs, shapes and
   batch sizes that do not fit the devices stop here."""
-  # A configs/*.py file's get_config() gives only the task fields it sets: add the others.
-  cfg = config.copy_and_resolve_references()  # complete: get_config / base_config built it
-  config_lib.validate(cfg)  # each value against its declared range (fastpos.config_schema)
+  # Each value against its declared range (fastpos.config_schema), unless the command line's
+  # config_of validated this config as it stands.
+  cfg = config_lib.checked(config)
   task = tasks.make_task(cfg.task)  # unknown / not-built task names stop here
   info: TaskInfo = task.info
   if model is None:

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fastpos import positional
-from fastpos.models import config as model_config
+from fastpos import config_schema, positional
 from fastpos.models.attention import AttentionConfig, KernelSpec, PositionalSpec
 from fastpos.ops import attention as attn_ops
 from fastpos.ops import features as F
@@ -124,7 +123,7 @@ def test_softmax_estimators_estimate_softmax(name):
 def test_option_defaults_are_shared():
   spec = KernelSpec()
   assert {o: getattr(spec, o) for o in F.OPTION_DEFAULTS} == dict(F.OPTION_DEFAULTS)
-  assert model_config.model_config().kernel_options.to_dict() == dict(F.OPTION_DEFAULTS)
+  assert config_schema.model_config().kernel_options.to_dict() == dict(F.OPTION_DEFAULTS)
   assert F.get_kernel("dpfp").defaults == {"nu": 1, "eps": 1e-6}
 
 

@@ -140,3 +140,34 @@ def test_relations_between_options():
       is False
   )
   assert KernelInfo("softmax").is_softmax
+
+
+def test_the_options_of_a_config_are_checked_once_for_every_layer(monkeypatch):
+  # Each layer's setup, plan and compatibility ask resolve_options again; the full check (the
+  # rules between options included) runs once per set of options, and a bad value is refused
+  # every time it is asked (only what passed is remembered).
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from fastpos.models import build_model, model_config  # pylint: disable=import-outside-toplevel
+  from fastpos.positional import base  # pylint: disable=import-outside-toplevel
+  from fastpos.tasks.info import TaskInfo  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(base, "_RESOLVED", {})
+  cls = positional.get_class("fastrpb")
+  calls = []
+  real = cls.check_relations.__func__
+  monkeypatch.setattr(
+      cls, "check_relations", classmethod(lambda c, o: calls.append(1) or real(c, o))
+  )
+  cfg = model_config()
+  cfg.update(positional="fastrpb", num_layers=3, embed_dim=8, num_heads=2, mlp_dim=8)
+  cfg.positional_options = {"fastrpb": {"per_head": True}}
+  model = build_model(cfg, TaskInfo(kind="classify", vocab_size=9, num_classes=2, max_length=6))
+  model.init(jax.random.key(0), jnp.ones((1, 6), jnp.int32))
+  assert len(calls) == 1
+  bad = {"per_head": 1}  # equal to True, but not a bool: not the remembered answer
+  for _ in range(2):
+    with pytest.raises(ValueError, match="per_head"):
+      cls.resolve_options(bad)
+  assert len(calls) == 1

@@ -1,5 +1,6 @@
-"""scripts/generate.py on a tiny LM trained for a few steps on the WikiText-103 fixture
-(tests/testdata/wikitext): a sample from a word prompt with --check, and the one-line errors."""
+"""scripts/generate.py on a tiny LM trained for a few steps on the WikiText-103 sample
+(fastpos/tasks/samples/wikitext): a sample from a word prompt with --check, and the one-line
+errors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train import cli, errors, train_and_evaluate
 from fastpos.train.checkpoint import CheckpointLoadError
 from fastpos.train.config import base_config
@@ -21,7 +23,7 @@ from tests.train.faults import rewrite_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
-DATA = os.path.join(ROOT, "tests", "testdata", "wikitext")
+DATA = os.path.join(SAMPLES, "wikitext")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import generate  # noqa: E402

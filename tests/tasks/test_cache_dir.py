@@ -12,7 +12,7 @@ import pytest
 from fastpos import tasks
 from fastpos.tasks import paths
 
-TESTDATA = os.path.join(os.path.dirname(__file__), os.pardir, "testdata")
+TESTDATA = paths.SAMPLES
 
 
 def test_cache_root_order(tmp_path, monkeypatch):

@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 
 from fastpos.tasks import download as dd
+from fastpos.tasks.paths import SAMPLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "scripts")
 
-TESTDATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testdata")
+TESTDATA = SAMPLES
 LISTOPS_TSV = os.path.join(TESTDATA, "listops", "lra_release", "listops-1000")
 AAN_TSV = os.path.join(TESTDATA, "retrieval", "lra_release", "tsv_data")
 
@@ -436,7 +437,7 @@ print(json.dumps(sorted(sys.modules)))
   assert not heavy, f"download_data.py imported {sorted(heavy)}"
   assert [m for m in modules if m.startswith("fastpos")] == [
       "fastpos",
-      "fastpos.config_schema",  # the tasks' field declarations: the standard library only
+      "fastpos.fields",  # how the tasks declare their fields: the standard library only
       "fastpos.tasks",
       "fastpos.tasks.base",
       "fastpos.tasks.download",

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from fastpos.tasks import listops as lo
+from fastpos.tasks.paths import SAMPLES
 
-# The data root of the fixtures (tests/testdata/listops) holds them where the task reads them.
-TESTDATA_ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "listops")
+# The data root of the sample (fastpos/tasks/samples/listops) holds it where the task reads it.
+TESTDATA_ROOT = os.path.join(SAMPLES, "listops")
 TESTDATA = os.path.join(TESTDATA_ROOT, "lra_release", "listops-1000")
 SHORT = dict(min_length=20, max_length=60)  # most tests: short expressions, fast
 OPS = ("[MIN", "[MAX", "[MED", "[SM")

@@ -1,7 +1,7 @@
 """LRA Retrieval (AAN pairs): TSV reader, byte tokens, masks, truncation, cache, errors, the
 pair order through the trainer's pipelines, and a 2-step dual-encoder run on the fixtures.
 
-The fixtures (tests/testdata/retrieval/lra_release/tsv_data/new_aan_pairs.*.tsv) are in the
+The fixtures (fastpos/tasks/samples/retrieval/lra_release/tsv_data/new_aan_pairs.*.tsv) are in the
 release's format: no header, ``label<TAB>id1<TAB>id2<TAB>text1<TAB>text2``; every text starts
 with a tag ``[<file><row><a|b>]`` so that a row of a batch can be traced back to its line.
 """
@@ -18,11 +18,12 @@ import pytest
 
 from fastpos import tasks
 from fastpos.tasks import retrieval as rt
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train import data as data_lib
 from fastpos.train import train_and_evaluate
 from fastpos.train.config import base_config
 
-FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "retrieval")
+FIXTURES = os.path.join(SAMPLES, "retrieval")
 FILE_STEM = {"train": "train", "validation": "eval", "test": "test"}
 SIZES = {"train": 12, "validation": 6, "test": 5}
 TAG = re.compile(rb"^\[(train|eval|test)(\d+)([ab])\] ")

@@ -1,6 +1,6 @@
 """WikiText-103: vocabulary, id streams, segments, cache, errors, stream batching, one run.
 
-The fixture (tests/testdata/wikitext/wikitext-103/wiki.{train,valid,test}.tokens) is a few
+The fixture (fastpos/tasks/samples/wikitext/wikitext-103/wiki.{train,valid,test}.tokens) is a few
 lines per split in the release's format: a leading space on every line, ``= Title =`` and
 ``= = Section = =`` headings, blank lines, ``@-@`` / ``@.@`` / ``@,@``, ``<unk>``, a non-ASCII
 word; validation and test hold words that train does not. Expected values are computed here
@@ -23,11 +23,12 @@ import pytest
 
 from fastpos import tasks
 from fastpos.tasks import wikitext as wt
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train import data as data_lib
 from fastpos.train import train_and_evaluate
 from fastpos.train.config import base_config
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "wikitext")
+ROOT = os.path.join(SAMPLES, "wikitext")
 FILES = {split: os.path.join(ROOT, "wikitext-103", name) for split, name in wt.FILES.items()}
 L = 8  # segment length of most tests
 

@@ -12,9 +12,10 @@ import pytest
 
 from fastpos import tasks
 from fastpos.tasks import wikitext as wt
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train.steps import loss_and_metrics
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "wikitext")
+ROOT = os.path.join(SAMPLES, "wikitext")
 
 
 @pytest.mark.parametrize(

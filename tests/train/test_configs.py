@@ -36,7 +36,7 @@ def test_the_required_configs_exist():
 def test_the_base_config_is_complete_and_one(task):
   c = common.base_config(task)
   assert common.base_config is config_lib.base_config is config_schema.base_config
-  assert set(c.task.keys()) == {"name", *config_schema.TASK_FIELDS[task]}
+  assert set(c.task.keys()) == {"name", *config_schema.task_fields(task)}
   assert c.task.to_dict() == tasks.get_task_class(task).default_config().to_dict()
   config_lib.validate(c)
 
@@ -128,7 +128,7 @@ _NO_JAX = """
 import importlib.abc, sys
 class Blocked(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path=None, target=None):
-    if name.split(".")[0] in ("jax", "jaxlib", "flax", "numpy", "orbax", "grain"):
+    if name.split(".")[0] in ("jax", "jaxlib", "flax", "orbax", "grain"):
       raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Blocked())
 sys.path.insert(0, sys.argv[1])
@@ -152,7 +152,17 @@ def test_configs_import_without_jax_and_load_from_any_folder(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()
   assert "listops_generated listops" in lines and len(lines) == len(CONFIGS) + 1
-  assert eval(lines[-1]) == ["fastpos", "fastpos.config_schema"]  # pylint: disable=eval-used
+  # The schema, and the owners of the fields it reads: the tasks' modules (numpy) and the
+  # kernels' options; neither the models, the schemes nor the trainer.
+  loaded = eval(lines[-1])  # pylint: disable=eval-used
+  owners = ("fastpos.tasks", "fastpos.ops.kernel_options")
+  assert {"fastpos.config_schema", "fastpos.fields", *owners} <= set(loaded)
+  assert [m for m in loaded if not m.startswith(owners)] == [
+      "fastpos",
+      "fastpos.config_schema",
+      "fastpos.fields",
+      "fastpos.ops",
+  ]
   env = dict(
       os.environ,
       JAX_PLATFORMS="cpu",
@@ -279,3 +289,24 @@ def test_scheme_options_keep_their_declared_type(tmp_path):
   saved.write_text(cfg.to_json())  # a run's saved config: JSON keeps the int
   base = cli.load_config(str(saved), [("seed", "2")]).model.positional_options.rope.base
   assert type(base) is int and base == 500
+
+
+def test_the_config_is_validated_once_on_the_way_in(tmp_path, monkeypatch):
+  # train.py's path: config_of validates; build_run (what train_and_evaluate and evaluate
+  # start with) takes that config as it is. A config changed since, or a library caller's
+  # own, is validated there.
+  from fastpos.train import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  calls = []
+  real = config_schema.check
+  monkeypatch.setattr(config_schema, "check", lambda cfg: calls.append(1) or real(cfg))
+  cfg = cli.load_config(f"{CONFIG_DIR / 'synthetic.py'}:tiny", lock=False)
+  assert len(calls) == 1
+  run = run_lib.build_run(cfg, tmp_path / "run")
+  assert len(calls) == 1 and run.cfg.to_dict() == cfg.to_dict()
+  cfg.model.dropout_rate = 1.5  # changed after config_of: validated again, and refused
+  with pytest.raises(config_lib.InvalidConfigError, match=r"dropout_rate must be .*; got 1.5"):
+    run_lib.build_run(cfg, tmp_path / "run")
+  assert len(calls) == 2
+  run_lib.build_run(config_lib.base_config("synthetic"), tmp_path / "run")  # a caller's own
+  assert len(calls) == 3

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fastpos import tasks
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train import cli, config_record, identity, train_and_evaluate
 from fastpos.train import workdir as workdir_lib
 from fastpos.train.errors import RunError
@@ -122,7 +123,7 @@ def test_the_fingerprint_holds_each_files_bytes_and_the_settings(tmp_path):
 
 def test_listops_fingerprints_the_release_files_it_trains_on(tmp_path):
   root = tmp_path / "data"
-  shutil.copytree(ROOT / "tests" / "testdata" / "listops", root)
+  shutil.copytree(Path(SAMPLES) / "listops", root)
   c = tasks.task_config("listops")
   c.update(source="tsv", data_dir=str(root), max_length=64, min_length=1)
   fp = tasks.make_task(c).fingerprint()

@@ -1,4 +1,5 @@
-"""Transformer-XL memory in the trainer, on the WikiText-103 fixture (tests/testdata/wikitext).
+"""Transformer-XL memory in the trainer, on the WikiText-103 sample
+(fastpos/tasks/samples/wikitext).
 
 The memory is the steps' carry (checkpointed: exact resume), is carried across training steps over
 stream batches and reset where a stream starts, starts empty at each evaluation and is carried
@@ -25,6 +26,7 @@ import pytest
 
 from fastpos import tasks
 from fastpos.models import TaskInfo, build_model
+from fastpos.tasks.paths import SAMPLES
 from fastpos.train import data as data_lib
 from fastpos.train import evaluate, train_and_evaluate
 from fastpos.train import steps as steps_lib
@@ -34,7 +36,7 @@ from fastpos.train.steps import loss_and_metrics, make_train_step, model_inputs
 from tests.helpers import rel_err
 from tests.train.common import assert_trees_equal
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "wikitext")
+ROOT = os.path.join(SAMPLES, "wikitext")
 V = 143  # the fixture's vocabulary
 L = 24  # train: 288 tokens -> 12 segments -> 4 streams of 3; validation: 3 segments
 

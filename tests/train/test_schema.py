@@ -16,7 +16,7 @@ import pytest
 
 from configs import common
 from fastpos import config_schema, models, positional, tasks
-from fastpos.ops import features
+from fastpos.ops import features, kernel_options
 from fastpos.train import cli, config_files, errors
 from fastpos.train import config as config_lib
 
@@ -68,7 +68,7 @@ def test_every_field_of_every_config_is_declared_and_classified():
 def test_declarations_match_the_package():
   for task in tasks.task_names():
     block = tasks.task_config(task)
-    assert set(block.keys()) - {"name"} == set(config_schema.TASK_FIELDS[task]), task
+    assert set(block.keys()) - {"name"} == set(tasks.get_task_class(task).config_fields), task
     base = config_lib.base_config(task)
     for path, _ in config_schema.leaves(base):
       assert config_schema.field(path, task) is not None, path
@@ -79,9 +79,30 @@ def test_declarations_match_the_package():
     if decl.type != "block" and path.split(".")[0] not in undeclared_blocks:
       assert path in base_paths, f"config.{path} is declared but not in the base config"
     assert _declared_with_range(decl), path
-  assert set(config_schema.KERNEL_OPTIONS) == set(features.OPTION_DEFAULTS)
-  assert set(config_schema.KERNELS) == set(features.KERNELS)
   assert common.base_config("listops").keys() == config_lib.base_config("listops").keys()
+
+
+def test_the_schema_reads_kernels_and_task_fields_from_their_owners(monkeypatch):
+  # A kernel or option registered in fastpos.ops.features, or a field declared on a task's
+  # class, is in the schema with nothing else edited: no second list to keep in step.
+  monkeypatch.setattr(features, "KERNELS", (*features.KERNELS, "fake_kernel"))
+  options = {**kernel_options.OPTIONS, "fake_option": config_schema.fields.integer(3, 1)}
+  monkeypatch.setattr(kernel_options, "OPTIONS", options)
+  task_cls = tasks.get_task_class("synthetic")
+  own = {**task_cls.config_fields, "fake_field": config_schema.fields.boolean(False)}
+  monkeypatch.setattr(task_cls, "config_fields", own)
+  assert config_schema.field("model.kernel").choices == features.KERNELS
+  cfg = config_lib.base_config("synthetic")
+  assert cfg.model.kernel_options.fake_option == 3 and cfg.task.fake_field is False
+  cfg.model.kernel = "fake_kernel"
+  config_schema.check(cfg)  # the new kernel, option and task field are valid values
+  cfg.model.kernel_options.fake_option = 0
+  with pytest.raises(config_schema.ConfigValueError, match="fake_option must be an integer >= 1"):
+    config_schema.check(cfg)
+  cfg.model.kernel_options.fake_option = 3
+  cfg.model.kernel = "elu2"
+  with pytest.raises(config_schema.ConfigValueError, match="softmax, elu1, .*fake_kernel; got"):
+    config_schema.check(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +138,7 @@ def _bad_values(decl: config_schema.Field) -> list:
 def _base_for(path: str) -> tuple[ml_collections.ConfigDict, str]:
   task = "synthetic"
   if path.startswith("task.") and path != "task.name":
-    task = next(t for t, f in config_schema.TASK_FIELDS.items() if path[5:] in f)
+    task = next(t for t in tasks.task_names() if path[5:] in config_schema.task_fields(t))
   cfg = config_lib.base_config(task)
   common.set_paper(cfg, row="r", col="c", table="t", results={"r|c": 1.0})
   return cfg, task
@@ -140,8 +161,8 @@ def _declared_paths() -> list[str]:
       for p in config_schema.FIELDS
       if p not in config_schema.OPEN_BLOCKS and p not in ("model.positional_options",)
   ]
-  paths += ["task.name"] + [f"model.kernel_options.{k}" for k in config_schema.KERNEL_OPTIONS]
-  paths += sorted({f"task.{k}" for f in config_schema.TASK_FIELDS.values() for k in f})
+  paths += ["task.name"] + [f"model.kernel_options.{k}" for k in features.OPTIONS]
+  paths += sorted({f"task.{k}" for t in tasks.task_names() for k in config_schema.task_fields(t)})
   return paths
 
 

@@ -11,6 +11,7 @@ from fastpos import tasks
 from fastpos.tasks import listops
 from fastpos.tasks.base import ArraySource
 from fastpos.tasks.info import TaskInfo
+from fastpos.tasks.paths import SAMPLES
 from fastpos.tasks.synthetic import generate
 from fastpos.train import train_and_evaluate
 from tests.train.common import tiny_config
@@ -120,7 +121,7 @@ def test_missing_listops_files_stop_before_training(tmp_path):
 
 
 def test_listops_task_reads_the_release_files():
-  data_dir = Path(__file__).resolve().parents[1] / "testdata" / "listops"
+  data_dir = Path(SAMPLES) / "listops"
   for parens in (False, True):
     task = tasks.make_task(
         _listops_cfg(
