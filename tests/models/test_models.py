@@ -86,17 +86,19 @@ def test_cls_pooling_with_a_grid_is_rejected():
     build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
 
 
-# Each kind of model, kernel and scheme once, with and without a grid; ELU+1 + FastRPB in a
-# classifier (the slowest: eager FFTs) runs with `-m slow`.
+# Each kind of model once (a classifier with a grid, a dual encoder, an LM), each with a linear
+# kernel and a scheme through its whole stack; the softmax models and ELU+1 + FastRPB in a
+# classifier run with `-m slow` (tests/models/test_cells.py holds every kernel x scheme layer,
+# softmax ones included, to its dense reference).
 @pytest.mark.parametrize(
     "kind, kernel, scheme, grid",
     [
         pytest.param("classify", "elu1", "fastrpb", None, marks=pytest.mark.slow),
         ("classify", "sikf", "kernelized_rpe", (3, 4)),
-        ("classify", "softmax", "fastrpb", (3, 4)),
+        pytest.param("classify", "softmax", "fastrpb", (3, 4), marks=pytest.mark.slow),
         ("retrieval", "favor", "fastrpb", None),
         ("lm", "elu1", "kernelized_rpe", None),
-        ("lm", "softmax", "fastrpb", None),
+        pytest.param("lm", "softmax", "fastrpb", None, marks=pytest.mark.slow),
     ],
 )
 def test_model_fast_equals_dense(kind, kernel, scheme, grid):
