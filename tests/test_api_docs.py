@@ -21,6 +21,9 @@ import pytest
 import fastpos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every example runs eagerly: each operation of a new shape is its own compile, and the
+# examples share many of them. On one xdist worker (tests/conftest.py) each is compiled once.
+pytestmark = pytest.mark.xdist_group("api_docs")
 
 
 def test_api_reference_documents_every_public_name(tmp_path):

@@ -44,19 +44,20 @@ def _layers():
 @pytest.fixture(scope="module")
 def layers():
   x = jax.random.normal(jax.random.key(0), (2, N, W))
-  return x, [(name, m, m.init(jax.random.key(1), x)) for name, m in _layers()]
+  return x, [(name, m, jax.jit(m.init)(jax.random.key(1), x)) for name, m in _layers()]
 
 
 def test_one_example_runs_with_a_batch_axis_of_one_and_under_vmap(layers):
   x, built = layers
   mask = jnp.arange(N)[None, :] < jnp.array([[N], [4]])
   for name, module, variables in built:
-    full = module.apply(variables, x, mask=mask)
+    apply = jax.jit(module.apply)  # one compile per shape, not one per operation
+    full = apply(variables, x, mask=mask)
     assert full.shape == (2, N, W), name
-    one = module.apply(variables, x[1], mask=mask[1])  # [N, W] with mask [N]
+    one = apply(variables, x[1], mask=mask[1])  # [N, W] with mask [N]
     assert one.shape == (N, W), name
     np.testing.assert_allclose(one, full[1], rtol=1e-6, atol=1e-6, err_msg=name)
-    mapped = jax.vmap(lambda a, m, module=module, v=variables: module.apply(v, a, mask=m))(x, mask)
+    mapped = jax.jit(jax.vmap(lambda a, m, v=variables, f=apply: f(v, a, mask=m)))(x, mask)
     np.testing.assert_allclose(mapped, full, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
@@ -115,15 +116,17 @@ def lm():
 
 def test_models_take_bare_token_ids(lm):
   model, variables, ids = lm
-  from_dict = model.apply(variables, {"inputs": ids, "mask": ids != 0})
+  apply = jax.jit(model.apply)  # one compile per call form, not one per operation
+  from_dict = apply(variables, {"inputs": ids, "mask": ids != 0})
   assert from_dict.shape == (2, N, VOCAB)
-  np.testing.assert_array_equal(model.apply(variables, ids), from_dict)  # mask: ids != 0
-  np.testing.assert_array_equal(model.apply(variables, ids, mask=ids != 0), from_dict)
+  np.testing.assert_array_equal(apply(variables, ids), from_dict)  # mask: ids != 0
+  np.testing.assert_array_equal(apply(variables, ids, mask=ids != 0), from_dict)
   clf = fastpos.Classifier(
       _cfg(causal=False), vocab_size=VOCAB, num_layers=1, mlp_dim=W, num_classes=2
   )
-  cv = clf.init(jax.random.key(0), ids)
-  np.testing.assert_array_equal(clf.apply(cv, ids), clf.apply(cv, {"inputs": ids}))
+  cv = jax.jit(clf.init)(jax.random.key(0), ids)
+  clf_apply = jax.jit(clf.apply)
+  np.testing.assert_array_equal(clf_apply(cv, ids), clf_apply(cv, {"inputs": ids}))
 
 
 @pytest.mark.parametrize(

@@ -47,9 +47,10 @@ def test_layer_in_chunk_mode_equals_recurrent_mode(kernel, schemes):
         mode=mode,
         dtype=jnp.float64,
     )
-    params = layer.init(jax.random.key(1), x)
+    # Jitted: one compile per function, not one per operation.
+    params = jax.jit(layer.init)(jax.random.key(1), x)
     grad = jax.grad(lambda p, f=layer.apply: jnp.sum(jnp.sin(f(p, x, mask=mask)) * mask[..., None]))
-    outs[mode] = (layer.apply(params, x, mask=mask), grad(params))
+    outs[mode] = (jax.jit(layer.apply)(params, x, mask=mask), jax.jit(grad)(params))
   got, want = outs["chunk"], outs["recurrent"]
   keep = np.asarray(mask)[..., None]
   assert rel_err(np.asarray(got[0]) * keep, np.asarray(want[0]) * keep) < 1e-9

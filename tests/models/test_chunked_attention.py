@@ -114,7 +114,8 @@ def _causal_errors(kernel, schemes, attn_chunk=4, **kw) -> tuple[float, float]:
 # the first pass is skipped (one device). Every other kernel the chunked layer takes runs
 # with `-m slow`.
 CAUSAL_CASES = [
-    pytest.param("elu1", ("fastrpb",), 4, {}, id="elu1-fastrpb"),
+    # The default run's FastRPB case is sikf's in pieces (below); elu1's runs with `-m slow`.
+    pytest.param("elu1", ("fastrpb",), 4, {}, id="elu1-fastrpb", marks=pytest.mark.slow),
     pytest.param("sikf", ("fastrpb",), 8, dict(chunk_size=3), id="sikf-fastrpb-pieces"),
     # Also run by test_a_late_huge_key_changes_no_earlier_output (float32).
     pytest.param("sikf", (), 4, {}, id="sikf-no_hooks", marks=pytest.mark.slow),
@@ -233,7 +234,9 @@ CASES = [
     pytest.param(4, SCAN, id="fused-scan_block", marks=pytest.mark.slow),
     pytest.param(8, SCAN, id="apart-scan_block", marks=pytest.mark.slow),
     # A causal LM (causal FastRPB), the token-wise part inside the causal pass.
-    pytest.param(4, dict(num_layers=1, task="lm"), id="lm-fused-one_layer"),
+    # `-m slow`: the default run holds the causal chunked layer (and its output hook) in
+    # test_causal_chunked_layer_equals_the_whole_layer.
+    pytest.param(4, dict(num_layers=1, task="lm"), id="lm-fused-one_layer", marks=pytest.mark.slow),
     pytest.param(8, dict(SCAN, task="lm"), id="lm-apart-scan_block", marks=pytest.mark.slow),
 ]
 

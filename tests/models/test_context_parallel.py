@@ -9,8 +9,11 @@ which the layer pads to a multiple of 4. Under the mesh the parameters take the 
 shardings (``tree_shardings``): a learned absolute table is split over "seq", and its
 gradient comes back split. A 3-step training run with mesh.seq=2, mesh.data=2 (its absolute
 table and Adam moments split over "seq") is compared with the same run on 1 device.
-Configuration-time rejections run in process. The default run holds every linear kernel and
-every scheme (causal and not) once; ``-m slow`` runs every kernel x scheme model cell.
+Configuration-time rejections run in process. The default run holds every scheme once, the
+kernels whose features reach across the sequence (sikf, favor: a key stabiliser shared by the
+keys of every block) and a per-token map of each kind (relu, nprf: elementwise, a normalised
+random projection); ``-m slow`` runs every kernel once as a layer and every kernel x scheme
+model cell.
 """
 
 from __future__ import annotations
@@ -51,15 +54,14 @@ def _layer_case(kernel: str, scheme: str, causal: bool) -> tuple:
 
 # Layer cases (`-m slow`): every linear kernel once, each with a scheme, causal every other one.
 LAYER_CASES = [_layer_case(k, SCHEMES[i % 5], bool(i % 2)) for i, k in enumerate(LINEAR)]
-# The default run: the kernels the model cases leave out, once each, with the (scheme,
-# direction) pairs they leave out: with MODEL_CASES every kernel and every scheme both ways.
+# The default run: the causal ring Toeplitz product (kernelized RPE) and RoPE (the one scheme
+# the model cases leave out), with two per-token kernels the model cases leave out. The other
+# kernels (dpfp, prf, trf, orf: features of one token each, nothing shared across blocks) run
+# as layers with `-m slow` (LAYER_CASES), and every kernel x scheme pair both ways as a model
+# cell (matrix_cases).
 DEFAULT_LAYER_CASES = [
     _layer_case("relu", "kernelized_rpe", True),
-    _layer_case("dpfp", "permuteformer", False),
-    _layer_case("prf", "fastrpb", False),
-    _layer_case("trf", "lrpe", False),
     _layer_case("nprf", "rope", True),
-    _layer_case("orf", "rope", False),
     # The causal layer by chunks (model.attn_chunk=3) under the mesh, the whole layer unsplit.
     ("layer_sikf_fastrpb_causal_chunked", "layer_chunked", "sikf", "fastrpb", True, "mean"),
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +42,7 @@ def _batch(b, n, seed=0, pad=0, pair=False):
 
 
 def _init(model, batch, seed=0):
-  variables = model.init(jax.random.key(seed), batch)
+  variables = jax.jit(model.init)(jax.random.key(seed), batch)  # one compile, not one per op
   params = variables["params"]
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -84,17 +86,19 @@ def test_cls_pooling_with_a_grid_is_rejected():
     build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
 
 
-# Each kind of model, kernel and scheme once, with and without a grid; ELU+1 + FastRPB in a
-# classifier (the slowest: eager FFTs) runs with `-m slow`.
+# Each kind of model once (a classifier with a grid, a dual encoder, an LM), each with a linear
+# kernel and a scheme through its whole stack; the softmax models and ELU+1 + FastRPB in a
+# classifier run with `-m slow` (tests/models/test_cells.py holds every kernel x scheme layer,
+# softmax ones included, to its dense reference).
 @pytest.mark.parametrize(
     "kind, kernel, scheme, grid",
     [
         pytest.param("classify", "elu1", "fastrpb", None, marks=pytest.mark.slow),
         ("classify", "sikf", "kernelized_rpe", (3, 4)),
-        ("classify", "softmax", "fastrpb", (3, 4)),
+        pytest.param("classify", "softmax", "fastrpb", (3, 4), marks=pytest.mark.slow),
         ("retrieval", "favor", "fastrpb", None),
         ("lm", "elu1", "kernelized_rpe", None),
-        ("lm", "softmax", "fastrpb", None),
+        pytest.param("lm", "softmax", "fastrpb", None, marks=pytest.mark.slow),
     ],
 )
 def test_model_fast_equals_dense(kind, kernel, scheme, grid):
@@ -103,8 +107,8 @@ def test_model_fast_equals_dense(kind, kernel, scheme, grid):
   model = build_model(_cfg(kernel=kernel, positional=scheme, dtype="float64"), task)
   batch = _batch(2, n, pad=0 if grid else 3, pair=kind == "retrieval")
   v = _init(model, batch)
-  fast = model.apply(v, batch)
-  dense = model.apply(v, batch, reference=True)
+  fast = jax.jit(model.apply)(v, batch)
+  dense = jax.jit(functools.partial(model.apply, reference=True))(v, batch)
   if kind == "lm":
     m = np.asarray(batch["mask"])
     fast, dense = np.asarray(fast)[m], np.asarray(dense)[m]
@@ -132,11 +136,19 @@ def test_trailing_padding_changes_nothing(kernel, scheme):
       "mask": jnp.pad(short["mask"], ((0, 0), (0, 6))),
   }
   v = _init(model, long)
-  assert rel_err(model.apply(v, long), model.apply(v, short)) < 1e-9
+  apply = jax.jit(model.apply)
+  assert rel_err(apply(v, long), apply(v, short)) < 1e-9
 
 
+# The default run: the LM with the causal FFT output hook; softmax and sikf run with `-m slow`
+# (every causal cell's layer is held to causality by gradients in tests/models/test_cells.py).
 @pytest.mark.parametrize(
-    "kernel, scheme", [("elu1", "fastrpb"), ("softmax", "kernelized_rpe"), ("sikf", "none")]
+    "kernel, scheme",
+    [
+        ("elu1", "fastrpb"),
+        pytest.param("softmax", "kernelized_rpe", marks=pytest.mark.slow),
+        pytest.param("sikf", "none", marks=pytest.mark.slow),
+    ],
 )
 def test_lm_never_sees_future_tokens(kernel, scheme):
   n = 10
@@ -172,7 +184,8 @@ def test_dual_encoder_shares_one_tower_and_combines_both_orders():
       inputs2=batch["inputs"],
       mask2=batch["mask"],
   )
-  assert not np.allclose(model.apply(v, batch), model.apply(v, swapped))
+  apply = jax.jit(model.apply)
+  assert not np.allclose(apply(v, batch), apply(v, swapped))
 
 
 def test_shared_kernelized_rpe_is_one_table_for_all_layers():
@@ -221,8 +234,8 @@ def test_bfloat16_tracks_float32(kernel, scheme):
   f32 = build_model(_cfg(kernel=kernel, positional=scheme), task)
   bf16 = build_model(_cfg(kernel=kernel, positional=scheme, dtype="bfloat16"), task)
   v = _init(f32, batch)
-  a = f32.apply(v, batch)
-  b = bf16.apply(v, batch)
+  a = jax.jit(f32.apply)(v, batch)
+  b = jax.jit(bf16.apply)(v, batch)
   assert b.dtype == jnp.float32  # logits are float32
   assert np.all(np.isfinite(np.asarray(b)))
   assert rel_err(b, a) < 0.1
@@ -270,10 +283,11 @@ def test_transformer_xl_memory_reproduces_the_full_sequence(norm):
   mem_model = build_model(cfg, TaskInfo("lm", V, 0, 2 * seg))
   batch = _batch(2, 2 * seg)
   v = _init(full_model, batch)
-  full = np.asarray(full_model.apply(v, batch))
+  full = np.asarray(jax.jit(full_model.apply)(v, batch))
   first = {k: a[:, :seg] for k, a in batch.items()}
   second = {k: a[:, seg:] for k, a in batch.items()}
-  out1, memory = mem_model.apply(v, first)
-  out2, _ = mem_model.apply(v, second, memory=memory)
+  mem_apply = jax.jit(mem_model.apply)
+  out1, memory = mem_apply(v, first)
+  out2, _ = mem_apply(v, second, memory=memory)
   assert rel_err(np.asarray(out1), full[:, :seg]) < 1e-9
   assert rel_err(np.asarray(out2), full[:, seg:]) < 1e-9

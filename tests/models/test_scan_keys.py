@@ -48,7 +48,7 @@ def _batch():
 
 def _params(model, batch):
   """Initial parameters moved off their init (zero tables and biases would hide a scheme)."""
-  params = model.init(jax.random.key(0), batch)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   return tree.unflatten(
@@ -149,7 +149,7 @@ def projections(monkeypatch):
 
 def _drawn(seen, model, params, batch, **kw):
   seen.clear()
-  model.apply({"params": params}, batch, **kw)
+  jax.jit(lambda p, b: model.apply({"params": p}, b, **kw))(params, batch)  # one compile
   jax.effects_barrier()
   return [a.tobytes() for a in seen]
 
@@ -161,7 +161,7 @@ def test_each_layer_draws_the_unrolled_layers_projection(projections, scan):
   batch = _batch()
   cfg = _cfg("favor", "none", scan_layers=scan)
   model = build_model(cfg, _task("classify"))
-  params = model.init(jax.random.key(0), batch)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
   drawn = _drawn(projections, model, params, batch)
   keys = [
       jax.random.fold_in(jax.random.key(0), zlib.crc32(f"encoder/block_{i}/attention".encode()))
@@ -180,7 +180,7 @@ def test_redraw_splits_the_features_stream_per_scanned_layer(projections):
   cfg = _cfg("prf", "none", scan_layers=True)
   cfg.kernel_options.redraw = True
   model = build_model(cfg, _task("classify"))
-  params = model.init(jax.random.key(0), batch)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
   fixed = _drawn(projections, model, params, batch)
   rngs = {"features": jax.random.key(7)}
   redrawn = _drawn(projections, model, params, batch, train=True, rngs=rngs)

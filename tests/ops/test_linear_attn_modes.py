@@ -75,8 +75,26 @@ def _check(got, want):
     assert rel_err(a, e) < 1e-9, (i, rel_err(a, e))
 
 
-@pytest.mark.parametrize("cell", sorted(CELLS))
-@pytest.mark.parametrize("mode", MODES)
+# The default run: each mode on the cells that hold every keyword together (decay, den_features
+# and mask; segments with decay, with den_features), and the fused kernel on the cells it runs
+# (masked, decay) and refuses; the single-keyword cells under `-m slow`.
+DEFAULT_CELLS = ("decay_den_masked", "segments_decay", "segments_den")
+
+
+@pytest.mark.parametrize(
+    "mode, cell",
+    [
+        pytest.param(
+            mode,
+            cell,
+            marks=()
+            if cell in DEFAULT_CELLS or (mode == "fused" and cell in ("masked", "decay"))
+            else pytest.mark.slow,
+        )
+        for mode in MODES
+        for cell in sorted(CELLS)
+    ],
+)
 def test_mode_matches_dense_float64(mode, cell):
   if mode == "fused":
     fused = pytest.importorskip("fastpos.ops.linear_attn.fused")
@@ -102,7 +120,8 @@ def test_mode_matches_dense_float64(mode, cell):
   _check(_value_and_grads(fast, x, kw), _value_and_grads(dense, x, kw))
 
 
-@pytest.mark.parametrize("segmented", (False, True))
+# The default run: both modes with segments (and padding); without segments under `-m slow`.
+@pytest.mark.parametrize("segmented", (pytest.param(False, marks=pytest.mark.slow), True))
 @pytest.mark.parametrize("mode", ("chunk", "recurrent"))
 def test_key_log_scale_modes_match_dense_float64(mode, segmented):
   """Keys ``phi_k exp(s) + key_eps`` with the running-maximum reference, padded, with and
@@ -121,7 +140,8 @@ def test_key_log_scale_modes_match_dense_float64(mode, segmented):
   _check(got, _value_and_grads(dense, x, kw, scaled=True))
 
 
-@pytest.mark.parametrize("mode", ("chunk", "recurrent"))
+# The default run: chunk mode (the recurrent one under `-m slow`).
+@pytest.mark.parametrize("mode", ("chunk", pytest.param("recurrent", marks=pytest.mark.slow)))
 def test_late_huge_key_scale_does_not_overflow(mode):
   """A late key with scale 750 (exp(750) overflows float64): no inf or NaN, values and
   gradients finite; queries before it match the reference without it, queries after it
@@ -153,24 +173,29 @@ def test_late_huge_key_scale_does_not_overflow(mode):
   assert rel_err(out[:, late:], want_after[:, late:]) < 1e-9
 
 
-@pytest.mark.parametrize("c", [pytest.param(4, marks=pytest.mark.slow), 8, N])
+# The default run: chunk 8, which does not divide N (4 and N under `-m slow`).
+@pytest.mark.parametrize(
+    "c", [pytest.param(4, marks=pytest.mark.slow), 8, pytest.param(N, marks=pytest.mark.slow)]
+)
 def test_chunk_mode_equals_recurrent_internals_float64(c):
   """The chunkwise-parallel (num, den) and (num, den, ref) equal the serial scan's to
-  rounding, decay and segments together, chunk sizes that do (N) and do not divide N."""
+  rounding, decay and segments together, chunk sizes that do (N) and do not divide N. Each
+  function runs jitted (one compile, not one per operation)."""
   x = _inputs(4)
   q, k, v = (jnp.swapaxes(jnp.asarray(x[n]), 1, 2) for n in ("pq", "pk", "v"))
   ids = jnp.asarray(x["ids"])
   for kw in ({}, dict(log_decay=jnp.asarray(DECAY), segment_ids=ids)):
     for a, e in zip(
-        chunk.causal_chunked(q, k, v, c, **kw), recurrent._causal_chunked(q, k, v, c, **kw)
+        jax.jit(chunk.causal_chunked, static_argnums=3)(q, k, v, c, **kw),
+        jax.jit(recurrent._causal_chunked, static_argnums=3)(q, k, v, c, **kw),
     ):
       assert rel_err(a, e) < 1e-12
   s = jnp.swapaxes(jnp.asarray(x["s"]), 1, 2)
   e = jnp.full(s.shape, 0.1)
   for seg in (None, ids):
     for a, b in zip(
-        chunk.causal_running_max(q, k, v, s, e, c, seg),
-        recurrent._causal_running_max(q, k, v, s, e, c, seg),
+        jax.jit(chunk.causal_running_max, static_argnums=5)(q, k, v, s, e, c, seg),
+        jax.jit(recurrent._causal_running_max, static_argnums=5)(q, k, v, s, e, c, seg),
     ):
       assert rel_err(a, b) < 1e-12
 

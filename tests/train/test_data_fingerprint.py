@@ -41,7 +41,10 @@ def _config(path: Path, cache: Path, level: str, steps: int):
   return cfg
 
 
-@pytest.fixture(scope="module", params=["byte", "word"])
+# The default run: the word level (its vocabulary changes with the text) with a word changed
+# and the lines reversed (the same bytes in another order); the byte level and an appended
+# line run with `-m slow`.
+@pytest.fixture(scope="module", params=[pytest.param("byte", marks=pytest.mark.slow), "word"])
 def trained(request, tmp_path_factory):
   """(workdir, text file, cache, level): 2 steps of the tiny text_lm config on TEXT."""
   root = tmp_path_factory.mktemp(f"data_{request.param}")
@@ -53,7 +56,9 @@ def trained(request, tmp_path_factory):
   return root / "run", text, cache, request.param
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize(
+    "edit", [e if e != "appended" else pytest.param(e, marks=pytest.mark.slow) for e in EDITS]
+)
 def test_changed_data_are_refused_then_accepted_and_recorded(trained, tmp_path, edit):
   src, text, cache, level = trained
   workdir = tmp_path / "run"

@@ -194,6 +194,9 @@ def test_two_process_checkpoint_resumes_on_another_layout(runs, devices):
     assert results[name] == pytest.approx(own[name], rel=1e-5, abs=1e-6), name
 
 
+# `-m slow`: the default run resumes the two processes' checkpoint on one process
+# (test_two_process_checkpoint_resumes_on_another_layout) and runs two processes (the fixture).
+@pytest.mark.slow
 def test_restarting_both_processes_resumes_exactly(runs):
   # Started by hand with the flags (the launcher uses the environment variables).
   workdir = runs["root"] / "restart_two"
