@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import memory_length
 
 
+@pytest.mark.slow  # four train-step compiles (~40 s on 2 cores); the flags' checks stay default
 def test_softmax_memory_grows_faster_than_linear_fastrpb(tmp_path, capsys):
   code = memory_length.main(
       ["--smoke", "--rows=softmax,elu1_fastrpb", "--lengths=256,1024", "--batch=2"]
