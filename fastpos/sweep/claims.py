@@ -30,6 +30,7 @@ from typing import NamedTuple
 from fastpos.sweep import claim_table, cli, tables
 from fastpos.sweep.runner import REPO, format_duration, host_cpus
 from fastpos.train import errors
+from fastpos.train.workdir import Workdir
 
 
 class SweepSpec(NamedTuple):
@@ -292,9 +293,10 @@ def plot_curves(args: argparse.Namespace, claim: Claim, out: Path) -> bool:
   """``out``: the validation curves of every variant's first seed (scripts/plot_curves.py);
   False when no such run has metrics."""
   workdirs = sorted(
-      p.parent
+      p
       for spec in claim.sweeps
-      for p in (args.out_dir / claim.name / spec.name).glob("*seed=0/metrics.jsonl")
+      for p in (args.out_dir / claim.name / spec.name).glob("*seed=0")
+      if Workdir(p).metrics_file.exists()
   )
   if not workdirs:
     return False
