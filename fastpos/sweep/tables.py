@@ -63,7 +63,6 @@ from typing import Any
 
 from fastpos.sweep import stats
 from fastpos.train.errors import RunError
-from fastpos.train.workdir import Workdir
 
 PERCENT_METRICS = ("accuracy", "f1")
 MISSING = "missing"
@@ -87,6 +86,10 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def read_sweep(sweep_dir: Path, split: str) -> tuple[dict | None, list[dict]]:
   """(manifest or None, runs): each run {name, order, config (nested), flat, results,
   status}; ``order`` is the run's place in the sweep's grid (None off the manifest)."""
+  # Here, not at the top: the owner loads JAX and orbax (its checkpoints), which the table's
+  # flags and messages do without.
+  from fastpos.train.workdir import Workdir  # pylint: disable=import-outside-toplevel
+
   manifest_path = sweep_dir / "sweep.json"
   manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
   records = (manifest or {}).get("runs", {})
@@ -415,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
       _, found = read_sweep(d, args.split)
       if not found:
         raise ValueError(
-            f"{d}: no runs (no sweep.json records, no workdir with "
-            f"{Workdir(d).config_file.name})."
+            f"{d}: no runs (no sweep.json records, no workdir holding a run's config)."
         )
       runs += found
     labelled = all(ROW in r["flat"] and COL in r["flat"] for r in runs)
