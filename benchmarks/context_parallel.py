@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import sys
 import time
 
@@ -30,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import memory as bench_memory
 from benchmarks import report
 from fastpos.models import TaskInfo, build_model
 from fastpos.train import sharding as sharding_lib
@@ -44,12 +43,14 @@ CELLS = {
 }
 
 
-def _config(kernel: str, scheme: str, seq: int):
+def text_config(kernel: str, scheme: str, seq: int, layers: int = 4):
+  """The LRA Text-sized classifier (width 256, 4 heads, MLP 1024, mean pooling, batch 1) with
+  ``kernel`` and ``scheme``, ``layers`` deep, its sequence split over ``seq`` devices."""
   c = base_config("synthetic")
   c.model.update(
       kernel=kernel,
       positional=scheme,
-      num_layers=4,
+      num_layers=layers,
       embed_dim=256,
       num_heads=4,
       mlp_dim=1024,
@@ -125,19 +126,13 @@ def step_memory(cell: str, n: int, seq: int) -> dict:
   kernel, scheme = CELLS[cell]
   lm = cell.startswith("causal")
   task = TaskInfo("lm" if lm else "classify", 257, 0 if lm else 2, n)
-  step, state, batch, rng, _ = build_step(_config(kernel, scheme, seq), task, n)
+  step, state, batch, rng, _ = build_step(text_config(kernel, scheme, seq), task, n)
   start = time.perf_counter()
-  m = step.lower(state, batch, rng).compile().memory_analysis()
-  total = (
-      m.argument_size_in_bytes
-      + m.output_size_in_bytes
-      + m.temp_size_in_bytes
-      - m.alias_size_in_bytes
-  )
+  m = bench_memory.analysis_bytes(step.lower(state, batch, rng).compile().memory_analysis())
   return {
-      "temp": int(m.temp_size_in_bytes),
-      "total": int(total),
-      "arguments": int(m.argument_size_in_bytes),
+      "temp": m["temp"],
+      "total": m["total"],
+      "arguments": m["arguments"],
       "compile_s": time.perf_counter() - start,
   }
 
@@ -157,6 +152,15 @@ def longest_fitting(cell: str, seq: int, budget: float, step: int, limit: int) -
     tried[mid] = step_memory(cell, mid, seq)["total"]
     lo, hi = (mid, hi) if tried[mid] <= budget else (lo, mid)
   return lo, tried
+
+
+def simulated_devices(count: int) -> int:
+  """Asks XLA for ``count`` host devices (simulated on a CPU host; unless XLA_FLAGS sets a
+  count already), before JAX starts its backends; returns the number of devices JAX sees."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+  return jax.device_count()
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -243,10 +247,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={seqs[-1]}"
-  if jax.device_count() < seqs[-1]:
+  if simulated_devices(seqs[-1]) < seqs[-1]:
     print(
         f"{prog}: --seqs needs {seqs[-1]} devices; {jax.device_count()} visible.", file=sys.stderr
     )
@@ -255,10 +256,8 @@ def main(argv=None) -> int:
   results = _measure(cells, lengths, seqs)
   fits = _longest(cells, seqs, args) if args.budget > 0 else {}
 
-  command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
   lines = [
-      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}, jax "
-      f"{jax.__version__}, {time.strftime('%Y-%m-%d')})",
+      report.headline(report.quoted_command(prog, argv), jax.devices()[0].platform),
       "",
       "| cell | N | "
       + " | ".join(f"seq={s}: temp / total" for s in seqs)

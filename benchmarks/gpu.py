@@ -428,27 +428,41 @@ def measure_rpe_steps(lengths, rounds: int, log) -> dict:
   return out
 
 
-def rpe_steps_markdown(run: dict, rows: dict) -> str:
+def timed_rows_markdown(
+    title: str, run: dict, setup: str, rows: dict, *, base: str, ratio: str
+) -> str:
+  """A section of timed rows: ``# title``, the run's provenance (``report.provenance``), what
+  was timed (``setup``), then a line per N and row of ``rows`` (``{N: {row: {"ms", ratio,
+  "times_ms"}}}``, as ``measure_rpe_steps`` and ``measure_softmax_impls`` give them): its
+  median, its time over that of the row ``base`` of the same N (``row[ratio]``), its runs."""
   lines = [
-      "# Kernelized RPE's FFT path: one batched transform against serial steps",
+      f"# {title}",
       "",
       report.provenance(run) + ".",
       "",
-      f"fwd+bwd of `linear_attention(rpe=...)` forced onto its FFT path, batch {ops_lean.BATCH},"
-      f" {ops_lean.HEADS} heads, m = {ops_lean.RPE_FEATURES}, d = {ops_lean.DIM}, float32; "
-      "each N one group of interleaved runs (medians). 'CPU steps': one head's group of "
-      "features per step of a serial loop (the CPU's policy); 'one batch': every head and "
-      "feature in one step (the GPU / TPU policy), both forced whatever the device "
-      "(`benchmarks.gpu.rpe_steps`).",
+      setup,
       "",
-      "| N | row | ms | time / CPU steps | runs (ms) |",
+      f"| N | row | ms | time / {base} | runs (ms) |",
       "|---:|---|---:|---:|---|",
   ]
   for n, row in sorted(rows.items()):
     for k, r in row.items():
       runs = ", ".join(f"{t:.0f}" for t in r["times_ms"])
-      lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r['vs_cpu_steps']:.2f}x | {runs} |")
+      lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r[ratio]:.2f}x | {runs} |")
   return "\n".join(lines)
+
+
+def rpe_steps_markdown(run: dict, rows: dict) -> str:
+  setup = (
+      f"fwd+bwd of `linear_attention(rpe=...)` forced onto its FFT path, batch {ops_lean.BATCH},"
+      f" {ops_lean.HEADS} heads, m = {ops_lean.RPE_FEATURES}, d = {ops_lean.DIM}, float32; "
+      "each N one group of interleaved runs (medians). 'CPU steps': one head's group of "
+      "features per step of a serial loop (the CPU's policy); 'one batch': every head and "
+      "feature in one step (the GPU / TPU policy), both forced whatever the device "
+      "(`benchmarks.gpu.rpe_steps`)."
+  )
+  title = "Kernelized RPE's FFT path: one batched transform against serial steps"
+  return timed_rows_markdown(title, run, setup, rows, base="CPU steps", ratio="vs_cpu_steps")
 
 
 SOFTMAX_SETTINGS = {"plain": {}, "causal + bias": {"causal": True, "bias": True}}
@@ -495,26 +509,16 @@ def measure_softmax_impls(lengths, rounds: int, log, impls=("einsum", "jax")) ->
 
 
 def softmax_impls_markdown(run: dict, rows: dict, impls=("einsum", "jax")) -> str:
-  lines = [
-      "# softmax_attention: its implementations side by side",
-      "",
-      report.provenance(run) + ".",
-      "",
+  setup = (
       f"fwd+bwd (grad of every input, the bias included) of `softmax_attention(implementation="
       f"...)`, batch 1, {ops_lean.HEADS} heads, d = {ops_lean.DIM}, float32; plain, and causal "
       "with a [heads, N, N] bias; each N one group of interleaved runs (medians). 'einsum': two "
       "einsums and a softmax; 'jax': `jax.nn.dot_product_attention` (XLA here; cuDNN on GPUs "
       f'for bf16 / fp16). `implementation="auto"` on {jax.default_backend()} runs '
-      f"\"{attention._softmax_implementation('auto', jnp.float32)}\".",
-      "",
-      f"| N | row | ms | time / {impls[0]} | runs (ms) |",
-      "|---:|---|---:|---:|---|",
-  ]
-  for n, row in sorted(rows.items()):
-    for k, r in row.items():
-      runs = ", ".join(f"{t:.0f}" for t in r["times_ms"])
-      lines.append(f"| {n} | {k} | {r['ms']:.0f} | {r[f'vs_{impls[0]}']:.2f}x | {runs} |")
-  return "\n".join(lines)
+      f"\"{attention._softmax_implementation('auto', jnp.float32)}\"."
+  )
+  title = "softmax_attention: its implementations side by side"
+  return timed_rows_markdown(title, run, setup, rows, base=impls[0], ratio=f"vs_{impls[0]}")
 
 
 def rpe_goals(part: dict) -> list[dict]:
@@ -996,20 +1000,19 @@ def main(argv=None) -> int:
   sizes = SMOKE if args.smoke else FULL
   budget = Deadline(args.budget_s)
   log = lambda s: print(s, flush=True)
-  if args.rpe_steps:
-    run = report.run_record("gpu", argv)
-    rows = measure_rpe_steps(args.rpe_steps, sizes.rounds, log)
-    table = rpe_steps_markdown(run, rows)
-    report.write(args.out, "rpe_steps", table, {"run": run, "rows": rows})
-    print(table, flush=True)
-    return 0
-  if args.softmax_impls:
-    run = report.run_record("gpu", argv)
-    rows = measure_softmax_impls(args.softmax_impls, sizes.rounds, log)
-    table = softmax_impls_markdown(run, rows)
-    report.write(args.out, "softmax_impls", table, {"run": run, "rows": rows})
-    print(table, flush=True)
-    return 0
+  # The measure-only flags: (lengths, measure, markdown) of each, the first one given runs.
+  timed = {
+      "rpe_steps": (args.rpe_steps, measure_rpe_steps, rpe_steps_markdown),
+      "softmax_impls": (args.softmax_impls, measure_softmax_impls, softmax_impls_markdown),
+  }
+  for name, (lengths, measure, markdown) in timed.items():
+    if lengths:
+      run = report.run_record("gpu", argv)
+      rows = measure(lengths, sizes.rounds, log)
+      table = markdown(run, rows)
+      report.write(args.out, name, table, {"run": run, "rows": rows})
+      print(table, flush=True)
+      return 0
   start = time.monotonic()
   result = {
       "command": report.command("gpu", argv),

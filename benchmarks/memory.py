@@ -93,12 +93,26 @@ def compile_step(fields: dict, batch: int, length: int):
 
 
 def total_bytes(mem) -> int:
+  """What an executable holds (its ``memory_analysis()``): temporaries, arguments and outputs,
+  less the outputs aliased to (donated) arguments."""
   return int(
       mem.temp_size_in_bytes
       + mem.argument_size_in_bytes
       + mem.output_size_in_bytes
       - mem.alias_size_in_bytes
   )
+
+
+def analysis_bytes(mem) -> dict[str, int]:
+  """An executable's ``memory_analysis()`` as the benchmarks record it: ``{"temp",
+  "arguments", "outputs", "alias", "total"}`` in bytes (per device; ``total_bytes``)."""
+  return {
+      "temp": int(mem.temp_size_in_bytes),
+      "arguments": int(mem.argument_size_in_bytes),
+      "outputs": int(mem.output_size_in_bytes),
+      "alias": int(mem.alias_size_in_bytes),
+      "total": total_bytes(mem),
+  }
 
 
 def longest(fields: dict, points: list[tuple[int, int]], budget: float, step: int, log):

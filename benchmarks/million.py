@@ -39,10 +39,7 @@ line).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import resource
-import shlex
 import sys
 import time
 
@@ -51,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import context_parallel, report
+from benchmarks import memory as bench_memory
 from fastpos.models import TaskInfo, build_model
 from fastpos.train import sharding as sharding_lib
-from fastpos.train.config import base_config
 
 GIB = 2**30
 # One-layer compiles without a part of the layer: model field overrides.
@@ -79,20 +76,10 @@ def make_config(
     mlp_chunk: int = 0,
     attn_chunk: int = 0,
 ):
-  """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``."""
-  c = base_config("synthetic")
-  c.model.update(
-      kernel="sikf",
-      positional="absolute,fastrpb",
-      num_layers=layers,
-      embed_dim=256,
-      num_heads=4,
-      mlp_dim=1024,
-      dropout_rate=0.1,
-      pooling="mean",
-  )
+  """The LRA Text-sized SIKF + absolute + FastRPB classifier at length ``n`` over ``seq``
+  (``context_parallel.text_config``)."""
+  c = context_parallel.text_config("sikf", "absolute,fastrpb", seq, layers)
   c.model.positional_options = {"absolute": {"kind": POSITIONS[positions][0]}}
-  c.model.kernel_options.num_features = 32
   if remat is not None:
     if "remat" not in c.model:
       raise ValueError(f"--remat={remat!r}: this model has no model.remat field.")
@@ -102,8 +89,6 @@ def make_config(
     c.model.mlp_chunk = mlp_chunk
   if attn_chunk:
     c.model.attn_chunk = attn_chunk
-  c.batch_size = 1
-  c.mesh.seq = seq
   return c
 
 
@@ -136,19 +121,8 @@ def compile_step(cfg, n: int) -> dict:
   start = time.perf_counter()
   compiled = step.lower(state, batch, rng).compile()
   seconds = time.perf_counter() - start
-  m = compiled.memory_analysis()
-  total = (
-      m.argument_size_in_bytes
-      + m.output_size_in_bytes
-      + m.temp_size_in_bytes
-      - m.alias_size_in_bytes
-  )
   return {
-      "temp": int(m.temp_size_in_bytes),
-      "arguments": int(m.argument_size_in_bytes),
-      "outputs": int(m.output_size_in_bytes),
-      "alias": int(m.alias_size_in_bytes),
-      "total": int(total),
+      **bench_memory.analysis_bytes(compiled.memory_analysis()),
       "state": _state_parts(state),
       "compile_s": seconds,
       "_run": (compiled, state, batch, init_fn),
@@ -405,10 +379,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"python -m benchmarks million: {e}", file=sys.stderr)
     return 2
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.seq}"
-  if jax.device_count() < args.seq:
+  if context_parallel.simulated_devices(args.seq) < args.seq:
     print(f"{prog}: --seq needs {args.seq} devices; {jax.device_count()} visible.", file=sys.stderr)
     return 2
   n = args.length
@@ -447,15 +418,15 @@ def main(argv=None) -> int:
     r.pop("_run", None)
 
   ok = head["total"] <= args.budget * GIB
-  command = " ".join([prog, shlex.join(argv if argv is not None else sys.argv[1:])]).strip()
   where = (
       f"over mesh.seq = {args.seq} devices ({n // args.seq:,} each)"
       if args.seq > 1
       else "on one device (mesh.seq = 1, no ring)"
   )
   lines = [
-      f"`{command}` ({platform.node() or 'host'}, {jax.devices()[0].platform}: "
-      f"{device_kind()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')})",
+      report.headline(
+          report.quoted_command(prog, argv), f"{jax.devices()[0].platform}: {device_kind()}"
+      ),
       "",
       f"N = {n:,} tokens {where}, per device:",
       "",

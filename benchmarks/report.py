@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -38,6 +39,21 @@ def command(name: str, argv: list[str] | None) -> str:
   """``python -m benchmarks <name> <argv>`` (``argv`` None: this process's arguments): the
   command that re-runs a benchmark, as its tables quote it."""
   return f"python -m benchmarks {name} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def quoted_command(prog: str, argv: list[str] | None) -> str:
+  """``prog`` and ``argv`` (None: this process's arguments) as a shell line, each argument
+  quoted where the shell needs it."""
+  return " ".join([prog, shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
+
+
+def headline(command: str, device: str) -> str:
+  """A table's first line: the command that made it, then (host, ``device``, jax version,
+  date)."""
+  return (
+      f"`{command}` ({platform.node() or 'host'}, {device}, jax {jax.__version__}, "
+      f"{time.strftime('%Y-%m-%d')})"
+  )
 
 
 def run_record(name: str, argv: list[str] | None) -> dict:

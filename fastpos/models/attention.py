@@ -420,6 +420,19 @@ class Attention(nn.Module):
       key = path_keys.fixed_key(self, spec.seed)
     return spec.make_projection(key, dim, dtype=dtype)
 
+  def setup(self):
+    # The layer's own scheme modules (those the model does not share), defined here rather
+    # than in the compact call so that ``chunked_layer`` (called by a block instead of the
+    # layer) reaches them too; parameters under ``pos_<name>`` either way.
+    shared = {type(s).scheme_name for s in self.shared}
+    dims = self.cfg.scheme_dims()
+    # The config's plan checked every option: the classes are built without another check.
+    self.own_schemes = tuple(
+        spec.cls(dims=dims[spec.name], **spec.option_dict(), name=f"pos_{spec.name}")
+        for spec in attention_schemes(self.cfg)
+        if spec.name not in shared
+    )
+
   @nn.compact
   def __call__(
       self,
@@ -431,7 +444,6 @@ class Attention(nn.Module):
       deterministic: bool = True,
       reference: bool = False,
       decode=None,
-      tail=None,
   ):
     """Args:
     x: ``[batch, N, D]``.
@@ -444,35 +456,23 @@ class Attention(nn.Module):
     reference: dense O(N^2) references instead of the fast paths.
     decode: a ``fastpos.models.decoding.Step``: x holds new tokens, attended against the
       layer's ``cache`` collection (``fastpos.models.decoding``).
-    tail: a token-wise function run on each chunk of the output when the call runs by chunks
-      (``chunked_attention.attend``; the caller checks ``by_chunks``), else refused.
 
     Returns:
       ``[batch, N, D]`` in ``dtype`` (``[N, D]`` for an unbatched ``x``).
     """
     if check_input("Attention", x, self.cfg.embed_dim):  # one example: a batch axis of one
       x, mask, memory, _ = add_batch_axis("Attention", x, mask, memory)
-      return self._attend(x, mask, grid, memory, deterministic, reference, decode, tail)[0]
-    return self._attend(x, mask, grid, memory, deterministic, reference, decode, tail)
+      return self._attend(x, mask, grid, memory, deterministic, reference, decode)[0]
+    return self._attend(x, mask, grid, memory, deterministic, reference, decode)
 
-  def _attend(self, x, mask, grid, memory, deterministic, reference, decode, tail):
+  def _attend(self, x, mask, grid, memory, deterministic, reference, decode):
     """The layer on a batched ``x`` (called from the compact ``__call__``: it creates the
-    submodules)."""
+    projections)."""
     grid, mask = self._check_inputs(x, mask, grid, memory)
     chunking = self.by_chunks(x, memory, decode, reference)
-    plan = self.cfg.plan(
-        compatibility.Setting(
-            attn_chunk=self.cfg.attn_chunk if chunking else 0,
-            seq=1 if reference or decode is not None else cp.seq_size(),
-            packed=segments.active() is not None,
-            memory=memory is not None,
-            decoding=decode is not None,
-        )
-    )
+    plan = self._plan(chunking, memory, decode, reference)
     if chunking:
-      return self._chunked(plan, x, mask, deterministic, tail)
-    if tail is not None:
-      raise ValueError("Attention: tail is only run by a call that runs by chunks.")
+      return chunked.attend(x, mask, self._chunk_parts(plan, x, mask, deterministic))
     dense = lambda name: nn.DenseGeneral(
         (self.cfg.num_heads, self.cfg.head_dim), dtype=self.dtype, name=name
     )
@@ -497,6 +497,18 @@ class Attention(nn.Module):
     out = out.astype(self.dtype)
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
+  def _plan(self, chunking: bool, memory, decode, reference: bool):
+    """The config's plan for this call (raises ValueError for a setting it does not build)."""
+    return self.cfg.plan(
+        compatibility.Setting(
+            attn_chunk=self.cfg.attn_chunk if chunking else 0,
+            seq=1 if reference or decode is not None else cp.seq_size(),
+            packed=segments.active() is not None,
+            memory=memory is not None,
+            decoding=decode is not None,
+        )
+    )
+
   def by_chunks(self, x, memory, decode, reference) -> bool:
     """Whether this call runs by chunks (``cfg.attn_chunk``): not while initialising (the
     parameters are built by the whole-sequence path), decoding, with memory or as the dense
@@ -506,7 +518,27 @@ class Attention(nn.Module):
       return False
     return not self.is_initializing() and -(-x.shape[1] // cp.seq_size()) > chunk
 
-  def _chunked(self, plan, x, mask, deterministic, tail):
+  def chunked_layer(
+      self, x, *, mask=None, grid=None, deterministic: bool = True
+  ) -> chunked.LayerParts:
+    """This layer as ``fastpos.models.chunked_attention.attend`` runs it on ``x [b, N, D]``
+    (``mask [b, N]`` bool or None; ``grid`` as the call takes it), for a call that runs by
+    chunks (``by_chunks``), the inputs checked and the setting planned as the call does. The
+    call itself returns ``attend(x, mask, chunked_layer(x, mask=mask))``; a block that runs
+    what follows the layer inside the same chunk loop passes its own ``tail`` to ``attend``.
+
+    Raises:
+      ValueError: for inputs the call refuses, or a call that does not run by chunks.
+    """
+    _, mask = self._check_inputs(x, mask, grid, None)
+    if not self.by_chunks(x, None, None, False):
+      raise ValueError(
+          f"Attention.chunked_layer: a call on x of shape {x.shape} does not run by chunks "
+          f"(attn_chunk={self.cfg.attn_chunk}; see Attention.by_chunks)."
+      )
+    return self._chunk_parts(self._plan(True, None, None, False), x, mask, deterministic)
+
+  def _chunk_parts(self, plan, x, mask, deterministic) -> chunked.LayerParts:
     """The layer by chunks of the sequence (``fastpos.models.chunked_attention.attend``):
     the same parameters, projection draw and output hooks as the whole-sequence path."""
     hooks = hooks_lib.Hooks.of(self._schemes())
@@ -528,17 +560,13 @@ class Attention(nn.Module):
       )
       return hooks_lib.output_terms(hooks, path)
 
-    return chunked.attend(
-        x,
-        mask,
+    return chunked.LayerParts(
         cfg=self.cfg,
         params=self.variables["params"],
         dtype=self.dtype,
         terms=terms if hooks.output else None,
         projection=w,
-        chunk=self.cfg.attn_chunk,
         parts=cp.seq_size(),
-        tail=tail,
     )
 
   def _check_inputs(self, x, mask, grid, memory):
@@ -564,16 +592,13 @@ class Attention(nn.Module):
     return grid, mask
 
   def _schemes(self) -> list:
-    """The scheme modules this layer calls: the shared ones, else built here by name."""
-    cfg = self.cfg
-    dims = cfg.scheme_dims()
+    """The scheme modules this layer calls, in the config's order: the shared ones (matched by
+    scheme name), else its own (``setup``)."""
+    own = iter(self.own_schemes)
     shared = {type(s).scheme_name: s for s in self.shared}
-    # The config's plan checked every option: the classes are built without another check.
     return [
-        shared[spec.name]
-        if spec.name in shared
-        else spec.cls(dims=dims[spec.name], **spec.option_dict(), name=f"pos_{spec.name}")
-        for spec in attention_schemes(cfg)
+        shared[spec.name] if spec.name in shared else next(own)
+        for spec in attention_schemes(self.cfg)
     ]
 
 

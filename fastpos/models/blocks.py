@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fastpos.models import context_parallel, decoding, tokenwise
+from fastpos.models import chunked_attention, context_parallel, decoding, tokenwise
 from fastpos.models.attention import (
     Attention,
     AttentionConfig,
@@ -301,7 +301,9 @@ class Block(nn.Module):
       kw["decode"] = decode
     chunked = self._chunked(x, decode)
     if chunked and self._fused(attn, x, memory, decode, reference):
-      return attn(x, tail=self._tail(x, drop, mlp, train), **kw)
+      # One chunk loop for the attention and what follows it: the block owns both.
+      layer = attn.chunked_layer(x, mask=amask, grid=grid, deterministic=not train)
+      return chunked_attention.attend(x, amask, layer, tail=self._tail(x, drop, mlp, train))
     if self.norm == "pre":
       mem = None if memory is None else self._apply(norm1, memory, None)
       y = attn(self._apply(norm1, x, mask), memory=mem, **kw)
@@ -327,9 +329,9 @@ class Block(nn.Module):
     return -(-x.shape[1] // context_parallel.seq_size()) > self.mlp_chunk
 
   def _fused(self, attn, x, memory, decode, reference) -> bool:
-    """Whether the token-wise part runs inside the attention's chunk loop
-    (``chunked_attention.attend``'s ``tail``): post-norm, ``attention.attn_chunk`` equal to
-    ``mlp_chunk``, and the attention call running by chunks."""
+    """Whether the token-wise part runs inside the attention's chunk loop (the block calls
+    ``chunked_attention.attend`` with ``_tail``): post-norm, ``attention.attn_chunk`` equal
+    to ``mlp_chunk``, and the attention call running by chunks."""
     if self.norm != "post" or self.attention.attn_chunk != self.mlp_chunk:
       return False
     return attn.by_chunks(x, memory, decode, reference)

@@ -43,6 +43,7 @@ Not built: 2D grids, schemes at the ``features``, ``logits`` or ``kv`` hooks, pa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -163,33 +164,49 @@ class _Layer:
     return self.out_proj(out.astype(self.dtype))
 
 
-def attend(
-    x,
-    mask,
-    *,
-    cfg,
-    params,
-    dtype: Any,
-    terms: Callable | None,
-    projection,
-    chunk: int,
-    parts: int,
-    tail: Callable | None = None,
-):
-  """The layer's output ``[b, N, D]`` of ``x [b, N, D]`` by chunks of ``chunk`` tokens.
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+  """What ``attend`` reads of an attention layer planned to run by chunks
+  (``fastpos.models.attention.Attention.chunked_layer`` builds it).
 
-  mask: ``[b, N]`` bool or None. cfg: the layer's ``AttentionConfig`` (planned to run by chunks).
-  params: the layer's parameters (``query``, ``key``, ``value``, ``out``, as the unchunked
-  layer's ``nn.DenseGeneral``). terms: ``v [b, N, h, d] -> [terms [b, N, h, d]]``, the
-  ``output`` hooks on the masked values, or None when the layer has none. projection: the
-  kernel's random projection or None. parts: P, the devices the sequence is split over.
-  tail: None, or a token-wise ``fn(pos, x_chunk, y_chunk) -> [b, P, C, D']`` run on each
-  chunk of the layer's output y in the second pass (the block's token-wise part: then the
-  result is its output, and neither y nor a second chunk loop is stored); ``pos`` int32
-  ``[1, P, C, 1]``: the tokens' positions (>= N: padding), as
+  Attributes:
+    cfg: the layer's ``AttentionConfig`` (planned to run by chunks of ``cfg.attn_chunk``).
+    params: the layer's parameters (``query``, ``key``, ``value``, ``out``, as the unchunked
+      layer's ``nn.DenseGeneral``).
+    dtype: the layer's activation dtype.
+    terms: ``v [b, N, h, d] -> [terms [b, N, h, d]]``, the ``output`` hooks on the masked
+      values, or None when the layer has none.
+    projection: the kernel's random projection, or None.
+    parts: P, the devices the sequence is split over.
+  """
+
+  cfg: Any
+  params: Any
+  dtype: Any
+  terms: Callable | None
+  projection: Any
+  parts: int
+
+
+def attend(x, mask, layer_parts: LayerParts, *, tail: Callable | None = None):
+  """The layer's output ``[b, N, D]`` (in ``layer_parts.dtype``) of ``x [b, N, D]`` by chunks
+  of ``layer_parts.cfg.attn_chunk`` tokens, or with ``tail`` the tail's output ``[b, N, D']``.
+
+  mask: ``[b, N]`` bool or None. tail: None, or a token-wise ``fn(pos, x_chunk, y_chunk) ->
+  [b, P, C, D']`` run on each chunk of the layer's output y in the second pass (what follows
+  the layer in its block, passed by the block that owns both: neither y nor a second chunk
+  loop is stored); ``pos`` int32 ``[1, P, C, 1]``: the tokens' positions (>= N: padding), as
   ``fastpos.models.tokenwise.map_chunks`` gives them."""
+  cfg, terms, parts = layer_parts.cfg, layer_parts.terms, layer_parts.parts
+  chunk = cfg.attn_chunk
   b, n, width = x.shape
-  layer = _Layer(cfg, params, dtype=dtype, projection=projection, width=width)
+  layer = _Layer(
+      cfg,
+      layer_parts.params,
+      dtype=layer_parts.dtype,
+      projection=layer_parts.projection,
+      width=width,
+  )
   real = jnp.ones((b, n), bool) if mask is None else mask
   xs = (_split(x, parts, chunk), _split(real, parts, chunk))  # padding: mask False
   if cfg.kernel.stabilised:  # sikf, favor, orf: one max shared by the keys

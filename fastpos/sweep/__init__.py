@@ -37,10 +37,12 @@ the config, the grid and one record per run (overrides, workdir, log, status, re
 wall time, the commands and the resolved config, which scripts/make_tables.py reads for runs
 that never started); it is rewritten after every change of status.
 
-Re-running the same command skips finished runs (``results_test.json`` newer than the
-workdir's ``config.json``, that ``config.json`` equal to the combination's resolved config,
-and the newest checkpoint at ``num_train_steps``) and resumes unfinished ones (train.py
-resumes from the newest checkpoint by itself). A run that exits non-zero is recorded with
+Re-running the same command skips finished runs and resumes unfinished ones (train.py
+resumes from the newest checkpoint by itself). A run is finished when its effective config
+(its ``config.json`` with the changes its resumes recorded, read through the workdir's owner
+``fastpos.train.workdir.Workdir``) equals the combination's resolved config, its newest
+checkpoint is at ``num_train_steps``, and its ``results_test.json`` is newer than those config
+records. A run that exits non-zero is recorded with
 its log and a status read from train.py / eval.py's exit code (``fastpos/train/errors.py``):
 
   preempted   75: stopped by SIGTERM / SIGINT after saving a checkpoint; re-running the sweep

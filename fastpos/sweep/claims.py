@@ -30,6 +30,7 @@ from typing import NamedTuple
 from fastpos.sweep import claim_table, cli, tables
 from fastpos.sweep.runner import REPO, format_duration, host_cpus
 from fastpos.train import errors
+from fastpos.train.workdir import Workdir
 
 
 class SweepSpec(NamedTuple):
@@ -384,8 +385,11 @@ def plot_curves(args: argparse.Namespace, claim: Claim, spec: SweepSpec, out: Pa
   """``out``: the training and validation curves of every variant of one sweep of the claim,
   its seeds' mean and min-max band (scripts/plot_curves.py; a claim of training stability
   reads it); False when no run has metrics."""
+  sweep_dir = args.out_dir / claim.name / spec.name
   workdirs = sorted(
-      p.parent for p in (args.out_dir / claim.name / spec.name).glob("*/metrics.jsonl")
+      p
+      for p in (sweep_dir.iterdir() if sweep_dir.is_dir() else ())
+      if p.is_dir() and Workdir(p).metrics_file.exists()
   )
   if not workdirs:
     return False

@@ -28,6 +28,8 @@ from fastpos.sweep.runner import (
     run_parallel,
     run_sequential,
 )
+from fastpos.train import errors
+from fastpos.train.workdir import Workdir
 
 MODES = ("sequential", "parallel", "gpus", "print")
 DESCRIPTION = (
@@ -139,7 +141,8 @@ def _record_runs(args: argparse.Namespace, sweep: _Sweep, runner: Runner) -> lis
     )
     if done:
       runs[name] = {**runs.get(name, {}), **record, "status": "done"}
-      print(f"[skip] {name}: finished (results_{args.split}.json)", file=sys.stderr)
+      results = Workdir(workdir).results_file(args.split).name
+      print(f"[skip] {name}: finished ({results})", file=sys.stderr)
       continue
     runs[name] = {**runs.get(name, {}), **record, "status": "pending", "message": why}
     todo.append(name)
@@ -178,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep: {e}", file=sys.stderr)
     return 2
   runner = Runner(args, sweep.config_path, sweep.arg, sweep.manifest, child_env)
-  todo = _record_runs(args, sweep, runner)
+  try:
+    todo = _record_runs(args, sweep, runner)
+  except errors.RunError as e:  # a damaged record of a run (Workdir names the file)
+    print(f"sweep: {e}", file=sys.stderr)
+    return errors.EXIT_BAD_INPUT
   if args.mode == "print" or args.dry_run:
     report.print_plan(todo, sweep.manifest, args.sweep_dir, sweep.slots, args.dry_run)
   try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastpos.train import cli, errors  # loads jax: configs need it anyway
+from fastpos.train.workdir import Workdir
 
 _SAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
@@ -176,8 +177,9 @@ def _check_keys(
 # Workdir state
 # ---------------------------------------------------------------------------------------------
 def latest_checkpoint_step(workdir: Path) -> int | None:
-  """The newest complete checkpoint step in ``workdir/checkpoints`` (orbax step folders)."""
-  d = workdir / "checkpoints"
+  """The newest checkpoint step of the run in ``workdir`` (the step folders of its
+  ``Workdir.checkpoints_dir``, as orbax names them); None when there is none."""
+  d = Workdir(workdir).checkpoints_dir
   if not d.is_dir():
     return None
   steps = [int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()]
@@ -185,21 +187,31 @@ def latest_checkpoint_step(workdir: Path) -> int | None:
 
 
 def finished(workdir: Path, resolved: dict, split: str = "test") -> tuple[bool, str]:
-  """(done?, why not) for a workdir and the config its run should have."""
-  results, config = workdir / f"results_{split}.json", workdir / "config.json"
-  if not config.exists():
+  """(done?, why not) for a workdir and the config its run should have: the run's effective
+  config (``Workdir.config_values``: what it started with, plus the changes its resumes
+  recorded) equal to ``resolved``, trained to ``num_train_steps`` and scored on ``split``
+  after its config was last recorded."""
+  run = Workdir(workdir)
+  saved = run.config_values()
+  if saved is None:
     return False, "not started"
-  step = latest_checkpoint_step(workdir)
-  saved = json.loads(config.read_text())
+  config_name = run.config_file.name
   if saved != resolved:
     diff = sorted(_diff_keys(saved, resolved))
-    return False, f"config.json differs from the sweep's config in {', '.join(diff[:6])}"
+    return False, (
+        f"the run's config ({config_name} with its recorded changes) differs from the "
+        f"sweep's config in {', '.join(diff[:6])}"
+    )
+  step = latest_checkpoint_step(workdir)
   if step is None or step < resolved["num_train_steps"]:
     return False, f"trained to step {step or 0} of {resolved['num_train_steps']}"
+  results = run.results_file(split)
   if not results.exists():
     return False, "trained, not evaluated"
-  if results.stat().st_mtime < config.stat().st_mtime:
-    return False, f"{results.name} is older than config.json"
+  records = [p for p in (run.config_file, run.changes_file) if p.exists()]
+  newest = max(records, key=lambda p: p.stat().st_mtime)
+  if results.stat().st_mtime < newest.stat().st_mtime:
+    return False, f"{results.name} is older than {newest.name}"
   return True, "done"
 
 

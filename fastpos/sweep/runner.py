@@ -21,6 +21,7 @@ from typing import NamedTuple
 from fastpos.sweep.manifest import Manifest, now
 from fastpos.sweep.plan import config_argv, latest_checkpoint_step
 from fastpos.train import errors
+from fastpos.train.workdir import Workdir
 
 # The checkout whose train.py / eval.py the runs call (the package is installed editable).
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +194,7 @@ class Runner:
 
   def _report_done(self, name: str, workdir: Path, wall: float) -> dict:
     """Says a finished run's headline metric; returns its numeric results for the manifest."""
-    results = json.loads((workdir / f"results_{self.args.split}.json").read_text())
+    results = json.loads(Workdir(workdir).results_file(self.args.split).read_text())
     metric = next((k for k in ("accuracy", "perplexity", "loss") if k in results), None)
     summary = f"{metric}={results[metric]:.4g}" if metric else ""
     self.say(f"[done] {name} in {wall:.0f} s {summary}")

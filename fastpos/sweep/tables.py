@@ -4,11 +4,12 @@ positional encodings, one block per task).
   python scripts/make_tables.py SWEEP_DIR [SWEEP_DIR ...] [--format=markdown|latex]
       [--rows=KEY] [--cols=KEY] [--metric=accuracy] [--split=test]
 
-Reads every run of each sweep (a folder of workdirs, as written by scripts/sweep.sh): the
-run's config from its ``config.json`` (written by train.py; for runs that never started, the
-resolved config recorded in ``SWEEP_DIR/sweep.json``) and its score from
-``results_<split>.json`` (written by eval.py). Several sweep folders (one per task) give one
-table with a block each.
+Reads every run of each sweep (a folder of workdirs, as written by scripts/sweep.sh) through
+the workdir's owner (``fastpos.train.workdir.Workdir``): the config the run last ran with
+(``Workdir.config_values``: its ``config.json``, written by train.py, with the changes its
+resumes recorded; for runs that never started, the resolved config recorded in
+``SWEEP_DIR/sweep.json``) and its score from ``results_<split>.json`` (written by eval.py).
+Several sweep folders (one per task) give one table with a block each.
 
 Rows and columns. By default the table's row and column of a run are its config's
 ``experiment.row`` / ``experiment.col`` (the paper's labels, e.g. "Linear, SIKF" / "FastRPB",
@@ -61,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from fastpos.sweep import stats
+from fastpos.train.errors import RunError
 
 PERCENT_METRICS = ("accuracy", "f1")
 MISSING = "missing"
@@ -84,24 +86,26 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def read_sweep(sweep_dir: Path, split: str) -> tuple[dict | None, list[dict]]:
   """(manifest or None, runs): each run {name, order, config (nested), flat, results,
   status}; ``order`` is the run's place in the sweep's grid (None off the manifest)."""
+  # Here, not at the top: the owner loads JAX and orbax (its checkpoints), which the table's
+  # flags and messages do without.
+  from fastpos.train.workdir import Workdir  # pylint: disable=import-outside-toplevel
+
   manifest_path = sweep_dir / "sweep.json"
   manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
   records = (manifest or {}).get("runs", {})
   order = {name: i for i, name in enumerate(records)}
   names = set(records)
   if sweep_dir.is_dir():
-    names |= {p.name for p in sweep_dir.iterdir() if (p / "config.json").exists()}
+    names |= {p.name for p in sweep_dir.iterdir() if Workdir(p).config_file.exists()}
   runs = []
   for name in sorted(names):
-    workdir = sweep_dir / name
+    run = Workdir(sweep_dir / name)
     record = records.get(name, {})
-    if (workdir / "config.json").exists():
-      config = json.loads((workdir / "config.json").read_text())
-    elif "config" in record:
-      config = record["config"]
-    else:
+    # The config the run last ran with (its recorded changes applied), else the manifest's.
+    config = run.config_values() if run.config_file.exists() else record.get("config")
+    if config is None:
       continue  # nothing to place the run by
-    results_path = workdir / f"results_{split}.json"
+    results_path = run.results_file(split)
     results = json.loads(results_path.read_text()) if results_path.exists() else None
     status = "done" if results is not None else record.get("status", "pending")
     runs.append(
@@ -413,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.sweep_dirs:
       _, found = read_sweep(d, args.split)
       if not found:
-        raise ValueError(f"{d}: no runs (no sweep.json records, no workdir with config.json).")
+        raise ValueError(
+            f"{d}: no runs (no sweep.json records, no workdir holding a run's config)."
+        )
       runs += found
     labelled = all(ROW in r["flat"] and COL in r["flat"] for r in runs)
     rows = args.rows or (ROW if labelled else "model.kernel")
@@ -444,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
           split=args.split,
           stat=args.stat,
       )
-  except ValueError as e:
+  except (ValueError, RunError) as e:  # RunError: a damaged record of a run (named)
     print(f"make_tables: {e}", file=sys.stderr)
     return 2
   print(text)

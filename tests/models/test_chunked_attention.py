@@ -334,3 +334,35 @@ def test_bad_chunk_is_refused_naming_it(value):
   cfg = ml_collections.ConfigDict({**_cfg().to_dict(), "attn_chunk": value})
   with pytest.raises(ValueError, match=f"attn_chunk must be an int >= 0 .*got {value!r}"):
     build_model(cfg, TaskInfo("classify", V, 3, N))
+
+
+def test_the_layer_call_takes_nothing_of_the_block():
+  """The chunk loop that also runs the block's token-wise part is the block's: the layer's
+  call takes arrays and settings only; its chunked form is ``chunked_layer`` + ``attend``."""
+  import inspect
+
+  from fastpos.models import chunked_attention
+
+  assert "tail" not in inspect.signature(Attention.__call__).parameters
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(1), (2, N, 16), jnp.float64)
+    mask = jnp.arange(N)[None] < jnp.array([[N], [19]])
+    layer = _layer("sikf", chunk=4)
+    params = layer.init(jax.random.key(0), x, mask=mask)
+
+    def by_parts(module, a, m):
+      return chunked_attention.attend(a, m, module.chunked_layer(a, mask=m))
+
+    y = layer.apply(params, x, mask=mask)
+    y_parts = layer.apply(params, x, mask, method=by_parts)
+  assert bool(jnp.all(y_parts == y))  # the call is exactly attend(x, mask, chunked_layer)
+
+
+def test_chunked_layer_refuses_a_call_that_does_not_run_by_chunks():
+  x = jnp.ones((1, 4, 16))  # one chunk of 4: the call runs on the whole sequence
+  layer = _layer("sikf", chunk=4).clone(dtype=jnp.float32)
+  params = layer.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"x of shape \(1, 4, 16\) does not run by chunks"):
+    layer.apply(params, x, method=lambda m, a: m.chunked_layer(a))
+  with pytest.raises(ValueError, match="called with grid=\\(2, 2\\)"):  # as the call checks
+    layer.apply(params, x, method=lambda m, a: m.chunked_layer(a, grid=(2, 2)))

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ from fastpos.plots import positional as plot_positional
 from fastpos.sweep import cli as sweep_cli
 from fastpos.sweep import plan, runner, stats
 from fastpos.sweep import tables as make_tables
+from fastpos.train import config_record
+from fastpos.train.workdir import Workdir
 from tests.helpers import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -360,6 +363,60 @@ def test_make_tables_one_block_for_a_table_whose_columns_are_tasks(tmp_path, cap
 def test_make_tables_rejects_unknown_row_key(fixture_sweep, capsys):
   assert make_tables.main([str(fixture_sweep), "--rows=model.kernl"]) == 2
   assert "'model.kernl' is not in the config" in capsys.readouterr().err
+
+
+def _record_change(workdir: Path, field: str, old, new, at: int = 300) -> None:
+  """A resume's change of ``field``, recorded as train.py records it."""
+  change = config_record.Change(field, old, new, affects_results=True)
+  config_record.record(workdir, at, [change])
+
+
+def test_make_tables_reads_the_config_a_run_last_ran_with(tmp_path, capsys):
+  # A run resumed with another kernel (train.py --allow_config_change): its config.json still
+  # says elu1, its recorded change says sikf; the table places it by what it last ran with.
+  d = tmp_path / "sweep"
+  for kernel, acc in (("elu1", 0.30), ("dpfp", 0.40)):
+    _fixture_run(d, kernel, "absolute", 0, acc, paper=None)
+  _record_change(d / "dpfp_absolute_0_listops_0.001", "model.kernel", "dpfp", "sikf")
+  _, runs = make_tables.read_sweep(d, "test")
+  assert sorted(r["flat"]["model.kernel"] for r in runs) == ["elu1", "sikf"]
+  assert make_tables.main([str(d)]) == 0
+  out = capsys.readouterr().out
+  assert "| sikf | 40.00 (n=1) |" in out and "dpfp" not in out, out
+
+
+def test_make_tables_names_a_damaged_change_record(tmp_path, capsys):
+  d = tmp_path / "sweep"
+  _fixture_run(d, "elu1", "absolute", 0, 0.30, paper=None)
+  changes = Workdir(d / "elu1_absolute_0_listops_0.001").changes_file
+  changes.write_text("{not json\n")
+  assert make_tables.main([str(d)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("make_tables: ") and f"{changes}:1 is not a config change" in err, err
+
+
+def test_a_run_is_finished_by_its_effective_config(tmp_path):
+  # finished() holds the sweep's config against config.json with the recorded changes, and
+  # wants results newer than the last of those records.
+  run = tmp_path / "run"
+  _fixture_run(tmp_path, "elu1", "absolute", 0, 0.30, paper=None)
+  (tmp_path / "elu1_absolute_0_listops_0.001").rename(run)
+  resolved = json.loads(Workdir(run).config_file.read_text())
+  (Workdir(run).checkpoints_dir / "1200").mkdir(parents=True)
+  results = Workdir(run).results_file("test")
+  os.utime(results, (time.time() + 5, time.time() + 5))
+  assert plan.finished(run, resolved) == (True, "done")
+  _record_change(run, "num_train_steps", 600, 1200)
+  os.utime(Workdir(run).changes_file, (time.time() + 10, time.time() + 10))
+  done, why = plan.finished(run, resolved)
+  assert not done and "differs from the sweep's config in num_train_steps" in why, why
+  longer = {**resolved, "num_train_steps": 1200}
+  assert plan.finished(run, longer) == (
+      False,
+      "results_test.json is older than config_changes.jsonl",
+  )
+  os.utime(results, (time.time() + 20, time.time() + 20))
+  assert plan.finished(run, longer) == (True, "done")
 
 
 # ---------------------------------------------------------------------------------------------

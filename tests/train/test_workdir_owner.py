@@ -179,8 +179,6 @@ RECORD_LITERALS = {
     "train.log",
     "train.lock",
 }
-# The sweep package still reads the workdirs of a sweep by file name, not through the owner.
-NOT_YET_THROUGH_THE_OWNER = ("fastpos/sweep/",)
 
 
 def _literals(path: Path) -> list[tuple[int, str]]:
@@ -197,8 +195,6 @@ def test_record_names_are_written_in_the_owner_only():
   found = {}
   for path in sources:
     rel = path.relative_to(ROOT).as_posix()
-    if rel.startswith(NOT_YET_THROUGH_THE_OWNER):
-      continue
     hits = _literals(path)
     if hits:
       found[rel] = hits
