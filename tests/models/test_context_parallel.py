@@ -289,6 +289,9 @@ def split_run(tmp_path_factory):
   return tmp, _run(tmp, [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES] + ["train"])
 
 
+# Slow (one 4-device subprocess for every case); the default run keeps the split on the ops:
+# tests/ops/test_context_parallel.py::test_split_equals_unsplit.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES])
 def test_split_sequence_equals_unsplit(split_run, case):
   errs = split_run[1]["cases"][case]
@@ -299,6 +302,8 @@ def test_split_sequence_equals_unsplit(split_run, case):
     assert split_along_positions(errs["table_specs"], 4), errs
 
 
+# Slow (it shares the subprocess above); the default run keeps the op-level split.
+@pytest.mark.slow
 def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
   tmp, result = split_run
   one = train_and_evaluate(tiny_config(**TRAIN_OVERRIDES), tmp_path / "one")
