@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import memory_length
 
 
+# Slow (a benchmark program); the default run keeps its flag checks (test_bad_flags_...).
+@pytest.mark.slow
 def test_softmax_memory_grows_faster_than_linear_fastrpb(tmp_path, capsys):
   code = memory_length.main(
       ["--smoke", "--rows=softmax,elu1_fastrpb", "--lengths=256,1024", "--batch=2"]

@@ -108,7 +108,9 @@ SETTINGS = [(5, {}), (4, dict(scan_layers=True, remat="block"))]
 # `-m slow` runs the other pairs.
 CASES = [
     pytest.param(CELLS[0], SETTINGS[0], id="classify-unrolled", marks=pytest.mark.slow),
-    pytest.param(CELLS[1], SETTINGS[1], id="lm-scan_block"),
+    # Slow; the default run keeps chunks (tests/models/test_chunked_attention.py, causal
+    # sikf-fastrpb-pieces) and scan + remat (tests/models/test_remat.py, save_dots).
+    pytest.param(CELLS[1], SETTINGS[1], id="lm-scan_block", marks=pytest.mark.slow),
     pytest.param(CELLS[0], SETTINGS[1], id="classify-scan_block", marks=pytest.mark.slow),
     pytest.param(CELLS[1], SETTINGS[0], id="lm-unrolled", marks=pytest.mark.slow),
 ]

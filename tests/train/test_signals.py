@@ -216,7 +216,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("case", DEFAULT_CASES, ids=map(_id, DEFAULT_CASES))
+# The second Ctrl-C runs with `-m slow`; the default run keeps one Ctrl-C and a SIGTERM.
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=_id(c), marks=pytest.mark.slow if c[1] == 2 else ())
+        for c in DEFAULT_CASES
+    ],
+)
 def test_a_signal_stops_train_py_with_its_code_and_one_true_line(case, tmp_path):
   _case(tmp_path, *case)
 
