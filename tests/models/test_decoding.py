@@ -15,7 +15,7 @@ by two LEFT-padding slots; a prompt prefill, a block of three tokens, then one t
   are slots, nor ``spe``, relative only in expectation);
 * the decoding state of the recurrent cells does not depend on ``max_length``.
 
-The default run checks a few cells; ``-m slow`` runs every causal 1D cell of the
+The default run checks one cell; ``-m slow`` runs every causal 1D cell of the
 compatibility table and prints the worst error per cell.
 """
 

@@ -6,8 +6,8 @@ Checked in float64: the scanned model's outputs and gradients equal the unrolled
 (parameters converted with ``stack_layers``) to 1e-9 relative; the layers' projections are the
 unrolled ones and differ from layer to layer; with ``redraw`` while training each scanned
 layer draws its own projection from the split ``features`` stream; decoding a scanned model
-equals decoding the unrolled one. The default run holds one cell per family; ``-m slow``
-runs every projection kernel with and without a scheme.
+equals decoding the unrolled one. The default run holds the scanned layers' fixed draws;
+``-m slow`` runs every projection kernel with and without a scheme.
 """
 
 from __future__ import annotations

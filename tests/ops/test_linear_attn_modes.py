@@ -200,6 +200,9 @@ def test_chunk_mode_equals_recurrent_internals_float64(c):
       assert rel_err(a, b) < 1e-12
 
 
+# Slow; the default run keeps float32 at n = 4096 in tests/ops/test_attention.py
+# (test_linear_attention_float32_gradients_n4096) and tests/ops/test_causal_fast.py.
+@pytest.mark.slow
 def test_chunk_mode_float32_n4096():
   rng = np.random.default_rng(5)
   n = 4096
