@@ -340,7 +340,9 @@ def test_auto_table_names_its_source_and_picks_per_backend():
   assert dispatch.resolve("auto", causal=True) == auto.pick()
 
 
-@pytest.mark.parametrize("n, chunk_size", [(6, None), (40, 24)])
+# The default run: a chunk that is not a power of two (a sequence shorter than the smallest
+# block, the same padding path, runs with `-m slow`).
+@pytest.mark.parametrize("n, chunk_size", [pytest.param(6, None, marks=pytest.mark.slow), (40, 24)])
 def test_fused_takes_any_chunk_and_short_sequences(n, chunk_size):
   """mode='fused' on a sequence shorter than its smallest block, and with a chunk that is not
   a power of two: the kernel's block rounds up (padding the sequence); values and gradients
