@@ -161,12 +161,11 @@ class _Stack(nn.Module):
     return nn.Dense(VOCAB, **f64)(x)
 
 
+# Slow; the default run keeps CachedDecoding's example (tests/test_api_docs.py) and decoding equal
+# to the full forward (tests/models/test_decoding.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "kernel, schemes",
-    [
-        pytest.param("softmax", ("rope", "t5_bias"), marks=pytest.mark.slow),
-        ("elu1", ("fastrpb",)),
-    ],
+    "kernel, schemes", [("softmax", ("rope", "t5_bias")), ("elu1", ("fastrpb",))]
 )
 def test_cached_decoding_of_a_users_stack_equals_its_full_forward(kernel, schemes):
   """A left-padded prompt of 5, then one token per step; float64, every real position."""
@@ -214,6 +213,9 @@ def lm():
   return model, jax.tree.map(lambda a: a.astype(jnp.float64), variables["params"])
 
 
+# Slow; the default run keeps generate's example (tests/test_api_docs.py) and decoding equal to the
+# full forward (tests/models/test_decoding.py).
+@pytest.mark.slow
 def test_generate_logits_equal_the_full_forward_of_the_sample(lm):
   model, params = lm
   prompt = jnp.array([[0, 0, 3, 4, 5], [7, 8, 9, 10, 11]])  # row 0 left-padded

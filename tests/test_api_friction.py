@@ -47,6 +47,9 @@ def layers():
   return x, [(name, m, jax.jit(m.init)(jax.random.key(1), x)) for name, m in _layers()]
 
 
+# Slow; the default run keeps the layer's examples (tests/test_api_docs.py) and unbatched masks
+# (test_an_unbatched_mask_must_match_the_unbatched_input).
+@pytest.mark.slow
 def test_one_example_runs_with_a_batch_axis_of_one_and_under_vmap(layers):
   x, built = layers
   mask = jnp.arange(N)[None, :] < jnp.array([[N], [4]])
@@ -90,6 +93,9 @@ def test_an_unbatched_mask_must_match_the_unbatched_input(layers):
     tower.apply(tv, x[0], memory=memory)
 
 
+# Slow; the default run keeps the towers' examples (tests/test_api_docs.py) and their bad inputs
+# (test_bad_model_inputs_say_what_to_pass).
+@pytest.mark.slow
 def test_tower_takes_mask_by_keyword_and_returns_an_array(layers):
   x, built = layers
   _, tower, variables = built[2]
@@ -114,6 +120,9 @@ def lm():
   return model, model.init(jax.random.key(0), ids), ids
 
 
+# Slow; the default run keeps the models' examples (tests/test_api_docs.py) and their bad inputs
+# (test_bad_model_inputs_say_what_to_pass).
+@pytest.mark.slow
 def test_models_take_bare_token_ids(lm):
   model, variables, ids = lm
   apply = jax.jit(model.apply)  # one compile per call form, not one per operation

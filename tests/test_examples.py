@@ -47,6 +47,8 @@ def test_every_example_is_tested():
   assert scripts and all(f'"{s}"' in source for s in scripts), scripts
 
 
+# Slow; the default run keeps the cheapest example, test_custom_scheme.
+@pytest.mark.slow
 def test_own_model():
   out = _run("own_model.py", "--steps=80", "--min_accuracy=0.9")
   assert "bidirectional elu1 + rope+fastrpb: copy accuracy" in out
@@ -59,7 +61,9 @@ def test_custom_scheme():
   assert "decoded vs full forward" in out
 
 
-def test_load_and_sample():  # ~20 s of CPU (a tiny train.py run): every example runs in CI
+# Slow; the default run keeps the cheapest example, test_custom_scheme.
+@pytest.mark.slow
+def test_load_and_sample():  # ~20 s of CPU (a tiny train.py run)
   out = _run("load_and_sample.py", "--steps=4", "--num_tokens=6")
   assert "text_lm: DecoderLM, kernel elu1, positional rope" in out
   sample = next(line for line in out.splitlines() if line.startswith("the -> "))

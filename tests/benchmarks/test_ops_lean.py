@@ -20,6 +20,8 @@ def test_bad_lengths_exit_2_naming_the_flag_and_value(value, capsys):
   ]
 
 
+# Slow (a benchmark program); the default run keeps its flag checks (test_bad_lengths_...).
+@pytest.mark.slow
 def test_the_two_layer_rows_compute_the_same_layer():
   """The head-major layer row is the token-major layer with its projections written
   head-major: outputs and every gradient equal (float64)."""

@@ -48,6 +48,9 @@ def _snapshot(folder):
   return out
 
 
+# Slow (a benchmark program per mode); the default run keeps its flag checks
+# (test_bad_input_is_one_message_before_any_compute).
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
   # ops runs as a user types it, without --out: the output goes to a new temporary folder

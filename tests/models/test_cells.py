@@ -82,7 +82,8 @@ def _cells():
           yield kernel, (scheme,), (opts,), causal, two_d, ok, i
 
 
-# The default run keeps a covering sample of each matrix; `-m slow` runs the rest. A cell has
+# The default run keeps a covering sample of the fast-vs-dense matrices; `-m slow` runs the
+# rest, and the causality and shift-invariance samples. A cell has
 # facets (below); the sample holds every facet value some cell of the matrix has, so each
 # scheme with each of its option variants runs causal and bidirectional, in 1D and 2D, on the
 # softmax path and on a linear kernel's, and each kernel runs causal and bidirectional, in 1D
@@ -341,6 +342,9 @@ def _shift_cells():
 SHIFT_CELLS = list(_shift_cells())
 
 
+# Slow (its sample); the default run keeps relative positions continuing across a memory
+# boundary (tests/models/test_models.py::test_transformer_xl_memory_reproduces_...).
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", _params(SHIFT_CELLS, FACETS["shift_invariant"], PROPERTY_KERNELS))
 def test_relative_schemes_are_shift_invariant(cell, family):
   """Real tokens at positions s..s+L-1 of a padded sequence give the outputs of positions
@@ -353,6 +357,9 @@ def test_relative_schemes_are_shift_invariant(cell, family):
 CAUSAL_CELLS = [c for c in COMPATIBLE if c[3]]
 
 
+# Slow (its sample); the default run holds each causal op to causality by gradients (tests/ops)
+# and the FFT-hook LM (tests/models/test_refusals.py::test_the_lm_never_sees_a_later_token).
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", _params(CAUSAL_CELLS, FACETS["causal"], PROPERTY_KERNELS))
 def test_causal_cells_never_look_ahead(cell, family):
   jac = family["causal"](cell)  # [n, D, n, D]

@@ -46,7 +46,10 @@ def _loss(layer, mask):
 SLOW_BIDIRECTIONAL = [pytest.param(k, marks=pytest.mark.slow) for k in ("elu1", "favor", "orf")]
 
 
-@pytest.mark.parametrize("kernel", ["sikf"] + SLOW_BIDIRECTIONAL)
+# Slow; the default run keeps the causal chunked layer (sikf-fastrpb-pieces, below).
+@pytest.mark.parametrize(
+    "kernel", [pytest.param("sikf", marks=pytest.mark.slow)] + SLOW_BIDIRECTIONAL
+)
 def test_chunked_layer_equals_the_whole_layer(kernel):
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.key(1), (2, N, 16), jnp.float64)
@@ -121,7 +124,8 @@ CAUSAL_CASES = [
     pytest.param("sikf", (), 4, {}, id="sikf-no_hooks", marks=pytest.mark.slow),
     # favor's eps weighs each key relative to the stabiliser: a max over all keys would move
     # the outputs by ~1e-4 here.
-    pytest.param("favor", (), 4, {}, id="favor-no_hooks"),
+    # Slow; the default run keeps sikf-fastrpb-pieces.
+    pytest.param("favor", (), 4, {}, id="favor-no_hooks", marks=pytest.mark.slow),
 ] + [
     pytest.param(k, ("fastrpb",), 4, {}, id=f"{k}-fastrpb", marks=pytest.mark.slow)
     for k in ("relu", "dpfp", "nprf", "prf", "orf")
@@ -164,6 +168,9 @@ def test_chunked_causal_layer_sees_no_future():
   assert bool(jnp.all(jnp.where(later, 1, seen) > 0))
 
 
+# Slow; the default run keeps late huge keys on the ops (tests/ops/test_attention.py::
+# test_late_huge_key_does_not_overflow_the_running_max).
+@pytest.mark.slow
 def test_a_late_huge_key_changes_no_earlier_output():
   """sikf, float32, no output hooks (one pass): one key at position 20 made 80 above the
   first key's features (exp(80) still fits float32) changes no output before it; every
@@ -227,7 +234,8 @@ def _compare(whole, chunked, params, batch, place=lambda p, b: (p, b)) -> tuple[
 
 
 # attn_chunk == mlp_chunk: the token-wise part runs inside the attention's chunk loop; else
-# after it, in its own chunks. The default run holds one layer, unrolled and fused.
+# after it, in its own chunks. The default run holds one layer, unrolled and fused (the block's
+# own chunk loop with the token-wise part inside); `-m slow` the scanned and causal layouts.
 SCAN = dict(scan_layers=True, remat="block")
 CASES = [
     pytest.param(4, dict(num_layers=1), id="fused-one_layer"),
@@ -306,7 +314,7 @@ def test_chunks_of_a_split_sequence_equal_the_whole_model():
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
 
-@pytest.mark.slow  # the default run has a causal layer case in test_context_parallel.py
+@pytest.mark.slow  # the default run splits causal sequences at the op (ops/test_context_parallel)
 def test_chunks_of_a_split_causal_sequence_equal_the_whole_model():
   """A causal LM over 4 devices (28 positions, 7 per device, in chunks of 3, the token-wise
   part in the same loop): each block starts from the key sums of the blocks before it, sikf's

@@ -9,11 +9,12 @@ which the layer pads to a multiple of 4. Under the mesh the parameters take the 
 shardings (``tree_shardings``): a learned absolute table is split over "seq", and its
 gradient comes back split. A 3-step training run with mesh.seq=2, mesh.data=2 (its absolute
 table and Adam moments split over "seq") is compared with the same run on 1 device.
-Configuration-time rejections run in process. The default run holds every scheme once, the
-kernels whose features reach across the sequence (sikf, favor: a key stabiliser shared by the
-keys of every block) and a per-token map of each kind (relu, nprf: elementwise, a normalised
-random projection); ``-m slow`` runs every kernel once as a layer and every kernel x scheme
-model cell.
+Configuration-time rejections run in process (in the default run). The split runs with
+``-m slow`` (the default run holds the split on the ops, tests/ops/test_context_parallel.py):
+every scheme once, the kernels whose features reach across the sequence (sikf, favor: a key
+stabiliser shared by the keys of every block) and a per-token map of each kind (relu, nprf:
+elementwise, a normalised random projection) in one subprocess with the training run, and
+every kernel once as a layer and every kernel x scheme model cell in another.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _layer_case(kernel: str, scheme: str, causal: bool) -> tuple:
 
 # Layer cases (`-m slow`): every linear kernel once, each with a scheme, causal every other one.
 LAYER_CASES = [_layer_case(k, SCHEMES[i % 5], bool(i % 2)) for i, k in enumerate(LINEAR)]
-# The default run: the causal ring Toeplitz product (kernelized RPE) and RoPE (the one scheme
+# The first subprocess: the causal ring Toeplitz product (kernelized RPE) and RoPE (the one scheme
 # the model cases leave out), with two per-token kernels the model cases leave out. The other
 # kernels (dpfp, prf, trf, orf: features of one token each, nothing shared across blocks) run
 # as layers with `-m slow` (LAYER_CASES), and every kernel x scheme pair both ways as a model
@@ -289,6 +290,9 @@ def split_run(tmp_path_factory):
   return tmp, _run(tmp, [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES] + ["train"])
 
 
+# Slow (one 4-device subprocess for every case); the default run keeps the split on the ops:
+# tests/ops/test_context_parallel.py::test_split_equals_unsplit.
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c[0] for c in DEFAULT_LAYER_CASES + MODEL_CASES])
 def test_split_sequence_equals_unsplit(split_run, case):
   errs = split_run[1]["cases"][case]
@@ -299,6 +303,8 @@ def test_split_sequence_equals_unsplit(split_run, case):
     assert split_along_positions(errs["table_specs"], 4), errs
 
 
+# Slow (it shares the subprocess above); the default run keeps the op-level split.
+@pytest.mark.slow
 def test_train_step_with_seq2_data2_equals_one_device(split_run, tmp_path):
   tmp, result = split_run
   one = train_and_evaluate(tiny_config(**TRAIN_OVERRIDES), tmp_path / "one")

@@ -80,6 +80,9 @@ def test_a_custom_exponential_kernel_gets_scaled_keys(custom_kernels, monkeypatc
   assert np.max(np.abs(plain - want)[m]) / np.max(np.abs(want)[m]) < 1e-9
 
 
+# Slow; the default run keeps decoding equal to the full forward (tests/models/test_decoding.py)
+# and a custom kernel (test_a_custom_exponential_kernel_gets_scaled_keys).
+@pytest.mark.slow
 def test_a_custom_stabilised_kernel_decodes_exactly(custom_kernels):
   k = jax.random.normal(jax.random.key(3), (B, 5, H, D // H), jnp.float64)
   e, s, eps_add = dec_ops.key_parts("mine", k)

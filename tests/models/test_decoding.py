@@ -15,7 +15,7 @@ by two LEFT-padding slots; a prompt prefill, a block of three tokens, then one t
   are slots, nor ``spe``, relative only in expectation);
 * the decoding state of the recurrent cells does not depend on ``max_length``.
 
-The default run checks a few cells; ``-m slow`` runs every causal 1D cell of the
+The default run checks one cell; ``-m slow`` runs every causal 1D cell of the
 compatibility table and prints the worst error per cell.
 """
 
@@ -138,19 +138,21 @@ def decode_errors(kernel, scheme, opts, mode="auto"):
 # One cell per hook family a scheme decodes through (logits: softmax's key / value cache;
 # features, kv, features + kv, output, embed: linear kernels' recurrent states), the prefix
 # check (favor) and the FastRPB value cache; transformer_xl and spe (logits, features) run in
-# the slow matrix.
+# the slow matrix. The default run keeps one cell (dpfp + FastRPB: the output hook's value
+# cache); the others run under `-m slow` (here and in test_decoding_every_causal_cell).
+_SLOW = pytest.mark.slow
 DEFAULT_CELLS = [
-    ("softmax", "t5_bias", {}),
-    ("elu1", "permuteformer", {"decay": 0.9}),
-    ("favor", "rope", {}),
-    ("sikf", "kernelized_rpe", {}),
-    ("dpfp", "fastrpb", {}),
-    ("relu", "absolute", {}),
+    pytest.param("softmax", "t5_bias", {}, marks=_SLOW),
+    pytest.param("elu1", "permuteformer", {"decay": 0.9}, marks=_SLOW),
+    pytest.param("favor", "rope", {}, marks=_SLOW),
+    pytest.param("sikf", "kernelized_rpe", {}, marks=_SLOW),
+    pytest.param("dpfp", "fastrpb", {}),
+    pytest.param("relu", "absolute", {}, marks=_SLOW),
 ]
 
 
 @pytest.mark.parametrize(
-    "kernel,scheme,opts", DEFAULT_CELLS, ids=[f"{k}-{s}" for k, s, _ in DEFAULT_CELLS]
+    "kernel,scheme,opts", DEFAULT_CELLS, ids=[f"{c.values[0]}-{c.values[1]}" for c in DEFAULT_CELLS]
 )
 def test_decoding_matches_full_forward(kernel, scheme, opts):
   err, shift = decode_errors(kernel, scheme, opts)
@@ -170,16 +172,12 @@ MODE_CELLS = [
 ]
 
 
-# The default run keeps both modes on the running-maximum cell (sikf: the one algorithm whose
-# state carries more than sums); the other algorithms' modes run under `-m slow` (the ops'
-# tests hold every mode of every algorithm to the dense reference).
+# Slow; the default run keeps test_decoding_matches_full_forward[dpfp-fastrpb] (the ops' tests
+# hold every mode of every algorithm to the dense reference).
 @pytest.mark.parametrize("mode", ("chunk", "recurrent"))
 @pytest.mark.parametrize(
     "kernel,scheme,opts",
-    [
-        pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=() if c[0] == "sikf" else pytest.mark.slow)
-        for c in MODE_CELLS
-    ],
+    [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=pytest.mark.slow) for c in MODE_CELLS],
 )
 def test_decoding_matches_full_forward_in_every_mode(kernel, scheme, opts, mode):
   err, shift = decode_errors(kernel, scheme, opts, mode=mode)

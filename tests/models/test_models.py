@@ -86,17 +86,17 @@ def test_cls_pooling_with_a_grid_is_rejected():
     build_model(_cfg(pooling="cls"), TaskInfo("classify", V, 3, 16, grid=(4, 4)))
 
 
-# Each kind of model once (a classifier with a grid, a dual encoder, an LM), each with a linear
-# kernel and a scheme through its whole stack; the softmax models and ELU+1 + FastRPB in a
-# classifier run with `-m slow` (tests/models/test_cells.py holds every kernel x scheme layer,
+# The default run: the LM with ELU+1 + kernelized RPE through its whole stack; the classifier
+# with a grid, the dual encoder, the softmax models and ELU+1 + FastRPB in a classifier run with
+# `-m slow` (tests/models/test_cells.py holds every kernel x scheme layer,
 # softmax ones included, to its dense reference).
 @pytest.mark.parametrize(
     "kind, kernel, scheme, grid",
     [
         pytest.param("classify", "elu1", "fastrpb", None, marks=pytest.mark.slow),
-        ("classify", "sikf", "kernelized_rpe", (3, 4)),
+        pytest.param("classify", "sikf", "kernelized_rpe", (3, 4), marks=pytest.mark.slow),
         pytest.param("classify", "softmax", "fastrpb", (3, 4), marks=pytest.mark.slow),
-        ("retrieval", "favor", "fastrpb", None),
+        pytest.param("retrieval", "favor", "fastrpb", None, marks=pytest.mark.slow),
         ("lm", "elu1", "kernelized_rpe", None),
         pytest.param("lm", "softmax", "fastrpb", None, marks=pytest.mark.slow),
     ],
@@ -115,16 +115,11 @@ def test_model_fast_equals_dense(kind, kernel, scheme, grid):
   assert rel_err(fast, dense) < 1e-9
 
 
-# The default run: softmax with the absolute table (padding shifts no position); the linear
-# kernels' padding is also checked by test_model_fast_equals_dense (padded batches), so they
-# run with `-m slow` only.
+# Slow; the default run keeps padding invariance in test_model_fast_equals_dense (padded
+# batches) and tests/ops/test_masks.py (a boolean mask equals the unpadded sequence).
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "kernel, scheme",
-    [
-        pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
-        ("softmax", "absolute"),
-        pytest.param("favor", "kernelized_rpe", marks=pytest.mark.slow),
-    ],
+    "kernel, scheme", [("elu1", "fastrpb"), ("softmax", "absolute"), ("favor", "kernelized_rpe")]
 )
 def test_trailing_padding_changes_nothing(kernel, scheme):
   """Classifier logits with 8 real tokens are the same padded to 8 or to 14 tokens."""
@@ -140,15 +135,11 @@ def test_trailing_padding_changes_nothing(kernel, scheme):
   assert rel_err(apply(v, long), apply(v, short)) < 1e-9
 
 
-# The default run: the LM with the causal FFT output hook; softmax and sikf run with `-m slow`
-# (every causal cell's layer is held to causality by gradients in tests/models/test_cells.py).
+# Slow; the default run keeps an LM with the causal FFT output hooks held to causality in
+# tests/models/test_refusals.py::test_the_lm_never_sees_a_later_token[elu1-schemes1].
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "kernel, scheme",
-    [
-        ("elu1", "fastrpb"),
-        pytest.param("softmax", "kernelized_rpe", marks=pytest.mark.slow),
-        pytest.param("sikf", "none", marks=pytest.mark.slow),
-    ],
+    "kernel, scheme", [("elu1", "fastrpb"), ("softmax", "kernelized_rpe"), ("sikf", "none")]
 )
 def test_lm_never_sees_future_tokens(kernel, scheme):
   n = 10
@@ -170,6 +161,8 @@ def test_lm_never_sees_future_tokens(kernel, scheme):
     assert not np.allclose(out[:, i + 1 :], base[:, i + 1 :])
 
 
+# Slow; the default run keeps each model kind's build in tests/test_api_docs.py (its examples).
+@pytest.mark.slow
 def test_dual_encoder_shares_one_tower_and_combines_both_orders():
   task = TaskInfo("retrieval", V, 2, 8)
   model = build_model(_cfg(kernel="elu1", positional="fastrpb"), task)
@@ -188,6 +181,8 @@ def test_dual_encoder_shares_one_tower_and_combines_both_orders():
   assert not np.allclose(apply(v, batch), apply(v, swapped))
 
 
+# Slow; the default run keeps each model kind's build in tests/test_api_docs.py (its examples).
+@pytest.mark.slow
 def test_shared_kernelized_rpe_is_one_table_for_all_layers():
   cfg = _cfg(
       kernel="elu1",
@@ -201,6 +196,8 @@ def test_shared_kernelized_rpe_is_one_table_for_all_layers():
   assert all("pos_kernelized_rpe" not in enc[f"block_{i}"]["attention"] for i in range(2))
 
 
+# Slow; the default run keeps each model kind's build in tests/test_api_docs.py (its examples).
+@pytest.mark.slow
 def test_batchnorm_variant_keeps_running_stats_of_real_tokens_only():
   model = build_model(
       _cfg(norm="batch", positional="fastrpb", kernel="elu1"), TaskInfo("classify", V, 3, 10)
@@ -219,14 +216,11 @@ def test_batchnorm_variant_keeps_running_stats_of_real_tokens_only():
     np.testing.assert_array_equal(a, b)
 
 
-# The default run: softmax + FastRPB (bfloat16 FFTs); the linear kernels run with `-m slow`.
+# Slow; the default run keeps bfloat16 inputs on the fused op
+# (tests/ops/test_fused_linear_attention.py::test_bf16_inputs_give_float32_sums).
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "kernel, scheme",
-    [
-        pytest.param("elu1", "fastrpb", marks=pytest.mark.slow),
-        pytest.param("favor", "kernelized_rpe", marks=pytest.mark.slow),
-        ("softmax", "fastrpb"),
-    ],
+    "kernel, scheme", [("elu1", "fastrpb"), ("favor", "kernelized_rpe"), ("softmax", "fastrpb")]
 )
 def test_bfloat16_tracks_float32(kernel, scheme):
   task = TaskInfo("classify", V, 3, 64)
@@ -241,6 +235,9 @@ def test_bfloat16_tracks_float32(kernel, scheme):
   assert rel_err(b, a) < 0.1
 
 
+# Slow; the default run keeps per-layer feature draws in tests/models/test_scan_keys.py
+# (test_each_layer_draws_the_unrolled_layers_projection[True]).
+@pytest.mark.slow
 def test_redrawn_features_need_an_rng_and_change_per_key():
   cfg = _cfg(kernel="favor", kernel_options={"redraw": True})
   model = build_model(cfg, TaskInfo("classify", V, 3, 8))
@@ -271,7 +268,8 @@ def test_nprf_kernel_with_shared_kernelized_rpe():
   assert np.all(np.isfinite(np.asarray(model.apply(v, batch))))
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
+# The default run: pre-norm; post-norm (the same memory path) runs with `-m slow`.
+@pytest.mark.parametrize("norm", [pytest.param("post", marks=pytest.mark.slow), "pre"])
 def test_transformer_xl_memory_reproduces_the_full_sequence(norm):
   """Segment 2 with the memory of segment 1 (M = L) gives the logits of the last L positions
   of one causal run over both segments: the memory holds each layer's inputs and the

@@ -61,8 +61,13 @@ def _random_params(model, batch):
     "scheme, layers",
     [
         ("absolute+t5_bias", {}),
-        # The segments reach the layers through nn.scan and remat, too.
-        ("absolute+t5_bias", dict(num_layers=2, scan_layers=True, remat="block")),
+        # The segments reach the layers through nn.scan and remat, too. Slow; the default run
+        # keeps the one-layer row (above) and scan + remat (tests/models/test_remat.py).
+        pytest.param(
+            "absolute+t5_bias",
+            dict(num_layers=2, scan_layers=True, remat="block"),
+            marks=pytest.mark.slow,
+        ),
         pytest.param("rope", {}, marks=pytest.mark.slow),
         pytest.param("absolute", {}, marks=pytest.mark.slow),
         pytest.param("absolute+kernelized_rpe", {}, marks=pytest.mark.slow),

@@ -6,8 +6,8 @@ Checked in float64: the scanned model's outputs and gradients equal the unrolled
 (parameters converted with ``stack_layers``) to 1e-9 relative; the layers' projections are the
 unrolled ones and differ from layer to layer; with ``redraw`` while training each scanned
 layer draws its own projection from the split ``features`` stream; decoding a scanned model
-equals decoding the unrolled one. The default run holds one cell per family; ``-m slow``
-runs every projection kernel with and without a scheme.
+equals decoding the unrolled one. The default run holds the scanned layers' fixed draws;
+``-m slow`` runs every projection kernel with and without a scheme.
 """
 
 from __future__ import annotations
@@ -91,10 +91,12 @@ def scan_errors(kind, kernel, positional, grads=True, reference=False, **fields)
 
 
 # (kind, kernel, scheme, gradients too): the cell the old refusal was measured on (0.31 off the
-# unrolled model). SPE, whose noise is keyed the same way (0.11 off before), runs in the default
-# run through the decoding test (prf + spe); `-m slow`: every projection kernel alone, with SPE
-# and with kernelized RPE, and SPE under sikf.
-DEFAULT = [("lm", "nprf", "kernelized_rpe", True)]
+# unrolled model), and SPE, whose noise is keyed the same way (0.11 off before), through the
+# decoding test (prf + spe); `-m slow`: these, every projection kernel alone, with SPE and with
+# kernelized RPE, and SPE under sikf. The default run keeps a scanned model equal to the
+# unrolled one in tests/models/test_remat.py (save_dots, scanned) and the scanned layers' draws
+# (test_each_layer_draws_the_unrolled_layers_projection[True]).
+DEFAULT = []
 SLOW = (
     [("classify", "sikf", "spe", False), ("classify", "sikf", "spe", True)]
     + [(kind, k, s, True) for k in KERNELS for kind, s in (("classify", "none"), ("lm", "spe"))]
@@ -154,7 +156,8 @@ def _drawn(seen, model, params, batch, **kw):
   return [a.tobytes() for a in seen]
 
 
-@pytest.mark.parametrize("scan", [False, True])
+# The default run: scanned; unrolled (the same draw outside a scan) runs with `-m slow`.
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_layer_draws_the_unrolled_layers_projection(projections, scan):
   """Fixed draws: layer i's projection is fold_in(key(seed), crc32(".../block_{i}/attention")),
   scanned or not, and the layers' projections differ."""
@@ -173,6 +176,9 @@ def test_each_layer_draws_the_unrolled_layers_projection(projections, scan):
   assert sorted(drawn) == sorted(expected)
 
 
+# Slow; the default run keeps the scanned layers' fixed draws
+# (test_each_layer_draws_the_unrolled_layers_projection[True]).
+@pytest.mark.slow
 def test_redraw_splits_the_features_stream_per_scanned_layer(projections):
   """redraw while training: each scanned layer draws its own projection from the features
   rng (neither one shared draw nor the fixed ones); evaluation draws the fixed ones."""
@@ -195,8 +201,11 @@ def test_redraw_splits_the_features_stream_per_scanned_layer(projections):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kernel, scheme",
-    [("prf", "spe"), pytest.param("nprf", "kernelized_rpe", marks=pytest.mark.slow)],
+    [("prf", "spe"), ("nprf", "kernelized_rpe")],
 )
+# Slow; the default run keeps decoding equal to the full forward in tests/models/test_decoding.py
+# and the scanned layers' draws (test_each_layer_draws_the_unrolled_layers_projection[True]).
+@pytest.mark.slow
 def test_decoding_a_scanned_model_equals_decoding_the_unrolled_one(kernel, scheme):
   """Each scanned layer's cached decoding reads the projection (and SPE noise) of its unrolled
   twin: a prefill, then a block on the state it left."""

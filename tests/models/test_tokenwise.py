@@ -104,11 +104,13 @@ CELLS = [
 SETTINGS = [(5, {}), (4, dict(scan_layers=True, remat="block"))]
 
 
-# The default run holds the causal LM, scanned and rematted (chunks that do not divide N);
-# `-m slow` runs the other pairs.
+# Every pair is slow: the default run keeps chunks that do not divide N inside the block's
+# chunk loop (test_chunked_attention.py, fused-one_layer) and scan + remat (test_remat.py).
 CASES = [
     pytest.param(CELLS[0], SETTINGS[0], id="classify-unrolled", marks=pytest.mark.slow),
-    pytest.param(CELLS[1], SETTINGS[1], id="lm-scan_block"),
+    # Slow; the default run keeps chunks (tests/models/test_chunked_attention.py, causal
+    # sikf-fastrpb-pieces) and scan + remat (tests/models/test_remat.py, save_dots).
+    pytest.param(CELLS[1], SETTINGS[1], id="lm-scan_block", marks=pytest.mark.slow),
     pytest.param(CELLS[0], SETTINGS[1], id="classify-scan_block", marks=pytest.mark.slow),
     pytest.param(CELLS[1], SETTINGS[0], id="lm-unrolled", marks=pytest.mark.slow),
 ]

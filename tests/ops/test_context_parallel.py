@@ -27,6 +27,16 @@ TOL_FLOAT32 = 1e-4
 # "linear": linear_attention with the options causal / rpe / decay / den / mask / chunk.
 CASES = [
     ("toeplitz_causal", 4, "toeplitz", {"causal": True}),
+    (
+        "linear_causal_rpe_decay",
+        4,
+        "linear",
+        {"causal": True, "rpe": True, "decay": True, "mask": True},
+    ),
+]
+# Under -m slow; the default run keeps the ring Toeplitz product (toeplitz_causal) and the
+# linear attention with every causal option (linear_causal_rpe_decay) split over 4 devices.
+SLOW_CASES = [
     ("toeplitz_heads_p3", 3, "toeplitz", {"layout": "heads"}),
     ("toeplitz_causal_chunks_p2", 2, "toeplitz", {"causal": True, "rows": 1, "block": 16}),
     ("toeplitz_broadcast_groups", 4, "toeplitz", {"layout": "broadcast", "rows": 6}),
@@ -38,14 +48,6 @@ CASES = [
         "linear",
         {"causal": True, "decay": True, "den": True, "mask": True},
     ),
-    (
-        "linear_causal_rpe_decay",
-        4,
-        "linear",
-        {"causal": True, "rpe": True, "decay": True, "mask": True},
-    ),
-]
-SLOW_CASES = [
     ("toeplitz", 4, "toeplitz", {}),
     ("linear_rpe_den", 4, "linear", {"rpe": True, "den": True, "mask": True}),
     ("toeplitz_p2", 2, "toeplitz", {"causal": True}),

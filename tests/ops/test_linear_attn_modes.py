@@ -200,6 +200,9 @@ def test_chunk_mode_equals_recurrent_internals_float64(c):
       assert rel_err(a, b) < 1e-12
 
 
+# Slow; the default run keeps float32 at n = 4096 in tests/ops/test_attention.py
+# (test_linear_attention_float32_gradients_n4096) and tests/ops/test_causal_fast.py.
+@pytest.mark.slow
 def test_chunk_mode_float32_n4096():
   rng = np.random.default_rng(5)
   n = 4096
@@ -337,7 +340,9 @@ def test_auto_table_names_its_source_and_picks_per_backend():
   assert dispatch.resolve("auto", causal=True) == auto.pick()
 
 
-@pytest.mark.parametrize("n, chunk_size", [(6, None), (40, 24)])
+# The default run: a chunk that is not a power of two (a sequence shorter than the smallest
+# block, the same padding path, runs with `-m slow`).
+@pytest.mark.parametrize("n, chunk_size", [pytest.param(6, None, marks=pytest.mark.slow), (40, 24)])
 def test_fused_takes_any_chunk_and_short_sequences(n, chunk_size):
   """mode='fused' on a sequence shorter than its smallest block, and with a chunk that is not
   a power of two: the kernel's block rounds up (padding the sequence); values and gradients

@@ -683,6 +683,9 @@ def test_plot_positional_writes_pngs_from_a_checkpoint(swept, tmp_path, capsys, 
   assert np.any(found["fastrpb"]["w"] != 0)  # trained away from the zero init
 
 
+# Slow; the default run keeps the sweep (test_sweep_runs_every_combination) and its dry-run plan
+# (test_gpus_dry_run_shows_the_plan_without_gpus).
+@pytest.mark.slow
 def test_gpus_mode_runs_one_run_per_device_in_parallel(env, tmp_path):
   # Two runs that fail at the config check (no compilation): each gets its own device id.
   d = tmp_path / "gpus"
@@ -871,6 +874,8 @@ def test_ctrl_c_stops_the_runs_and_says_how_to_resume(tmp_path, fake_python):
   assert runs["seed=99"]["status"] == "interrupted" and runs["seed=99"]["returncode"] == 75
 
 
+# Slow; the default run keeps the sweep (test_sweep_runs_every_combination).
+@pytest.mark.slow
 def test_parallel_mode_runs_two_at_a_time_with_a_share_of_the_cores(tmp_path, fake_python):
   d, meet = tmp_path / "sweep", tmp_path / "meet"
   meet.mkdir()

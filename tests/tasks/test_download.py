@@ -449,6 +449,9 @@ print(json.dumps(sorted(sys.modules)))
 # ---------------------------------------------------------------------------- end to end
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_two_steps_on_fetched_listops(tmp_path):
   from fastpos.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from fastpos.train.config import base_config  # pylint: disable=import-outside-toplevel

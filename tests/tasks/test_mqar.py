@@ -129,6 +129,8 @@ def _learned(tmp_path, arg: str, **task) -> float:
   return evaluate(cfg, tmp_path, "validation")["accuracy"]
 
 
+# Slow (a training run); the default run keeps the task's batches and refusals (above).
+@pytest.mark.slow
 def test_softmax_learns_mqar_fast(tmp_path):
   """2 pairs in 16 tokens: a width-32 softmax + RoPE decoder recalls every answer within 500
   steps (chance: 1/8, or 1/2 knowing which values the context holds); ~20 s on a CPU."""

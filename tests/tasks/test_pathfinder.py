@@ -280,6 +280,9 @@ def test_missing_data_names_path_and_command(tmp_path):
 # ------------------------------------------------------------------------ end to end
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_and_evaluate_two_steps_with_2d_scheme(root, tmp_path):
   c = base_config("pathfinder")
   c.task.update(data_dir=root, num_threads=1)

@@ -135,6 +135,9 @@ def test_a_wrong_contour_length_is_rejected():
   assert p["lit"] < ALPHA / len(SCALARS) and p["bright"] < ALPHA / len(SCALARS), p
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_tiny_config_trains_two_steps(tmp_path, monkeypatch):
   monkeypatch.setenv("FASTPOS_DATA_DIR", str(tmp_path / "no_data"))
   cfg = cli.load_config(

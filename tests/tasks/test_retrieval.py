@@ -293,6 +293,9 @@ def test_pair_order_and_labels_survive_batching(root):
   assert rows[:5] == [0, 1, 2, 3, 4] and weights == [1.0] * 5 + [0.0] * 3
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_and_evaluate_two_steps(root, tmp_path):
   c = base_config("lra_retrieval")
   c.task.update(data_dir=root, max_length=32)

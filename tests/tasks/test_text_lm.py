@@ -290,6 +290,9 @@ def test_sliding_window_loss_equals_a_direct_evaluation(corpus, tmp_path, lm, st
   assert abs(total - want) <= 1e-5 * abs(want), (total, want)
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_and_evaluate_two_steps(corpus, tmp_path):
   root, data = corpus
   c = cli.load_config(os.path.join(ROOT, "configs", "text_lm.py:tiny"))

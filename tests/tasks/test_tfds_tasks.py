@@ -516,6 +516,9 @@ def _train_two_steps(tmp_path, task_cfg, **model):
   return out
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_two_steps_lra_text(tmp_path):
   with mocked_tfds(tmp_path, 16):
     out = _train_two_steps(

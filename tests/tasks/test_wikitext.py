@@ -240,6 +240,9 @@ def test_stream_batches_continue_row_by_row(task):
   assert len(list(data_lib.stream_eval_iterator(val, cfg, limit=2))) == 2
 
 
+# Slow (a training run); the default run keeps a tiny run end to end (tests/train/test_exits.py)
+# and this task's batches (the tests above).
+@pytest.mark.slow
 def test_train_and_evaluate_two_steps(tmp_path):
   """No memory: shuffled segments through a tiny causal decoder; perplexity reported."""
   c = base_config("wikitext103")

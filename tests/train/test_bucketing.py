@@ -91,6 +91,8 @@ def test_eval_batches_score_each_example_once(limit):
   assert all(np.all(b["mask"].sum(1) > 0) for b in bucketed)  # fillers are real examples
 
 
+# Slow; the default run keeps padding invariance (tests/ops/test_masks.py).
+@pytest.mark.slow
 def test_bucketing_changes_no_example_output():
   """The main job's cell (SIKF, absolute + FastRPB, mean pooling), computed in float64: each
   example's logits from its bucketed batch equal its logits padded to max_length (the

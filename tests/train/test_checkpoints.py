@@ -360,6 +360,8 @@ def test_no_checkpoint_loads_lists_them(runs, tmp_path):
   assert not (workdir / workdir_lib.LOCK_NAME).exists()
 
 
+# Slow; the default run keeps checkpoint checks (test_damaged_newest_checkpoint_falls_back_...).
+@pytest.mark.slow
 def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path, monkeypatch):
   """lr 1e30 after a warmup from 0: step 1 leaves the parameters unchanged (lr 0), step 2
   sends them to ~1e29 (finite, but their loss is not): checkpoint 1 is the last good one.
@@ -396,6 +398,8 @@ def test_nan_stop_keeps_a_checkpoint_that_evaluates_and_trains(tmp_path, monkeyp
   assert sane["step"] == 3 and np.isfinite(sane["train"]["loss"])
 
 
+# Slow; the default run keeps exact resume (test_trainer.py::test_resume_is_bitwise_exact).
+@pytest.mark.slow
 def test_batch_size_change_resumes_at_the_same_example(runs, tmp_path, caplog):
   workdir = _copy(runs, tmp_path)
   with caplog.at_level(logging.WARNING):
@@ -575,6 +579,8 @@ def test_os_error_reason_reads_tensorstore_messages():
   assert workdir_lib.os_error_reason(ValueError("bad shape")) is None
 
 
+# Slow; the default run keeps restores (test_damaged_newest_checkpoint_falls_back_...).
+@pytest.mark.slow
 def test_the_workdir_restores_without_a_trainer(runs, tmp_path, caplog):
   """The newest verified checkpoint (or a given step, or best/) of a workdir, as saved or
   into an abstract state; a damaged newest one is skipped, not moved (read-only)."""

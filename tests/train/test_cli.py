@@ -22,6 +22,9 @@ CONFIG = "--config=configs/synthetic.py:tiny"
 ENV = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS}
 
 
+# Slow; the default run keeps a signal stop (tests/train/test_signals.py) and eval.py
+# (tests/train/test_eval_program.py).
+@pytest.mark.slow
 def test_sigterm_saves_and_eval_scores_the_workdir(tmp_path):
   workdir = tmp_path / "run"
   train = subprocess.Popen(

@@ -84,6 +84,8 @@ def _service(port: int, heartbeat_s: int = 1) -> subprocess.Popen:
   return proc
 
 
+# Slow (processes); the default run keeps a lost peer (test_a_broken_collective_waits_for_the_...).
+@pytest.mark.slow
 def test_service_process_stops_on_stop_and_lingers_when_process_0_dies():
   port = mp._free_port()
   proc = _service(port)

@@ -42,7 +42,9 @@ def _reference(run: run_lib.Run, state) -> dict[str, float]:
   return {"loss": loss / count, "accuracy": correct / count, "num_examples": count}
 
 
-@pytest.mark.parametrize("eval_batch_size", [0, 1])  # 0: batch 8, 6 rows of padding
+# 0: batch 8, 6 rows of padding; 1 (a call per segment) runs with `-m slow`, the default run
+# keeps the padded batch.
+@pytest.mark.parametrize("eval_batch_size", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_every_token_scored_once_whatever_the_eval_batch(tiny, eval_batch_size):
   run, state = tiny
   n = len(run.task.source("validation"))

@@ -121,6 +121,9 @@ def runs(tmp_path_factory):
   return {"root": root, "cache": cache, "full": full, "first": first, "second": second}
 
 
+# Slow; the default run keeps the memory across segments in tests/models/test_models.py
+# (test_transformer_xl_memory_reproduces_the_full_sequence[pre]) and exact resume in test_trainer.
+@pytest.mark.slow
 def test_resume_with_memory_is_bitwise_exact(runs):
   assert runs["first"]["step"] == 2 and runs["second"]["step"] == 4
   full = (runs["full"]["state"], runs["full"]["carry"])
@@ -155,6 +158,9 @@ def test_resume_with_memory_is_bitwise_exact(runs):
   assert runs["full"]["best"] == {"step": best, "perplexity": val[best]["perplexity"]}
 
 
+# Slow; the default run keeps the memory across segments in tests/models/test_models.py
+# (test_transformer_xl_memory_reproduces_the_full_sequence[pre]).
+@pytest.mark.slow
 def test_evaluation_carries_the_memory_across_batches_in_order(runs):
   """Validation: 3 segments in 2 streams ([0, 1] and [2, pad]); M = L covers stream 0's
   history, so the evaluation equals the full causal model over each stream."""
@@ -201,6 +207,9 @@ def _run_steps(model, params, batches, grad_accum_steps):
   return {"metrics": history, "state": state, "carry": carry}
 
 
+# Slow; the default run keeps the memory across segments in tests/models/test_models.py
+# (test_transformer_xl_memory_reproduces_the_full_sequence[pre]).
+@pytest.mark.slow
 def test_training_carries_the_memory_and_resets_it_per_epoch(constant_params_steps):
   run = constant_params_steps
   src, cfg = run["src"], run["cfg"]

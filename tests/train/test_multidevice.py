@@ -66,6 +66,9 @@ def one_device(tmp_path_factory):
   return train_and_evaluate(tiny_config(**OVERRIDES), tmp_path_factory.mktemp("one"))
 
 
+# Slow (training runs); the default run keeps 4 devices against 1 in test_multiprocess.py
+# (test_two_processes_log_what_one_process_logs).
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data4", pytest.param("data2_model2", marks=pytest.mark.slow)])
 def test_four_devices_match_one(tmp_path, one_device, mesh):
   # The fast compile flags, as this process compiles the 1-device run with (tests/conftest.py).

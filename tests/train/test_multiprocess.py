@@ -253,6 +253,9 @@ HEARTBEAT_S = 5
 KILL_BOUND_S = 60  # the survivor stops HEARTBEAT_S after its peer dies, plus a loaded machine
 
 
+# Slow; the default run keeps two processes (the `runs` fixture) and a missing peer stopping
+# in bounded time (test_bad_flags_stop_before_compute_and_a_missing_peer_in_bounded_time).
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_in_bounded_time(tmp_path):
   workdir = tmp_path / "killed"
   # A long run; the launcher's grace (GRACE_S) is longer than the bound, so the survivor

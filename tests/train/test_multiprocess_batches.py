@@ -29,6 +29,8 @@ def two_processes(tmp_path_factory):
   return out
 
 
+# Slow (two processes); the default run keeps two processes in tests/train/test_multiprocess.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(read_batches.LAYOUTS))
 def test_each_process_reads_its_rows_of_the_global_batches(two_processes, name):
   want = read_batches.read(name)  # this process alone: the global batches

@@ -151,6 +151,8 @@ def _flat(tree):
   return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
 
 
+# Slow; the default run keeps packing against each segment alone (tests/ops/test_segments.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pooling, scheme, extra",
     [

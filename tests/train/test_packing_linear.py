@@ -5,6 +5,7 @@ repository's fixtures."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from configs import wikitext103_nprf_table2
 from fastpos.train import data as data_lib
@@ -21,6 +22,9 @@ def _config(tmp_path):
   return c
 
 
+# Slow (a training run); the default run keeps packing against each segment alone
+# (tests/ops/test_segments.py).
+@pytest.mark.slow
 def test_wikitext_linear_lm_trains_packed(tmp_path):
   c = _config(tmp_path)
   run = run_lib.build_run(c, str(tmp_path / "probe"))

@@ -148,6 +148,8 @@ def test_every_step_deleted_while_read_says_so(setup, tmp_path, monkeypatch):
   assert "Restore them from a copy" not in str(e.value)
 
 
+# Slow; the default run keeps a damaged workdir's load (test_load_of_a_damaged_workdir_...).
+@pytest.mark.slow
 def test_readers_beside_a_writer_that_keeps_one(setup, tmp_path, caplog):
   """A writer thread saves steps 1, 2, ... (latest and best, keep 1, asynchronously) while
   this thread restores the newest of each, 12 times: every read succeeds, verified, at a step

@@ -160,6 +160,9 @@ def test_a_config_json_edited_by_hand_is_refused(runs, tmp_path, field, value):
   assert not (workdir / workdir_lib.CHANGES_NAME).exists()
 
 
+# Slow; the default run keeps the refusals
+# (test_a_foreign_checkpoint_is_refused_at_resume_eval_and_load).
+@pytest.mark.slow
 def test_an_accepted_change_joins_the_history(runs, tmp_path):
   workdir = _copy(runs["base"], tmp_path)
   train_and_evaluate(

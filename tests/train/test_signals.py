@@ -4,8 +4,8 @@ Each case starts ``train.py`` on a tiny run (a checkpoint every step, an evaluat
 and sends one signal, or two 50 ms apart, a random time after a moment of the run: the program
 having taken over the signals (its first line), the task line (the workdir held), the train
 step's compilation, its end, a training step, the eval step's compilation, a validation line,
-the run's last line. The instants come from a seeded RNG; the default run holds three of them
-(the cases a reviewer saw go wrong), the ``slow`` run 24.
+the run's last line. The instants come from a seeded RNG; the default run holds two of the three
+cases a reviewer saw go wrong, the ``slow`` run the third and 24 more.
 
 Each case asserts: the exit code is 130 for SIGINT, 75 for SIGTERM (or 0 when the run's last
 line was printed before: the signal came after the end); never a crash (-11, 139, "Fatal Python
@@ -216,7 +216,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("case", DEFAULT_CASES, ids=map(_id, DEFAULT_CASES))
+# The second Ctrl-C runs with `-m slow`; the default run keeps one Ctrl-C and a SIGTERM.
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=_id(c), marks=pytest.mark.slow if c[1] == 2 else ())
+        for c in DEFAULT_CASES
+    ],
+)
 def test_a_signal_stops_train_py_with_its_code_and_one_true_line(case, tmp_path):
   _case(tmp_path, *case)
 

@@ -55,6 +55,8 @@ def test_resume_is_bitwise_exact(runs):
   assert len(set(full_losses.values())) == 4  # the steps saw different data / parameters
 
 
+# Slow; the default run keeps test_resume_is_bitwise_exact (a resume from the mid-run checkpoint).
+@pytest.mark.slow
 def test_mid_run_checkpoint_is_intact(runs):
   """The step-2 checkpoint written asynchronously while the uninterrupted run went on (and
   donated its buffers) equals the one the stopped run wrote last; so does the data position."""
@@ -165,6 +167,9 @@ def test_evaluate_without_checkpoint(tmp_path):
     evaluate(tiny_config(), tmp_path)
 
 
+# Slow; the default run keeps micro-batches in tests/train/test_memory.py
+# (test_micro_batches_take_memory_rows_like_batch_rows).
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   """2 micro-batches of 2 give the update of one batch of 4 (no dropout; LayerNorm, whose
   statistics are per example, so the split changes nothing but round-off)."""
