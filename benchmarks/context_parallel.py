@@ -163,24 +163,14 @@ def simulated_devices(count: int) -> int:
   return jax.device_count()
 
 
-def _ints(text: str, flag: str) -> list[int]:
-  try:
-    values = [int(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    values = []
-  if not values or any(v < 1 for v in values) or values != sorted(set(values)):
-    raise ValueError(f"{flag}={text!r}: give increasing positive integers, comma-separated.")
-  return values
-
-
 def _mib(nbytes: int) -> str:
   return f"{nbytes / 2 ** 20:,.0f} MiB"
 
 
 def _checked_args(args) -> tuple[list[int], list[int], list[str]]:
   """(lengths, seqs, cells) from the flags; ValueError naming the bad one."""
-  lengths = _ints(args.lengths, "--lengths")
-  seqs = _ints(args.seqs, "--seqs")
+  lengths = report.increasing_ints(args.lengths, "--lengths")
+  seqs = report.increasing_ints(args.seqs, "--seqs")
   cells = [c.strip() for c in args.cells.split(",") if c.strip()]
   for c in cells:
     if c not in CELLS:

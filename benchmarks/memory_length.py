@@ -40,16 +40,6 @@ MODEL = dict(pooling="cls", num_layers=4)
 SMOKE = dict(num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-  try:
-    values = [int(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    values = []
-  if not values or min(values) < 1:
-    raise ValueError(f"{flag}={text!r}: give positive integers, comma-separated (e.g. 512,1024).")
-  return values
-
-
 def measure(rows: list[str], lengths: list[int], batch: int, smoke: bool, log) -> list[dict]:
   """One record per (row, N): {row, length, bytes, compile_s}."""
   out = []
@@ -139,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
   rows = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in rows if r not in ROWS]
   try:
-    lengths = _ints(args.lengths, "--lengths")
+    lengths = report.increasing_ints(args.lengths, "--lengths")
     if bad or not rows:
       raise ValueError(f"--rows: unknown {', '.join(bad) or '(none)'}; valid: {', '.join(ROWS)}.")
     if args.batch < 1:

@@ -74,3 +74,15 @@ def provenance(run: dict) -> str:
       f"`{run['command']}` on {run['machine']}, {run['date']}, load average at start "
       f"{run['load_average']}"
   )
+
+
+def increasing_ints(text: str, flag: str) -> list[int]:
+  """``"512,1024"`` -> ``[512, 1024]``: a flag's increasing positive integers; raises
+  ValueError naming the flag and the value otherwise (the caller prints it as one line)."""
+  try:
+    values = [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    values = []
+  if not values or any(v < 1 for v in values) or values != sorted(set(values)):
+    raise ValueError(f"{flag}={text!r}: give increasing positive integers, comma-separated.")
+  return values

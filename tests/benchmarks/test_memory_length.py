@@ -34,4 +34,4 @@ def test_bad_flags_are_one_line_before_any_compile(capsys):
   assert memory_length.main(["--rows=softmax,nope"]) == 2
   assert "unknown nope; valid: softmax, sikf_fastrpb, elu1_fastrpb" in capsys.readouterr().err
   assert memory_length.main(["--lengths=0,12"]) == 2
-  assert "--lengths='0,12': give positive integers" in capsys.readouterr().err
+  assert "--lengths='0,12': give increasing positive integers" in capsys.readouterr().err
