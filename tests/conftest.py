@@ -48,6 +48,12 @@ try:
 except ImportError:  # a jaxlib without Mosaic GPU: nothing to set
   pass
 
+# The first checkpoint read installs a filter that stays on asyncio's logger (abandoned reads
+# of a failed restore are logged seconds later): installed up front, so no test is blamed.
+from fastpos.train import checkpoint as _checkpoint  # noqa: E402  (after the imports above)
+
+_checkpoint.drop_orbax_leftovers()
+
 _ROOT = Path(__file__).resolve().parents[1]
 
 jax.config.update("jax_enable_x64", True)

@@ -198,40 +198,35 @@ def orbax_leftover(unraisable) -> bool:
   return abandoned_orbax_read(unraisable.object) or closed_loop_callback(unraisable)
 
 
-def _drop_orbax_leftovers() -> None:
-  """Wraps ``sys.unraisablehook`` (once; again if it was replaced since) in a hook that drops
-  orbax's leftovers (``orbax_leftover``) and passes everything else on. It stays: they come
-  seconds after the failed read, whose failure was raised (or reported) where it happened."""
+def drop_orbax_leftovers() -> None:
+  """Drops, from now on, what a failed orbax read or write leaves behind after its failure was
+  raised where the read or write was asked for: ``sys.unraisablehook`` is wrapped (once; again
+  if it was replaced since) in a hook that drops ``orbax_leftover`` and passes everything else
+  on, and asyncio's logger gets ``_AbandonedReads`` (once). Both stay: the leftovers come
+  seconds later, from orbax's loop thread."""
   previous = sys.unraisablehook
-  if getattr(previous, "drops_orbax_leftovers", False):
-    return
+  if not getattr(previous, "drops_orbax_leftovers", False):
 
-  def hook(unraisable):
-    if not orbax_leftover(unraisable):
-      previous(unraisable)
+    def hook(unraisable):
+      if not orbax_leftover(unraisable):
+        previous(unraisable)
 
-  hook.drops_orbax_leftovers = True
-  sys.unraisablehook = hook
-
-
-@contextlib.contextmanager
-def quiet_closed_event_loop():
-  """Within: asyncio's logs of abandoned reads are dropped; and from the first entry on,
-  orbax's leftovers of a failed read or write (``_drop_orbax_leftovers``). The failure itself
-  is raised where it happened."""
-  _drop_orbax_leftovers()
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
   asyncio_logger = std_logging.getLogger("asyncio")
-  asyncio_logger.addFilter(_drop_never_retrieved)
-  try:
-    yield
-  finally:
-    asyncio_logger.removeFilter(_drop_never_retrieved)
+  if not any(isinstance(f, _AbandonedReads) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_AbandonedReads())
 
 
-def _drop_never_retrieved(record: std_logging.LogRecord) -> bool:
-  # A failed read makes orbax abandon its sibling reads; asyncio then logs each one's error
-  # with a traceback. The first error is raised (and reported) where the read was asked for.
-  return "exception was never retrieved" not in str(record.msg)
+class _AbandonedReads(std_logging.Filter):
+  """Drops asyncio's log of a tensorstore future whose error nobody retrieved. A failed read
+  makes orbax abandon its sibling reads; asyncio logs each one's error, with a traceback, when
+  it collects the future: seconds later, from orbax's loop thread, after the first error was
+  raised (and reported) where the read was asked for. So the filter stays installed."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    text = str(record.msg)
+    return not ("exception was never retrieved" in text and "tensorstore" in text.lower())
 
 
 class _MissingMetadata(std_logging.Filter):
@@ -446,8 +441,8 @@ class Checkpoints:
     step that fails while the folder changes is not damaged: the folder is listed again and
     its newest step read (CheckpointLoadError, saying so, if it changed ``_REREADS`` times).
     """
-    with quiet_closed_event_loop():
-      return self._restore_newest(abstract_state, which, expect)
+    drop_orbax_leftovers()
+    return self._restore_newest(abstract_state, which, expect)
 
   def _restore_newest(self, abstract_state, which, expect) -> Restored | None:
     failed, skipped, damaged, rereads = [], [], set(), 0
@@ -623,24 +618,24 @@ class Checkpoints:
     """The newest step <= ``upto`` in checkpoints/ that loads and matches its digests (None
     when none does), and ``path (reason)`` of each newer one that does not (not moved)."""
     skipped = []
-    with quiet_closed_event_loop():
-      for step in self.steps("latest"):
-        if step > upto:
-          continue
-        path = self.latest_dir / str(step)
-        try:
-          meta = self._read_meta_checked(self.latest, step)
-          state = self.latest.restore(
-              step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-          )["state"]
-          # The data position is checked when this run's processes saved it.
-          saved = len((meta.get("digests") or {}).get("data") or [])
-          if not self._verify(path, meta, state, data=saved == jax.process_count()):
-            raise DigestMismatch("written without digests: unverified")
-        except Exception as e:  # pylint: disable=broad-except
-          skipped.append(f"{path} ({_reason(e)})")
-          continue
-        return step, skipped
+    drop_orbax_leftovers()
+    for step in self.steps("latest"):
+      if step > upto:
+        continue
+      path = self.latest_dir / str(step)
+      try:
+        meta = self._read_meta_checked(self.latest, step)
+        state = self.latest.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        )["state"]
+        # The data position is checked when this run's processes saved it.
+        saved = len((meta.get("digests") or {}).get("data") or [])
+        if not self._verify(path, meta, state, data=saved == jax.process_count()):
+          raise DigestMismatch("written without digests: unverified")
+      except Exception as e:  # pylint: disable=broad-except
+        skipped.append(f"{path} ({_reason(e)})")
+        continue
+      return step, skipped
     return None, skipped
 
   def _damaged(self, path: Path, exc: BaseException) -> str:

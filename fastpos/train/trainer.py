@@ -64,7 +64,7 @@ from fastpos.train import resume as resume_lib
 from fastpos.train import run as run_lib
 from fastpos.train import state as state_lib
 from fastpos.train import workdir as workdir_lib
-from fastpos.train.checkpoint import Checkpoints, quiet_closed_event_loop
+from fastpos.train.checkpoint import Checkpoints, drop_orbax_leftovers
 from fastpos.train.errors import RunError, WorkdirLockedError
 from fastpos.train.run import Run
 from fastpos.train.summary import PLOTTED_SCHEMES, summary_line
@@ -171,9 +171,9 @@ def _train_and_evaluate(config, workdir, model, allow_config_change, fresh) -> d
     ckpts.identity = _identity(run, run_dir, fingerprint, model_format)
     writer = _open_writer(run, start, changes, data_change)
     interrupts.check("before training started")
-    with quiet_closed_event_loop():  # after a failed save (a full disk)
-      result = loop_lib.train_loop(run, ckpts, writer, start)
-      ckpts.wait()  # a failed background save raises here
+    drop_orbax_leftovers()  # after a failed save (a full disk)
+    result = loop_lib.train_loop(run, ckpts, writer, start)
+    ckpts.wait()  # a failed background save raises here
     if not result["stopped_early"]:
       interrupts.check(f"after step {result['step']}, the last")
     if not result["stopped_early"] and jax.process_index() == 0:

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from fastpos.train import program
+from fastpos.train import checkpoint, program
 
 
 def _coroutine(filename: str, name: str):
@@ -58,3 +58,19 @@ def test_tensorstore_details_are_cut_from_the_line():
       "Encountered error while reading array index: (). See full TensorStore details: <x"
   )
   assert program._first_line(exc) == "Encountered error while reading array index: ()."
+
+
+def test_asyncio_logs_of_abandoned_tensorstore_reads_are_dropped_and_others_kept(caplog):
+  """A failed restore's sibling reads are logged by asyncio when collected, after the restore
+  has returned: the filter that drops them stays installed (``drop_orbax_leftovers``)."""
+  checkpoint.drop_orbax_leftovers()
+  logger = logging.getLogger("asyncio")
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    logger.error(
+        "Future exception was never retrieved\nfuture: <Future finished exception="
+        "ValueError('Error opening \"zarr\" driver [tensorstore_spec=...]')>"
+    )
+    logger.error("Future exception was never retrieved\nfuture: <Future exception=KeyError(1)>")
+    logger.error("Task was destroyed but it is pending! [tensorstore_spec=...]")
+  kept = [r.getMessage() for r in caplog.records]
+  assert len(kept) == 2 and "KeyError" in kept[0] and "destroyed" in kept[1], kept

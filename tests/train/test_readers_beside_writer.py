@@ -213,7 +213,7 @@ def test_load_of_a_damaged_workdir_is_one_exception_and_a_quiet_stderr(setup, tm
   config = tmp_path / "config.json"
   config.write_text(setup["run"].cfg.to_json_best_effort())
   script = textwrap.dedent(f"""
-      import fastpos, gc
+      import fastpos, gc, time
       from fastpos.train import cli
       from fastpos.train.checkpoint import CheckpointLoadError
       cfg = cli.load_config({str(config)!r})
@@ -223,7 +223,10 @@ def test_load_of_a_damaged_workdir_is_one_exception_and_a_quiet_stderr(setup, tm
         print("CAUGHT", e)
       else:
         print("LOADED")
-      gc.collect()
+      # Abandoned sibling reads are collected later, from orbax's loop thread: wait for them.
+      for _ in range(3):
+        time.sleep(1)
+        gc.collect()
       """)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   proc = subprocess.run(
