@@ -63,8 +63,9 @@ def check_dense(width: int, heads: int, length: int) -> float:
       width, heads, positional="alibi", alibi={"slope_base": 4.0}, dtype=jnp.float64
   )
   x = jax.random.normal(jax.random.key(0), (2, length, width), jnp.float64)
-  params = jax.tree.map(lambda a: a.astype(jnp.float64), layer.init(jax.random.key(1), x))
-  got = layer.apply(params, x)
+  init = jax.jit(layer.init)  # one compiled program each, not one per operation
+  params = jax.tree.map(lambda a: a.astype(jnp.float64), init(jax.random.key(1), x))
+  got = jax.jit(layer.apply)(params, x)
   want = alibi_by_hand(params, x, heads, 4.0)
   return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
@@ -75,12 +76,12 @@ def check_decoding(width: int, heads: int, length: int) -> float:
   )
   model = fastpos.DecoderLM(cfg, vocab_size=11, num_layers=2, mlp_dim=2 * width)
   tokens = jax.random.randint(jax.random.key(2), (2, length), 1, 11)
-  variables = model.init(jax.random.key(3), {"inputs": tokens})
+  variables = jax.jit(model.init)(jax.random.key(3), {"inputs": tokens})
   steps = fastpos.generate(model, variables, tokens[:, :4], length - 4, return_logits=True)
   # The sampled tokens differ from `tokens`: hold the decoded logits to the forward of the
   # sequence that was decoded.
   seq = jnp.concatenate([tokens[:, :4], steps[0][:, :-1]], axis=1)
-  full = model.apply(variables, {"inputs": seq})
+  full = jax.jit(model.apply)(variables, {"inputs": seq})
   return float(jnp.max(jnp.abs(steps[1] - full)) / jnp.max(jnp.abs(full)))
 
 

@@ -5,6 +5,8 @@ token; layers it cannot run are refused."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -76,6 +78,12 @@ def test_chunked_layer_equals_the_whole_layer(kernel):
 
 def _random_params(layer, x, mask):
   """The layer's parameters plus noise (FastRPB starts at zero): every part of it counts."""
+  return _perturbed_init(layer, x, mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _perturbed_init(layer, x, mask):
+  # One compiled program (an eager init compiles every operation on its own).
   params = layer.init(jax.random.key(0), x, mask=mask)
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(5), len(leaves))
@@ -261,7 +269,7 @@ def test_chunked_model_equals_the_whole_model(attn_chunk, layout):
       task, layout = TaskInfo("classify", V, 3, N), dict(pooling="cls", mlp_chunk=4, **layout)
     whole = build_model(_cfg(**layout), task)
     chunked = build_model(_cfg(**layout, attn_chunk=attn_chunk), task)
-    params = whole.init(jax.random.key(0), _batch())["params"]
+    params = jax.jit(whole.init)(jax.random.key(0), _batch())["params"]
     out_err, grad_err = _compare(whole, chunked, params, _batch())
   assert out_err < 1e-9 and grad_err < 1e-9, (out_err, grad_err)
 
@@ -356,7 +364,7 @@ def test_the_layer_call_takes_nothing_of_the_block():
     x = jax.random.normal(jax.random.key(1), (2, N, 16), jnp.float64)
     mask = jnp.arange(N)[None] < jnp.array([[N], [19]])
     layer = _layer("sikf", chunk=4)
-    params = layer.init(jax.random.key(0), x, mask=mask)
+    params = jax.jit(layer.init)(jax.random.key(0), x, mask=mask)
 
     def by_parts(module, a, m):
       return chunked_attention.attend(a, m, module.chunked_layer(a, mask=m))

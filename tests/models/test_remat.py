@@ -112,7 +112,7 @@ def _reference(cell):
   task = TaskInfo(kind, V, 0 if kind == "lm" else 3, N)
   model = build_model(_cfg(kernel=kernel, positional=scheme, **extra), task)
   batch = _batch(kind)
-  variables = model.init(jax.random.key(0), batch)
+  variables = jax.jit(model.init)(jax.random.key(0), batch)
   params = jax.tree.map(
       lambda p: p + 0.1 * jnp.sin(jnp.arange(p.size).reshape(p.shape) + 1.0), variables["params"]
   )

@@ -60,6 +60,29 @@ def test_bad_claim_names_stop_before_anything_runs(tmp_path, capsys):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_skipped_sweep_runs_with_all_only_and_its_pages_say_why(tmp_path):
+  """A sweep the default run skips (Pathfinder-32: measured at chance) gets no scripts/sweep.py
+  call unless --all; the claim's page and the README say so, not a table of missing cells."""
+  claim = claims.BY_NAME["fastrpb"]
+  spec = next(s for s in claim.sweeps if s.skipped)
+  assert "chance" in spec.skipped
+  default = claims._parser().parse_args([str(tmp_path / "out"), f"--results={tmp_path / 'r'}"])
+  every = claims._parser().parse_args([str(tmp_path / "out"), "--all"])
+  assert claims.sweep_argv(default, claim, spec) is None
+  argv = claims.sweep_argv(every, claim, spec)
+  assert argv is not None and f"--config={ROOT / spec.config}" in argv
+  # Left-over runs of the skipped sweep are not tabulated by the default mode.
+  (tmp_path / "out" / "fastrpb" / spec.name).mkdir(parents=True)
+  (tmp_path / "out" / "fastrpb" / spec.name / "sweep.json").write_text("not read")
+  assert claims.claim_blocks(default, claim) == []
+  claims.write_results(default, "scripts/claims.sh OUT")
+  page = (tmp_path / "r" / "fastrpb.md").read_text()
+  assert f"Not run: the {spec.name} sweep (`{spec.config}`): {spec.skipped}." in page
+  readme = (tmp_path / "r" / "README.md").read_text()
+  row = next(l for l in readme.splitlines() if f"| {spec.name} (`{spec.config}`) |" in l)
+  assert row.endswith("| not run (its page) |"), row
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   out, results = tmp_path_factory.mktemp("claims"), tmp_path_factory.mktemp("results")
