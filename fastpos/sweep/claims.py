@@ -83,8 +83,9 @@ PATHFINDER_AT_CHANCE = (
     "about 28 h) could decide nothing: ELU+1 without FastRPB, 3,000 steps of 128 images on the "
     "LRA setting (14 paddles), ended at 51.2% test accuracy, and ELU+1 + FastRPB, 1,500 steps "
     "on the easiest setting (6 paddles), at 50.2% validation accuracy (the majority class: "
-    "51.15%). The papers' setting (configs/common.py, LRA_TASKS) trains on 200 x 312 batches "
-    "of 512 images, about 80 times the images of the first run"
+    "51.15%; pathfinder_at_chance.md has both runs' curves). The papers' setting (configs/"
+    "common.py, LRA_TASKS) trains on 200 x 312 batches of 512 images, about 80 times the "
+    "images of the first run"
 )
 CLAIMS: tuple[Claim, ...] = (
     Claim(
