@@ -52,18 +52,21 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
 from absl import logging
 
 # The record modules read and write the files this module names (they import it in turn and
-# read its names when called, never while importing).
-from fastpos.train import checkpoint as checkpoint_lib
+# read its names when called, never while importing). The checkpoint module (orbax, grain:
+# seconds to import) is imported where checkpoints are read: reading records needs neither.
 from fastpos.train import config_record
 from fastpos.train import identity as identity_lib
 from fastpos.train import launches as launches_lib
 from fastpos.train.errors import RunError, WorkdirLockedError
+
+if TYPE_CHECKING:
+  from fastpos.train import checkpoint as checkpoint_lib
 
 # The workdir's layout (the module docstring): these names are written nowhere else.
 CONFIG_NAME = "config.json"
@@ -446,6 +449,8 @@ class Workdir:
   ) -> checkpoint_lib.Checkpoints:
     """The managers of checkpoints/ and best/ (``checkpoint.Checkpoints``; the caller closes
     them). Writing (the trainer, lock held) needs ``cfg`` and ``read_only=False``."""
+    from fastpos.train import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+
     return checkpoint_lib.Checkpoints(self.path, cfg, read_only=read_only)
 
   def latest_step(self) -> int | None:
@@ -503,6 +508,8 @@ class Workdir:
       )
     if expect is not None:  # a checkpoint of another run, or one the record lacks: refused
       expect = {**expect, "run": self.record().check}
+    from fastpos.train import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+
     ckpts = self.checkpoints()
     try:
       if isinstance(checkpoint, int):
@@ -534,6 +541,8 @@ class Workdir:
 
   def _restore_step(self, ckpts, abstract_state, step: int, expect) -> checkpoint_lib.Restored:
     """The checkpoint at ``step`` (checkpoints/, else best/), verified; no fallback."""
+    from fastpos.train import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+
     for which, folder in (("latest", ckpts.latest_dir), ("best", ckpts.best_dir)):
       if step in ckpts.steps(which):
         path = folder / str(step)
