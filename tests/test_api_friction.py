@@ -117,7 +117,7 @@ def test_tower_takes_mask_by_keyword_and_returns_an_array(layers):
 def lm():
   model = fastpos.DecoderLM(_cfg(), vocab_size=VOCAB, num_layers=1, mlp_dim=W)
   ids = jax.random.randint(jax.random.key(2), (2, N), 1, VOCAB).at[0, :2].set(0)
-  return model, model.init(jax.random.key(0), ids), ids
+  return model, jax.jit(model.init)(jax.random.key(0), ids), ids
 
 
 # Slow; the default run keeps the models' examples (tests/test_api_docs.py) and their bad inputs
