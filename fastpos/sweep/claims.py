@@ -79,13 +79,13 @@ class Claim(NamedTuple):
 
 _LRPE = ("Type1", "Type2", "Type3")
 PATHFINDER_AT_CHANCE = (
-    "at this CPU's budget every Pathfinder-32 model stays at chance, so the sweep (18 runs, "
-    "about 28 h) could decide nothing: ELU+1 without FastRPB, 3,000 steps of 128 images on the "
-    "LRA setting (14 paddles), ended at 51.2% test accuracy, and ELU+1 + FastRPB, 1,500 steps "
-    "on the easiest setting (6 paddles), at 50.2% validation accuracy (the majority class: "
-    "51.15%; pathfinder_at_chance.md has both runs' curves). The papers' setting (configs/"
-    "common.py, LRA_TASKS) trains on 200 x 312 batches of 512 images, about 80 times the "
-    "images of the first run"
+    "at this CPU's budget every Pathfinder-32 model stays at chance, so the sweep could decide "
+    "nothing (a run takes about 1.6 h here): ELU+1 without FastRPB, 3,000 steps of 128 images "
+    "on the LRA setting (14 paddles), ended at 51.2% test accuracy, and ELU+1 + FastRPB, 1,500 "
+    "steps on the easiest setting (6 paddles), at 50.2% validation accuracy (the majority "
+    "class: 51.15%; pathfinder_at_chance.md has both runs' curves). The papers' setting "
+    "(configs/common.py, LRA_TASKS) trains on 200 x 312 batches of 512 images, about 80 times "
+    "the images of the first run"
 )
 CLAIMS: tuple[Claim, ...] = (
     Claim(
@@ -132,6 +132,13 @@ CLAIMS: tuple[Claim, ...] = (
                 ("arg.model=softmax,nprf,nprf_rpe",),
                 ("arg.model=nprf,nprf_rpe",),
             ),
+            SweepSpec(
+                "pathfinder",
+                "configs/claim_pathfinder.py",
+                ("arg.model=softmax,nprf,nprf_rpe",),
+                None,
+                skipped=PATHFINDER_AT_CHANCE,
+            ),
         ),
         (
             "NPRF-Transformer w/ RPE>NPRF-Transformer",
@@ -161,6 +168,13 @@ CLAIMS: tuple[Claim, ...] = (
                 "configs/claim_text_lm.py",
                 ("arg.model=base,rope,lrpe1,lrpe2,lrpe3",),
                 None,
+            ),
+            SweepSpec(
+                "pathfinder",
+                "configs/claim_pathfinder.py",
+                ("arg.model=base,rope,lrpe1,lrpe2,lrpe3",),
+                None,
+                skipped=PATHFINDER_AT_CHANCE,
             ),
         ),
         tuple(f"{t}>Base" for t in _LRPE) + tuple(f"{t}>RoPE" for t in _LRPE),
