@@ -4,8 +4,8 @@ per run, ``model=<variant>``.
 
 Command: python train.py --config=configs/claim_listops.py:model=lrpe2 --workdir=/tmp/claim_listops
 Then:    python eval.py --workdir=/tmp/claim_listops --split=test
-Claims:  scripts/claims.sh OUT_DIR runs every claim at 3 seeds (docs/claims.md); one claim:
-         scripts/sweep.sh --config=configs/claim_listops.py --sweep_dir=DIR --mode=parallel arg.model=base,rope,lrpe1,lrpe2,lrpe3 seed=0,1,2
+Claims:  scripts/claims.sh OUT_DIR runs every claim at 5 seeds (docs/claims.md); one claim:
+         scripts/sweep.sh --config=configs/claim_listops.py --sweep_dir=DIR --mode=parallel arg.model=base,rope,lrpe1,lrpe2,lrpe3 seed=0,1,2,3,4
          python scripts/make_tables.py DIR --compare='Type1>Base' --compare='Type1>RoPE'
 Hardware: a 2-core CPU; the settings of configs/listops_generated.py (2 layers x 64, 600
 steps of batch 32 on 20-100 token expressions; the time a run took: results/claims/README.md).

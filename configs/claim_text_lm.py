@@ -4,8 +4,8 @@ one variant per run, ``model=<variant>,context=<L>,memory=<bool>``.
 
 Command: python train.py --config=configs/claim_text_lm.py:model=nprf_rpe --workdir=/tmp/claim_lm
 Then:    python eval.py --workdir=/tmp/claim_lm --split=test
-Claims:  scripts/claims.sh OUT_DIR runs every claim at 3 seeds (docs/claims.md); one claim:
-         scripts/sweep.sh --config=configs/claim_text_lm.py --sweep_dir=DIR --mode=parallel arg.model=txl arg.context=16,32,64 arg.memory=false,true seed=0,1,2
+Claims:  scripts/claims.sh OUT_DIR runs every claim at 5 seeds (docs/claims.md); one claim:
+         scripts/sweep.sh --config=configs/claim_text_lm.py --sweep_dir=DIR --mode=parallel arg.model=txl arg.context=16,32,64 arg.memory=false,true seed=0,1,2,3,4
          python scripts/make_tables.py DIR --compare='Transformer-XL rel. + memory>Transformer-XL rel.'
 Hardware: a 2-core CPU (the time a run took: results/claims/README.md); ":tiny" runs in
 seconds on the repository's WikiText fixtures (fastpos/tasks/samples/wikitext).

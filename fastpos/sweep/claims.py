@@ -244,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
       help="tables, figures and README (default: the checkout's results/claims)",
   )
   p.add_argument("--claims", default=",".join(BY_NAME), help="comma-separated claim names")
-  p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per cell")
+  p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
   # Sequential by default: two runs at a time were slower on the shared 2-core machine this
   # was written on (docs/claims.md, "Budget").
   p.add_argument("--mode", default="sequential", choices=("sequential", "parallel"))
@@ -541,7 +541,8 @@ def write_results(args: argparse.Namespace, command: str) -> None:
     )
     plot_claim(claim, blocks, args.results / f"{claim.name}.png")
     for spec in claim.sweeps:
-      plot_curves(args, claim, spec, args.results / f"{claim.name}_{spec.name}_curves.png")
+      if sweep_argv(args, claim, spec) is not None:  # the sweeps this mode runs
+        plot_curves(args, claim, spec, args.results / f"{claim.name}_{spec.name}_curves.png")
     verdicts[claim.name] = [
         (
             f"{r['col']} > {r['vs']}",
@@ -554,7 +555,13 @@ def write_results(args: argparse.Namespace, command: str) -> None:
         for r in b["records"]
         if r["vs"] is not None
     ] + [
-        (" / ".join(claim.compare), f"{s.name} (`{s.config}`)", "–", "–", "not run (its page)")
+        (
+            " / ".join(c.replace(">", " > ") for c in claim.compare),
+            f"{s.name} (`{s.config}`)",
+            "–",
+            "–",
+            "not run (its page)",
+        )
         for s in skipped
     ]
   (args.results / "README.md").write_text(readme(args, list(CLAIMS), verdicts, command))
