@@ -257,11 +257,17 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def skipped_here(args: argparse.Namespace, spec: SweepSpec) -> bool:
+  """Whether this mode leaves out a sweep skipped by default (``spec.skipped``): the full
+  run without ``--all`` does; the smoke mode has its own grids."""
+  return spec.skipped is not None and not args.all and not args.tiny
+
+
 def sweep_argv(args: argparse.Namespace, claim: Claim, spec: SweepSpec) -> list[str] | None:
   """``scripts/sweep.py``'s arguments for one sweep of a claim; None when the mode skips it
   (no tiny grid) or its config file is absent."""
   grid = spec.tiny if args.tiny else spec.grid
-  if grid is None or not (REPO / spec.config).is_file() or (spec.skipped and not args.all):
+  if grid is None or not (REPO / spec.config).is_file() or skipped_here(args, spec):
     return None
   seeds = 2 if args.tiny else args.seeds
   extra = ["num_train_steps=2"] if args.tiny else []
@@ -284,13 +290,12 @@ def run_sweeps(args: argparse.Namespace, claims: list[Claim]) -> int:
     for spec in claim.sweeps:
       argv = sweep_argv(args, claim, spec)
       if argv is None:
-        why = (
-            "not in the smoke mode"
-            if args.tiny
-            else f"{spec.skipped}; --all runs it"
-            if spec.skipped
-            else f"{spec.config} is absent"
-        )
+        if args.tiny:
+          why = "not in the smoke mode"
+        elif skipped_here(args, spec):
+          why = f"{spec.skipped}; --all runs it"
+        else:
+          why = f"{spec.config} is absent"
         print(f"claims: {claim.name}/{spec.name}: skipped ({why})", flush=True)
         continue
       print(f"claims: {claim.name}/{spec.name}: scripts/sweep.py {shlex.join(argv)}", flush=True)
@@ -535,7 +540,7 @@ def write_results(args: argparse.Namespace, command: str) -> None:
   verdicts: dict[str, list[tuple[str, str, str]]] = {}
   for claim in CLAIMS:
     blocks = claim_blocks(args, claim)
-    skipped = tuple(s for s in claim.sweeps if s.skipped and not args.all and not args.tiny)
+    skipped = tuple(s for s in claim.sweeps if skipped_here(args, s))
     (args.results / f"{claim.name}.md").write_text(
         claim_markdown(claim, blocks, command, args.results, skipped)
     )
