@@ -193,7 +193,7 @@ def generate(
       cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope", causal=True,
                                      max_length=64)
       model = fastpos.DecoderLM(cfg, vocab_size=100, num_layers=1, mlp_dim=64)
-      params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
+      params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
       tokens = fastpos.generate(model, params, jnp.array([[5, 9, 2]]), num_tokens=20,
                                 temperature=0.8, top_k=40)          # [1, 20] int32
       # A trained run's model and params: fastpos.load (its docstring).

@@ -45,12 +45,13 @@ class CachedDecoding:
 
       model = MyLM()
       prompt = jnp.array([[5, 9, 2], [7, 1, 4]])                 # [2, 3] int32 token ids
-      params = model.init(jax.random.key(0), prompt)
+      params = jax.jit(model.init)(jax.random.key(0), prompt)  # one program, not op by op
       dec = fastpos.CachedDecoding(model, max_length=64)
+      step = jax.jit(dec.step)                                   # one program per input length
       state = dec.init(prompt)                                   # zeros, for a batch of 2
-      logits, state = dec.step(params, state, prompt)            # [2, 3, 100]
+      logits, state = step(params, state, prompt)                # [2, 3, 100]
       next_token = jnp.argmax(logits[:, -1:], axis=-1)           # [2, 1]
-      logits, state = dec.step(params, state, next_token)        # [2, 1, 100]
+      logits, state = step(params, state, next_token)            # [2, 1, 100]
       int(state["index"])                                        # 4
   """
 

@@ -38,7 +38,8 @@ def build_model(cfg, task: TaskInfo):
       task = TaskInfo(kind="classify", vocab_size=50, num_classes=3, max_length=12)
       model = fastpos.build_model(cfg, task)               # a Classifier
       ids = jnp.ones((2, 12), jnp.int32)                   # [batch, N] int token ids
-      logits = model.apply(model.init(jax.random.key(0), ids), ids)   # [2, 3] float32
+      variables = jax.jit(model.init)(jax.random.key(0), ids)        # jitted: one program
+      logits = jax.jit(model.apply)(variables, ids)                  # [2, 3] float32
   """
   if cfg.dtype not in DTYPES:
     raise ValueError(f"unknown dtype {cfg.dtype!r}; valid choices: {', '.join(DTYPES)}.")

@@ -118,8 +118,8 @@ class Tower(nn.Module):
       cfg = fastpos.attention_config(32, 4, kernel="elu1", positional="rope,fastrpb")
       tower = fastpos.Tower(cfg, num_layers=2, mlp_dim=64)
       x = jnp.ones((2, 10, 32))                          # [batch, N, D] float32
-      variables = tower.init(jax.random.key(0), x)
-      states = tower.apply(variables, x, mask=jnp.ones((2, 10), bool))   # [2, 10, 32]
+      variables = jax.jit(tower.init)(jax.random.key(0), x)     # jitted: one program
+      states = jax.jit(tower.apply)(variables, x, mask=jnp.ones((2, 10), bool))   # [2, 10, 32]
 
   ``remat`` (``blocks.REMAT_POLICIES``): what each block keeps for its backward pass.
   ``scan_layers``: the blocks run as one ``nn.scan`` body (parameters under ``layers``, stacked
@@ -417,8 +417,8 @@ class Classifier(_Base):
                                      max_length=16)
       model = fastpos.Classifier(cfg, vocab_size=50, num_layers=2, mlp_dim=64, num_classes=3)
       ids = jnp.ones((2, 16), jnp.int32)                 # [batch, N] int token ids
-      variables = model.init(jax.random.key(0), ids)
-      logits = model.apply(variables, ids)               # [2, 3] float32
+      variables = jax.jit(model.init)(jax.random.key(0), ids)   # jitted: one program
+      logits = jax.jit(model.apply)(variables, ids)      # [2, 3] float32
 
   A packed batch (``fastpos.train.packing``) holds several examples per row: ``segment_ids``
   and ``positions`` ``[b, N]`` int32 and ``segment_mask`` ``[b, S]`` bool (True where slot s
@@ -477,8 +477,8 @@ class DualEncoder(_Base):
       cfg = fastpos.attention_config(32, 4, kernel="elu1", max_length=16)
       model = fastpos.DualEncoder(cfg, vocab_size=50, num_layers=1, mlp_dim=64, num_classes=2)
       batch = {"inputs": jnp.ones((2, 16), jnp.int32), "inputs2": jnp.ones((2, 16), jnp.int32)}
-      variables = model.init(jax.random.key(0), batch)
-      logits = model.apply(variables, batch)             # [2, 2] float32
+      variables = jax.jit(model.init)(jax.random.key(0), batch)   # jitted: one program
+      logits = jax.jit(model.apply)(variables, batch)    # [2, 2] float32
   """
 
   @nn.compact
@@ -528,8 +528,8 @@ class DecoderLM(_Base):
                                      max_length=64)
       model = fastpos.DecoderLM(cfg, vocab_size=100, num_layers=2, mlp_dim=64)
       ids = jnp.ones((2, 16), jnp.int32)                 # [batch, L] int token ids
-      variables = model.init(jax.random.key(0), ids)
-      logits = model.apply(variables, ids)               # [2, 16, 100] float32
+      variables = jax.jit(model.init)(jax.random.key(0), ids)   # jitted: one program
+      logits = jax.jit(model.apply)(variables, ids)      # [2, 16, 100] float32
       tokens = fastpos.generate(model, variables["params"], ids[:1, :4], num_tokens=5)  # [1, 5]
 
   ``tie_embeddings``: the output projection is the input embedding transposed, times a learned
