@@ -6,7 +6,6 @@ declaration is true; where it is accepted, it changes the outputs."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,7 +71,11 @@ def _outputs(cfg: AttentionConfig) -> np.ndarray:
   layer = Attention(cfg)
   params = layer.init(jax.random.key(1), x)
   # Learned parameters nudged off their init, so that one set per head can differ.
-  params = jax.tree.map(lambda p: p + 0.1 * jnp.sin(jnp.arange(p.size).reshape(p.shape)), params)
+  # By NumPy: no program per leaf shape.
+  params = jax.tree.map(
+      lambda p: (np.asarray(p) + 0.1 * np.sin(np.arange(p.size).reshape(p.shape))).astype(p.dtype),
+      params,
+  )
   return np.asarray(layer.apply(params, x))
 
 
