@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import doctest
+import functools
 import glob
 import html
 import os
@@ -80,7 +81,8 @@ def _blocks(doc: str) -> list[str]:
   return out
 
 
-def package_examples() -> list[Example]:
+@functools.cache  # parsed once per process (this module and test_api_load collect them)
+def package_examples() -> tuple[Example, ...]:
   """Every docstring example of ``fastpos/``: module, class and function docstrings with an
   ``Example::`` block or ``>>>`` lines."""
   out = []
@@ -101,7 +103,7 @@ def package_examples() -> list[Example]:
       out += [Example(where, code, code.startswith(">>>")) for code in _blocks(doc)]
       if ">>>" in doc and "Example::" not in doc:
         out.append(Example(where, doc, True))
-  return out
+  return tuple(out)
 
 
 def example_scope(**extra) -> dict:
