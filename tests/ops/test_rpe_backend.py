@@ -34,13 +34,17 @@ def test_both_choices_run_their_path_and_agree(monkeypatch, causal):
     real = getattr(attention, name)
     wrapped = lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k)
     monkeypatch.setattr(attention, name, wrapped)
-  ref = attention.linear_attention_reference(pq, pk, v, causal=causal, rpe=rpe)
+  # Jitted: one program each, not op by op (the spies record the path while it is traced).
+  ref = jax.jit(functools.partial(attention.linear_attention_reference, causal=causal))(
+      pq, pk, v, rpe=rpe
+  )
   outs, real_choice = {}, attention._rpe_dense_is_faster
   for backend in ("cpu", "gpu"):
     choice = functools.partial(real_choice, backend=backend)
     monkeypatch.setattr(attention, "_rpe_dense_is_faster", choice)
     calls.clear()
-    outs[backend] = attention.linear_attention(pq, pk, v, causal=causal, rpe=rpe)
+    run = functools.partial(attention.linear_attention, causal=causal)
+    outs[backend] = jax.jit(run)(pq, pk, v, rpe=rpe)
     assert calls == (["_rpe_mix"] if backend == "cpu" else ["_rpe_dense"])
     assert rel_err(outs[backend], ref) < 1e-9
   assert rel_err(outs["gpu"], outs["cpu"]) < 1e-9
