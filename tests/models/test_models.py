@@ -263,9 +263,9 @@ def test_nprf_kernel_with_shared_kernelized_rpe():
   )
   model = build_model(cfg, TaskInfo("lm", V, 0, 8))
   batch = _batch(1, 8)
-  v = model.init(jax.random.key(0), batch)
+  v = jax.jit(model.init)(jax.random.key(0), batch)  # one program each, not op by op
   assert "pos_kernelized_rpe_shared" in v["params"]["encoder"]
-  assert np.all(np.isfinite(np.asarray(model.apply(v, batch))))
+  assert np.all(np.isfinite(np.asarray(jax.jit(model.apply)(v, batch))))
 
 
 # The default run: pre-norm; post-norm (the same memory path) runs with `-m slow`.

@@ -141,13 +141,14 @@ def test_bidirectional_layer_keeps_segments_apart():
   x = np.random.default_rng(0).normal(size=(1, N, 16))
   row = _packed_row(_sequences())
   variables = _random_params(layer, x)
-  with segments.packed(row["segment_ids"], row["positions"]):
-    packed = np.asarray(layer.apply(variables, x, mask=row["mask"]))[0]
+  with segments.packed(row["segment_ids"], row["positions"]):  # read while traced
+    packed = np.asarray(jax.jit(layer.apply)(variables, x, mask=row["mask"]))[0]
+  apply = jax.jit(layer.apply)  # one program for every segment alone
   at, worst = 0, 0.0
   for n in LENGTHS:
     alone = np.zeros_like(x)
     alone[0, :n] = x[0, at : at + n]
-    out = np.asarray(layer.apply(variables, alone, mask=np.arange(N)[None] < n))[0, :n]
+    out = np.asarray(apply(variables, alone, mask=np.arange(N)[None] < n))[0, :n]
     worst = max(worst, rel_err(packed[at : at + n], out))
     at += n
   assert worst < 1e-9, worst

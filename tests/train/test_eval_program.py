@@ -7,6 +7,7 @@ reference that applies the model to one segment at a time and sums over the scor
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,11 +28,12 @@ def _reference(run: run_lib.Run, state) -> dict[str, float]:
   (no batch, no padding), summed in float64 on the host."""
   source = run.task.source("validation")
   variables = {"params": state.params, **state.collections}
+  apply = jax.jit(lambda v, b: run.model.apply(v, b, train=False))  # one program, every call
   loss = correct = count = 0.0
   for i in range(len(source)):
     ex = source[i]
     batch = {"inputs": jnp.asarray(ex["inputs"])[None], "mask": jnp.asarray(ex["mask"])[None]}
-    logits = np.asarray(run.model.apply(variables, batch, train=False), np.float64)[0]  # [N, V]
+    logits = np.asarray(apply(variables, batch), np.float64)[0]  # [N, V]
     scored = np.asarray(ex["mask"], bool)
     targets = np.asarray(ex["targets"])
     log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
