@@ -100,7 +100,7 @@ def load(
 
       model, params, config, task = fastpos.load(workdir)    # a train.py --workdir
       tokens = jnp.array([[5, 9, 2, 7]])                                  # [b, N] ids
-      logits = model.apply({"params": params}, {"inputs": tokens})   # [b, N, vocab] (an LM)
+      logits = jax.jit(model.apply)({"params": params}, {"inputs": tokens})   # [b, N, vocab]
       words = task.vocabulary()            # word-level LM tasks: the words by id
   """
   if checkpoint not in CHECKPOINTS:
