@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,18 @@ def run_on_devices(script: str, *args: str, devices: int = 4, timeout: int = 900
   assert proc.returncode == 0, proc.stderr[-3000:]
   (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
   return json.loads(line[len("RESULT") :])
+
+
+def nudged(tree, *, scale: float = 0.1, phase: float = 0.0):
+  """Every leaf plus ``scale * sin(arange(size) + phase)`` in its shape and dtype: parameters
+  moved off their init deterministically (one set per head can then differ), by NumPy, so no
+  program is compiled per leaf shape."""
+
+  def nudge(p):
+    wave = np.sin(np.arange(p.size).reshape(p.shape) + phase)
+    return (np.asarray(p) + scale * wave).astype(p.dtype)
+
+  return jax.tree.map(nudge, tree)
 
 
 def rel_err(actual, expected) -> float:

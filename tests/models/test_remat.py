@@ -13,7 +13,7 @@ import pytest
 from fastpos.models import TaskInfo, build_model, model_config
 from fastpos.models.blocks import MLP
 from fastpos.models.transformer import stack_layers, unstack_layers
-from tests.helpers import rel_err
+from tests.helpers import nudged, rel_err
 
 V = 13
 N = 12
@@ -113,12 +113,7 @@ def _reference(cell):
   model = build_model(_cfg(kernel=kernel, positional=scheme, **extra), task)
   batch = _batch(kind)
   variables = jax.jit(model.init)(jax.random.key(0), batch)
-  params = jax.tree.map(  # by NumPy: no program per leaf shape
-      lambda p: (np.asarray(p) + 0.1 * np.sin(np.arange(p.size).reshape(p.shape) + 1.0)).astype(
-          p.dtype
-      ),
-      variables["params"],
-  )
+  params = nudged(variables["params"], phase=1.0)
   rest = {k: v for k, v in variables.items() if k != "params"}
   (_, out), grads = _loss(model, kind)(params, rest, batch)
   return dict(

@@ -11,6 +11,7 @@ import pytest
 
 from fastpos import positional
 from fastpos.models import Attention, AttentionConfig, KernelSpec, PositionalSpec
+from tests.helpers import nudged
 
 W, HEADS, N = 16, 2, 12
 
@@ -71,11 +72,7 @@ def _outputs(cfg: AttentionConfig) -> np.ndarray:
   layer = Attention(cfg)
   params = layer.init(jax.random.key(1), x)
   # Learned parameters nudged off their init, so that one set per head can differ.
-  # By NumPy: no program per leaf shape.
-  params = jax.tree.map(
-      lambda p: (np.asarray(p) + 0.1 * np.sin(np.arange(p.size).reshape(p.shape))).astype(p.dtype),
-      params,
-  )
+  params = nudged(params)
   return np.asarray(layer.apply(params, x))
 
 
